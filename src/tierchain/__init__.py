@@ -1,0 +1,44 @@
+"""tierchain: pure-ASGI middlewares that keep an LLM gateway's chain of tiers moving.
+
+Stacking order, outermost first::
+
+    Heartbeats -> Budget -> PreferBackend -> Failover -> Breaker -> SaturationWatchdog -> handler
+
+The host's forwarding handler asks :func:`current_attempt` where to send each
+attempt, or is simply :class:`Forwarder`.
+"""
+
+from .backend import Backend, Routes
+from .errors import (
+    AttemptError,
+    BackendSaturated,
+    BackendSkipped,
+    BackendUnavailable,
+    BodyTooLarge,
+    BudgetExhausted,
+    RetryableStatus,
+    TierchainError,
+)
+from .failover import Failover
+from .forwarder import Forwarder
+from .request import Attempt, TierRequest, current_attempt
+from .telemetry import VERSION as __version__
+
+__all__ = [
+    "Attempt",
+    "AttemptError",
+    "Backend",
+    "BackendSaturated",
+    "BackendSkipped",
+    "BackendUnavailable",
+    "BodyTooLarge",
+    "BudgetExhausted",
+    "Failover",
+    "Forwarder",
+    "RetryableStatus",
+    "Routes",
+    "TierRequest",
+    "TierchainError",
+    "__version__",
+    "current_attempt",
+]

@@ -1,0 +1,74 @@
+"""Notice a departed caller without waiting for a send to fail.
+
+uvicorn turns ``send`` into a silent no-op once the caller has gone, so a
+layer that only sends would stream on forever. After the request body has been
+read, :class:`DisconnectGuard` owns the one remaining use of ``receive``: a
+watcher task waits for ``http.disconnect`` and cancels the task doing the work.
+Inner apps get :meth:`DisconnectGuard.receive` instead, which reports the
+disconnect when it happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+
+from ._types import Message, Receive
+
+
+class DisconnectGuard:
+    """Cancel the owning task promptly when the caller disconnects.
+
+    Use as ``async with DisconnectGuard(receive) as guard:``; the context
+    swallows the cancellation it caused and lets every other one through.
+    Set :attr:`done` once the response is complete so a late disconnect
+    (uvicorn reports one when the response ends) cancels nothing.
+    """
+
+    __slots__ = ("_cancelled", "_receive", "_task", "_watcher", "done", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._task: asyncio.Task[object] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._cancelled = False
+        self.done = False
+        self.gone = asyncio.Event()
+
+    async def __aenter__(self) -> DisconnectGuard:
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.create_task(self._watch(), name="tierchain-disconnect-watch")
+        return self
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                break
+        self.gone.set()
+        if not self.done and self._task is not None:
+            self._cancelled = True
+            self._task.cancel("tierchain: the caller disconnected")
+
+    async def receive(self) -> Message:
+        """What an inner app gets after the body: waits for the disconnect."""
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        self.done = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+        # Swallow only the cancellation this guard caused, and only when no
+        # other cancellation (a Budget timeout, a server shutdown) is pending.
+        return bool(
+            self._cancelled
+            and exc_type is asyncio.CancelledError
+            and self._task is not None
+            and self._task.uncancel() == 0
+        )

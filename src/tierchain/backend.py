@@ -1,0 +1,107 @@
+"""`Backend` and `Routes`: what a request may be sent to, in which order."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from urllib.parse import urlsplit
+
+__all__ = ["Backend", "Routes"]
+
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def _check_url(what: str, url: str) -> str:
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"{what} {url!r} is not a URL: {exc}") from None
+    if parts.scheme not in {"http", "https"} or not parts.hostname:
+        raise ValueError(
+            f"{what} {url!r} needs an http or https scheme and a host, e.g. http://127.0.0.1:11434"
+        )
+    return url
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """One upstream an attempt can go to.
+
+    ``name`` identifies it in routes, headers, metrics and heartbeat lines
+    (``[A-Za-z0-9._-]{1,64}``). ``url`` is its base URL: the request's path and
+    query are appended to it. ``regime`` is operator-supplied state such as
+    ``local`` or ``hosted``. ``status_url``, when set, is asked whether the
+    backend is still working before a slow attempt is abandoned. ``headers``
+    are added to every request sent to it (an API key for a hosted tier), and
+    ``model``, when set, replaces the JSON body's ``model`` for this backend.
+    """
+
+    name: str
+    url: str
+    regime: str | None = None
+    status_url: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ValueError(
+                f"backend name {self.name!r} must be 1-64 characters from A-Z a-z 0-9 . _ -"
+            )
+        _check_url(f"backend {self.name!r} url", self.url)
+        if self.status_url is not None:
+            _check_url(f"backend {self.name!r} status_url", self.status_url)
+        object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
+
+
+class Routes(Mapping[str, tuple[Backend, ...]]):
+    """Logical model name -> its chain of backends, in order.
+
+    ``Routes({"echo": [Backend(...), Backend(...)]})``. An empty chain, a
+    duplicate backend name within a chain, or a route name that is empty is a
+    ``ValueError`` naming the route.
+    """
+
+    __slots__ = ("_routes",)
+
+    def __init__(self, routes: Mapping[str, Iterable[Backend]]) -> None:
+        built: dict[str, tuple[Backend, ...]] = {}
+        for route, backends in routes.items():
+            if not isinstance(route, str) or not route:
+                raise ValueError(f"route name {route!r} must be a non-empty string")
+            chain = tuple(backends)
+            if not chain:
+                raise ValueError(f"route {route!r} has an empty chain; give it a backend")
+            seen: set[str] = set()
+            for backend in chain:
+                if not isinstance(backend, Backend):
+                    raise ValueError(f"route {route!r} holds {backend!r}, which is not a Backend")
+                if backend.name in seen:
+                    raise ValueError(f"route {route!r} names backend {backend.name!r} twice")
+                seen.add(backend.name)
+            built[route] = chain
+        if not built:
+            raise ValueError("Routes needs at least one route")
+        self._routes = built
+
+    def __getitem__(self, route: str) -> tuple[Backend, ...]:
+        return self._routes[route]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._routes)
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{r!r}: [{', '.join(b.name for b in c)}]" for r, c in self.items())
+        return f"Routes({{{inner}}})"
+
+    def backend(self, route: str, name: str) -> Backend | None:
+        """The backend called ``name`` in ``route``'s chain, or None."""
+        for backend in self._routes.get(route, ()):
+            if backend.name == name:
+                return backend
+        return None

@@ -1,0 +1,87 @@
+"""Exceptions that travel between the tierchain layers.
+
+An inner layer (Breaker, SaturationWatchdog, Forwarder, or a host handler)
+raises an :class:`AttemptError` to say "this attempt produced no usable answer";
+:class:`~tierchain.Failover` catches it and advances the chain. A spent budget
+is a different fact and a different branch of the tree::
+
+    TierchainError
+    ├── AttemptError            this attempt is over; try the next tier
+    │   ├── BackendSkipped      the breaker is open; the backend was not touched
+    │   ├── BackendSaturated    no first chunk within the window (the watchdog)
+    │   ├── BackendUnavailable  refused, reset, connect timeout, broken stream
+    │   └── RetryableStatus     a retryable status arrived before anything was sent
+    ├── BudgetExhausted         the request's deadline is spent: 504, never a failover
+    └── BodyTooLarge            the request body exceeds what can be replayed: 413
+
+Every ``AttemptError`` carries ``reason``, the short outcome word used in the
+attempt trail, metrics and heartbeat lines.
+"""
+
+from __future__ import annotations
+
+
+class TierchainError(Exception):
+    """Base class of every exception tierchain raises on purpose."""
+
+
+class AttemptError(TierchainError):
+    """This attempt produced no usable answer; the chain may advance."""
+
+    reason: str = "error"
+
+    def __init__(self, message: str = "", *, reason: str | None = None) -> None:
+        super().__init__(message or (reason or self.reason))
+        if reason is not None:
+            self.reason = reason
+
+
+class BackendSkipped(AttemptError):
+    """The backend's breaker is open: the attempt was skipped without touching it."""
+
+    reason = "skipped"
+
+    def __init__(self, message: str = "", *, retry_in: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_in = retry_in
+
+
+class BackendSaturated(AttemptError):
+    """The backend accepted the request but produced no first chunk in time."""
+
+    reason = "saturated"
+
+    def __init__(self, message: str = "", *, waited: float | None = None) -> None:
+        super().__init__(message)
+        self.waited = waited
+
+
+class BackendUnavailable(AttemptError):
+    """The backend could not be reached or broke the connection.
+
+    ``reason`` is one of ``connect_refused``, ``connect_timeout``,
+    ``connection_reset``, ``stream_broken`` or ``protocol_error``.
+    """
+
+    reason = "unavailable"
+
+
+class RetryableStatus(AttemptError):
+    """The backend answered a retryable status before anything reached the caller."""
+
+    def __init__(self, status: int, *, retry_after: float | None = None) -> None:
+        super().__init__(f"backend answered {status}", reason=f"http_{status}")
+        self.status = status
+        self.retry_after = retry_after
+
+
+class BudgetExhausted(TierchainError):
+    """The whole request's deadline is spent. Answered with 504; never a failover."""
+
+
+class BodyTooLarge(TierchainError):
+    """The request body is larger than the limit that can be buffered and replayed."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body exceeds the {limit}-byte limit")
+        self.limit = limit

@@ -1,0 +1,257 @@
+"""Forwarder: an ASGI app that sends the request to the current attempt's backend.
+
+One shared :class:`httpx.AsyncClient` per Forwarder; the response is streamed
+to the caller chunk by chunk as it arrives, never buffered. DNS, connect and
+TLS together are bounded by ``connect_timeout`` (one deadline for the whole
+connection set-up, disarmed once the request headers start to go out), so a
+dead backend costs the caller that long at most and a refused connection costs
+milliseconds. Waiting for the answer itself is bounded elsewhere: by the
+SaturationWatchdog and the Budget.
+
+Inside a Failover, a backend that cannot be reached raises
+:class:`~tierchain.errors.BackendUnavailable` so the chain advances. Used
+alone (with ``backend=``), it answers 502 itself.
+
+The request's ``accept-encoding`` is replaced by ``identity``: the stream is
+passed through byte for byte and heartbeats need to see event boundaries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from ._body import CallerGone, read_body
+from ._disconnect import DisconnectGuard
+from ._responses import send_json_error
+from ._types import Headers, Receive, Scope, Send
+from .backend import Backend
+from .errors import BackendUnavailable
+from .request import TierRequest
+from .sse import EventTail, error_event, is_event_stream
+
+__all__ = ["Forwarder"]
+
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+_NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding"}
+_HEADERS_SENT = frozenset(
+    {"http11.send_request_headers.started", "http2.send_request_headers.started"}
+)
+
+
+def _connection_tokens(headers: Headers) -> frozenset[bytes]:
+    tokens: set[bytes] = set()
+    for key, value in headers:
+        if key.lower() == b"connection":
+            tokens.update(t.strip().lower() for t in value.split(b","))
+    return frozenset(tokens)
+
+
+class Forwarder:
+    """Forward each request to ``current_attempt(scope).backend`` (or ``backend``).
+
+    ``connect_timeout`` bounds DNS, connect and TLS together. ``backend`` is
+    the target when no Failover runs in front. ``client`` lets a caller supply
+    its own ``httpx.AsyncClient`` (then the caller closes it). Close the
+    Forwarder with ``await forwarder.aclose()`` (or ``async with``); as the root
+    app it also closes on lifespan shutdown.
+    """
+
+    def __init__(
+        self,
+        *,
+        connect_timeout: float = 2.0,
+        backend: Backend | None = None,
+        client: httpx.AsyncClient | None = None,
+        max_keepalive: int = 64,
+    ) -> None:
+        if connect_timeout <= 0:
+            raise ValueError(f"connect_timeout must be > 0 seconds, got {connect_timeout}")
+        self.connect_timeout = float(connect_timeout)
+        self.backend = backend
+        self._own_client = client is None
+        self._client = client
+        self._max_keepalive = max_keepalive
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The shared client, created on first use."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(
+                    connect=self.connect_timeout, read=None, write=None, pool=None
+                ),
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=self._max_keepalive
+                ),
+                follow_redirects=False,
+                trust_env=False,
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the shared client and every pooled connection."""
+        client, self._client = self._client, None
+        if client is not None and self._own_client:
+            await client.aclose()
+
+    async def __aenter__(self) -> Forwarder:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await self._lifespan(receive, send)
+        if scope["type"] != "http":
+            raise RuntimeError(f"Forwarder serves http scopes only, not {scope['type']!r}")
+        req = TierRequest.find(scope)
+        attempt = req.attempt if req is not None else None
+        backend = attempt.backend if attempt is not None else self.backend
+        if backend is None:
+            raise RuntimeError(
+                "Forwarder has nowhere to send this request: put Failover(app, routes=...) "
+                "in front of it or construct it with Forwarder(backend=Backend(...))."
+            )
+        if req is not None and req.in_chain and req.body is not None:
+            await self._forward(scope, req.body, backend, send, raise_errors=True)
+            return
+        try:
+            body = await read_body(scope, receive, 2**31)
+        except CallerGone:
+            return
+        async with DisconnectGuard(receive) as guard:
+            await self._forward(scope, body, backend, send, raise_errors=False)
+            guard.done = True
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _build(self, scope: Scope, body: bytes, backend: Backend) -> httpx.Request:
+        raw: Headers = scope.get("headers", [])
+        dropped = _NOT_FORWARDED | _connection_tokens(raw)
+        headers = [(k, v) for k, v in raw if k.lower() not in dropped]
+        headers.append((b"accept-encoding", b"identity"))
+        for key, value in backend.headers.items():
+            lowered = key.lower().encode()
+            headers = [(k, v) for k, v in headers if k.lower() != lowered]
+            headers.append((lowered, value.encode()))
+        if backend.model is not None and body:
+            body = _rewrite_model(body, backend.model)
+        path = scope.get("raw_path") or scope["path"].encode()
+        url = backend.url.rstrip("/").encode() + path
+        query: bytes = scope.get("query_string", b"")
+        if query:
+            url += b"?" + query
+        return self.client.build_request(
+            scope["method"], url.decode("latin-1"), headers=headers, content=body
+        )
+
+    async def _forward(
+        self, scope: Scope, body: bytes, backend: Backend, send: Send, *, raise_errors: bool
+    ) -> None:
+        request = self._build(scope, body, backend)
+        timer = asyncio.timeout(self.connect_timeout)
+
+        async def trace(name: str, info: Mapping[str, Any]) -> None:
+            if name in _HEADERS_SENT:
+                timer.reschedule(None)  # connected: the set-up deadline is met
+
+        request.extensions["trace"] = trace
+        try:
+            async with timer:
+                response = await self.client.send(request, stream=True)
+        except (httpx.ConnectTimeout, TimeoutError):
+            return await self._unavailable(send, backend, "connect_timeout", raise_errors)
+        except httpx.ConnectError:
+            return await self._unavailable(send, backend, "connect_refused", raise_errors)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            return await self._unavailable(send, backend, "connection_reset", raise_errors)
+        except httpx.TransportError:
+            return await self._unavailable(send, backend, "protocol_error", raise_errors)
+
+        tail: EventTail | None = None
+        try:
+            headers = _response_headers(response)
+            if not raise_errors and is_event_stream(headers):
+                tail = EventTail()
+            await send(
+                {"type": "http.response.start", "status": response.status_code, "headers": headers}
+            )
+            async for chunk in response.aiter_raw():
+                if chunk:
+                    if tail is not None:
+                        tail.feed(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except httpx.TransportError as exc:
+            if raise_errors:
+                raise BackendUnavailable(
+                    f"backend {backend.name!r} broke the stream: {exc!r}", reason="stream_broken"
+                ) from exc
+            if tail is None:
+                raise
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": tail.closing_bytes()
+                    + error_event(
+                        f"backend {backend.name!r} failed mid-stream",
+                        "upstream_error",
+                        "stream_broken",
+                    ),
+                    "more_body": False,
+                }
+            )
+        finally:
+            await response.aclose()
+
+    async def _unavailable(
+        self, send: Send, backend: Backend, reason: str, raise_errors: bool
+    ) -> None:
+        message = f"backend {backend.name!r} is unreachable ({reason})"
+        if raise_errors:
+            raise BackendUnavailable(message, reason=reason)
+        await send_json_error(send, 502, message, "upstream_unavailable", reason)
+
+
+def _response_headers(response: httpx.Response) -> Headers:
+    raw = response.headers.raw
+    dropped = _HOP_BY_HOP | _connection_tokens(list(raw))
+    return [(k.lower(), v) for k, v in raw if k.lower() not in dropped]
+
+
+def _rewrite_model(body: bytes, model: str) -> bytes:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(data, dict) or "model" not in data:
+        return body
+    data["model"] = model
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()

@@ -1,0 +1,184 @@
+"""The per-request object every tierchain layer talks through.
+
+One :class:`TierRequest` lives in the ASGI scope under :data:`SCOPE_KEY`. The
+first layer that needs it creates it (:meth:`TierRequest.of`); later layers find
+the same one. It carries:
+
+- the route and the chain (after preference and pins),
+- the current :class:`Attempt` (n of N, backend, deadline),
+- the budget's deadline,
+- the attempt trail, and
+- a channel of state events (:meth:`TierRequest.emit`), which Heartbeats turns
+  into SSE comment lines and anything else may listen to.
+
+A host handler needs exactly one call: :func:`current_attempt`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._types import Scope
+from .backend import Backend
+
+__all__ = [
+    "SCOPE_KEY",
+    "Attempt",
+    "AttemptRecord",
+    "Reorder",
+    "StateEvent",
+    "TierRequest",
+    "current_attempt",
+]
+
+SCOPE_KEY = "tierchain.request"
+"""The scope key under which the :class:`TierRequest` lives."""
+
+StateEvent = dict[str, Any]
+"""A state event: a JSON-able dict with at least a ``state`` field."""
+
+Reorder = Callable[[str, tuple[Backend, ...]], Awaitable[tuple[Backend, ...]]]
+"""Given a route and its chain, return the same backends in another order."""
+
+Listener = Callable[[StateEvent], None]
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try of one backend for one request: ``n`` of ``of``.
+
+    ``deadline`` is the monotonic time by which this attempt must end because
+    the request's budget ends then (None: no budget). ``force`` asks an open
+    breaker to let this attempt through anyway (the "try the soonest" policy).
+    """
+
+    n: int
+    of: int
+    backend: Backend
+    route: str | None = None
+    deadline: float | None = None
+    started: float = field(default_factory=time.monotonic)
+    force: bool = False
+
+    def remaining(self) -> float | None:
+        """Seconds left before the budget ends this attempt, or None without a budget."""
+        if self.deadline is None:
+            return None
+        return self.deadline - time.monotonic()
+
+    @property
+    def is_last(self) -> bool:
+        """True when there is no later tier to fail over into."""
+        return self.n >= self.of
+
+
+@dataclass(slots=True, frozen=True)
+class AttemptRecord:
+    """How one attempt ended, for the trail header, the 502 body and the demo."""
+
+    n: int
+    backend: str
+    outcome: str
+    elapsed: float
+
+
+class TierRequest:
+    """Per-request state shared by the tierchain layers. See the module docstring."""
+
+    __slots__ = (
+        "_listeners",
+        "attempt",
+        "attempts",
+        "body",
+        "chain",
+        "deadline",
+        "extras",
+        "in_chain",
+        "reorderers",
+        "route",
+        "started",
+        "state",
+        "streaming",
+    )
+
+    def __init__(self) -> None:
+        self.route: str | None = None
+        self.chain: tuple[Backend, ...] = ()
+        self.attempt: Attempt | None = None
+        self.attempts: list[AttemptRecord] = []
+        self.deadline: float | None = None
+        self.body: bytes | None = None
+        self.streaming: bool | None = None
+        self.in_chain = False
+        self.reorderers: list[Reorder] = []
+        self.state: StateEvent | None = None
+        self.started = time.monotonic()
+        self.extras: dict[str, Any] = {}
+        self._listeners: list[Listener] = []
+
+    @classmethod
+    def of(cls, scope: Scope) -> TierRequest:
+        """The request's object, created and stored in ``scope`` on first use."""
+        req: TierRequest | None = scope.get(SCOPE_KEY)
+        if req is None:
+            req = scope[SCOPE_KEY] = cls()
+        return req
+
+    @classmethod
+    def find(cls, scope: Scope) -> TierRequest | None:
+        """The request's object if some layer created it, else None."""
+        return scope.get(SCOPE_KEY)
+
+    # -- the state channel -------------------------------------------------
+
+    def emit(self, state: str, **fields: Any) -> StateEvent:
+        """Publish a state event (``{"state": state, **fields}``) to every listener.
+
+        The latest event is kept in :attr:`state` so a keepalive can repeat it.
+        A listener that raises is dropped from nothing and breaks nothing: its
+        exception is swallowed, because a display must never fail a request.
+        """
+        event: StateEvent = {"state": state, **fields}
+        self.state = event
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a broken listener must not break a request
+                pass
+        return event
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener(event)`` for every later event; returns the unsubscribe."""
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            try:
+                self._listeners.remove(listener)
+            except ValueError:
+                pass
+
+        return unsubscribe
+
+    def remaining(self) -> float | None:
+        """Seconds left of the request's budget, or None when it has none."""
+        if self.deadline is None:
+            return None
+        return self.deadline - time.monotonic()
+
+
+def current_attempt(scope: Scope) -> Attempt:
+    """Where this attempt should go: the one call a host's forwarding handler needs.
+
+    Raises ``RuntimeError`` with a one-sentence fix when no ``Failover`` runs
+    in front of the handler.
+    """
+    req: TierRequest | None = scope.get(SCOPE_KEY)
+    if req is None or req.attempt is None:
+        raise RuntimeError(
+            "tierchain.current_attempt() found no attempt in this request: add "
+            "Failover(app, routes=...) in front of this handler (or give Forwarder a backend=)."
+        )
+    return req.attempt

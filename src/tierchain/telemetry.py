@@ -1,0 +1,111 @@
+"""Spans, metrics and log events: the observability every layer reuses.
+
+- Spans come from the OpenTelemetry API (``tracer``). With no SDK configured
+  they are non-recording and cost a few hundred nanoseconds.
+- Metrics are Prometheus collectors on the default registry, all defined here
+  so that one file lists every name tierchain exports.
+- Log events go through stdlib :mod:`logging` on the ``tierchain`` logger, one
+  record per event with a stable event name as the message's first word and the
+  fields in ``record.tierchain`` (see :func:`log_event`). Nothing is formatted
+  unless the level is enabled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from opentelemetry import trace
+from prometheus_client import Counter, Gauge, Histogram
+
+try:
+    VERSION = version("tierchain")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    VERSION = "0+unknown"
+
+tracer = trace.get_tracer("tierchain", VERSION)
+logger = logging.getLogger("tierchain")
+
+# -- span attribute names ----------------------------------------------------
+ATTR_ROUTE = "tierchain.route"
+ATTR_BACKEND = "tierchain.backend"
+ATTR_REGIME = "tierchain.backend.regime"
+ATTR_ATTEMPT_N = "tierchain.attempt.n"
+ATTR_ATTEMPT_OF = "tierchain.attempt.of"
+ATTR_OUTCOME = "tierchain.outcome"
+
+# -- metrics -------------------------------------------------------------------
+ATTEMPTS = Counter(
+    "tierchain_attempts",
+    "Attempts by route, backend and outcome.",
+    ["route", "backend", "outcome"],
+)
+TIME_TO_FIRST_CHUNK = Histogram(
+    "tierchain_time_to_first_chunk_seconds",
+    "Seconds from the start of an attempt to its first chunk (first data event for SSE).",
+    ["route", "backend"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 1280),
+)
+BACKEND_SATURATED = Counter(
+    "tierchain_backend_saturated",
+    "Attempts abandoned because the backend produced no first chunk in time.",
+    ["route", "backend"],
+)
+PROBE_ANSWERS = Counter(
+    "tierchain_probe_answers",
+    "Status-probe answers by verdict (working, idle, unknown, no_progress).",
+    ["backend", "verdict"],
+)
+BUDGET_EXHAUSTED = Counter(
+    "tierchain_budget_exhausted",
+    "Requests answered 504 because their budget was spent.",
+    ["route"],
+)
+STREAM_HEARTBEATS = Counter(
+    "tierchain_stream_heartbeats",
+    "Heartbeat comment lines written into streams, by state.",
+    ["state"],
+)
+BREAKER_STATE = Gauge(
+    "tierchain_breaker_state",
+    "Breaker state per route and backend: 0 closed, 1 half-open, 2 open.",
+    ["route", "backend"],
+)
+BREAKER_TRANSITIONS = Counter(
+    "tierchain_breaker_transitions",
+    "Breaker transitions by the state entered.",
+    ["route", "backend", "to"],
+)
+BACKEND_SKIPPED = Counter(
+    "tierchain_backend_skipped",
+    "Attempts skipped because the backend's breaker was open.",
+    ["route", "backend"],
+)
+BACKEND_PREFERENCE = Counter(
+    "tierchain_backend_preference",
+    "Requests that carried a backend preference, by whether it applied.",
+    ["applied"],
+)
+
+
+def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
+    """Log one structured event: ``event key=value ...``.
+
+    The fields are also attached as ``record.tierchain`` (a dict) and the event
+    name as ``record.event``, for JSON formatters.
+    """
+    if not logger.isEnabledFor(level):
+        return
+    text = " ".join(
+        f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
+        for key, value in fields.items()
+    )
+    logger.log(
+        level,
+        "%s %s",
+        event,
+        text,
+        extra={"event": event, "tierchain": fields},
+    )

@@ -1,0 +1,303 @@
+"""Test harness: real uvicorn servers on loopback and scripted fake LLM backends.
+
+The fake backends speak HTTP/1.1 on a real socket and behave like real
+OpenAI-compatible servers: chunked SSE with ``data:`` events, ``: ping``
+comments while queued, events cut at awkward bytes, silence, resets. Time is
+controlled with events, not sleeps: a script waits on ``asyncio.Event``s that
+the test sets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+# -- a real uvicorn server -----------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any, *, lifespan: str = "off") -> AsyncIterator[str]:
+    """Run ``app`` on uvicorn on 127.0.0.1 (a free port); yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        lifespan=lifespan,
+        log_level="warning",
+        timeout_graceful_shutdown=2,
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("uvicorn stopped before it started")
+            await asyncio.sleep(0.005)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+# -- OpenAI-compatible stream builders -----------------------------------------
+
+
+def chunk_event(content: str, *, model: str = "m", idx: int = 0, id: str = "chatcmpl-1") -> bytes:
+    """One OpenAI ``chat.completion.chunk`` SSE event."""
+    payload = {
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": model,
+        "choices": [{"index": idx, "delta": {"content": content}, "finish_reason": None}],
+    }
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def openai_stream(pieces: Iterable[str], *, model: str = "m") -> list[bytes]:
+    """The events of a whole streamed completion, ``[DONE]`` included."""
+    events = [chunk_event(p, model=model) for p in pieces]
+    done = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": model,
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+    }
+    events.append(b"data: " + json.dumps(done).encode() + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+def completion_body(text: str, *, model: str = "m") -> bytes:
+    """A non-streaming ``chat.completion`` JSON body."""
+    return json.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 1700000000,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    ).encode()
+
+
+def chat_request(model: str = "echo", *, stream: bool = True, content: str = "hi") -> bytes:
+    return json.dumps(
+        {"model": model, "stream": stream, "messages": [{"role": "user", "content": content}]}
+    ).encode()
+
+
+# -- the fake backend ------------------------------------------------------------
+
+
+@dataclass
+class Received:
+    """One request as the fake backend received it."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+class Exchange:
+    """One request/response on a fake backend connection, for a script to drive."""
+
+    def __init__(
+        self, request: Received, writer: asyncio.StreamWriter, reader: asyncio.StreamReader
+    ) -> None:
+        self.request = request
+        self._writer = writer
+        self._reader = reader
+        self.chunked = False
+        self.finished = False
+
+    async def head(
+        self, status: int = 200, headers: dict[str, str] | None = None, *, sse: bool = True
+    ) -> None:
+        """Send the status line and headers; the body follows chunked."""
+        lines = [f"HTTP/1.1 {status} X"]
+        hdrs = {"content-type": "text/event-stream" if sse else "application/json"}
+        hdrs.update(headers or {})
+        hdrs["transfer-encoding"] = "chunked"
+        lines += [f"{k}: {v}" for k, v in hdrs.items()]
+        self._writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+        self.chunked = True
+        await self._writer.drain()
+
+    async def write(self, data: bytes) -> None:
+        """Send ``data`` as one chunk of the body (as its own TCP write)."""
+        if data:
+            self._writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await self._writer.drain()
+
+    async def end(self) -> None:
+        """Finish the body."""
+        self._writer.write(b"0\r\n\r\n")
+        await self._writer.drain()
+        self.finished = True
+
+    async def respond(
+        self, status: int, body: bytes, headers: dict[str, str] | None = None
+    ) -> None:
+        """A whole response with content-length."""
+        hdrs = {"content-type": "application/json", "content-length": str(len(body))}
+        hdrs.update(headers or {})
+        head = [f"HTTP/1.1 {status} X", *(f"{k}: {v}" for k, v in hdrs.items())]
+        self._writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        await self._writer.drain()
+        self.finished = True
+
+    async def reset(self) -> None:
+        """Abort the connection with a TCP reset."""
+        sock = self._writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._writer.transport.abort()
+        self.finished = True
+
+    async def wait_closed_by_peer(self) -> None:
+        """Wait until the gateway closes this connection (reads until EOF)."""
+        with contextlib.suppress(ConnectionError):
+            while await self._reader.read(65536):
+                pass
+
+
+Script = Callable[[Exchange], Awaitable[None]]
+
+
+def streams(pieces: Iterable[str], *, model: str = "m") -> Script:
+    """A script answering a normal OpenAI stream."""
+    events = openai_stream(list(pieces), model=model)
+
+    async def script(ex: Exchange) -> None:
+        await ex.head()
+        for event in events:
+            await ex.write(event)
+        await ex.end()
+
+    return script
+
+
+def answers(status: int, body: bytes = b'{"error":{"message":"x"}}', **headers: str) -> Script:
+    async def script(ex: Exchange) -> None:
+        await ex.respond(status, body, headers)
+
+    return script
+
+
+@dataclass
+class FakeBackend:
+    """An OpenAI-compatible upstream on a real loopback socket.
+
+    ``script`` decides how each request is answered; swap it at any time.
+    ``requests`` records what arrived; ``open_connections`` counts live ones.
+    """
+
+    name: str = "tower"
+    script: Script = field(default_factory=lambda: streams(["Hel", "lo"]))
+    requests: list[Received] = field(default_factory=list)
+    open_connections: int = 0
+    connection_closed: asyncio.Event = field(default_factory=asyncio.Event)
+    _server: asyncio.Server | None = None
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set)
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> FakeBackend:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        """Stop listening (later connections are refused) and drop open connections."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for writer in list(self._writers):
+            writer.transport.abort()
+
+    async def __aenter__(self) -> FakeBackend:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.open_connections += 1
+        self._writers.add(writer)
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers = {}
+                for line in lines[1:]:
+                    if ":" in line:
+                        k, v = line.split(":", 1)
+                        headers[k.strip().lower()] = v.strip()
+                length = int(headers.get("content-length", "0"))
+                body = await reader.readexactly(length) if length else b""
+                received = Received(method, path, headers, body)
+                self.requests.append(received)
+                ex = Exchange(received, writer, reader)
+                try:
+                    await self.script(ex)
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    return
+                if not ex.finished or writer.transport.is_closing():
+                    return
+        finally:
+            self._writers.discard(writer)
+            self.open_connections -= 1
+            self.connection_closed.set()
+            writer.transport.abort()
+
+
+def refused_url() -> str:
+    """A loopback URL on which nothing listens: connecting is refused at once."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return f"http://127.0.0.1:{port}"
+
+
+def parse_sse(raw: bytes) -> list[dict[str, Any]]:
+    """Split a raw SSE body into events: {"comments": [...], "data": str|None}."""
+    text = raw.decode().replace("\r\n", "\n").replace("\r", "\n")
+    events = []
+    for block in text.split("\n\n"):
+        if not block:
+            continue
+        comments = [ln[1:].strip() for ln in block.split("\n") if ln.startswith(":")]
+        data = [ln[5:].lstrip() for ln in block.split("\n") if ln.startswith("data:")]
+        events.append({"comments": comments, "data": "\n".join(data) if data else None})
+    return events

@@ -1,0 +1,230 @@
+"""Failover + Forwarder over real sockets: the foundation's behaviours."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tierchain import Backend, Failover, Forwarder, Routes
+
+from .support import (
+    Exchange,
+    FakeBackend,
+    answers,
+    chat_request,
+    openai_stream,
+    parse_sse,
+    refused_url,
+    serve,
+    streams,
+)
+
+
+def gateway(routes: dict[str, list[Backend]], **opts) -> tuple[Failover, Forwarder]:
+    forwarder = Forwarder()
+    return Failover(forwarder, routes=Routes(routes), **opts), forwarder
+
+
+async def post(url: str, body: bytes, **kw) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=5) as client:
+        return await client.post(url + "/v1/chat/completions", content=body, **kw)
+
+
+async def test_a_refused_connection_fails_over_in_well_under_a_second():
+    async with FakeBackend("hosted", streams(["from ", "hosted"])) as hosted:
+        app, fwd = gateway(
+            {"echo": [Backend("tower", refused_url()), Backend("hosted", hosted.url)]}
+        )
+        async with serve(app) as url:
+            t0 = time.monotonic()
+            response = await post(url, chat_request())
+            took = time.monotonic() - t0
+        await fwd.aclose()
+    assert response.status_code == 200
+    assert took < 0.5
+    assert b"".join(openai_stream(["from ", "hosted"])) == response.content
+    assert response.headers["x-tierchain-attempts"] == (
+        "tower;outcome=connect_refused, hosted;outcome=ok"
+    )
+    assert response.headers["x-tierchain-backend"] == "hosted"
+
+
+async def test_a_500_before_anything_was_sent_fails_over(metric):
+    before = metric("tierchain_attempts_total", route="echo", backend="tower", outcome="http_500")
+    async with (
+        FakeBackend("tower", answers(500)) as tower,
+        FakeBackend("hosted", streams(["ok"])) as hosted,
+    ):
+        app, fwd = gateway({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
+        async with serve(app) as url:
+            response = await post(url, chat_request())
+        await fwd.aclose()
+    assert response.status_code == 200
+    assert len(tower.requests) == 1
+    assert len(hosted.requests) == 1
+    assert "tower;outcome=http_500" in response.headers["x-tierchain-attempts"]
+    after = metric("tierchain_attempts_total", route="echo", backend="tower", outcome="http_500")
+    assert after == before + 1
+
+
+async def test_a_400_passes_through_without_failover():
+    body = b'{"error":{"message":"bad temperature","type":"invalid_request_error"}}'
+    async with (
+        FakeBackend("tower", answers(400, body)) as tower,
+        FakeBackend("hosted") as hosted,
+    ):
+        app, fwd = gateway({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
+        async with serve(app) as url:
+            response = await post(url, chat_request())
+        await fwd.aclose()
+    assert response.status_code == 400
+    assert response.content == body
+    assert hosted.requests == []
+    assert response.headers["x-tierchain-attempts"] == "tower;outcome=http_400"
+
+
+async def test_a_multi_megabyte_non_ascii_body_reaches_the_second_tier_byte_identical():
+    content = ("Grüße, 世界! 🚀 " * 200_000)[:3_000_000]
+    body = json.dumps({"model": "echo", "stream": True, "messages": [{"content": content}]},
+                      ensure_ascii=False).encode()
+    assert len(body) > 3_000_000
+    async with (
+        FakeBackend("tower", answers(503)) as tower,
+        FakeBackend("hosted", streams(["ok"])) as hosted,
+    ):
+        app, fwd = gateway({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
+        async with serve(app) as url:
+            response = await post(url, body, headers={"content-type": "application/json"})
+        await fwd.aclose()
+    assert response.status_code == 200
+    assert tower.requests[0].body == body
+    assert hosted.requests[0].body == body
+
+
+async def test_an_oversized_body_gets_413_and_reaches_no_backend():
+    async with FakeBackend("tower") as tower:
+        app, fwd = gateway({"echo": [Backend("tower", tower.url)]}, max_body=1000)
+        async with serve(app) as url:
+            response = await post(url, chat_request(content="x" * 2000))
+        await fwd.aclose()
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "request_too_large"
+    assert tower.requests == []
+
+
+async def test_an_unknown_model_gets_404_naming_it_and_the_known_routes():
+    async with FakeBackend("tower") as tower:
+        app, fwd = gateway({"echo": [Backend("tower", tower.url)], "deep": [Backend("t2", tower.url)]})
+        async with serve(app) as url:
+            response = await post(url, chat_request(model="nope"))
+        await fwd.aclose()
+    assert response.status_code == 404
+    message = response.json()["error"]["message"]
+    assert "'nope'" in message
+    assert "deep, echo" in message
+    assert tower.requests == []
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [(b"{not json", "not valid JSON"), (b"[1,2]", "JSON object"), (b'{"stream":true}', "'model'")],
+)
+async def test_a_body_that_cannot_name_a_route_gets_400(body, needle):
+    async with FakeBackend("tower") as tower:
+        app, fwd = gateway({"echo": [Backend("tower", tower.url)]})
+        async with serve(app) as url:
+            response = await post(url, body)
+        await fwd.aclose()
+    assert response.status_code == 400
+    assert needle in response.json()["error"]["message"]
+    assert tower.requests == []
+
+
+async def test_when_every_backend_fails_the_caller_gets_502_listing_each_attempt():
+    async with FakeBackend("hosted", answers(503)) as hosted:
+        app, fwd = gateway(
+            {"echo": [Backend("tower", refused_url()), Backend("hosted", hosted.url)]}
+        )
+        async with serve(app) as url:
+            response = await post(url, chat_request())
+        await fwd.aclose()
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["type"] == "all_backends_failed"
+    assert error["attempts"] == [
+        {"backend": "tower", "outcome": "connect_refused"},
+        {"backend": "hosted", "outcome": "http_503"},
+    ]
+    assert response.headers["x-tierchain-attempts"] == (
+        "tower;outcome=connect_refused, hosted;outcome=http_503"
+    )
+
+
+async def test_pings_before_the_first_data_event_do_not_commit_the_attempt():
+    async def ping_then_die(ex: Exchange) -> None:
+        await ex.head()
+        await ex.write(b": ping\n\n")
+        await ex.reset()
+
+    async with (
+        FakeBackend("tower", ping_then_die) as tower,
+        FakeBackend("hosted", streams(["saved"])) as hosted,
+    ):
+        app, fwd = gateway({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
+        async with serve(app) as url:
+            response = await post(url, chat_request())
+        await fwd.aclose()
+    assert response.status_code == 200
+    assert response.content == b"".join(openai_stream(["saved"]))
+    assert response.headers["x-tierchain-attempts"].startswith("tower;outcome=stream_broken")
+
+
+async def test_a_stream_that_dies_after_commit_ends_with_an_error_event_not_a_cut():
+    async def dies_midway(ex: Exchange) -> None:
+        await ex.head()
+        await ex.write(openai_stream(["one"])[0])
+        await ex.reset()
+
+    async with (
+        FakeBackend("tower", dies_midway) as tower,
+        FakeBackend("hosted") as hosted,
+    ):
+        app, fwd = gateway({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
+        async with serve(app) as url:
+            response = await post(url, chat_request())
+        await fwd.aclose()
+    events = parse_sse(response.content)
+    assert json.loads(events[0]["data"])["choices"][0]["delta"]["content"] == "one"
+    error = json.loads(events[-1]["data"])["error"]
+    assert error["code"] == "stream_broken"
+    assert hosted.requests == []
+
+
+async def test_a_caller_that_disconnects_closes_the_upstream_connection():
+    started = asyncio.Event()
+
+    async def trickles(ex: Exchange) -> None:
+        await ex.head()
+        await ex.write(openai_stream(["first"])[0])
+        started.set()
+        await ex.wait_closed_by_peer()
+
+    async with FakeBackend("tower", trickles) as tower:
+        app, fwd = gateway({"echo": [Backend("tower", tower.url)]})
+        async with serve(app) as url:
+            async with (
+                httpx.AsyncClient(timeout=5) as client,
+                client.stream("POST", url + "/v1/chat/completions", content=chat_request()) as r,
+            ):
+                async for _ in r.aiter_raw():
+                    break
+                await asyncio.wait_for(started.wait(), 1)
+            t0 = time.monotonic()
+            await asyncio.wait_for(tower.connection_closed.wait(), 1)
+            assert time.monotonic() - t0 < 0.5
+            assert tower.open_connections == 0
+        await fwd.aclose()
