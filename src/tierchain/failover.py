@@ -106,6 +106,10 @@ class Failover:
     reads the OpenAI-compatible JSON body's ``model``. ``retry_statuses`` are
     the statuses that advance the chain when they arrive before anything was
     sent. Every response carries ``x-tierchain-attempts``, the attempt trail.
+
+    Only ``POST`` requests whose path starts with one of ``paths`` are routed;
+    anything else (``GET /v1/models``, a health check, an admin page) passes
+    straight through to the inner app with no attempt.
     """
 
     def __init__(
@@ -116,8 +120,10 @@ class Failover:
         max_body: int = 32 * 2**20,
         resolve: Resolver | None = None,
         retry_statuses: Collection[int] = DEFAULT_RETRY_STATUSES,
+        paths: Collection[str] = ("/",),
     ) -> None:
         self.app = app
+        self.paths = tuple(paths)
         self.routes = routes if isinstance(routes, Routes) else Routes(routes)
         if max_body < 0:
             raise ValueError(f"max_body must be >= 0, got {max_body}")
@@ -127,7 +133,11 @@ class Failover:
         self._known = ", ".join(sorted(self.routes))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or not scope["path"].startswith(self.paths)
+        ):
             return await self.app(scope, receive, send)
         req = TierRequest.of(scope)
         try:
