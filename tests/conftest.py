@@ -13,3 +13,15 @@ def metric():
         return 0.0 if value is None else value
 
     return read
+
+
+@pytest.fixture
+async def browser():
+    """A headless Chromium (Playwright Browser); skips where it cannot be had."""
+    from .browser import launch
+
+    try:
+        async with launch() as b:
+            yield b
+    except LookupError as exc:
+        pytest.skip(f"headless Chromium unavailable: {exc}")

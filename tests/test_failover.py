@@ -89,8 +89,9 @@ async def test_a_400_passes_through_without_failover():
 
 async def test_a_multi_megabyte_non_ascii_body_reaches_the_second_tier_byte_identical():
     content = ("Grüße, 世界! 🚀 " * 200_000)[:3_000_000]
-    body = json.dumps({"model": "echo", "stream": True, "messages": [{"content": content}]},
-                      ensure_ascii=False).encode()
+    body = json.dumps(
+        {"model": "echo", "stream": True, "messages": [{"content": content}]}, ensure_ascii=False
+    ).encode()
     assert len(body) > 3_000_000
     async with (
         FakeBackend("tower", answers(503)) as tower,
@@ -118,7 +119,9 @@ async def test_an_oversized_body_gets_413_and_reaches_no_backend():
 
 async def test_an_unknown_model_gets_404_naming_it_and_the_known_routes():
     async with FakeBackend("tower") as tower:
-        app, fwd = gateway({"echo": [Backend("tower", tower.url)], "deep": [Backend("t2", tower.url)]})
+        app, fwd = gateway(
+            {"echo": [Backend("tower", tower.url)], "deep": [Backend("t2", tower.url)]}
+        )
         async with serve(app) as url:
             response = await post(url, chat_request(model="nope"))
         await fwd.aclose()

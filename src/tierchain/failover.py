@@ -277,6 +277,7 @@ class Failover:
             attrs[ATTR_REGIME] = backend.regime
         span = tracer.start_span("tierchain.attempt", attributes=attrs)
         outcome = "ok"
+        recorded = len(req.attempts)
         try:
             try:
                 await self.app(scope, _replay(req.body or b"", guard), responder.send)
@@ -311,7 +312,11 @@ class Failover:
             self._record(req, attempt, outcome)
             return True
         except BaseException:
-            outcome = "cancelled" if outcome == "ok" else outcome
+            # Cancelled from outside: the caller left, or a layer such as Budget
+            # ended the request and said why in req.extras["cancel_reason"].
+            if len(req.attempts) == recorded:
+                outcome = str(req.extras.get("cancel_reason", "cancelled"))
+                self._record(req, attempt, outcome)
             raise
         finally:
             span.set_attribute(ATTR_OUTCOME, outcome)
