@@ -123,7 +123,8 @@ class Failover:
         paths: Collection[str] = ("/",),
     ) -> None:
         self.app = app
-        self.paths = tuple(paths)
+        # Matched against the raw path: routers (a Litestar mount) rewrite scope["path"].
+        self.paths = tuple(p.encode() for p in paths)
         self.routes = routes if isinstance(routes, Routes) else Routes(routes)
         if max_body < 0:
             raise ValueError(f"max_body must be >= 0, got {max_body}")
@@ -136,7 +137,7 @@ class Failover:
         if (
             scope["type"] != "http"
             or scope["method"] != "POST"
-            or not scope["path"].startswith(self.paths)
+            or not (scope.get("raw_path") or scope["path"].encode()).startswith(self.paths)
         ):
             return await self.app(scope, receive, send)
         req = TierRequest.of(scope)
@@ -265,6 +266,7 @@ class Failover:
                 raise BudgetExhausted("the request's budget was spent before the next attempt")
         backend = attempt.backend
         req.attempt = attempt
+        req.extras.pop("attempt_error", None)
         req.emit("attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime)
         responder = _Responder(self, req, attempt, send, guard)
         attrs: dict[str, str | int] = {
@@ -280,7 +282,9 @@ class Failover:
         recorded = len(req.attempts)
         try:
             try:
-                await self.app(scope, _replay(req.body or b"", guard), responder.send)
+                # A fresh copy per attempt: routers (Starlette's Mount, Litestar's) rewrite
+                # the scope as they dispatch, and a replay must start from the original.
+                await self.app(dict(scope), _replay(req.body or b"", guard), responder.send)
             except AttemptError as exc:
                 outcome = exc.reason
                 if responder.committed:
@@ -430,7 +434,13 @@ class _Responder:
             status = int(message["status"])
             headers = list(message.get("headers", ()))
             if status in self._failover.retry_statuses:
-                self.aborted = RetryableStatus(status, retry_after=_retry_after(headers))
+                # A framework may have turned a layer's AttemptError into this 500
+                # (Litestar's handler does); the layer left the real cause behind.
+                cause = self.req.extras.pop("attempt_error", None)
+                if isinstance(cause, AttemptError):
+                    self.aborted = cause
+                else:
+                    self.aborted = RetryableStatus(status, retry_after=_retry_after(headers))
                 raise self.aborted
             self.start = {**message, "headers": headers}
             self.sse = is_event_stream(headers)

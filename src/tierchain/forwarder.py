@@ -187,13 +187,13 @@ class Forwarder:
             async with timer:
                 response = await self.client.send(request, stream=True)
         except (httpx.ConnectTimeout, TimeoutError):
-            return await self._unavailable(send, backend, "connect_timeout", raise_errors)
+            return await self._unavailable(scope, send, backend, "connect_timeout", raise_errors)
         except httpx.ConnectError:
-            return await self._unavailable(send, backend, "connect_refused", raise_errors)
+            return await self._unavailable(scope, send, backend, "connect_refused", raise_errors)
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-            return await self._unavailable(send, backend, "connection_reset", raise_errors)
+            return await self._unavailable(scope, send, backend, "connection_reset", raise_errors)
         except httpx.TransportError:
-            return await self._unavailable(send, backend, "protocol_error", raise_errors)
+            return await self._unavailable(scope, send, backend, "protocol_error", raise_errors)
 
         tail: EventTail | None = None
         try:
@@ -211,9 +211,11 @@ class Forwarder:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except httpx.TransportError as exc:
             if raise_errors:
-                raise BackendUnavailable(
+                error = BackendUnavailable(
                     f"backend {backend.name!r} broke the stream: {exc!r}", reason="stream_broken"
-                ) from exc
+                )
+                _leave_cause(scope, error)
+                raise error from exc
             if tail is None:
                 raise
             await send(
@@ -232,12 +234,21 @@ class Forwarder:
             await response.aclose()
 
     async def _unavailable(
-        self, send: Send, backend: Backend, reason: str, raise_errors: bool
+        self, scope: Scope, send: Send, backend: Backend, reason: str, raise_errors: bool
     ) -> None:
         message = f"backend {backend.name!r} is unreachable ({reason})"
         if raise_errors:
-            raise BackendUnavailable(message, reason=reason)
+            error = BackendUnavailable(message, reason=reason)
+            _leave_cause(scope, error)
+            raise error
         await send_json_error(send, 502, message, "upstream_unavailable", reason)
+
+
+def _leave_cause(scope: Scope, error: BackendUnavailable) -> None:
+    """Leave the real cause where Failover finds it if a framework turns it into a 500."""
+    req = TierRequest.find(scope)
+    if req is not None:
+        req.extras["attempt_error"] = error
 
 
 def _response_headers(response: httpx.Response) -> Headers:
