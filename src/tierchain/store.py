@@ -8,9 +8,26 @@ operator pins per route. :class:`Store` is the protocol every store meets;
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["MemoryStore", "Store"]
+__all__ = ["BreakerSnapshot", "MemoryStore", "Store"]
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSnapshot:
+    """One breaker's state as a reader (the operator page) sees it.
+
+    ``state`` is ``"closed"``, ``"open"`` or ``"half_open"``; ``retry_in`` is the
+    seconds until a probe may go (only while open, else None); ``failures`` and
+    ``saturations`` are the consecutive counts of each ledger.
+    """
+
+    state: str
+    retry_in: float | None
+    failures: int
+    saturations: int
 
 
 @runtime_checkable
@@ -33,12 +50,17 @@ class Store(Protocol):
         """Remove ``route``'s pin; True when there was one."""
         ...
 
+    async def breaker_snapshot(self, route: str, backend: str) -> BreakerSnapshot:
+        """The breaker state of (``route``, ``backend``); closed when never seen."""
+        ...
+
 
 class MemoryStore:
     """The embedded default store: in this process only, no service needed."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._pins: dict[str, tuple[str, float]] = {}
+        self._clock = clock
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
         expiry = time.time() + ttl
@@ -62,3 +84,6 @@ class MemoryStore:
 
     async def delete_pin(self, route: str) -> bool:
         return self._pins.pop(route, None) is not None
+
+    async def breaker_snapshot(self, route: str, backend: str) -> BreakerSnapshot:
+        return BreakerSnapshot("closed", None, 0, 0)
