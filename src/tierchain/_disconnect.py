@@ -6,6 +6,10 @@ read, :class:`DisconnectGuard` owns the one remaining use of ``receive``: a
 watcher task waits for ``http.disconnect`` and cancels the task doing the work.
 Inner apps get :meth:`DisconnectGuard.receive` instead, which reports the
 disconnect when it happens.
+
+The watcher starts only after ``WATCH_AFTER`` seconds: a request answered
+sooner (most refusals, most fast answers) never pays for a task, and a caller
+that leaves is still noticed within a fraction of a second.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import asyncio
 from types import TracebackType
 
 from ._types import Message, Receive
+
+WATCH_AFTER = 0.02
 
 
 class DisconnectGuard:
@@ -25,20 +31,26 @@ class DisconnectGuard:
     (uvicorn reports one when the response ends) cancels nothing.
     """
 
-    __slots__ = ("_cancelled", "_receive", "_task", "_watcher", "done", "gone")
+    __slots__ = ("_cancelled", "_handle", "_receive", "_task", "_watcher", "done", "gone")
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
         self._task: asyncio.Task[object] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._handle: asyncio.TimerHandle | None = None
         self._cancelled = False
         self.done = False
         self.gone = asyncio.Event()
 
     async def __aenter__(self) -> DisconnectGuard:
         self._task = asyncio.current_task()
-        self._watcher = asyncio.create_task(self._watch(), name="tierchain-disconnect-watch")
+        self._handle = asyncio.get_running_loop().call_later(WATCH_AFTER, self._start)
         return self
+
+    def _start(self) -> None:
+        self._handle = None
+        if not self.done:
+            self._watcher = asyncio.create_task(self._watch(), name="tierchain-disconnect-watch")
 
     async def _watch(self) -> None:
         while True:
@@ -62,6 +74,8 @@ class DisconnectGuard:
         tb: TracebackType | None,
     ) -> bool:
         self.done = True
+        if self._handle is not None:
+            self._handle.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
         # Swallow only the cancellation this guard caused, and only when no

@@ -51,8 +51,9 @@ from .telemetry import (
     ATTR_REGIME,
     ATTR_ROUTE,
     TIME_TO_FIRST_CHUNK,
+    labelled,
     log_event,
-    tracer,
+    start_span,
 )
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "Failover", "ResolveError"]
@@ -160,7 +161,7 @@ class Failover:
         req.chain = chain
         req.in_chain = True
 
-        span = tracer.start_span("tierchain.request", attributes={ATTR_ROUTE: route})
+        span = start_span("tierchain.request", {ATTR_ROUTE: route})
         try:
             async with DisconnectGuard(receive) as guard:
                 await self._run(scope, req, guard, send, span)
@@ -277,7 +278,7 @@ class Failover:
         }
         if backend.regime:
             attrs[ATTR_REGIME] = backend.regime
-        span = tracer.start_span("tierchain.attempt", attributes=attrs)
+        span = start_span("tierchain.attempt", attrs)
         outcome = "ok"
         recorded = len(req.attempts)
         try:
@@ -331,7 +332,7 @@ class Failover:
     def _record(self, req: TierRequest, attempt: Attempt, outcome: str) -> None:
         elapsed = time.monotonic() - attempt.started
         req.attempts.append(AttemptRecord(attempt.n, attempt.backend.name, outcome, elapsed))
-        ATTEMPTS.labels(attempt.route or "", attempt.backend.name, outcome).inc()
+        labelled(ATTEMPTS, attempt.route or "", attempt.backend.name, outcome).inc()
 
     def _failed(
         self, req: TierRequest, attempt: Attempt, exc: BaseException | None, outcome: str
@@ -473,7 +474,7 @@ class _Responder:
         req, attempt = self.req, self.attempt
         self.committed = True
         elapsed = time.monotonic() - attempt.started
-        TIME_TO_FIRST_CHUNK.labels(attempt.route or "", attempt.backend.name).observe(elapsed)
+        labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(elapsed)
         headers: Headers = self.start["headers"]
         headers.append((TRAIL_HEADER, _trail(req.attempts, (attempt.backend.name, self.outcome))))
         headers.append((BACKEND_HEADER, attempt.backend.name.encode()))

@@ -90,6 +90,32 @@ BACKEND_PREFERENCE = Counter(
 )
 
 
+def labelled(metric: Any, *values: str) -> Any:
+    """``metric.labels(*values)``, memoised: the hot path pays a dict lookup, not a lock."""
+    key = (id(metric), values)
+    child = _CHILDREN.get(key)
+    if child is None:
+        child = _CHILDREN[key] = metric.labels(*values)
+    return child
+
+
+_CHILDREN: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+
+def tracing_enabled() -> bool:
+    """True once a tracer provider has been installed (by an OpenTelemetry SDK)."""
+    # The API keeps the installed provider in a module global; reading it is far
+    # cheaper than get_tracer_provider(), which consults os.environ every call.
+    return getattr(trace, "_TRACER_PROVIDER", True) is not None
+
+
+def start_span(name: str, attributes: dict[str, Any] | None = None) -> trace.Span:
+    """A span when tracing is configured, else the shared non-recording span (no cost)."""
+    if not tracing_enabled():
+        return trace.INVALID_SPAN
+    return tracer.start_span(name, attributes=attributes)
+
+
 def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
     """Log one structured event: ``event key=value ...``.
 
