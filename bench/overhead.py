@@ -106,7 +106,7 @@ async def drive(app: Any, n: int) -> float:
         done = asyncio.Event()
         sent = False
 
-        async def receive() -> Any:
+        async def receive(done: asyncio.Event = done) -> Any:
             nonlocal sent
             if not sent:
                 sent = True
@@ -246,15 +246,17 @@ def _serve(kind: str, port: int, upstream_port: int) -> None:
     )
 
 
-async def _wait_up(url: str) -> None:
-    async with httpx.AsyncClient() as client:
-        for _ in range(200):
-            try:
-                await client.get(url)
-                return
-            except httpx.TransportError:
-                await asyncio.sleep(0.05)
-    raise RuntimeError(f"{url} did not start")
+async def _wait_up(port: int) -> None:
+    for _ in range(200):
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        await writer.wait_closed()
+        return
+    raise RuntimeError(f"nothing listens on port {port}")
 
 
 async def load(url: str, requests: int, concurrency: int, chunks: int) -> tuple[float, float]:
@@ -294,8 +296,8 @@ def loopback(requests: int, stream_requests: int, chunks: int, rounds: int) -> d
 
         async def run() -> None:
             for port in [up_port, *ports.values()]:
-                await _wait_up(f"http://127.0.0.1:{port}/")
-            for kind, port in ports.items():  # warm-up
+                await _wait_up(port)
+            for port in ports.values():  # warm-up
                 await load(f"http://127.0.0.1:{port}/v1/chat/completions", 100, 8, 1)
             for _ in range(rounds):
                 for kind, port in ports.items():

@@ -126,7 +126,7 @@ class _Server:
         self._server = uvicorn.Server(config)
         self._sock = sock
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
-        while not self._server.started:
+        while not self._server.started:  # noqa: ASYNC110 - uvicorn exposes only a flag
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
