@@ -21,6 +21,7 @@ from .errors import (
 )
 from .failover import Failover
 from .forwarder import Forwarder
+from .prefer import PreferBackend
 from .request import Attempt, TierRequest, current_attempt
 from .telemetry import VERSION as __version__
 
@@ -35,6 +36,7 @@ __all__ = [
     "BudgetExhausted",
     "Failover",
     "Forwarder",
+    "PreferBackend",
     "RetryableStatus",
     "Routes",
     "TierRequest",
