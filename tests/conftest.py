@@ -25,3 +25,85 @@ async def browser():
             yield b
     except LookupError as exc:
         pytest.skip(f"headless Chromium unavailable: {exc}")
+
+
+# -- a real redis-server (Breaker/RedisStore tests) -----------------------------
+
+REDIS_BINARY = "/usr/bin/redis-server"
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port: kill it, start it again."""
+
+    def __init__(self, binary: str) -> None:
+        import socket
+
+        self.binary = binary
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        import socket
+        import subprocess
+        import time
+
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server for this test; skips only when the binary is missing."""
+    import os
+    import shutil
+
+    binary = REDIS_BINARY if os.path.exists(REDIS_BINARY) else shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = RedisServer(binary)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()

@@ -9,6 +9,7 @@ attempt, or is simply :class:`Forwarder`.
 """
 
 from .backend import Backend, Routes
+from .breaker import Breaker
 from .errors import (
     AttemptError,
     BackendSaturated,
@@ -22,7 +23,9 @@ from .errors import (
 from .failover import Failover
 from .forwarder import Forwarder
 from .prefer import PreferBackend
+from .redis_store import RedisStore
 from .request import Attempt, TierRequest, current_attempt
+from .store import MemoryStore
 from .telemetry import VERSION as __version__
 
 __all__ = [
@@ -33,10 +36,13 @@ __all__ = [
     "BackendSkipped",
     "BackendUnavailable",
     "BodyTooLarge",
+    "Breaker",
     "BudgetExhausted",
     "Failover",
     "Forwarder",
+    "MemoryStore",
     "PreferBackend",
+    "RedisStore",
     "RetryableStatus",
     "Routes",
     "TierRequest",

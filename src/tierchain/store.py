@@ -2,7 +2,21 @@
 
 A store holds two kinds of state: breaker ledgers per (route, backend), and
 operator pins per route. :class:`Store` is the protocol every store meets;
-:class:`MemoryStore` is the embedded default that needs no service.
+:class:`MemoryStore` is the embedded default that needs no service, and
+:class:`~tierchain.RedisStore` shares the same semantics between replicas.
+
+The breaker's state machine lives here, in :func:`acquire` and :func:`record`,
+so that every store runs the same rules (RedisStore runs a Lua transcription of
+them). Per (route, backend) a ledger holds:
+
+- ``state``: ``closed``, ``open`` or ``half_open`` (an open breaker whose
+  cooldown has ended becomes half-open the next time anyone looks);
+- two consecutive counts, ``failures`` and ``saturations``, cleared by one
+  good attempt;
+- ``open_until`` (the store's clock), the probe slot (``probe_until`` and the
+  token of the probe holding it), and ``gen``, bumped every time the breaker
+  opens, so that a verdict from an attempt admitted before the breaker opened
+  can neither close it nor extend its cooldown.
 """
 
 from __future__ import annotations
@@ -10,9 +24,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
-__all__ = ["BreakerSnapshot", "MemoryStore", "Store"]
+__all__ = [
+    "BreakerChange",
+    "BreakerPolicy",
+    "BreakerSnapshot",
+    "Ledger",
+    "MemoryStore",
+    "Outcome",
+    "Store",
+    "Ticket",
+    "acquire",
+    "record",
+    "snapshot",
+]
+
+Outcome = Literal["success", "failure", "saturation", "neutral"]
+"""How an attempt ended, for the breaker. ``neutral`` counts for nothing and
+only gives back a probe slot (a 4xx, a cancelled attempt, a spent budget)."""
+
+PROBE_BUSY_RETRY = 1.0
+"""``retry_in`` reported while another request holds the half-open probe slot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,9 +63,170 @@ class BreakerSnapshot:
     saturations: int
 
 
+@dataclass(frozen=True, slots=True)
+class BreakerPolicy:
+    """The numbers a Breaker runs its ledgers with (passed to the store per call)."""
+
+    failure_threshold: int = 5
+    failure_cooldown: float = 30.0
+    saturation_threshold: int = 2
+    saturation_cooldown: float = 900.0
+    retry_after_cap: float = 900.0
+    probe_lease: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """The answer to "may this attempt go?".
+
+    ``probe`` is the probe token (0 when this attempt is not the half-open
+    probe); hand it and ``gen`` back to :meth:`Store.breaker_record`.
+    ``transitions`` lists the states this call moved the breaker into.
+    ``clean`` says the breaker was closed with both counts at zero, so a
+    success has nothing to clear and need not be recorded.
+    """
+
+    admitted: bool
+    state: str
+    gen: int = 0
+    probe: int = 0
+    retry_in: float | None = None
+    transitions: tuple[str, ...] = ()
+    clean: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerChange:
+    """The breaker after an outcome was recorded; ``reason`` says what opened it."""
+
+    state: str
+    retry_in: float | None
+    failures: int
+    saturations: int
+    transitions: tuple[str, ...] = ()
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class Ledger:
+    """The mutable state of one breaker (see the module docstring)."""
+
+    state: str = "closed"
+    failures: int = 0
+    saturations: int = 0
+    open_until: float = 0.0
+    probe_until: float = 0.0
+    probe_token: int = 0
+    gen: int = 0
+    reason: str = ""
+
+
+def _settle_time(led: Ledger, now: float, transitions: list[str]) -> None:
+    if led.state == "open" and now >= led.open_until:
+        led.state = "half_open"
+        transitions.append("half_open")
+
+
+def acquire(led: Ledger, now: float, policy: BreakerPolicy, *, force: bool = False) -> Ticket:
+    """May an attempt go now? Takes the probe slot when half-open and free."""
+    transitions: list[str] = []
+    _settle_time(led, now, transitions)
+    done = tuple(transitions)
+    if led.state == "closed" or force:
+        clean = led.state == "closed" and not led.failures and not led.saturations
+        return Ticket(True, led.state, led.gen, 0, None, done, clean)
+    if led.state == "half_open":
+        if led.probe_until <= now:
+            led.probe_token += 1
+            led.probe_until = now + policy.probe_lease
+            return Ticket(True, "half_open", led.gen, led.probe_token, None, done)
+        return Ticket(False, "half_open", led.gen, 0, PROBE_BUSY_RETRY, done)
+    return Ticket(False, "open", led.gen, 0, led.open_until - now, done)
+
+
+def record(
+    led: Ledger,
+    now: float,
+    policy: BreakerPolicy,
+    outcome: Outcome,
+    *,
+    gen: int,
+    probe: int = 0,
+    retry_after: float | None = None,
+) -> BreakerChange:
+    """Apply one attempt's outcome to the ledger."""
+    transitions: list[str] = []
+    _settle_time(led, now, transitions)
+    if probe and probe == led.probe_token:
+        led.probe_until = 0.0
+    fresh = gen == led.gen
+    if outcome == "success":
+        if fresh:
+            led.failures = led.saturations = 0
+            if led.state != "closed":
+                led.state = "closed"
+                led.open_until = led.probe_until = 0.0
+                led.reason = ""
+                transitions.append("closed")
+    elif outcome == "failure" or outcome == "saturation":
+        if outcome == "failure":
+            led.failures += 1
+            kind_cooldown = policy.failure_cooldown
+            tripped = led.failures >= policy.failure_threshold
+        else:
+            led.saturations += 1
+            kind_cooldown = policy.saturation_cooldown
+            tripped = led.saturations >= policy.saturation_threshold
+        cooldown = kind_cooldown if tripped else 0.0
+        reason: str = outcome
+        if retry_after is not None:
+            hinted = min(retry_after, policy.retry_after_cap)
+            if not tripped or hinted > cooldown:
+                reason = "retry_after"
+            tripped = True
+            cooldown = max(cooldown, hinted)
+        if led.state != "closed":
+            # The probe (or a forced attempt) failed: re-open. A verdict from an
+            # attempt admitted before the breaker opened is counted, nothing more.
+            tripped = fresh
+            cooldown = max(cooldown, kind_cooldown)
+        if tripped:
+            if led.state != "open":
+                led.gen += 1
+                led.probe_until = 0.0
+                transitions.append("open")
+            led.state = "open"
+            if now + cooldown > led.open_until:
+                led.open_until = now + cooldown
+                led.reason = reason
+    return BreakerChange(
+        led.state,
+        led.open_until - now if led.state == "open" else None,
+        led.failures,
+        led.saturations,
+        tuple(transitions),
+        led.reason,
+    )
+
+
+def snapshot(led: Ledger | None, now: float) -> BreakerSnapshot:
+    """What a reader sees, without changing anything."""
+    if led is None:
+        return BreakerSnapshot("closed", None, 0, 0)
+    state = led.state
+    if state == "open" and now >= led.open_until:
+        state = "half_open"
+    retry_in = led.open_until - now if state == "open" else None
+    return BreakerSnapshot(state, retry_in, led.failures, led.saturations)
+
+
 @runtime_checkable
 class Store(Protocol):
-    """What Breaker and the pins need from a store. Times are wall-clock seconds."""
+    """What Breaker and the pins need from a store.
+
+    Pin expiries are wall-clock (epoch) seconds; breaker times are seconds on
+    the store's clock.
+    """
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
         """Pin ``route`` to ``backend`` for ``ttl`` seconds; returns the expiry (epoch s)."""
@@ -54,12 +248,38 @@ class Store(Protocol):
         """The breaker state of (``route``, ``backend``); closed when never seen."""
         ...
 
+    async def breaker_acquire(
+        self, route: str, backend: str, policy: BreakerPolicy, *, force: bool = False
+    ) -> Ticket:
+        """One atomic step before an attempt: may it go, and is it the probe?"""
+        ...
+
+    async def breaker_record(
+        self,
+        route: str,
+        backend: str,
+        policy: BreakerPolicy,
+        outcome: Outcome,
+        *,
+        gen: int,
+        probe: int = 0,
+        retry_after: float | None = None,
+    ) -> BreakerChange:
+        """One atomic step after an attempt: apply its outcome, give back its probe slot."""
+        ...
+
 
 class MemoryStore:
-    """The embedded default store: in this process only, no service needed."""
+    """The embedded default store: in this process only, no service needed.
+
+    ``clock`` is the breaker's clock (monotonic seconds; inject one in tests).
+    Every operation runs without yielding to the event loop, so each one is
+    atomic with respect to every other request in the process.
+    """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._pins: dict[str, tuple[str, float]] = {}
+        self._ledgers: dict[tuple[str, str], Ledger] = {}
         self._clock = clock
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
@@ -86,4 +306,40 @@ class MemoryStore:
         return self._pins.pop(route, None) is not None
 
     async def breaker_snapshot(self, route: str, backend: str) -> BreakerSnapshot:
-        return BreakerSnapshot("closed", None, 0, 0)
+        return snapshot(self._ledgers.get((route, backend)), self._clock())
+
+    async def breaker_acquire(
+        self, route: str, backend: str, policy: BreakerPolicy, *, force: bool = False
+    ) -> Ticket:
+        led = self._ledgers.get((route, backend))
+        if led is None:
+            if not force:
+                return _CLOSED  # the common case allocates nothing
+            led = self._ledgers[route, backend] = Ledger()
+        return acquire(led, self._clock(), policy, force=force)
+
+    async def breaker_record(
+        self,
+        route: str,
+        backend: str,
+        policy: BreakerPolicy,
+        outcome: Outcome,
+        *,
+        gen: int,
+        probe: int = 0,
+        retry_after: float | None = None,
+    ) -> BreakerChange:
+        key = (route, backend)
+        led = self._ledgers.get(key)
+        if led is None:
+            if outcome == "success" or outcome == "neutral":
+                return _NOTHING
+            led = self._ledgers[key] = Ledger()
+        # A ledger is never dropped: its gen must keep counting up.
+        return record(
+            led, self._clock(), policy, outcome, gen=gen, probe=probe, retry_after=retry_after
+        )
+
+
+_CLOSED = Ticket(True, "closed", clean=True)
+_NOTHING = BreakerChange("closed", None, 0, 0)

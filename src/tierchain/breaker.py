@@ -1,0 +1,391 @@
+"""Breaker: skip a backend that keeps failing or saturating, and recover with one probe.
+
+Per (route, backend) a breaker is closed, open or half-open, with two ledgers
+that count and cool down separately: *failures* (refused, reset, connect
+timeout, broken stream, 5xx, 429) and *saturations* (the watchdog's
+``BackendSaturated``). A busy backend is not a broken one: by default two
+consecutive saturations open it for 15 minutes, five consecutive failures for
+30 seconds. One good attempt clears both counts.
+
+Inside a :class:`~tierchain.Failover` the Breaker runs once per attempt. While
+open it raises :class:`~tierchain.errors.BackendSkipped` without calling the
+inner app, and Failover advances at once. When the cooldown ends, exactly one
+request at a time goes through as the probe; everyone else skips the backend
+immediately. The probe's success closes the breaker, its failure re-opens it.
+
+Alone (no Failover in front) it guards one backend and answers 503 with
+``Retry-After`` while open.
+
+Each attempt's outcome is settled exactly once:
+
+- success: a first chunk (the first ``data:`` event of an event stream, the
+  first body bytes otherwise) after a status below 400;
+- failure: a 5xx or 429 status (raised by Failover as ``RetryableStatus`` or
+  seen passing through), ``BackendUnavailable`` or any other exception;
+- saturation: ``BackendSaturated``;
+- neutral (counts nothing, clears nothing, frees a probe slot): a 4xx other
+  than 429, a cancelled attempt (the caller left), a spent budget.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import time
+from typing import Any, Literal
+
+from ._responses import header, send_json_error
+from ._types import ASGIApp, Message, Receive, Scope, Send
+from .backend import Backend
+from .errors import (
+    AttemptError,
+    BackendSaturated,
+    BackendSkipped,
+    RetryableStatus,
+    TierchainError,
+)
+from .request import TierRequest
+from .sse import FirstChunk, is_event_stream
+from .store import (
+    BreakerChange,
+    BreakerPolicy,
+    MemoryStore,
+    Outcome,
+    Store,
+    Ticket,
+)
+from .telemetry import (
+    BACKEND_SKIPPED,
+    BREAKER_STATE,
+    BREAKER_TRANSITIONS,
+    log_event,
+)
+
+__all__ = ["Breaker"]
+
+_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
+_TRANSITION_EVENT = {
+    "open": "breaker.opened",
+    "half_open": "breaker.half_open",
+    "closed": "breaker.closed",
+}
+_STORE_WARN_EVERY = 60.0
+_ADMIT = Ticket(True, "closed", clean=True)
+
+
+class Breaker:
+    """Skip a (route, backend) whose breaker is open; record every attempt's outcome.
+
+    ``store`` holds the ledgers (a :class:`~tierchain.MemoryStore` of its own
+    when None; pass one :class:`~tierchain.RedisStore` to every replica to share
+    them). ``failure_threshold``/``failure_cooldown`` and
+    ``saturation_threshold``/``saturation_cooldown`` are the two ledgers.
+    ``retry_after_cap`` bounds how long a ``Retry-After`` may open a breaker.
+    ``probe_lease`` is how long a half-open probe may hold its slot before
+    another request may probe (a safety net for a replica that died mid-probe).
+    ``when_all_open`` is ``"reject"`` (every backend open: 503 with
+    ``Retry-After``) or ``"try_soonest"`` (one forced attempt on the backend
+    whose cooldown ends soonest). ``backend`` names the single backend when the
+    Breaker works alone, without Failover.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        store: Store | None = None,
+        failure_threshold: int = 5,
+        failure_cooldown: float = 30.0,
+        saturation_threshold: int = 2,
+        saturation_cooldown: float = 900.0,
+        retry_after_cap: float = 900.0,
+        probe_lease: float = 300.0,
+        when_all_open: Literal["reject", "try_soonest"] = "reject",
+        backend: str | Backend = "default",
+    ) -> None:
+        for name, count in (
+            ("failure_threshold", failure_threshold),
+            ("saturation_threshold", saturation_threshold),
+        ):
+            if not isinstance(count, int) or count < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {count!r}")
+        for name, seconds in (
+            ("failure_cooldown", failure_cooldown),
+            ("saturation_cooldown", saturation_cooldown),
+            ("retry_after_cap", retry_after_cap),
+            ("probe_lease", probe_lease),
+        ):
+            if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {seconds!r}")
+        if probe_lease <= 0:
+            raise ValueError(f"probe_lease must be > 0 seconds, got {probe_lease!r}")
+        if when_all_open not in ("reject", "try_soonest"):
+            raise ValueError(
+                f"when_all_open must be 'reject' or 'try_soonest', got {when_all_open!r}"
+            )
+        self.app = app
+        self.store: Store = store if store is not None else MemoryStore()
+        self.policy = BreakerPolicy(
+            failure_threshold=failure_threshold,
+            failure_cooldown=float(failure_cooldown),
+            saturation_threshold=saturation_threshold,
+            saturation_cooldown=float(saturation_cooldown),
+            retry_after_cap=float(retry_after_cap),
+            probe_lease=float(probe_lease),
+        )
+        self.when_all_open = when_all_open
+        self.backend = backend.name if isinstance(backend, Backend) else str(backend)
+        self._gauges: dict[tuple[str, str], tuple[Any, int]] = {}
+        self._store_warned = -math.inf
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        req = TierRequest.find(scope)
+        attempt = req.attempt if req is not None and req.in_chain else None
+        if req is None or attempt is None:
+            return await self._alone(scope, receive, send, req)
+        route = req.route or attempt.route or ""
+        name = attempt.backend.name
+        if self.when_all_open == "try_soonest":
+            req.extras["on_all_open"] = "try_soonest"
+        ticket = await self._acquire(route, name, attempt.force)
+        if not ticket.admitted:
+            BACKEND_SKIPPED.labels(route, name).inc()
+            error = BackendSkipped(_skip_message(name, ticket), retry_in=ticket.retry_in)
+            req.extras["attempt_error"] = error  # found by Failover if a framework hides it
+            raise error
+        await _Guard(self, route, name, ticket, req).run(scope, receive, send)
+
+    async def _alone(
+        self, scope: Scope, receive: Receive, send: Send, req: TierRequest | None
+    ) -> None:
+        """No Failover: guard the one backend, answering 503 fast while open."""
+        route = (req.route if req is not None else None) or ""
+        name = self.backend
+        ticket = await self._acquire(route, name, False)
+        if not ticket.admitted:
+            BACKEND_SKIPPED.labels(route, name).inc()
+            await self._answer_open(send, req, name, ticket)
+            return
+        guard = _Guard(self, route, name, ticket, req)
+        try:
+            await guard.run(scope, receive, send)
+        except AttemptError as exc:
+            if guard.status is not None:
+                raise  # the response has started: the server ends it
+            saturated = isinstance(exc, BackendSaturated | BackendSkipped)
+            await send_json_error(
+                send,
+                503 if saturated else 502,
+                f"backend {name!r}: {exc}",
+                "backend_saturated" if saturated else "upstream_error",
+                exc.reason,
+            )
+
+    async def _answer_open(
+        self, send: Send, req: TierRequest | None, name: str, ticket: Ticket
+    ) -> None:
+        retry_in = ticket.retry_in
+        shown = None if retry_in is None else round(retry_in, 1)
+        if req is not None:
+            req.emit("backend_skipped", backend=name, retry_in_s=shown, failing_over=False)
+        retry = max(1, math.ceil(retry_in or 1.0))
+        await send_json_error(
+            send,
+            503,
+            f"backend {name!r} is cooling down; retry in {retry}s",
+            "backend_open",
+            "service_unavailable",
+            headers=[(b"retry-after", str(retry).encode())],
+            backends=[{"backend": name, "state": ticket.state, "retry_in_s": shown}],
+        )
+
+    # -- the store, guarded -------------------------------------------------
+
+    async def _acquire(self, route: str, name: str, force: bool) -> Ticket:
+        try:
+            ticket = await self.store.breaker_acquire(route, name, self.policy, force=force)
+        except Exception as exc:  # a store must never fail a request
+            self._store_failed(exc)
+            return _ADMIT
+        self._observe(route, name, ticket.state, ticket.transitions, None)
+        return ticket
+
+    async def record(
+        self,
+        route: str,
+        name: str,
+        ticket: Ticket,
+        outcome: Outcome,
+        retry_after: float | None = None,
+    ) -> None:
+        """Apply one attempt's outcome (what :class:`_Guard` calls, exactly once)."""
+        if outcome == "neutral" and not ticket.probe:
+            return  # nothing to count and no slot to give back
+        if outcome == "success" and ticket.clean and not ticket.probe:
+            return  # closed with nothing counted: one round trip per request is enough
+        try:
+            change = await self.store.breaker_record(
+                route,
+                name,
+                self.policy,
+                outcome,
+                gen=ticket.gen,
+                probe=ticket.probe,
+                retry_after=retry_after,
+            )
+        except Exception as exc:
+            self._store_failed(exc)
+            return
+        self._observe(route, name, change.state, change.transitions, change)
+
+    def _store_failed(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._store_warned >= _STORE_WARN_EVERY:
+            self._store_warned = now
+            log_event("breaker.store_failed", level=30, error=repr(exc))
+
+    def _observe(
+        self,
+        route: str,
+        name: str,
+        state: str,
+        transitions: tuple[str, ...],
+        change: BreakerChange | None,
+    ) -> None:
+        key = (route, name)
+        value = _STATE_VALUE.get(state, 0)
+        cached = self._gauges.get(key)
+        if cached is None or cached[1] != value:
+            gauge = BREAKER_STATE.labels(route, name) if cached is None else cached[0]
+            gauge.set(value)
+            self._gauges[key] = (gauge, value)
+        for to in transitions:
+            BREAKER_TRANSITIONS.labels(route, name, to).inc()
+            fields: dict[str, Any] = {"route": route, "backend": name}
+            if change is not None:
+                fields.update(failures=change.failures, saturations=change.saturations)
+                if to == "open":
+                    fields.update(reason=change.reason, retry_in_s=_round(change.retry_in))
+            log_event(_TRANSITION_EVENT[to], level=30 if to == "open" else 20, **fields)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _skip_message(name: str, ticket: Ticket) -> str:
+    if ticket.state == "half_open":
+        return f"backend {name!r} is half-open and another request is probing it"
+    return f"backend {name!r} is open; retry in {_round(ticket.retry_in)}s"
+
+
+def _retry_after(message: Message) -> float | None:
+    value = header(list(message.get("headers", ())), b"retry-after")
+    if value is None:
+        return None
+    text = value.decode("latin-1").strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - time.time()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+def _classify(exc: BaseException) -> tuple[Outcome, float | None]:
+    if isinstance(exc, BackendSaturated):
+        return "saturation", None
+    if isinstance(exc, RetryableStatus):
+        if exc.status >= 500 or exc.status == 429:
+            return "failure", exc.retry_after if exc.status in (429, 503) else None
+        return "neutral", None
+    if isinstance(exc, BackendSkipped):
+        return "neutral", None  # an inner breaker's verdict, not this backend's
+    if isinstance(exc, AttemptError):
+        return "failure", None
+    if isinstance(exc, TierchainError):
+        return "neutral", None  # a spent budget is a deadline, not the backend's fault
+    if isinstance(exc, Exception):
+        return "failure", None
+    return "neutral", None  # cancelled: the caller left, or the budget ended the attempt
+
+
+class _Guard:
+    """One admitted attempt: watch what it sends and settle its outcome once."""
+
+    __slots__ = (
+        "_detector",
+        "_send",
+        "breaker",
+        "name",
+        "req",
+        "route",
+        "settled",
+        "status",
+        "ticket",
+    )
+
+    def __init__(
+        self, breaker: Breaker, route: str, name: str, ticket: Ticket, req: TierRequest | None
+    ) -> None:
+        self.breaker = breaker
+        self.route = route
+        self.name = name
+        self.ticket = ticket
+        self.req = req
+        self.settled = False
+        self.status: int | None = None
+        self._detector: FirstChunk | None = None
+        self._send: Send | None = None
+
+    async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._send = send
+        try:
+            await self.breaker.app(scope, receive, self.send)
+        except BaseException as exc:
+            if not self.settled:
+                await self.settle(*_classify(exc))
+            raise
+        if not self.settled:
+            # Returned without a first chunk: an empty good answer, or no answer at all.
+            await self.settle("success" if self.status is not None else "failure")
+
+    async def settle(self, outcome: Outcome, retry_after: float | None = None) -> None:
+        self.settled = True
+        await self.breaker.record(self.route, self.name, self.ticket, outcome, retry_after)
+
+    async def send(self, message: Message) -> None:
+        assert self._send is not None
+        if self.settled:
+            return await self._send(message)
+        kind = message["type"]
+        if kind == "http.response.start":
+            status = self.status = int(message["status"])
+            if status >= 500 or status == 429:
+                cause = self.req.extras.get("attempt_error") if self.req is not None else None
+                if isinstance(cause, AttemptError):
+                    await self.settle(*_classify(cause))
+                else:
+                    hint = _retry_after(message) if status in (429, 503) else None
+                    await self.settle("failure", hint)
+            elif status >= 400:
+                await self.settle("neutral")
+            elif is_event_stream(list(message.get("headers", ()))):
+                self._detector = FirstChunk()
+            return await self._send(message)
+        if kind == "http.response.body" and self.status is not None:
+            await self._send(message)
+            body: bytes = message.get("body", b"")
+            if self._detector is not None:
+                first = bool(body) and self._detector.feed(body)
+            else:
+                first = bool(body)
+            if first or not message.get("more_body", False):
+                await self.settle("success")
+            return None
+        return await self._send(message)

@@ -1,0 +1,547 @@
+"""RedisStore: the breaker ledgers and pins, shared by every replica of a gateway.
+
+Each breaker transition is one Lua script run atomically by Redis, so two
+replicas can never both take the half-open probe slot. An attempt costs one
+script call before it and, only when there is something to record, one after.
+
+Times come from Redis's own ``TIME`` inside the scripts, the one clock every
+replica shares (``clock=`` replaces it, for tests only). Keys live under
+``prefix`` (``tierchain:``): ``tierchain:breaker:<route>:<backend>`` (a hash)
+and ``tierchain:pin:<route>`` (a string); route and backend names are
+percent-encoded. Every key carries a TTL, so nothing lingers forever.
+
+When Redis cannot be reached, the store logs ONE warning, serves breaker
+operations and pin reads from a local :class:`~tierchain.MemoryStore` for the
+outage, and tries Redis again at most every ``reconnect_every`` seconds (one
+request tries; the rest stay on the fallback meanwhile). Pin *writes* during an
+outage raise :class:`StoreUnavailable` instead: an operator must not believe a
+pin reached every replica when it did not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+from urllib.parse import quote, unquote
+
+from .store import (
+    PROBE_BUSY_RETRY,
+    BreakerChange,
+    BreakerPolicy,
+    BreakerSnapshot,
+    MemoryStore,
+    Outcome,
+    Ticket,
+)
+from .telemetry import log_event
+
+__all__ = ["RedisStore", "StoreUnavailable"]
+
+T = TypeVar("T")
+
+_NOW = """
+local function now_ms(arg)
+  if arg ~= '' then return tonumber(arg) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function num(v) if v then return tonumber(v) end return 0 end
+local function keep(key, now, ou, pu, ttl)
+  local horizon = math.max(ou, pu, now) - now
+  redis.call('PEXPIRE', key, math.ceil(horizon + ttl))
+end
+"""
+
+# KEYS[1] ledger; ARGV: now_ms|'' force lease_ms ttl_ms busy_ms
+# -> {admitted, state, gen, probe, retry_in_ms|'', transitions, clean}
+_ACQUIRE = (
+    _NOW
+    + """
+local key = KEYS[1]
+local now = now_ms(ARGV[1])
+local force = ARGV[2] == '1'
+local lease = tonumber(ARGV[3])
+local ttl = tonumber(ARGV[4])
+local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g')
+if not v[1] then return {1, 'closed', 0, 0, '', '', 1} end
+local st, f, s, ou = v[1], num(v[2]), num(v[3]), num(v[4])
+local pu, pt, g = num(v[5]), num(v[6]), num(v[7])
+local trans = ''
+if st == 'open' and now >= ou then
+  st = 'half_open'
+  trans = 'half_open'
+  redis.call('HSET', key, 'st', st)
+end
+if st == 'closed' or force then
+  local clean = 0
+  if st == 'closed' and f == 0 and s == 0 then clean = 1 end
+  return {1, st, g, 0, '', trans, clean}
+end
+if st == 'half_open' then
+  if pu <= now then
+    pt = pt + 1
+    pu = now + lease
+    redis.call('HSET', key, 'pu', tostring(pu), 'pt', pt)
+    keep(key, now, ou, pu, ttl)
+    return {1, st, g, pt, '', trans, 0}
+  end
+  return {0, st, g, 0, ARGV[5], trans, 0}
+end
+return {0, st, g, 0, tostring(ou - now), trans, 0}
+"""
+)
+
+# KEYS[1] ledger; ARGV: now_ms|'' outcome gen probe retry_after_ms|'' f_threshold
+# f_cooldown_ms s_threshold s_cooldown_ms cap_ms ttl_ms
+# -> {state, retry_in_ms|'', failures, saturations, transitions, reason}
+_RECORD = (
+    _NOW
+    + """
+local key = KEYS[1]
+local now = now_ms(ARGV[1])
+local outcome = ARGV[2]
+local gen = tonumber(ARGV[3])
+local probe = tonumber(ARGV[4])
+local ra = nil
+if ARGV[5] ~= '' then ra = tonumber(ARGV[5]) end
+local fth, fcd = tonumber(ARGV[6]), tonumber(ARGV[7])
+local sth, scd = tonumber(ARGV[8]), tonumber(ARGV[9])
+local cap, ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
+local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r')
+if not v[1] and (outcome == 'success' or outcome == 'neutral') then
+  return {'closed', '', 0, 0, '', ''}
+end
+local st = v[1] or 'closed'
+local f, s, ou, pu, pt, g = num(v[2]), num(v[3]), num(v[4]), num(v[5]), num(v[6]), num(v[7])
+local r = v[8] or ''
+local trans = {}
+if st == 'open' and now >= ou then
+  st = 'half_open'
+  table.insert(trans, 'half_open')
+end
+if probe ~= 0 and probe == pt then pu = 0 end
+local fresh = gen == g
+if outcome == 'success' then
+  if fresh then
+    f = 0
+    s = 0
+    if st ~= 'closed' then
+      st = 'closed'
+      ou = 0
+      pu = 0
+      r = ''
+      table.insert(trans, 'closed')
+    end
+  end
+elseif outcome == 'failure' or outcome == 'saturation' then
+  local kind, tripped
+  if outcome == 'failure' then
+    f = f + 1
+    kind = fcd
+    tripped = f >= fth
+  else
+    s = s + 1
+    kind = scd
+    tripped = s >= sth
+  end
+  local cd = 0
+  if tripped then cd = kind end
+  local reason = outcome
+  if ra ~= nil then
+    local hinted = math.min(ra, cap)
+    if (not tripped) or hinted > cd then reason = 'retry_after' end
+    tripped = true
+    cd = math.max(cd, hinted)
+  end
+  if st ~= 'closed' then
+    tripped = fresh
+    cd = math.max(cd, kind)
+  end
+  if tripped then
+    if st ~= 'open' then
+      g = g + 1
+      pu = 0
+      table.insert(trans, 'open')
+    end
+    st = 'open'
+    if now + cd > ou then
+      ou = now + cd
+      r = reason
+    end
+  end
+end
+redis.call('HSET', key, 'st', st, 'f', f, 's', s, 'ou', tostring(ou), 'pu', tostring(pu),
+  'pt', pt, 'g', g, 'r', r)
+keep(key, now, ou, pu, ttl)
+local retry = ''
+if st == 'open' then retry = tostring(ou - now) end
+return {st, retry, f, s, table.concat(trans, ','), r}
+"""
+)
+
+# KEYS[1] ledger; ARGV: now_ms|'' -> {state, retry_in_ms|'', failures, saturations}
+_SNAPSHOT = (
+    _NOW
+    + """
+local v = redis.call('HMGET', KEYS[1], 'st', 'f', 's', 'ou')
+if not v[1] then return {'closed', '', 0, 0} end
+local now = now_ms(ARGV[1])
+local st, ou = v[1], num(v[4])
+if st == 'open' and now >= ou then st = 'half_open' end
+local retry = ''
+if st == 'open' then retry = tostring(ou - now) end
+return {st, retry, num(v[2]), num(v[3])}
+"""
+)
+
+
+class StoreUnavailable(ConnectionError):
+    """Redis cannot be reached, and this operation (a pin write) has no safe fallback."""
+
+
+def _ms(seconds: float) -> str:
+    return repr(seconds * 1000.0)
+
+
+def _seconds(ms: Any) -> float | None:
+    if ms in (None, "", b""):
+        return None
+    return max(0.0, float(ms) / 1000.0)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _transitions(value: Any) -> tuple[str, ...]:
+    text = _text(value)
+    return tuple(text.split(",")) if text else ()
+
+
+class RedisStore:
+    """Breaker ledgers and pins in Redis, shared by every replica (the ``redis`` extra).
+
+    ``timeout`` bounds each Redis call (connect and command), ``reconnect_every``
+    is the least time between two attempts to reach a Redis that went away,
+    ``ttl`` is how long an idle ledger is kept once its cooldown is over.
+    ``clock`` (seconds) replaces Redis's ``TIME``; it is for tests only, since
+    replicas must share one clock. Close it with ``await store.aclose()``.
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "tierchain:",
+        timeout: float = 0.25,
+        reconnect_every: float = 5.0,
+        ttl: float = 86400.0,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        try:
+            import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
+        except ImportError:
+            raise ImportError(
+                "RedisStore needs the redis package: install tierchain[redis]."
+            ) from None
+        for name, seconds in (("timeout", timeout), ("reconnect_every", reconnect_every)):
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {seconds!r}")
+        if not (math.isfinite(ttl) and ttl >= 1):
+            raise ValueError(f"ttl must be at least 1 second, got {ttl!r}")
+        self.url = url
+        self.prefix = prefix
+        self.timeout = float(timeout)
+        self.reconnect_every = float(reconnect_every)
+        self.ttl = float(ttl)
+        self._clock = clock
+        # One immediate retry lets a pooled connection that died with a Redis
+        # restart be replaced transparently; no backoff, so a dead Redis costs
+        # two refused connects, not seconds.
+        self._redis: Any = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 1),
+            decode_responses=True,
+        )
+        self._acquire = self._redis.register_script(_ACQUIRE)
+        self._record = self._redis.register_script(_RECORD)
+        self._snapshot = self._redis.register_script(_SNAPSHOT)
+        self._fallback: MemoryStore | None = None
+        self._retry_at = 0.0
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Wait for in-flight records, then close the connection pool."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._redis.aclose()
+
+    async def __aenter__(self) -> RedisStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def degraded(self) -> bool:
+        """True while Redis is unreachable and the local fallback is serving."""
+        return self._fallback is not None
+
+    # -- the outage machinery ---------------------------------------------------
+
+    def _local(self) -> MemoryStore | None:
+        """The fallback to use now, or None when Redis should be tried."""
+        fallback = self._fallback
+        if fallback is None:
+            return None
+        now = time.monotonic()
+        if now < self._retry_at:
+            return fallback
+        self._retry_at = now + self.reconnect_every  # this caller tries; the rest wait
+        return None
+
+    def _went_away(self, exc: BaseException) -> MemoryStore:
+        self._retry_at = time.monotonic() + self.reconnect_every
+        if self._fallback is None:
+            self._fallback = MemoryStore(clock=self._clock or time.time)
+            log_event(
+                "store.redis_unavailable",
+                level=30,
+                url=_redacted(self.url),
+                error=repr(exc),
+                fallback="local memory",
+                reconnect_every_s=self.reconnect_every,
+            )
+        return self._fallback
+
+    def _came_back(self) -> None:
+        if self._fallback is not None:
+            self._fallback = None
+            log_event("store.redis_reconnected", url=_redacted(self.url))
+
+    async def _call(self, make: Callable[[], Awaitable[T]]) -> T:
+        async with asyncio.timeout(self.timeout * 4):
+            result = await make()
+        self._came_back()
+        return result
+
+    async def _shielded(
+        self, make: Callable[[], Awaitable[T]], orphan: Callable[[T], None] | None = None
+    ) -> T:
+        """Run a Redis call that must finish even if its caller is cancelled meanwhile."""
+        task = asyncio.ensure_future(self._call(make))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if orphan is not None:
+                task.add_done_callback(
+                    lambda t: (
+                        orphan(t.result()) if not t.cancelled() and not t.exception() else None
+                    )
+                )
+            raise
+
+    def _args(self) -> str:
+        return "" if self._clock is None else _ms(self._clock())
+
+    def _key(self, route: str, backend: str) -> str:
+        return f"{self.prefix}breaker:{quote(route, safe='')}:{quote(backend, safe='')}"
+
+    def _pin_key(self, route: str) -> str:
+        return f"{self.prefix}pin:{quote(route, safe='')}"
+
+    # -- breaker -------------------------------------------------------------
+
+    async def breaker_acquire(
+        self, route: str, backend: str, policy: BreakerPolicy, *, force: bool = False
+    ) -> Ticket:
+        local = self._local()
+        if local is not None:
+            return await local.breaker_acquire(route, backend, policy, force=force)
+        key = self._key(route, backend)
+        args = [
+            self._args(),
+            "1" if force else "0",
+            _ms(policy.probe_lease),
+            _ms(self.ttl),
+            _ms(PROBE_BUSY_RETRY),
+        ]
+
+        def orphan(ticket: Ticket) -> None:
+            if ticket.probe:  # the caller left holding the probe slot: give it back
+                self._spawn(self.breaker_record(route, backend, policy, "neutral", **_of(ticket)))
+
+        try:
+            raw = await self._shielded(lambda: self._acquire(keys=[key], args=args), _wrap(orphan))
+        except Exception as exc:
+            local = self._went_away(exc)
+            return await local.breaker_acquire(route, backend, policy, force=force)
+        admitted, state, gen, probe, retry_ms, transitions, clean = raw
+        return Ticket(
+            bool(int(admitted)),
+            _text(state),
+            int(gen),
+            int(probe),
+            _seconds(retry_ms),
+            _transitions(transitions),
+            bool(int(clean)),
+        )
+
+    async def breaker_record(
+        self,
+        route: str,
+        backend: str,
+        policy: BreakerPolicy,
+        outcome: Outcome,
+        *,
+        gen: int,
+        probe: int = 0,
+        retry_after: float | None = None,
+    ) -> BreakerChange:
+        local = self._local()
+        if local is not None:
+            return await local.breaker_record(
+                route, backend, policy, outcome, gen=gen, probe=probe, retry_after=retry_after
+            )
+        key = self._key(route, backend)
+        args = [
+            self._args(),
+            outcome,
+            str(gen),
+            str(probe),
+            "" if retry_after is None else _ms(retry_after),
+            str(policy.failure_threshold),
+            _ms(policy.failure_cooldown),
+            str(policy.saturation_threshold),
+            _ms(policy.saturation_cooldown),
+            _ms(policy.retry_after_cap),
+            _ms(self.ttl),
+        ]
+        try:
+            raw = await self._shielded(lambda: self._record(keys=[key], args=args))
+        except Exception as exc:
+            local = self._went_away(exc)
+            return await local.breaker_record(
+                route, backend, policy, outcome, gen=gen, probe=probe, retry_after=retry_after
+            )
+        state, retry_ms, failures, saturations, transitions, reason = raw
+        return BreakerChange(
+            _text(state),
+            _seconds(retry_ms),
+            int(failures),
+            int(saturations),
+            _transitions(transitions),
+            _text(reason),
+        )
+
+    async def breaker_snapshot(self, route: str, backend: str) -> BreakerSnapshot:
+        local = self._local()
+        if local is not None:
+            return await local.breaker_snapshot(route, backend)
+        key = self._key(route, backend)
+        try:
+            raw = await self._call(lambda: self._snapshot(keys=[key], args=[self._args()]))
+        except Exception as exc:
+            return await self._went_away(exc).breaker_snapshot(route, backend)
+        state, retry_ms, failures, saturations = raw
+        return BreakerSnapshot(_text(state), _seconds(retry_ms), int(failures), int(saturations))
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- pins --------------------------------------------------------------------
+
+    async def set_pin(self, route: str, backend: str, ttl: float) -> float:
+        if not (math.isfinite(ttl) and ttl > 0):
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        key = self._pin_key(route)
+        try:
+            await self._call(lambda: self._redis.set(key, backend, px=max(1, round(ttl * 1000))))
+        except Exception as exc:
+            self._went_away(exc)
+            raise StoreUnavailable(
+                f"the pin was not set: Redis at {_redacted(self.url)} is unreachable ({exc!r})"
+            ) from exc
+        return time.time() + ttl
+
+    async def delete_pin(self, route: str) -> bool:
+        key = self._pin_key(route)
+        try:
+            removed = await self._call(lambda: self._redis.delete(key))
+        except Exception as exc:
+            self._went_away(exc)
+            raise StoreUnavailable(
+                f"the pin was not removed: Redis at {_redacted(self.url)} is unreachable ({exc!r})"
+            ) from exc
+        return bool(removed)
+
+    async def get_pin(self, route: str) -> str | None:
+        local = self._local()
+        if local is not None:
+            return await local.get_pin(route)
+        key = self._pin_key(route)
+        try:
+            value = await self._call(lambda: self._redis.get(key))
+        except Exception as exc:
+            return await self._went_away(exc).get_pin(route)
+        return None if value is None else _text(value)
+
+    async def list_pins(self) -> dict[str, tuple[str, float]]:
+        local = self._local()
+        if local is not None:
+            return await local.list_pins()
+        try:
+            return await self._call(self._list_pins)
+        except Exception as exc:
+            return await self._went_away(exc).list_pins()
+
+    async def _list_pins(self) -> dict[str, tuple[str, float]]:
+        start = len(self.prefix) + len("pin:")
+        keys = [k async for k in self._redis.scan_iter(match=f"{self.prefix}pin:*", count=100)]
+        if not keys:
+            return {}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.get(key)
+                pipe.pttl(key)
+            values = await pipe.execute()
+        pins: dict[str, tuple[str, float]] = {}
+        for key, value, pttl in zip(keys, values[::2], values[1::2], strict=True):
+            if value is not None and pttl is not None and int(pttl) > 0:
+                pins[unquote(_text(key)[start:])] = (_text(value), int(pttl) / 1000.0)
+        return pins
+
+
+def _of(ticket: Ticket) -> dict[str, Any]:
+    return {"gen": ticket.gen, "probe": ticket.probe}
+
+
+def _wrap(orphan: Callable[[Ticket], None]) -> Callable[[Any], None]:
+    def on_raw(raw: Any) -> None:
+        ticket = Ticket(True, _text(raw[1]), int(raw[2]), int(raw[3]))
+        orphan(ticket)
+
+    return on_raw
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for logs."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user + ':***' if user else '***'}@{host}"

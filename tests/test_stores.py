@@ -1,0 +1,233 @@
+"""The breaker ledgers and pins: the same semantics from MemoryStore and RedisStore."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tierchain import MemoryStore, RedisStore
+from tierchain.store import BreakerPolicy, BreakerSnapshot, Store
+
+POLICY = BreakerPolicy(
+    failure_threshold=5,
+    failure_cooldown=30.0,
+    saturation_threshold=2,
+    saturation_cooldown=900.0,
+    retry_after_cap=120.0,
+    probe_lease=60.0,
+)
+R, B = "echo", "tower"
+
+
+class Clock:
+    """A clock the test moves by hand (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request, clock):
+    if request.param == "memory":
+        yield MemoryStore(clock=clock)
+        return
+    server = request.getfixturevalue("redis_server")
+    redis_store = RedisStore(server.url, clock=clock)
+    try:
+        yield redis_store
+    finally:
+        await redis_store.aclose()
+
+
+async def fail(store: Store, outcome: str = "failure", times: int = 1, **kw) -> None:
+    for _ in range(times):
+        ticket = await store.breaker_acquire(R, B, POLICY)
+        await store.breaker_record(R, B, POLICY, outcome, gen=ticket.gen, **kw)
+
+
+async def test_a_breaker_never_seen_is_closed(store):
+    assert await store.breaker_snapshot(R, B) == BreakerSnapshot("closed", None, 0, 0)
+    ticket = await store.breaker_acquire(R, B, POLICY)
+    assert ticket.admitted
+    assert ticket.clean
+
+
+async def test_five_consecutive_failures_open_for_the_failure_cooldown(store, clock):
+    await fail(store, times=4)
+    assert (await store.breaker_snapshot(R, B)).state == "closed"
+    await fail(store)
+    snap = await store.breaker_snapshot(R, B)
+    assert snap.state == "open"
+    assert snap.failures == 5
+    assert snap.retry_in == pytest.approx(30.0, abs=0.01)
+    clock.advance(10)
+    ticket = await store.breaker_acquire(R, B, POLICY)
+    assert not ticket.admitted
+    assert ticket.retry_in == pytest.approx(20.0, abs=0.01)
+
+
+async def test_saturations_count_and_cool_down_apart_from_failures(store):
+    await fail(store, times=4)
+    await fail(store, "saturation")
+    assert (await store.breaker_snapshot(R, B)).state == "closed"
+    await fail(store, "saturation")
+    snap = await store.breaker_snapshot(R, B)
+    assert (snap.state, snap.failures, snap.saturations) == ("open", 4, 2)
+    assert snap.retry_in == pytest.approx(900.0, abs=0.01)
+
+
+async def test_one_good_attempt_clears_both_counts(store):
+    await fail(store, times=4)
+    await fail(store, "saturation")
+    ticket = await store.breaker_acquire(R, B, POLICY)
+    assert not ticket.clean
+    await store.breaker_record(R, B, POLICY, "success", gen=ticket.gen)
+    assert await store.breaker_snapshot(R, B) == BreakerSnapshot("closed", None, 0, 0)
+    await fail(store, times=4)
+    assert (await store.breaker_snapshot(R, B)).state == "closed"
+
+
+async def test_a_neutral_outcome_counts_nothing_and_clears_nothing(store):
+    await fail(store, times=4)
+    await fail(store, "neutral")
+    assert (await store.breaker_snapshot(R, B)).failures == 4
+
+
+async def test_after_the_cooldown_exactly_one_probe_goes_and_its_success_closes(store, clock):
+    await fail(store, "saturation", times=2)
+    clock.advance(900)
+    assert (await store.breaker_snapshot(R, B)).state == "half_open"
+    probe = await store.breaker_acquire(R, B, POLICY)
+    assert probe.admitted
+    assert probe.probe
+    assert probe.transitions == ("half_open",)
+    others = [await store.breaker_acquire(R, B, POLICY) for _ in range(5)]
+    assert not any(t.admitted for t in others)
+    assert {t.state for t in others} == {"half_open"}
+    change = await store.breaker_record(
+        R, B, POLICY, "success", gen=probe.gen, probe=probe.probe
+    )
+    assert change.state == "closed"
+    assert change.transitions == ("closed",)
+    assert (await store.breaker_acquire(R, B, POLICY)).admitted
+
+
+async def test_a_failed_probe_reopens_for_its_own_ledger_cooldown(store, clock):
+    await fail(store, "saturation", times=2)
+    clock.advance(900)
+    probe = await store.breaker_acquire(R, B, POLICY)
+    change = await store.breaker_record(
+        R, B, POLICY, "saturation", gen=probe.gen, probe=probe.probe
+    )
+    assert change.state == "open"
+    assert change.transitions == ("open",)
+    assert change.retry_in == pytest.approx(900.0, abs=0.01)
+
+
+async def test_a_repeated_trip_never_shortens_a_cooldown_in_force(store, clock):
+    await fail(store, "saturation", times=2)  # open for 900 s
+    clock.advance(100)
+    forced = await store.breaker_acquire(R, B, POLICY, force=True)
+    assert forced.admitted
+    change = await store.breaker_record(R, B, POLICY, "failure", gen=forced.gen)
+    assert change.state == "open"
+    assert change.retry_in == pytest.approx(800.0, abs=0.01)  # not 30
+
+
+async def test_a_verdict_from_before_the_breaker_opened_neither_closes_nor_extends_it(
+    store, clock
+):
+    early = await store.breaker_acquire(R, B, POLICY)
+    await fail(store, "saturation", times=2)
+    clock.advance(10)
+    change = await store.breaker_record(R, B, POLICY, "success", gen=early.gen)
+    assert change.state == "open"
+    change = await store.breaker_record(R, B, POLICY, "saturation", gen=early.gen)
+    assert change.retry_in == pytest.approx(890.0, abs=0.01)
+
+
+async def test_retry_after_opens_at_once_for_at_least_that_long_and_is_capped(store, clock):
+    await fail(store, retry_after=45.0)
+    snap = await store.breaker_snapshot(R, B)
+    assert (snap.state, snap.failures) == ("open", 1)
+    assert snap.retry_in == pytest.approx(45.0, abs=0.01)
+    clock.advance(45)
+    probe = await store.breaker_acquire(R, B, POLICY)
+    await store.breaker_record(R, B, POLICY, "failure", gen=probe.gen, retry_after=10_000.0)
+    assert (await store.breaker_snapshot(R, B)).retry_in == pytest.approx(120.0, abs=0.01)
+
+
+async def test_a_neutral_probe_gives_its_slot_back(store, clock):
+    await fail(store, "saturation", times=2)
+    clock.advance(900)
+    probe = await store.breaker_acquire(R, B, POLICY)
+    assert not (await store.breaker_acquire(R, B, POLICY)).admitted
+    await store.breaker_record(R, B, POLICY, "neutral", gen=probe.gen, probe=probe.probe)
+    second = await store.breaker_acquire(R, B, POLICY)
+    assert second.probe
+    assert second.probe != probe.probe
+
+
+async def test_a_probe_that_never_reports_loses_its_slot_after_the_lease(store, clock):
+    await fail(store, "saturation", times=2)
+    clock.advance(900)
+    lost = await store.breaker_acquire(R, B, POLICY)
+    clock.advance(59)
+    assert not (await store.breaker_acquire(R, B, POLICY)).admitted
+    clock.advance(1)
+    second = await store.breaker_acquire(R, B, POLICY)
+    assert second.probe
+    # The lost probe reporting late does not free the new holder's slot.
+    await store.breaker_record(R, B, POLICY, "neutral", gen=lost.gen, probe=lost.probe)
+    assert not (await store.breaker_acquire(R, B, POLICY)).admitted
+
+
+async def test_breakers_are_kept_per_route_and_backend(store):
+    await fail(store, "saturation", times=2)
+    assert (await store.breaker_snapshot(R, "hosted")).state == "closed"
+    assert (await store.breaker_snapshot("deep", B)).state == "closed"
+    assert (await store.breaker_acquire("deep:1", "tower:2", POLICY)).admitted
+
+
+async def test_a_hundred_concurrent_acquires_after_the_cooldown_take_one_probe(store, clock):
+    await fail(store, "saturation", times=2)
+    clock.advance(900)
+    tickets = await asyncio.gather(*(store.breaker_acquire(R, B, POLICY) for _ in range(100)))
+    assert sum(t.admitted for t in tickets) == 1
+    assert sum(bool(t.probe) for t in tickets) == 1
+
+
+async def test_pins_set_read_list_and_delete(store):
+    assert await store.get_pin(R) is None
+    expiry = await store.set_pin(R, "hosted", 60.0)
+    assert expiry > 0
+    assert await store.get_pin(R) == "hosted"
+    pins = await store.list_pins()
+    assert set(pins) == {R}
+    backend, remaining = pins[R]
+    assert backend == "hosted"
+    assert 55.0 < remaining <= 60.0
+    assert await store.delete_pin(R) is True
+    assert await store.delete_pin(R) is False
+    assert await store.get_pin(R) is None
+    assert await store.list_pins() == {}
+
+
+async def test_a_pin_expires_by_itself(store):
+    await store.set_pin("odd:route/name", "hosted", 0.05)
+    assert await store.get_pin("odd:route/name") == "hosted"
+    await asyncio.sleep(0.08)
+    assert await store.get_pin("odd:route/name") is None
+    assert await store.list_pins() == {}
