@@ -107,3 +107,37 @@ def redis_server():
         yield server
     finally:
         server.kill()
+
+
+class ManualClock:
+    """A breaker clock the test moves by hand (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def manual_clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def breaker_store(request, manual_clock):
+    """Each breaker store in turn (RedisStore on a throwaway redis-server), on manual_clock."""
+    from tierchain import MemoryStore, RedisStore
+
+    if request.param == "memory":
+        yield MemoryStore(clock=manual_clock)
+        return
+    server = request.getfixturevalue("redis_server")
+    store = RedisStore(server.url, clock=manual_clock)
+    try:
+        yield store
+    finally:
+        await store.aclose()

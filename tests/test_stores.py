@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 
-from tierchain import MemoryStore, RedisStore
 from tierchain.store import BreakerPolicy, BreakerSnapshot, Store
 
 POLICY = BreakerPolicy(
@@ -20,35 +19,14 @@ POLICY = BreakerPolicy(
 R, B = "echo", "tower"
 
 
-class Clock:
-    """A clock the test moves by hand (seconds)."""
-
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+@pytest.fixture
+def clock(manual_clock):
+    return manual_clock
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def store(request, clock):
-    if request.param == "memory":
-        yield MemoryStore(clock=clock)
-        return
-    server = request.getfixturevalue("redis_server")
-    redis_store = RedisStore(server.url, clock=clock)
-    try:
-        yield redis_store
-    finally:
-        await redis_store.aclose()
+def store(breaker_store):
+    return breaker_store
 
 
 async def fail(store: Store, outcome: str = "failure", times: int = 1, **kw) -> None:
@@ -116,9 +94,7 @@ async def test_after_the_cooldown_exactly_one_probe_goes_and_its_success_closes(
     others = [await store.breaker_acquire(R, B, POLICY) for _ in range(5)]
     assert not any(t.admitted for t in others)
     assert {t.state for t in others} == {"half_open"}
-    change = await store.breaker_record(
-        R, B, POLICY, "success", gen=probe.gen, probe=probe.probe
-    )
+    change = await store.breaker_record(R, B, POLICY, "success", gen=probe.gen, probe=probe.probe)
     assert change.state == "closed"
     assert change.transitions == ("closed",)
     assert (await store.breaker_acquire(R, B, POLICY)).admitted
@@ -146,9 +122,7 @@ async def test_a_repeated_trip_never_shortens_a_cooldown_in_force(store, clock):
     assert change.retry_in == pytest.approx(800.0, abs=0.01)  # not 30
 
 
-async def test_a_verdict_from_before_the_breaker_opened_neither_closes_nor_extends_it(
-    store, clock
-):
+async def test_a_verdict_from_before_the_breaker_opened_neither_closes_nor_extends_it(store, clock):
     early = await store.breaker_acquire(R, B, POLICY)
     await fail(store, "saturation", times=2)
     clock.advance(10)
