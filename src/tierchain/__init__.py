@@ -8,6 +8,7 @@ The host's forwarding handler asks :func:`current_attempt` where to send each
 attempt, or is simply :class:`Forwarder`.
 """
 
+from .admin import Admin
 from .backend import Backend, Routes
 from .breaker import Breaker
 from .errors import (
@@ -29,6 +30,7 @@ from .store import MemoryStore
 from .telemetry import VERSION as __version__
 
 __all__ = [
+    "Admin",
     "Attempt",
     "AttemptError",
     "Backend",
