@@ -1,0 +1,213 @@
+"""RedisStore against a real redis-server: replicas share the breaker; Redis may go away."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tierchain import (
+    Backend,
+    BackendSaturated,
+    Breaker,
+    Failover,
+    Forwarder,
+    RedisStore,
+    Routes,
+)
+from tierchain.store import BreakerPolicy
+
+from .support import FakeBackend, chat_request, serve, streams
+
+pytestmark = pytest.mark.redis
+
+POLICY = BreakerPolicy()
+
+
+async def _silent(ex) -> None:
+    """A saturated GPU: accepts the request, says 200 and pings, never sends a token."""
+    await ex.head()
+    await ex.write(b": ping\n\n")
+    await ex.wait_closed_by_peer()
+
+
+class _SaturateAfter:
+    """Stand-in for SaturationWatchdog: no first chunk within ``window`` -> BackendSaturated."""
+
+    def __init__(self, app: Any, window: float) -> None:
+        self.app = app
+        self.window = window
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with asyncio.timeout(self.window):
+                await self.app(scope, receive, send)
+        except TimeoutError:
+            raise BackendSaturated("no first chunk", waited=self.window) from None
+
+
+def replica(routes: Routes, store: RedisStore) -> tuple[Failover, Forwarder]:
+    """One gateway replica: Failover(Breaker(watchdog(Forwarder())))."""
+    import tierchain
+
+    forwarder = Forwarder()
+    watchdog = getattr(tierchain, "SaturationWatchdog", None)
+    inner = (
+        watchdog(forwarder, slow_after=0.15)
+        if watchdog is not None
+        else _SaturateAfter(forwarder, 0.15)
+    )
+    return Failover(Breaker(inner, store=store), routes=routes), forwarder
+
+
+async def post(client: httpx.AsyncClient, url: str) -> httpx.Response:
+    return await client.post(url + "/v1/chat/completions", content=chat_request())
+
+
+async def test_a_saturation_seen_by_one_replica_is_honoured_by_the_other(redis_server):
+    async with (
+        FakeBackend("tower", _silent) as tower,
+        FakeBackend("hosted", streams(["ok"])) as hosted,
+        RedisStore(redis_server.url) as store_a,
+        RedisStore(redis_server.url) as store_b,
+    ):
+        routes = Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
+        app_a, fwd_a = replica(routes, store_a)
+        app_b, fwd_b = replica(routes, store_b)
+        async with (
+            serve(app_a) as url_a,
+            serve(app_b) as url_b,
+            httpx.AsyncClient(timeout=5) as client,
+        ):
+            for _ in range(2):
+                response = await post(client, url_a)
+                assert response.headers["x-tierchain-attempts"].startswith(
+                    "tower;outcome=saturated"
+                )
+            t0 = time.monotonic()
+            response = await post(client, url_b)
+            took = time.monotonic() - t0
+        await fwd_a.aclose()
+        await fwd_b.aclose()
+        snapshot = await store_b.breaker_snapshot("echo", "tower")
+    assert response.status_code == 200
+    assert response.headers["x-tierchain-attempts"] == "tower;outcome=skipped, hosted;outcome=ok"
+    assert took < 0.1
+    assert len(tower.requests) == 2
+    assert snapshot.state == "open"
+    assert 890 < snapshot.retry_in <= 900
+
+
+async def test_two_replicas_never_both_take_the_half_open_probe(redis_server):
+    clock = [1_000_000.0]
+    async with (
+        RedisStore(redis_server.url, clock=lambda: clock[0]) as a,
+        RedisStore(redis_server.url, clock=lambda: clock[0]) as b,
+    ):
+        for _ in range(2):
+            ticket = await a.breaker_acquire("echo", "tower", POLICY)
+            await a.breaker_record("echo", "tower", POLICY, "saturation", gen=ticket.gen)
+        clock[0] += 900
+        tickets = await asyncio.gather(
+            *(s.breaker_acquire("echo", "tower", POLICY) for s in [a, b] * 50)
+        )
+    assert sum(t.admitted for t in tickets) == 1
+    assert sum(bool(t.probe) for t in tickets) == 1
+
+
+async def test_keys_are_namespaced_and_expire(redis_server):
+    import redis.asyncio as aioredis
+
+    async with RedisStore(redis_server.url, ttl=60) as store:
+        for _ in range(2):
+            ticket = await store.breaker_acquire("echo", "tower:1", POLICY)
+            await store.breaker_record("echo", "tower:1", POLICY, "saturation", gen=ticket.gen)
+        await store.set_pin("echo", "hosted", 30)
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        keys = sorted(await client.keys("*"))
+        ttls = [await client.pttl(k) for k in keys]
+    finally:
+        await client.aclose()
+    assert keys == ["tierchain:breaker:echo:tower%3A1", "tierchain:pin:echo"]
+    assert 900_000 < ttls[0] <= 960_000  # the cooldown, then the idle ttl
+    assert 0 < ttls[1] <= 30_000
+
+
+async def test_redis_going_away_fails_no_request_and_it_comes_back_by_itself(redis_server, caplog):
+    caplog.set_level(logging.INFO, logger="tierchain")
+    async with (
+        FakeBackend("tower", streams(["from ", "tower"])) as tower,
+        FakeBackend("hosted", streams(["ok"])) as hosted,
+        RedisStore(redis_server.url, reconnect_every=0.1) as store,
+        RedisStore(redis_server.url) as other_replica,
+    ):
+        routes = Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
+        app, forwarder = replica(routes, store)
+        async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+            assert (await post(client, url)).status_code == 200
+            redis_server.kill()
+            statuses = []
+            t0 = time.monotonic()
+            for _ in range(20):
+                statuses.append((await post(client, url)).status_code)
+            took = time.monotonic() - t0
+            assert store.degraded
+            redis_server.start()  # same port
+            await asyncio.sleep(0.15)
+            assert (await post(client, url)).status_code == 200
+            assert not store.degraded
+            # Shared again: a trip recorded through another replica is honoured here.
+            for _ in range(2):
+                ticket = await other_replica.breaker_acquire("echo", "tower", POLICY)
+                await other_replica.breaker_record(
+                    "echo", "tower", POLICY, "saturation", gen=ticket.gen
+                )
+            response = await post(client, url)
+        await forwarder.aclose()
+    assert statuses == [200] * 20
+    assert took < 2.0
+    assert response.headers["x-tierchain-backend"] == "hosted"
+    warnings = [r for r in caplog.records if getattr(r, "event", "") == "store.redis_unavailable"]
+    assert len(warnings) == 1
+    assert warnings[0].levelno == logging.WARNING
+    back = [r for r in caplog.records if getattr(r, "event", "") == "store.redis_reconnected"]
+    assert len(back) == 1
+
+
+async def test_the_fallback_keeps_a_breaker_working_while_redis_is_away(redis_server):
+    async with RedisStore(redis_server.url, reconnect_every=60) as store:
+        redis_server.kill()
+        for _ in range(2):
+            ticket = await store.breaker_acquire("echo", "tower", POLICY)
+            await store.breaker_record("echo", "tower", POLICY, "saturation", gen=ticket.gen)
+        assert not (await store.breaker_acquire("echo", "tower", POLICY)).admitted
+        assert (await store.breaker_snapshot("echo", "tower")).state == "open"
+        assert await store.get_pin("echo") is None
+        assert await store.list_pins() == {}
+
+
+async def test_a_pin_write_while_redis_is_away_says_so(redis_server):
+    from tierchain.redis_store import StoreUnavailable
+
+    async with RedisStore(redis_server.url) as store:
+        redis_server.kill()
+        with pytest.raises(StoreUnavailable, match="not set"):
+            await store.set_pin("echo", "hosted", 60)
+        with pytest.raises(StoreUnavailable, match="not removed"):
+            await store.delete_pin("echo")
+
+
+def test_redis_store_imports_without_redis_and_names_the_extra(monkeypatch):
+    for name in [m for m in sys.modules if m == "redis" or m.startswith("redis.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "redis", None)
+    from tierchain import RedisStore as Imported
+
+    with pytest.raises(ImportError, match=r"tierchain\[redis\]"):
+        Imported()
