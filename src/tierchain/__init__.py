@@ -23,6 +23,7 @@ from .errors import (
 )
 from .failover import Failover
 from .forwarder import Forwarder
+from .heartbeats import Heartbeats
 from .prefer import PreferBackend
 from .redis_store import RedisStore
 from .request import Attempt, TierRequest, current_attempt
@@ -42,6 +43,7 @@ __all__ = [
     "BudgetExhausted",
     "Failover",
     "Forwarder",
+    "Heartbeats",
     "MemoryStore",
     "PreferBackend",
     "RedisStore",

@@ -1,0 +1,591 @@
+"""Heartbeats over real sockets: state lines, keepalives, framing, commit rule, teardown."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from tierchain import Backend, Failover, Forwarder, Heartbeats, Routes, TierRequest
+
+from .support import (
+    Exchange,
+    FakeBackend,
+    answers,
+    chat_request,
+    chunk_event,
+    openai_stream,
+    refused_url,
+    serve,
+    streams,
+)
+
+TICK = 0.05
+OURS = re.compile(rb': (\{"state":[^\r\n]*\})\n')
+
+
+def states(raw: bytes) -> list[dict[str, Any]]:
+    """Every heartbeat line in ``raw``, decoded, in order."""
+    return [json.loads(m) for m in OURS.findall(raw)]
+
+
+def without_heartbeats(raw: bytes) -> bytes:
+    """``raw`` with every heartbeat line removed, after checking each sat at an event boundary."""
+    out = b""
+    pos = 0
+    for m in OURS.finditer(raw):
+        out += raw[pos : m.start()]
+        pos = m.end()
+        assert out == b"" or out.endswith(BLANK_LINE_ENDS), f"inserted mid-event: {out[-40:]!r}"
+        if out.endswith(b"\r"):
+            later = OURS.sub(b"", raw[pos:])
+            assert not later.startswith(b"\n"), "inserted between a CR and its LF"
+    return out + raw[pos:]
+
+
+BLANK_LINE_ENDS = (b"\n\n", b"\r\r", b"\n\r", b"\r\n\r\n", b"\n\r\n", b"\r\n\n")
+
+
+def stack(routes: dict[str, list[Backend]], **opts: Any) -> tuple[Heartbeats, Forwarder]:
+    forwarder = Forwarder()
+    opts.setdefault("interval", TICK)
+    return Heartbeats(Failover(forwarder, routes=Routes(routes)), **opts), forwarder
+
+
+class Reader:
+    """Reads a streamed response chunk by chunk, keeping the raw bytes and their times."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self._it: AsyncIterator[bytes] = response.aiter_raw()
+        self.raw = b""
+        self.times: list[tuple[float, bytes]] = []
+
+    async def until(self, cond: Any, within: float = 2.0) -> None:
+        async with asyncio.timeout(within):
+            while not cond(self.raw):
+                chunk = await anext(self._it)
+                self.times.append((time.monotonic(), chunk))
+                self.raw += chunk
+
+    async def rest(self) -> bytes:
+        async with asyncio.timeout(3):
+            async for chunk in self._it:
+                self.raw += chunk
+        return self.raw
+
+    async def aclose(self) -> None:
+        await self._it.aclose()  # type: ignore[attr-defined]
+
+
+def count(raw: bytes, **match: Any) -> int:
+    return sum(1 for s in states(raw) if all(s.get(k) == v for k, v in match.items()))
+
+
+def tierchain_tasks() -> list[asyncio.Task[Any]]:
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith("tierchain")]
+
+
+async def no_tierchain_tasks_within(seconds: float) -> list[asyncio.Task[Any]]:
+    for _ in range(int(seconds / 0.01)):
+        if not tierchain_tasks():
+            break
+        await asyncio.sleep(0.01)
+    return tierchain_tasks()
+
+
+def held(release: asyncio.Event, then: Any) -> Any:
+    """A script that waits for ``release`` before running ``then``."""
+
+    async def script(ex: Exchange) -> None:
+        await release.wait()
+        await then(ex)
+
+    return script
+
+
+# -- state lines ------------------------------------------------------------------
+
+
+async def test_a_fast_two_tier_failover_keeps_real_headers_and_shows_every_attempt_first():
+    async with FakeBackend("hosted", streams(["from ", "hosted"])) as hosted:
+        app, fwd = stack(
+            {
+                "echo": [
+                    Backend("tower", refused_url(), regime="local"),
+                    Backend("hosted", hosted.url),
+                ]
+            },
+            commit_after=5.0,
+        )
+        async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+            response = await client.post(url + "/v1/chat/completions", content=chat_request())
+        await fwd.aclose()
+    assert response.status_code == 200
+    assert response.headers["x-tierchain-attempts"] == (
+        "tower;outcome=connect_refused, hosted;outcome=ok"
+    )
+    assert states(response.content) == [
+        {"state": "attempt", "n": 1, "of": 2, "backend": "tower", "regime": "local"},
+        {
+            "state": "backend_failed",
+            "backend": "tower",
+            "reason": "connect_refused",
+            "failing_over": True,
+        },
+        {"state": "attempt", "n": 2, "of": 2, "backend": "hosted", "regime": None},
+        {"state": "generating", "backend": "hosted"},
+    ]
+    # Every state line comes before the first data event, and the data is untouched.
+    assert response.content.index(b"data:") > response.content.rindex(b'"generating"')
+    assert without_heartbeats(response.content) == b"".join(openai_stream(["from ", "hosted"]))
+
+
+async def test_a_slow_two_tier_failover_commits_and_shows_each_state_as_it_happens():
+    release = asyncio.Event()
+
+    async def reset(ex: Exchange) -> None:
+        await ex.reset()
+
+    async with (
+        FakeBackend("tower", held(release, reset)) as tower,
+        FakeBackend("hosted", streams(["ok"])) as hosted,
+    ):
+        app, fwd = stack(
+            {"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]},
+            commit_after=TICK,
+            interval=0,
+        )
+        async with (
+            serve(app) as url,
+            httpx.AsyncClient(timeout=5) as client,
+            client.stream("POST", url + "/v1/chat/completions", content=chat_request()) as resp,
+        ):
+            reader = Reader(resp)
+            try:
+                await reader.until(lambda raw: count(raw, state="attempt") == 1)
+                assert resp.status_code == 200
+                assert resp.headers["content-type"].startswith("text/event-stream")
+                assert resp.headers["cache-control"] == "no-cache"
+                assert resp.headers["x-accel-buffering"] == "no"
+                assert b"data:" not in reader.raw
+                release.set()
+                raw = await reader.rest()
+            finally:
+                await reader.aclose()
+        await fwd.aclose()
+    assert [s["state"] for s in states(raw)] == [
+        "attempt",
+        "backend_failed",
+        "attempt",
+        "generating",
+    ]
+    assert states(raw)[1] == {
+        "state": "backend_failed",
+        "backend": "tower",
+        "reason": "connection_reset",
+        "failing_over": True,
+    }
+    assert without_heartbeats(raw) == b"".join(openai_stream(["ok"]))
+
+
+# -- keepalives -----------------------------------------------------------------------
+
+
+async def test_keepalives_repeat_the_current_state_line_at_the_interval():
+    release = asyncio.Event()
+    async with FakeBackend("tower", held(release, streams(["late"]))) as tower:
+        app, fwd = stack({"echo": [Backend("tower", tower.url)]}, commit_after=TICK)
+        async with (
+            serve(app) as url,
+            httpx.AsyncClient(timeout=5) as client,
+            client.stream("POST", url + "/v1/chat/completions", content=chat_request()) as resp,
+        ):
+            reader = Reader(resp)
+            try:
+                await reader.until(lambda raw: count(raw, state="attempt") >= 4)
+                release.set()
+                raw = await reader.rest()
+            finally:
+                await reader.aclose()
+        await fwd.aclose()
+    attempt = {"state": "attempt", "n": 1, "of": 1, "backend": "tower", "regime": None}
+    lines = states(raw)
+    assert lines[:4] == [attempt] * 4
+    assert lines[-1] == {"state": "generating", "backend": "tower"}
+    beats = [t for t, chunk in reader.times if b'"attempt"' in chunk]
+    gaps = [b - a for a, b in itertools.pairwise(beats)]
+    assert all(gap >= TICK * 0.8 for gap in gaps), gaps
+    assert without_heartbeats(raw) == b"".join(openai_stream(["late"]))
+
+
+async def test_interval_zero_keeps_the_state_lines_and_drops_the_keepalives():
+    release = asyncio.Event()
+    async with FakeBackend("tower", held(release, streams(["late"]))) as tower:
+        app, fwd = stack({"echo": [Backend("tower", tower.url)]}, commit_after=TICK, interval=0)
+        async with (
+            serve(app) as url,
+            httpx.AsyncClient(timeout=5) as client,
+            client.stream("POST", url + "/v1/chat/completions", content=chat_request()) as resp,
+        ):
+            reader = Reader(resp)
+            try:
+                await reader.until(lambda raw: count(raw, state="attempt") >= 1)
+                await asyncio.sleep(5 * TICK)  # five would-be keepalive intervals
+                release.set()
+                raw = await reader.rest()
+            finally:
+                await reader.aclose()
+        await fwd.aclose()
+    assert [s["state"] for s in states(raw)] == ["attempt", "generating"]
+
+
+# -- framing ----------------------------------------------------------------------------
+
+
+async def test_a_split_upstream_event_survives_keepalives_firing_in_its_gaps():
+    """Cut inside a JSON string, and between the CR and LF of a CRLF blank line."""
+    gaps = [asyncio.Event() for _ in range(5)]
+    first = chunk_event("one")
+    second = chunk_event("split right here")
+    cut = second.index(b"right") + 2
+    third = chunk_event("crlf").replace(b"\n\n", b"\r\n\r\n")
+    upstream = [first, second[:cut], second[cut:], third[:-1], third[-1:], b"data: [DONE]\n\n"]
+
+    async def script(ex: Exchange) -> None:
+        await ex.head()
+        await ex.write(upstream[0])
+        await gaps[0].wait()
+        await ex.write(upstream[1])  # cut inside a JSON string
+        await gaps[1].wait()
+        await ex.write(upstream[2])
+        await gaps[2].wait()
+        await ex.write(upstream[3])  # ends "\r\n\r": an LF may still follow
+        await gaps[3].wait()
+        await ex.write(upstream[4])  # the LF that completes it
+        await gaps[4].wait()
+        await ex.write(upstream[5])
+        await ex.end()
+
+    async with FakeBackend("tower", script) as tower:
+        app, fwd = stack({"echo": [Backend("tower", tower.url)]}, commit_after=5.0)
+        async with (
+            serve(app) as url,
+            httpx.AsyncClient(timeout=5) as client,
+            client.stream("POST", url + "/v1/chat/completions", content=chat_request()) as resp,
+        ):
+            reader = Reader(resp)
+            try:
+                # Between whole events, keepalives flow at the interval.
+                await reader.until(lambda raw: raw.endswith(first) or OURS.search(raw[-200:]))
+                await reader.until(lambda raw: count(raw, state="generating") >= 3)
+                gaps[0].set()
+                await reader.until(lambda raw: raw.endswith(upstream[1]))
+                await asyncio.sleep(4 * TICK)  # keepalives fall due inside the event
+                assert reader.raw.endswith(upstream[1])
+                gaps[1].set()
+                # The keepalive that fell due waited for the boundary, then went out.
+                await reader.until(
+                    lambda raw: second[cut:] in raw and OURS.search(raw[raw.rindex(second[cut:]) :])
+                )
+                gaps[2].set()
+                await reader.until(lambda raw: raw.endswith(upstream[3]))
+                await asyncio.sleep(4 * TICK)  # keepalives fall due after the lone CR
+                assert reader.raw.endswith(upstream[3])
+                gaps[3].set()
+                await reader.until(lambda raw: OURS.search(raw[raw.rindex(b"crlf") :]))
+                gaps[4].set()
+                raw = await reader.rest()
+            finally:
+                await reader.aclose()
+        await fwd.aclose()
+    assert without_heartbeats(raw) == b"".join(upstream)
+    assert b"\r\n\r\n" + b': {"state"' in raw  # the CRLF event closed before any line
+    assert b"\r: {" not in raw
+
+
+async def test_a_blank_line_never_follows_a_heartbeat():
+    release = asyncio.Event()
+
+    async def script(ex: Exchange) -> None:
+        await ex.head()
+        await ex.write(b"id: 1\ndata: " + json.dumps({"a": 1}).encode() + b"\n\n")
+        await release.wait()
+        await ex.write(b"id: 2\ndata: [DONE]\n\n")
+        await ex.end()
+
+    async with FakeBackend("tower", script) as tower:
+        app, fwd = stack({"echo": [Backend("tower", tower.url)]})
+        async with (
+            serve(app) as url,
+            httpx.AsyncClient(timeout=5) as client,
+            client.stream("POST", url + "/v1/chat/completions", content=chat_request()) as resp,
+        ):
+            reader = Reader(resp)
+            try:
+                await reader.until(lambda raw: count(raw, state="generating") >= 3)
+                release.set()
+                raw = await reader.rest()
+            finally:
+                await reader.aclose()
+        await fwd.aclose()
+    for m in OURS.finditer(raw):
+        assert not raw[m.end() :].startswith((b"\n", b"\r")), raw
+    assert re.search(rb"\}\n\n", raw.replace(b'{"a": 1}\n\n', b"")) is None
+
+
+async def test_names_and_reasons_cannot_inject_a_line_break():
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        req = TierRequest.of(scope)
+        req.emit("backend_failed", backend="evil\n\ndata: x", reason="a\r\nb", failing_over=True)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b"data: ok\n\n"})
+
+    async with serve(Heartbeats(app, interval=TICK)) as url, httpx.AsyncClient() as client:
+        response = await client.post(url, content=b"{}", headers={"accept": "text/event-stream"})
+    head, rest = response.content.split(b"\n", 1)
+    assert head.startswith(b": {")
+    assert json.loads(head[2:])["backend"] == "evil\n\ndata: x"
+    assert rest.startswith(b': {"state":"generating"}\ndata: ok\n\n')
+
+
+# -- the commit rule ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "status"),
+    [("backend_400", 400), ("unknown_model", 404), ("too_large", 413), ("all_refused", 502)],
+)
+async def test_a_fast_failure_keeps_its_real_status(case, status):
+    body = chat_request()
+    async with FakeBackend("tower", answers(400)) as tower:
+        chain = [Backend("tower", tower.url if case == "backend_400" else refused_url())]
+        heart = Heartbeats(
+            Failover(fwd := Forwarder(), routes=Routes({"echo": chain}), max_body=2000),
+            interval=TICK,
+            commit_after=0.25,
+        )
+        if case == "unknown_model":
+            body = chat_request(model="nope")
+        elif case == "too_large":
+            body = chat_request(content="x" * 5000)
+        async with serve(heart) as url, httpx.AsyncClient(timeout=5) as client:
+            response = await client.post(url + "/v1/chat/completions", content=body)
+        await fwd.aclose()
+    assert response.status_code == status
+    assert response.headers["content-type"] == "application/json"
+    assert "error" in response.json()
+    assert not OURS.search(response.content)
+
+
+async def test_a_slow_failure_becomes_an_sse_error_event_and_ends_the_stream():
+    release = asyncio.Event()
+
+    async def reset(ex: Exchange) -> None:
+        await ex.reset()
+
+    async with FakeBackend("tower", held(release, reset)) as tower:
+        app, fwd = stack({"echo": [Backend("tower", tower.url)]}, commit_after=TICK)
+        async with (
+            serve(app) as url,
+            httpx.AsyncClient(timeout=5) as client,
+            client.stream("POST", url + "/v1/chat/completions", content=chat_request()) as resp,
+        ):
+            reader = Reader(resp)
+            try:
+                await reader.until(lambda raw: count(raw, state="attempt") >= 1)
+                release.set()
+                raw = await reader.rest()
+            finally:
+                await reader.aclose()
+        await fwd.aclose()
+    assert resp.status_code == 200
+    assert states(raw)[-1] == {
+        "state": "backend_failed",
+        "backend": "tower",
+        "reason": "connection_reset",
+        "failing_over": False,
+    }
+    tail = without_heartbeats(raw)
+    assert tail.startswith(b"data: ")
+    assert tail.endswith(b"\n\n")
+    assert tail.count(b"\n\n") == 1
+    error = json.loads(tail[len(b"data: ") :])["error"]
+    assert error["type"] == "all_backends_failed"
+    assert error["attempts"] == [{"backend": "tower", "outcome": "connection_reset"}]
+
+
+async def test_a_non_streaming_request_passes_through_byte_for_byte():
+    release = asyncio.Event()
+    body = json.dumps({"id": "x", "choices": []}).encode()
+    async with FakeBackend("tower", held(release, answers(200, body))) as tower:
+        app, fwd = stack({"echo": [Backend("tower", tower.url)]}, commit_after=0.01)
+
+        async def later() -> None:
+            await asyncio.sleep(4 * TICK)  # well past commit_after
+            release.set()
+
+        async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+            task = asyncio.create_task(later())
+            response = await client.post(
+                url + "/v1/chat/completions", content=chat_request(stream=False)
+            )
+            await task
+        await fwd.aclose()
+    assert response.status_code == 200
+    assert response.content == body
+    assert response.headers["content-type"] == "application/json"
+
+
+async def test_alone_in_front_of_any_sse_endpoint_it_reads_stream_true_from_the_body():
+    go = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen = b""
+        while True:
+            message = await receive()
+            seen += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        assert json.loads(seen)["stream"] is True
+        await go.wait()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b"data: hi\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    heart = Heartbeats(app, interval=TICK, commit_after=TICK)
+    async with (
+        serve(heart) as url,
+        httpx.AsyncClient(timeout=5) as client,
+        client.stream("POST", url, content=chat_request()) as resp,
+    ):
+        reader = Reader(resp)
+        try:
+            await reader.until(lambda raw: count(raw, state="waiting") >= 2)
+            go.set()
+            raw = await reader.rest()
+        finally:
+            await reader.aclose()
+    assert states(raw)[-1] == {"state": "generating"}
+    assert without_heartbeats(raw) == b"data: hi\n\ndata: [DONE]\n\n"
+
+
+# -- teardown -----------------------------------------------------------------------------------
+
+
+async def hang_until_closed(ex: Exchange) -> None:
+    await ex.wait_closed_by_peer()
+
+
+async def test_a_caller_leaving_mid_wait_leaves_nothing_running():
+    async with FakeBackend("tower", hang_until_closed) as tower:
+        app, fwd = stack({"echo": [Backend("tower", tower.url)]}, commit_after=TICK)
+        async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+            async with client.stream(
+                "POST", url + "/v1/chat/completions", content=chat_request()
+            ) as resp:
+                reader = Reader(resp)
+                try:
+                    await reader.until(lambda raw: count(raw, state="attempt") >= 2)
+                finally:
+                    await reader.aclose()
+            async with asyncio.timeout(0.5):
+                await tower.connection_closed.wait()
+            assert await no_tierchain_tasks_within(0.5) == []
+        await fwd.aclose()
+
+
+async def test_a_caller_leaving_mid_stream_leaves_nothing_running():
+    async def script(ex: Exchange) -> None:
+        await ex.head()
+        await ex.write(chunk_event("first"))
+        await ex.wait_closed_by_peer()
+
+    async with FakeBackend("tower", script) as tower:
+        app, fwd = stack({"echo": [Backend("tower", tower.url)]}, commit_after=5.0)
+        async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+            async with client.stream(
+                "POST", url + "/v1/chat/completions", content=chat_request()
+            ) as resp:
+                reader = Reader(resp)
+                try:
+                    await reader.until(lambda raw: count(raw, state="generating") >= 2)
+                finally:
+                    await reader.aclose()
+            async with asyncio.timeout(0.5):
+                await tower.connection_closed.wait()
+            assert await no_tierchain_tasks_within(0.5) == []
+        await fwd.aclose()
+
+
+# -- observability and options -------------------------------------------------------------------
+
+
+async def test_each_line_counts_and_adds_a_span_event(metric):
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        TierRequest.of(scope).emit("still_working", backend="tower", elapsed_s=1.0)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b"data: x\n\n"})
+
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/",
+        "headers": [(b"accept", b"text/event-stream")],
+    }
+    before = metric("tierchain_stream_heartbeats_total", state="still_working")
+    span = TracerProvider().get_tracer("test").start_span("request")
+    with trace.use_span(span, end_on_exit=True):
+        await Heartbeats(app, interval=TICK)(scope, receive, send)
+    assert metric("tierchain_stream_heartbeats_total", state="still_working") == before + 1
+    assert [(e.name, dict(e.attributes or {})) for e in span.events] == [
+        ("stream.heartbeat", {"state": "still_working", "keepalive": False}),
+        ("stream.heartbeat", {"state": "generating", "keepalive": False}),
+    ]
+    assert sent[1]["body"].startswith(
+        b': {"state":"still_working","backend":"tower","elapsed_s":1.0}\n'
+    )
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [{"interval": -1}, {"interval": float("nan")}, {"commit_after": -0.5}, {"max_queued": 0}],
+)
+def test_bad_options_are_refused_at_start_up(opts):
+    with pytest.raises(ValueError, match="must be"):
+        Heartbeats(lambda *a: None, **opts)  # type: ignore[arg-type]
