@@ -1,18 +1,283 @@
-"""``python -m tierchain``: the command line (replaced by the CLI module)."""
+"""The ``tierchain`` command line.
+
+::
+
+    tierchain check-config [--json]      the effective stack, routes and settings, or every problem
+    tierchain burst-probe URL --model M  the admission-control probe of seed 001 (needs --yes)
+    tierchain demo                       the README's demo
+
+Exit status: 0 success, 1 the probe measured nothing, 2 a usage or
+configuration problem (or a probe that was not confirmed with ``--yes``).
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import os
 import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from .telemetry import VERSION
+
+__all__ = ["main"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["demo"]:
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierchain",
+        description="Operate a tierchain gateway: check its configuration, probe a backend.",
+    )
+    parser.add_argument("--version", action="version", version=f"tierchain {VERSION}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    check = sub.add_parser(
+        "check-config",
+        help="print the effective stack, routes and settings from TIERCHAIN_* variables",
+        description="Read the TIERCHAIN_* variables and the routes file; print the effective "
+        "stack (outermost first), routes and settings with secrets masked, or every problem "
+        "found (exit 2).",
+    )
+    check.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    probe = sub.add_parser(
+        "burst-probe",
+        help="the admission-control probe: concurrency 1, 5, 10, 30, three repeats",
+        description="Send the shortest identical prompt with max_tokens 1 at concurrency 1, 5, "
+        "10 and 30, three repeats each, to an OpenAI-compatible URL, and say what the latencies "
+        "and statuses do and do not show. Every call spends tokens: it refuses to start without "
+        "--yes.",
+    )
+    probe.add_argument("url", help="base URL (http://host:8000), .../v1, or the endpoint itself")
+    probe.add_argument("--model", required=True, help="the model name to send")
+    probe.add_argument("--yes", action="store_true", help="really make the calls")
+    probe.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help="name of the variable holding an API key (sent as a bearer token)",
+    )
+    probe.add_argument(
+        "--timeout",
+        type=float,
+        default=180.0,
+        help="seconds each call may take in all (default 180: above a 138.5 s cold model load)",
+    )
+
+    demo = sub.add_parser("demo", help="run the demo the README shows", add_help=False)
+    demo.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["demo"]:
         from .demo import main as demo_main
 
-        return demo_main(args[1:])
-    print("usage: tierchain demo", file=sys.stderr)
+        return int(demo_main(args_list[1:]) or 0)
+    parser = _parser()
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    if args.command == "check-config":
+        return check_config(as_json=args.json)
+    if args.command == "burst-probe":
+        return burst_probe(
+            args.url,
+            model=args.model,
+            yes=args.yes,
+            api_key_env=args.api_key_env,
+            timeout=args.timeout,
+        )
+    parser.print_help(sys.stderr)
     return 2
+
+
+# -- check-config -------------------------------------------------------------------
+
+
+def check_config(
+    *,
+    as_json: bool = False,
+    environ: dict[str, str] | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """Print the effective configuration (exit 0) or every problem found (exit 2)."""
+    from .config import ConfigError, build_stack, from_env
+
+    out = sys.stdout if out is None else out
+    env = dict(os.environ) if environ is None else environ
+    try:
+        settings = from_env(env)
+
+        async def dummy(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover
+            return None
+
+        # Build once to let every constructor check its options too.
+        build_stack(dummy, settings, identity=False)
+    except (ConfigError, ImportError) as exc:
+        problems = exc.problems if isinstance(exc, ConfigError) else (str(exc),)
+        if as_json:
+            print(json.dumps({"ok": False, "problems": list(problems)}, indent=2), file=out)
+        else:
+            print(f"tierchain {VERSION}: {len(problems)} configuration problem(s):", file=out)
+            for problem in problems:
+                print(f"  - {problem}", file=out)
+        return 2
+
+    from .identity import identity_fields
+
+    fields = identity_fields(settings=settings)
+    if as_json:
+        doc = {
+            "ok": True,
+            "stack": _stack_rows(settings),
+            "routes": fields["routes"],
+            "settings": fields["settings"],
+            "notes": list(settings.notes),
+        }
+        print(json.dumps(doc, indent=2), file=out)
+        return 0
+
+    print(f"tierchain {VERSION}: configuration OK", file=out)
+    print("\nstack, outermost first:", file=out)
+    for i, row in enumerate(_stack_rows(settings), 1):
+        opts = "  ".join(f"{k}={_val(v)}{_src(row, k)}" for k, v in row["options"].items())
+        print(f"  {i}. {row['name']:<19} {opts}".rstrip(), file=out)
+    print(f"\nroutes ({settings.routes_file or 'none'}):", file=out)
+    for route, chain in (fields["routes"] or {}).items():
+        print(f"  {route}:", file=out)
+        for n, b in enumerate(chain, 1):
+            extra = "".join(f"  {k}={b[k]}" for k in ("regime", "model", "status_url") if k in b)
+            hdrs = f"  headers={','.join(b['headers'])}" if "headers" in b else ""
+            print(f"    {n}. {b['name']:<12} {b['url']}{extra}{hdrs}", file=out)
+    store_opts = "".join(
+        f"  {k}={_val(v)}" for k, v in fields["settings"]["options"].get("RedisStore", {}).items()
+    )
+    print(f"\nstore: {fields['settings']['store_url']}{store_opts}", file=out)
+    if settings.notes:
+        print("\nnotes:", file=out)
+        for note in settings.notes:
+            print(f"  - {note}", file=out)
+    return 0
+
+
+def _stack_rows(settings: Any) -> list[dict[str, Any]]:
+    effective = settings.effective()["options"]
+    rows: list[dict[str, Any]] = []
+    if settings.identity:
+        rows.append({"name": "StartupIdentity", "options": {}, "sources": {}})
+    if settings.admin_enabled:
+        rows.append(
+            {
+                "name": "Admin",
+                "options": {"path": settings.admin_path, **effective.get("Admin", {})},
+                "sources": dict(settings.layers["Admin"].sources),
+            }
+        )
+    for name in settings.stack:
+        rows.append(
+            {
+                "name": name,
+                "options": effective.get(name, {}),
+                "sources": dict(settings.layers[name].sources),
+            }
+        )
+        if name == "SaturationWatchdog" and "Allowance" in effective:
+            rows.append(
+                {
+                    "name": "  Allowance",
+                    "options": effective["Allowance"],
+                    "sources": dict(settings.layers["Allowance"].sources),
+                }
+            )
+    rows.append(
+        {
+            "name": "handler: Forwarder",
+            "options": effective.get("Forwarder", {}),
+            "sources": dict(settings.layers["Forwarder"].sources),
+        }
+    )
+    return rows
+
+
+def _val(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def _src(row: dict[str, Any], key: str) -> str:
+    env = row["sources"].get(key)
+    return f" ({env})" if env else ""
+
+
+# -- burst-probe ----------------------------------------------------------------------
+
+
+def burst_probe(
+    url: str,
+    *,
+    model: str,
+    yes: bool,
+    api_key_env: str | None = None,
+    timeout: float = 180.0,
+    environ: dict[str, str] | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Refuse without ``yes`` (naming the call count); otherwise run and print the verdict."""
+    from . import burst
+
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    env = os.environ if environ is None else environ
+    calls = burst.planned_calls()
+    levels = ", ".join(str(n) for n in burst.LEVELS)
+    try:
+        endpoint = burst.chat_url(url)
+    except ValueError as exc:
+        print(f"tierchain burst-probe: {exc}", file=err)
+        return 2
+    if not timeout > 0:
+        print(f"tierchain burst-probe: --timeout must be > 0 seconds, got {timeout}", file=err)
+        return 2
+    api_key = None
+    if api_key_env:
+        api_key = env.get(api_key_env)
+        if not api_key:
+            print(
+                f"tierchain burst-probe: --api-key-env {api_key_env}: that variable is not set "
+                "or is empty",
+                file=err,
+            )
+            return 2
+    if not yes:
+        print(
+            f"tierchain burst-probe would make {calls} calls to {endpoint} (model {model!r}): "
+            f"concurrency {levels}, {burst.REPEATS} repeats each, max_tokens 1, each call "
+            f"bounded at {timeout:g} s. Every call spends tokens and loads the backend; run it "
+            "on an idle backend, outside an incident. Nothing was sent. Add --yes to run it.",
+            file=err,
+        )
+        return 2
+
+    print(f"burst-probe: {calls} calls to {endpoint} (model {model!r})", file=err)
+
+    def progress(line: str) -> None:
+        print(line, file=err, flush=True)
+
+    try:
+        result = asyncio.run(
+            burst.run_probe(url, model, api_key=api_key, call_timeout=timeout, progress=progress)
+        )
+    except KeyboardInterrupt:  # pragma: no cover - interactive
+        print("burst-probe: interrupted", file=err)
+        return 130
+    outcome = burst.verdict(result)
+    print(outcome.text(), file=out)
+    return 1 if outcome.kind == "no_evidence" else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,965 @@
+"""Configuration from the environment, and routes from a TOML file.
+
+One function reads it all and fails at start-up, listing every problem::
+
+    from tierchain.config import from_env, build_stack
+
+    settings = from_env()              # ConfigError(ValueError) naming each bad variable
+    app = build_stack(handler, settings)   # the whole stack, in the brief's order
+
+or, one middleware at a time (FastAPI: the last ``add_middleware`` is the
+outermost)::
+
+    app.add_middleware(Budget, **settings.middleware_kwargs("Budget"))
+
+Every option of every middleware has a ``TIERCHAIN_*`` variable, declared in
+the tables below (one :class:`Option` line each). Options that are objects
+(clocks, clients, callables) are code-only and say so. A middleware whose
+module is not importable is reported, never crashed on: it is left out of the
+stack with a note, and setting one of its variables is a problem.
+
+A problem message names the variable (or the TOML key path), the value (a
+secret's value is never shown) and what was expected.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from ._types import ASGIApp, Receive, Scope, Send
+from .backend import Backend, Routes
+
+__all__ = [
+    "LAYERS",
+    "STACK_ORDER",
+    "ConfigError",
+    "Layer",
+    "LayerSettings",
+    "Option",
+    "Settings",
+    "build_stack",
+    "from_env",
+    "load_routes",
+    "mask_url",
+    "uncovered_options",
+]
+
+PREFIX = "TIERCHAIN_"
+MASK = "***"
+
+# Variables with this prefix that other tools read (the test harness), not the gateway.
+FOREIGN_VARIABLES = frozenset({"TIERCHAIN_CHROMIUM"})
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; ``problems`` lists every reason, one sentence each."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = tuple(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"tierchain configuration has {len(self.problems)} problem(s):\n{lines}")
+
+
+# -- parsers -----------------------------------------------------------------------
+# A parser takes the raw string and returns the value, or raises ValueError; the
+# problem message is built from the Option's ``expected`` (plus the error's text,
+# when it has any).
+
+Parser = Callable[[str], Any]
+
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ms|s|m|h|d)?", re.IGNORECASE)
+_DURATION_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_SIZE = re.compile(r"([0-9]+)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+_HEADER = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_NONE_WORDS = frozenset({"", "none", "off", "no"})
+
+
+def seconds(*, zero_ok: bool = True, optional: bool = False) -> Parser:
+    """Seconds as ``30``, ``2.5``, ``500ms``, ``15m``, ``2h``; ``none`` too when optional."""
+
+    def parse(raw: str) -> float | None:
+        text = raw.strip()
+        if optional and text.lower() in _NONE_WORDS:
+            return None
+        match = _DURATION.fullmatch(text)
+        if match is None:
+            raise ValueError
+        value = float(match[1]) * _DURATION_UNITS[(match[2] or "").lower()]
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            raise ValueError
+        return value
+
+    return parse
+
+
+def integer(minimum: int, maximum: int | None = None) -> Parser:
+    """A whole number in [minimum, maximum]."""
+
+    def parse(raw: str) -> int:
+        value = int(raw.strip(), 10)
+        if value < minimum or (maximum is not None and value > maximum):
+            raise ValueError
+        return value
+
+    return parse
+
+
+def size(raw: str) -> int:
+    """Bytes as ``33554432``, ``512k``, ``32MiB``, ``1g`` (binary multiples)."""
+    match = _SIZE.fullmatch(raw.strip())
+    if match is None:
+        raise ValueError
+    unit = (match[2] or "").lower()[:1]
+    return int(match[1]) * _SIZE_UNITS[unit]
+
+
+def boolean(raw: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off``."""
+    text = raw.strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError
+
+
+def header_name(raw: str) -> str:
+    """An HTTP header name such as ``X-Request-Timeout``."""
+    text = raw.strip()
+    if not _HEADER.fullmatch(text):
+        raise ValueError
+    return text
+
+
+def text(raw: str) -> str:
+    """Any non-empty text."""
+    if not raw.strip():
+        raise ValueError
+    return raw.strip()
+
+
+def status_list(raw: str) -> frozenset[int]:
+    """HTTP statuses separated by commas: ``429,500,502``."""
+    values = [p.strip() for p in raw.split(",") if p.strip()]
+    statuses = frozenset(int(v, 10) for v in values)
+    if not all(100 <= s <= 599 for s in statuses):
+        raise ValueError
+    return statuses
+
+
+def choice(*choices: str) -> Parser:
+    """One of ``choices`` (case-insensitive)."""
+
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError
+        return value
+
+    return parse
+
+
+def backend_name(raw: str) -> str:
+    """A backend name: 1-64 characters from ``A-Z a-z 0-9 . _ -``."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", raw.strip()):
+        raise ValueError
+    return raw.strip()
+
+
+def token(raw: str) -> str:
+    """A secret of 16 to 512 printable ASCII characters, no spaces."""
+    if not re.fullmatch(r"[\x21-\x7e]{16,512}", raw):
+        raise ValueError
+    return raw
+
+
+def path_list(raw: str) -> tuple[str, ...]:
+    """URL path prefixes separated by commas, each starting with ``/``."""
+    paths = tuple(p.strip() for p in raw.split(",") if p.strip())
+    if not paths or not all(p.startswith("/") for p in paths):
+        raise ValueError
+    return paths
+
+
+def origin_list(raw: str) -> tuple[str, ...]:
+    """Origins separated by commas: ``https://ops.example,https://other.example``."""
+    origins = tuple(p.strip() for p in raw.split(",") if p.strip())
+    for origin in origins:
+        parts = urlsplit(origin)
+        if parts.scheme not in {"http", "https"} or not parts.netloc or parts.path:
+            raise ValueError(f"{origin!r} is not an origin")
+    return origins
+
+
+def mount_path(raw: str) -> str:
+    """A path prefix such as ``/admin/tierchain`` (no trailing slash)."""
+    path = raw.strip().rstrip("/")
+    if not path.startswith("/") or any(c in path for c in "?# "):
+        raise ValueError
+    return path
+
+
+def stack_list(raw: str) -> tuple[str, ...]:
+    """Middleware names separated by commas, in the brief's order."""
+    names: list[str] = []
+    by_lower = {n.lower(): n for n in STACK_ORDER}
+    for part in (p.strip() for p in raw.split(",")):
+        if not part:
+            continue
+        name = by_lower.get(part.lower())
+        if name is None:
+            raise ValueError(f"{part!r} is not one of {', '.join(STACK_ORDER)}")
+        if name in names:
+            raise ValueError(f"{name} is listed twice")
+        names.append(name)
+    order = [n for n in STACK_ORDER if n in names]
+    if names != order:
+        raise ValueError(f"the order is fixed, outermost first: list them as {','.join(order)}")
+    return tuple(names)
+
+
+def store_url(raw: str) -> str:
+    """``memory://`` or a redis URL (``redis://``, ``rediss://``, ``unix://``)."""
+    url = raw.strip()
+    parts = urlsplit(url)
+    if url in {"memory", "memory://"}:
+        return "memory://"
+    if parts.scheme in {"redis", "rediss"} and parts.hostname:
+        return url
+    if parts.scheme == "unix" and parts.path:
+        return url
+    raise ValueError
+
+
+_ALLOWANCE = "allowance"
+
+
+def slow_after(raw: str) -> float | str:
+    """Seconds (0: off), or the word ``allowance`` for the TIERCHAIN_ALLOWANCE_* formula."""
+    if raw.strip().lower() == _ALLOWANCE:
+        return _ALLOWANCE
+    value: float = seconds(zero_ok=True)(raw)
+    return value
+
+
+# -- the tables ---------------------------------------------------------------------
+
+Kind = Literal["middleware", "handler", "app", "component", "general"]
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One keyword argument and the variable it comes from."""
+
+    name: str
+    env: str
+    parse: Parser
+    expected: str
+    secret: bool = False
+    help: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """A configurable piece: its class, its options, and the arguments it gets otherwise.
+
+    ``wired`` arguments are filled in by :func:`build_stack` (routes, the shared
+    store); ``code_only`` ones are objects a deployment passes in code (clocks,
+    clients, callables).
+    """
+
+    name: str
+    module: str
+    kind: Kind
+    options: tuple[Option, ...]
+    wired: frozenset[str] = frozenset()
+    code_only: frozenset[str] = frozenset()
+    help: str = ""
+
+
+def _o(name: str, env: str, parse: Parser, expected: str, **kw: Any) -> Option:
+    return Option(name, PREFIX + env, parse, expected, **kw)
+
+
+# Expected-value phrases, shared by the table.
+_SECS = "seconds such as 30, 2.5, 500ms, 15m or 2h"
+_SECS_POS = f"{_SECS}, > 0"
+_SECS_NONNEG = f"{_SECS}, >= 0"
+_COUNT = "a whole number >= 1"
+_BOOL = "1/true/yes/on or 0/false/no/off"
+
+STACK_ORDER = (
+    "Heartbeats",
+    "Budget",
+    "PreferBackend",
+    "Failover",
+    "Breaker",
+    "SaturationWatchdog",
+)
+
+# One line per option: Option(keyword, TIERCHAIN_<variable>, parser, what is expected).
+# fmt: off
+LAYERS: tuple[Layer, ...] = (
+    Layer("tierchain", "tierchain", "general", (
+        _o("stack", "STACK", stack_list, "middleware names separated by commas, outermost first",
+           help="Which middlewares to stack (default: every one that is available)."),
+        _o("routes_file", "ROUTES_FILE", text, "the path of a TOML file of [routes.<name>] tables",
+           help="The routes file (see Routes file)."),
+        _o("store_url", "STORE_URL", store_url, "memory:// or a redis URL (redis://host:6379/0)",
+           help="Where breaker ledgers and pins live (default memory://). A password is masked."),
+        _o("admin_path", "ADMIN_PATH", mount_path, "a path prefix such as /admin/tierchain",
+           help="Where Admin is mounted when TIERCHAIN_ADMIN_TOKEN is set."),
+        _o("identity", "IDENTITY", boolean, _BOOL,
+           help="Write the tierchain.started identity line at start-up (default on)."),
+    )),
+    Layer("Heartbeats", "tierchain.heartbeats", "middleware", (
+        _o("interval", "HEARTBEAT_INTERVAL", seconds(), f"{_SECS} (0: no keepalives)"),
+        _o("commit_after", "HEARTBEAT_COMMIT_AFTER", seconds(), _SECS_NONNEG),
+        _o("max_queued", "HEARTBEAT_MAX_QUEUED", integer(1), _COUNT),
+    )),
+    Layer("Budget", "tierchain.budget", "middleware", (
+        _o("default", "BUDGET_DEFAULT", seconds(zero_ok=False, optional=True),
+           f"{_SECS_POS}, or none"),
+        _o("max", "BUDGET_MAX", seconds(zero_ok=False, optional=True), f"{_SECS_POS}, or none"),
+        _o("header", "BUDGET_HEADER", header_name, "an HTTP header name such as X-Request-Timeout"),
+    )),
+    Layer("PreferBackend", "tierchain.prefer", "middleware", (
+        _o("header", "PREFER_HEADER", header_name, "an HTTP header name such as X-Prefer-Backend"),
+        _o("pin_timeout", "PREFER_PIN_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
+    ), wired=frozenset({"store"})),
+    Layer("Failover", "tierchain.failover", "middleware", (
+        _o("max_body", "FAILOVER_MAX_BODY", size, "a size in bytes such as 512k or 32MiB"),
+        _o("retry_statuses", "FAILOVER_RETRY_STATUSES", status_list,
+           "HTTP statuses separated by commas, such as 429,500,502,503,504"),
+        _o("paths", "FAILOVER_PATHS", path_list, "path prefixes separated by commas, such as /v1/"),
+    ), wired=frozenset({"routes"}), code_only=frozenset({"resolve"})),
+    Layer("Breaker", "tierchain.breaker", "middleware", (
+        _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
+        _o("failure_cooldown", "BREAKER_FAILURE_COOLDOWN", seconds(), _SECS_NONNEG),
+        _o("saturation_threshold", "BREAKER_SATURATION_THRESHOLD", integer(1), _COUNT),
+        _o("saturation_cooldown", "BREAKER_SATURATION_COOLDOWN", seconds(), _SECS_NONNEG),
+        _o("retry_after_cap", "BREAKER_RETRY_AFTER_CAP", seconds(), _SECS_NONNEG),
+        _o("probe_lease", "BREAKER_PROBE_LEASE", seconds(zero_ok=False), _SECS_POS),
+        _o("when_all_open", "BREAKER_WHEN_ALL_OPEN", choice("reject", "try_soonest"),
+           "reject or try_soonest"),
+        _o("backend", "BREAKER_BACKEND", backend_name,
+           "a backend name (A-Z a-z 0-9 . _ -, 1-64 characters), used when no Failover runs"),
+    ), wired=frozenset({"store"})),
+    Layer("SaturationWatchdog", "tierchain.watchdog", "middleware", (
+        _o("slow_after", "SLOW_AFTER", slow_after, f"{_SECS} (0: off), or the word allowance"),
+        _o("ceiling", "WATCHDOG_CEILING", seconds(zero_ok=False), _SECS_POS),
+        _o("probe_timeout", "WATCHDOG_PROBE_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
+    ), code_only=frozenset({"readers", "client"})),
+    Layer("Allowance", "tierchain.allowance", "component", (
+        _o("cold_start", "ALLOWANCE_COLD_START", seconds(), _SECS_NONNEG),
+        _o("base", "ALLOWANCE_BASE", seconds(), _SECS_NONNEG),
+        _o("per_1k_tokens", "ALLOWANCE_PER_1K_TOKENS", seconds(), _SECS_NONNEG),
+        _o("ceiling", "ALLOWANCE_CEILING", seconds(zero_ok=False), _SECS_POS),
+    ), code_only=frozenset({"tokenizer"}), help="Used when TIERCHAIN_SLOW_AFTER=allowance."),
+    Layer("Forwarder", "tierchain.forwarder", "handler", (
+        _o("connect_timeout", "FORWARDER_CONNECT_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
+        _o("max_keepalive", "FORWARDER_MAX_KEEPALIVE", integer(0), "a whole number >= 0"),
+    ), code_only=frozenset({"backend", "client"}),
+       help="The handler build_stack uses when it is given none."),
+    Layer("Admin", "tierchain.admin", "app", (
+        _o("token", "ADMIN_TOKEN", token, "16 to 512 printable ASCII characters, no spaces",
+           secret=True),
+        _o("max_ttl", "ADMIN_MAX_TTL", seconds(zero_ok=False), _SECS_POS),
+        _o("session_ttl", "ADMIN_SESSION_TTL", seconds(zero_ok=False), _SECS_POS),
+        _o("allowed_origins", "ADMIN_ALLOWED_ORIGINS", origin_list,
+           "origins separated by commas, such as https://ops.example"),
+        _o("max_body", "ADMIN_MAX_BODY", size, "a size in bytes such as 16384 or 16k"),
+    ), wired=frozenset({"routes", "store"}), code_only=frozenset({"clock"}),
+       help="Mounted at TIERCHAIN_ADMIN_PATH when TIERCHAIN_ADMIN_TOKEN is set."),
+    Layer("RedisStore", "tierchain.redis_store", "component", (
+        _o("prefix", "REDIS_PREFIX", text, "a key prefix such as tierchain:"),
+        _o("timeout", "REDIS_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
+        _o("reconnect_every", "REDIS_RECONNECT_EVERY", seconds(zero_ok=False), _SECS_POS),
+        _o("ttl", "REDIS_TTL", seconds(zero_ok=False), f"{_SECS}, >= 1"),
+    ), wired=frozenset({"url"}), code_only=frozenset({"clock"}),
+       help="Used when TIERCHAIN_STORE_URL is a redis URL."),
+    Layer("MemoryStore", "tierchain.store", "component", (
+    ), code_only=frozenset({"clock"}), help="Used when TIERCHAIN_STORE_URL is memory://."),
+)
+# fmt: on
+
+_BY_NAME = {layer.name: layer for layer in LAYERS}
+_BY_ENV = {opt.env: (layer, opt) for layer in LAYERS for opt in layer.options}
+_ROUTE_KEYS = ("name", "url", "regime", "status_url", "model", "headers", "api_key_env")
+
+
+def _import(layer: Layer) -> tuple[Any | None, str | None]:
+    """The layer's class, or None and why it is not available."""
+    try:
+        module = importlib.import_module(layer.module)
+    except ModuleNotFoundError as exc:
+        if exc.name == layer.module:
+            return None, f"{layer.module} is not part of this tierchain build"
+        return None, f"{layer.module} needs {exc.name!r}, which is not installed"
+    except Exception as exc:  # a broken module is reported, not crashed on
+        return None, f"{layer.module} failed to import: {type(exc).__name__}: {exc}"
+    cls = getattr(module, layer.name, None)
+    if cls is None:
+        return None, f"{layer.module} has no {layer.name}"
+    return cls, None
+
+
+def _require(name: str) -> Any:
+    cls, reason = _import(_BY_NAME[name])
+    if cls is None:
+        raise ConfigError([f"{name} is not available: {reason}"])
+    return cls
+
+
+def _keyword_params(cls: Any) -> dict[str, inspect.Parameter]:
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # pragma: no cover - every layer is a class
+        return {}
+    return {
+        name: p
+        for name, p in signature.parameters.items()
+        if name != "app" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
+
+
+def uncovered_options() -> dict[str, list[str]]:
+    """Constructor arguments of available layers that no table line covers (should be empty)."""
+    missing: dict[str, list[str]] = {}
+    for layer in LAYERS:
+        if layer.kind == "general":
+            continue
+        cls, _ = _import(layer)
+        if cls is None:
+            continue
+        known = {o.name for o in layer.options} | layer.wired | layer.code_only
+        extra = [name for name in _keyword_params(cls) if name not in known]
+        if extra:
+            missing[layer.name] = extra
+    return missing
+
+
+# -- settings ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSettings:
+    """One piece's configuration: the options set by variables, and where each came from."""
+
+    name: str
+    kind: Kind
+    enabled: bool
+    available: bool
+    reason: str | None
+    options: Mapping[str, Any]
+    sources: Mapping[str, str]
+    defaults: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The effective configuration. Build it with :func:`from_env`."""
+
+    layers: Mapping[str, LayerSettings]
+    routes: Routes | None
+    routes_file: str | None
+    store_url: str
+    admin_path: str
+    identity: bool
+    notes: tuple[str, ...] = ()
+    environ_keys: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def stack(self) -> tuple[str, ...]:
+        """The middlewares in the stack, outermost first."""
+        return tuple(n for n in STACK_ORDER if self.layers[n].enabled)
+
+    @property
+    def admin_enabled(self) -> bool:
+        """True when the Admin app will be mounted (a token is set and Admin is available)."""
+        admin = self.layers["Admin"]
+        return admin.available and "token" in admin.options
+
+    def middleware_kwargs(self, name: str, *, store: Any = None) -> dict[str, Any]:
+        """Keyword arguments for ``name`` (``"Budget"``, ...): the options set by variables.
+
+        Routes are added for Failover and Admin; ``store`` (when given) for the
+        layers that take one; ``TIERCHAIN_SLOW_AFTER=allowance`` becomes an
+        :class:`~tierchain.Allowance` built from the TIERCHAIN_ALLOWANCE_* variables.
+        """
+        layer = _BY_NAME.get(name)
+        if layer is None or layer.kind == "general":
+            raise KeyError(f"{name!r} is not a configurable tierchain piece")
+        kwargs = dict(self.layers[name].options)
+        if "routes" in layer.wired and self.routes is not None:
+            kwargs["routes"] = self.routes
+        if "store" in layer.wired and store is not None:
+            kwargs["store"] = store
+        if name == "SaturationWatchdog" and kwargs.get("slow_after") == _ALLOWANCE:
+            kwargs["slow_after"] = _require("Allowance")(**self.layers["Allowance"].options)
+        return kwargs
+
+    def make_store(self) -> Any:
+        """A new store for ``store_url``: a MemoryStore, or a RedisStore."""
+        if self.store_url == "memory://":
+            return _require("MemoryStore")()
+        cls = _require("RedisStore")
+        layer = self.layers["RedisStore"]
+        try:
+            return cls(url=self.store_url, **layer.options)
+        except (ImportError, TypeError, ValueError) as exc:
+            given = ", ".join(
+                f"{env}={plain(layer.options[o])!r}" for o, env in layer.sources.items()
+            )
+            raise ConfigError(
+                [
+                    f"RedisStore rejected TIERCHAIN_STORE_URL={mask_url(self.store_url)!r}"
+                    f"{', ' + given if given else ''}: {exc}"
+                ]
+            ) from None
+
+    def effective(self) -> dict[str, Any]:
+        """Everything in force, secrets masked: for logs, ``check-config`` and the identity line."""
+        pieces: dict[str, Any] = {}
+        for name, ls in self.layers.items():
+            if ls.kind == "general":
+                continue
+            if ls.kind == "middleware" and not ls.enabled:
+                continue
+            if (
+                name == "Allowance"
+                and self.layers["SaturationWatchdog"].options.get("slow_after") != _ALLOWANCE
+            ):
+                continue
+            if name == "Admin" and not self.admin_enabled:
+                continue
+            if name == "MemoryStore" or (name == "RedisStore" and self.store_url == "memory://"):
+                continue
+            layer = _BY_NAME[name]
+            values = {k: plain(v) for k, v in ls.defaults.items()}
+            values.update({k: plain(v) for k, v in ls.options.items()})
+            for opt in layer.options:
+                if opt.secret and values.get(opt.name) is not None:
+                    values[opt.name] = MASK
+            pieces[name] = values
+        return {
+            "stack": list(self.stack),
+            "routes_file": self.routes_file,
+            "store_url": mask_url(self.store_url),
+            "admin_path": self.admin_path if self.admin_enabled else None,
+            "options": pieces,
+        }
+
+
+def plain(value: Any) -> Any:
+    """A JSON-friendly rendering of an option value."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, frozenset | set):
+        return sorted(plain(v) for v in value)
+    if isinstance(value, tuple | list):
+        return [plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return repr(value)
+
+
+def mask_url(url: str) -> str:
+    """``url`` with any password (and a user name carrying one) replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None and parts.username is None:
+            return url
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+        return urlunsplit(parts._replace(netloc=f"{MASK}@{host}"))
+    except ValueError:
+        return MASK
+
+
+def _shown(opt: Option, raw: str) -> str:
+    if opt.secret:
+        return f"<{len(raw)} characters, not shown>"
+    return repr(raw)
+
+
+def _defaults(cls: Any, layer: Layer) -> dict[str, Any]:
+    names = {o.name for o in layer.options}
+    out: dict[str, Any] = {}
+    for name, param in _keyword_params(cls).items():
+        if name in names and param.default is not inspect.Parameter.empty:
+            out[name] = param.default
+    return out
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read every ``TIERCHAIN_*`` variable and the routes file; raise :class:`ConfigError`.
+
+    The error lists every problem found, each naming the variable or TOML key,
+    the value and what was expected. Unknown ``TIERCHAIN_*`` variables are
+    problems too (a typo must not silently leave a safeguard off).
+    """
+    env = os.environ if environ is None else environ
+    problems: list[str] = []
+    notes: list[str] = []
+    parsed: dict[str, dict[str, Any]] = {layer.name: {} for layer in LAYERS}
+    sources: dict[str, dict[str, str]] = {layer.name: {} for layer in LAYERS}
+
+    for key in sorted(k for k in env if k.startswith(PREFIX)):
+        if key in FOREIGN_VARIABLES:
+            continue
+        if key not in _BY_ENV:
+            close = difflib.get_close_matches(key, list(_BY_ENV), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            problems.append(f"{key} is not a tierchain variable{hint}")
+            continue
+        layer, opt = _BY_ENV[key]
+        raw = env[key]
+        try:
+            value = opt.parse(raw)
+        except ValueError as exc:
+            detail = f" ({exc})" if str(exc) else ""
+            problems.append(f"{key}={_shown(opt, raw)}: expected {opt.expected}{detail}")
+            continue
+        parsed[layer.name][opt.name] = value
+        sources[layer.name][opt.name] = key
+
+    general = parsed["tierchain"]
+    explicit_stack: tuple[str, ...] | None = general.get("stack")
+
+    layers: dict[str, LayerSettings] = {}
+    for layer in LAYERS:
+        if layer.kind == "general":
+            layers[layer.name] = LayerSettings(
+                layer.name, "general", True, True, None,
+                MappingProxyType(dict(parsed[layer.name])),
+                MappingProxyType(sources[layer.name]), MappingProxyType({}),
+            )  # fmt: skip
+            continue
+        cls, reason = _import(layer)
+        enabled = False
+        if layer.kind == "middleware":
+            wanted = explicit_stack is None or layer.name in explicit_stack
+            enabled = wanted and cls is not None
+            if cls is None and explicit_stack is not None and wanted:
+                problems.append(f"TIERCHAIN_STACK lists {layer.name}, but {reason}")
+            elif cls is None:
+                notes.append(f"{layer.name} is left out of the stack: {reason}")
+        if cls is None:
+            for env_name in sources[layer.name].values():
+                problems.append(f"{env_name} is set, but {layer.name} is not available: {reason}")
+        layers[layer.name] = LayerSettings(
+            name=layer.name,
+            kind=layer.kind,
+            enabled=enabled,
+            available=cls is not None,
+            reason=reason,
+            options=MappingProxyType(dict(parsed[layer.name])),
+            sources=MappingProxyType(dict(sources[layer.name])),
+            defaults=MappingProxyType(_defaults(cls, layer) if cls is not None else {}),
+        )
+
+    # Allowance variables only mean something with TIERCHAIN_SLOW_AFTER=allowance.
+    if parsed["SaturationWatchdog"].get("slow_after") == _ALLOWANCE:
+        if not layers["Allowance"].available:
+            problems.append(
+                "TIERCHAIN_SLOW_AFTER='allowance': expected seconds, because Allowance is "
+                f"not available: {layers['Allowance'].reason}"
+            )
+    else:
+        for env_name in sources["Allowance"].values():
+            problems.append(
+                f"{env_name} is set but has no effect: set TIERCHAIN_SLOW_AFTER=allowance to use it"
+            )
+
+    # Routes.
+    routes_file = general.get("routes_file")
+    routes: Routes | None = None
+    if routes_file is not None:
+        try:
+            routes = load_routes(routes_file, environ=env)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    elif layers["Failover"].enabled or "token" in parsed["Admin"]:
+        who = "Failover" if layers["Failover"].enabled else "Admin"
+        problems.append(
+            f"TIERCHAIN_ROUTES_FILE is not set: {who} needs routes; expected the path of a "
+            "TOML file with [routes.<name>] tables (or leave Failover out with TIERCHAIN_STACK)"
+        )
+
+    store = general.get("store_url", "memory://")
+    if store != "memory://" and not layers["RedisStore"].available:
+        problems.append(
+            f"TIERCHAIN_STORE_URL={mask_url(store)!r} names a redis store, "
+            f"but RedisStore is not available: {layers['RedisStore'].reason}"
+        )
+
+    if store == "memory://":
+        for env_name in sources["RedisStore"].values():
+            problems.append(
+                f"{env_name} is set but has no effect: TIERCHAIN_STORE_URL is not a redis URL"
+            )
+
+    if problems:
+        raise ConfigError(problems)
+    return Settings(
+        layers=MappingProxyType(layers),
+        routes=routes,
+        routes_file=routes_file,
+        store_url=store,
+        admin_path=general.get("admin_path", "/admin/tierchain"),
+        identity=general.get("identity", True),
+        notes=tuple(notes),
+        environ_keys=tuple(sorted(k for k in env if k.startswith(PREFIX))),
+    )
+
+
+# -- the routes file ----------------------------------------------------------------
+
+
+def load_routes(
+    path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
+) -> Routes:
+    """Routes from a TOML file; :class:`ConfigError` names each bad key path.
+
+    ::
+
+        [[routes.echo.backends]]
+        name = "tower"
+        url = "http://127.0.0.1:11434"
+        regime = "local"
+        status_url = "http://127.0.0.1:11434/_gate/status"
+
+        [[routes.echo.backends]]
+        name = "hosted"
+        url = "https://api.example.com"
+        regime = "hosted"
+        model = "gpt-4o-mini"
+        api_key_env = "HOSTED_API_KEY"    # sent as Authorization: Bearer <value>
+    """
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(
+            [f"TIERCHAIN_ROUTES_FILE={os.fspath(path)!r}: cannot read it ({exc.strerror})"]
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(
+            [f"TIERCHAIN_ROUTES_FILE={os.fspath(path)!r}: not valid TOML ({exc})"]
+        ) from None
+    return routes_from_toml(data, environ=environ)
+
+
+def routes_from_toml(
+    data: Mapping[str, Any], *, environ: Mapping[str, str] | None = None
+) -> Routes:
+    """Routes from parsed TOML (see :func:`load_routes`)."""
+    env = os.environ if environ is None else environ
+    problems: list[str] = []
+    for key in data:
+        if key != "routes":
+            problems.append(f"{key}: unknown top-level key; expected only [routes.<name>] tables")
+    table = data.get("routes")
+    if not isinstance(table, Mapping) or not table:
+        problems.append("routes: expected at least one [routes.<name>] table")
+        raise ConfigError(problems)
+    built: dict[str, list[Backend]] = {}
+    for route, spec in table.items():
+        where = f"routes.{route}"
+        if not isinstance(spec, Mapping):
+            problems.append(f"{where}: expected a table with a backends array")
+            continue
+        for key in spec:
+            if key != "backends":
+                problems.append(f"{where}.{key}: unknown key; expected only backends")
+        backends = spec.get("backends")
+        if not isinstance(backends, list) or not backends:
+            problems.append(f"{where}.backends: expected at least one [[{where}.backends]] table")
+            continue
+        chain: list[Backend] = []
+        names: set[str] = set()
+        for i, entry in enumerate(backends):
+            backend = _backend(f"{where}.backends[{i}]", entry, env, problems)
+            if backend is None:
+                continue
+            if backend.name in names:
+                problems.append(
+                    f"{where}.backends[{i}].name={backend.name!r}: this name is already in "
+                    f"{where}; expected each backend of a route to have its own name"
+                )
+                continue
+            names.add(backend.name)
+            chain.append(backend)
+        built[route] = chain
+    if problems:
+        raise ConfigError(problems)
+    try:
+        return Routes(built)
+    except ValueError as exc:  # pragma: no cover - checked above
+        raise ConfigError([f"routes: {exc}"]) from None
+
+
+def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]) -> Backend | None:
+    if not isinstance(entry, Mapping):
+        problems.append(f"{where}: expected a table with name and url")
+        return None
+    ok = True
+    for key in entry:
+        if key not in _ROUTE_KEYS:
+            problems.append(f"{where}.{key}: unknown key; expected one of {', '.join(_ROUTE_KEYS)}")
+    fields: dict[str, Any] = {}
+    for key in ("name", "url", "regime", "status_url", "model"):
+        if key not in entry:
+            if key in {"name", "url"}:
+                problems.append(f"{where}.{key}: missing; every backend needs a name and a url")
+                ok = False
+            continue
+        value = entry[key]
+        if not isinstance(value, str) or not value:
+            problems.append(f"{where}.{key}={value!r}: expected a non-empty string")
+            ok = False
+            continue
+        fields[key] = value
+    headers: dict[str, str] = {}
+    raw_headers = entry.get("headers", {})
+    if not isinstance(raw_headers, Mapping):
+        problems.append(f"{where}.headers: expected a table of header names to strings")
+        ok = False
+    else:
+        for name, value in raw_headers.items():
+            if not _HEADER.fullmatch(name) or not isinstance(value, str):
+                problems.append(
+                    f"{where}.headers.{name}: expected an HTTP header name with a string value"
+                )
+                ok = False
+            else:
+                headers[name] = value
+    if "api_key_env" in entry:
+        var = entry["api_key_env"]
+        if not isinstance(var, str) or not var:
+            problems.append(f"{where}.api_key_env={var!r}: expected the name of a variable")
+            ok = False
+        elif not env.get(var):
+            problems.append(
+                f"{where}.api_key_env={var!r}: the variable {var} is not set or empty; "
+                "expected it to hold the API key"
+            )
+            ok = False
+        else:
+            headers["Authorization"] = f"Bearer {env[var]}"
+    if not ok:
+        return None
+    try:
+        return Backend(headers=headers, **fields)
+    except ValueError as exc:
+        key = "url"
+        message = str(exc)
+        if "status_url" in message:
+            key = "status_url"
+        elif message.startswith("backend name"):
+            key = "name"
+        shown = fields.get(key)
+        problems.append(f"{where}.{key}={shown!r}: {message}")
+        return None
+
+
+# -- building the stack ----------------------------------------------------------------
+
+
+class _Mount:
+    """Send requests under ``path`` to ``mounted`` (with ``root_path`` set), the rest to ``app``."""
+
+    def __init__(self, app: ASGIApp, *, path: str, mounted: ASGIApp) -> None:
+        self.app = app
+        self.path = path
+        self.mounted = mounted
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            if path == self.path or path.startswith(self.path + "/"):
+                child = dict(scope)
+                child["root_path"] = scope.get("root_path", "") + self.path
+                child["path"] = path[len(self.path) :] or "/"
+                return await self.mounted(child, receive, send)
+        await self.app(scope, receive, send)
+
+
+def build_stack(
+    app: ASGIApp | None,
+    settings: Settings,
+    *,
+    store: Any = None,
+    identity: bool | None = None,
+) -> ASGIApp:
+    """Wrap ``app`` (default: a configured :class:`~tierchain.Forwarder`) in the stack.
+
+    Outermost first: the identity line, the Admin mount (when a token is set),
+    then Heartbeats, Budget, PreferBackend, Failover, Breaker,
+    SaturationWatchdog: each that is enabled, with its configured options. One
+    store (``store``, or one made from ``TIERCHAIN_STORE_URL``) is shared by
+    every piece that takes one. A constructor that rejects its options raises
+    :class:`ConfigError` naming the variables it was given.
+    """
+    problems: list[str] = []
+    needs_store = (
+        any("store" in _BY_NAME[n].wired for n in settings.stack) or settings.admin_enabled
+    )
+    if store is None and needs_store:
+        store = settings.make_store()
+
+    def construct(name: str, *args: Any) -> Any:
+        cls, reason = _import(_BY_NAME[name])
+        if cls is None:
+            problems.append(f"{name} is not available: {reason}")
+            return None
+        try:
+            return cls(*args, **settings.middleware_kwargs(name, store=store))
+        except (TypeError, ValueError) as exc:
+            given = ", ".join(
+                f"{env}={_display(name, opt, settings.layers[name].options[opt])!r}"
+                for opt, env in settings.layers[name].sources.items()
+            )
+            problems.append(f"{name} rejected its options ({given or 'defaults'}): {exc}")
+            return None
+
+    inner = app if app is not None else construct("Forwarder")
+    for name in reversed(settings.stack):
+        built = construct(name, inner)
+        if built is not None:
+            inner = built
+    if settings.admin_enabled:
+        admin = construct("Admin")
+        if admin is not None:
+            inner = _Mount(inner, path=settings.admin_path, mounted=admin)
+    if problems:
+        raise ConfigError(problems)
+    if settings.identity if identity is None else identity:
+        from .identity import StartupIdentity
+
+        inner = StartupIdentity(inner, settings=settings)
+    return inner
+
+
+def _display(layer: str, name: str, value: Any) -> Any:
+    for opt in _BY_NAME[layer].options:
+        if opt.name == name and opt.secret:
+            return MASK
+    return plain(value)
