@@ -10,7 +10,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from tierchain import Admin, Backend, Failover, Forwarder, PreferBackend, Routes
+from tierchain import Admin, Backend, Breaker, Failover, Forwarder, PreferBackend, Routes
 from tierchain.store import MemoryStore
 
 from .support import FakeBackend, chat_request, serve, streams
@@ -19,11 +19,17 @@ TOKEN = "s3cret-operator-token-0123456789"
 MOUNT = "/admin/tierchain"
 
 
-def host_app(routes: Routes, store: Any, **admin_opts: Any) -> tuple[Starlette, Forwarder, Admin]:
-    """A host app: the admin under /admin/tierchain, the gateway everywhere else."""
+def host_app(
+    routes: Routes, store: Any, *, breaker: dict[str, Any] | None = None, **admin_opts: Any
+) -> tuple[Starlette, Forwarder, Admin]:
+    """A host app: the admin under /admin/tierchain, the gateway everywhere else.
+
+    The gateway is PreferBackend(Failover([Breaker(]Forwarder()[)])), all on ``store``.
+    """
     forwarder = Forwarder()
     admin = Admin(routes=routes, store=store, **admin_opts)
-    gateway = PreferBackend(Failover(forwarder, routes=routes), store=store)
+    inner: Any = forwarder if breaker is None else Breaker(forwarder, store=store, **breaker)
+    gateway = PreferBackend(Failover(inner, routes=routes), store=store)
     app = Starlette(routes=[Mount(MOUNT, admin), Mount("/", gateway)])
     return app, forwarder, admin
 
@@ -262,3 +268,67 @@ async def test_unknown_paths_are_404_and_wrong_methods_are_405(admin_url):
     assert wrong.status_code == 405
     assert "PUT" in wrong.headers["allow"]
     assert page_post.status_code == 405
+
+
+class DownStore(MemoryStore):
+    """A store whose writes fail, the way RedisStore's do while Redis is away."""
+
+    async def set_pin(self, route: str, backend: str, ttl: float) -> float:
+        raise ConnectionError("the pin was not set: Redis at redis://127.0.0.1:1 is unreachable")
+
+    async def delete_pin(self, route: str) -> bool:
+        raise ConnectionError("the pin was not removed: Redis is unreachable")
+
+
+async def test_a_store_that_cannot_write_is_503_saying_nothing_changed(caplog):
+    app, fwd, _ = host_app(PLACEHOLDER, DownStore(), token=TOKEN)
+    async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+        with caplog.at_level(logging.ERROR, logger="tierchain"):
+            put = await client.put(
+                f"{url}{MOUNT}/pins/echo", json={"backend": "hosted", "ttl": 60}, headers=auth()
+            )
+            delete = await client.delete(f"{url}{MOUNT}/pins/echo", headers=auth())
+    await fwd.aclose()
+    assert [put.status_code, delete.status_code] == [503, 503]
+    assert "nothing was changed" in put.json()["error"]["message"]
+    assert "unreachable" in put.json()["error"]["message"]
+    assert len(events(caplog, "admin.store_unavailable")) == 2
+    assert events(caplog, "admin.pin_set") == []
+
+
+@pytest.mark.redis
+async def test_a_pin_set_on_one_replica_applies_on_another_through_redis(redis_server):
+    from tierchain import RedisStore
+
+    async with (
+        FakeBackend("tower", streams(["t"])) as tower,
+        FakeBackend("hosted", streams(["h"])) as hosted,
+        RedisStore(redis_server.url) as store_a,
+        RedisStore(redis_server.url) as store_b,
+    ):
+        routes = Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
+        app_a, fwd_a, _ = host_app(routes, store_a, token=TOKEN)
+        app_b, fwd_b, _ = host_app(routes, store_b, token=TOKEN)
+        async with (
+            serve(app_a) as url_a,
+            serve(app_b) as url_b,
+            httpx.AsyncClient(timeout=5) as client,
+        ):
+            before = await client.post(f"{url_b}/v1/chat/completions", content=chat_request())
+            put = await client.put(
+                f"{url_a}{MOUNT}/pins/echo", json={"backend": "hosted", "ttl": 600}, headers=auth()
+            )
+            on_b = await client.post(f"{url_b}/v1/chat/completions", content=chat_request())
+            listed_b = await client.get(f"{url_b}{MOUNT}/pins", headers=auth())
+            removed_b = await client.delete(f"{url_b}{MOUNT}/pins/echo", headers=auth())
+            on_a = await client.post(f"{url_a}/v1/chat/completions", content=chat_request())
+        await fwd_a.aclose()
+        await fwd_b.aclose()
+    assert before.headers["x-tierchain-backend"] == "tower"
+    assert put.status_code == 200
+    assert on_b.headers["x-tierchain-backend"] == "hosted"
+    [pin] = listed_b.json()["pins"]
+    assert (pin["route"], pin["backend"]) == ("echo", "hosted")
+    assert 590 < pin["remaining_s"] <= 600
+    assert removed_b.json()["removed"] is True
+    assert on_a.headers["x-tierchain-backend"] == "tower"

@@ -12,41 +12,33 @@ import httpx
 import pytest
 
 from tierchain import Backend, Routes
-from tierchain.store import BreakerSnapshot, MemoryStore
+from tierchain.store import MemoryStore
 
-from .support import FakeBackend, chat_request, serve, streams
+from .support import FakeBackend, chat_request, refused_url, serve, streams
 from .test_admin import MOUNT, TOKEN, auth, host_app
 
 SHOTS = os.environ.get("TIERCHAIN_SCREENSHOTS")
 
 
-class OpenTowerStore(MemoryStore):
-    """A MemoryStore whose breaker reports tower open for another 90 seconds."""
-
-    async def breaker_snapshot(self, route: str, backend: str) -> BreakerSnapshot:
-        if backend == "tower":
-            return BreakerSnapshot("open", 90.0, 0, 2)
-        return await super().breaker_snapshot(route, backend)
-
-
 @pytest.mark.chromium
 async def test_an_operator_logs_in_pins_sees_it_listed_and_unpins(browser):
-    store = OpenTowerStore()
-    async with (
-        FakeBackend("tower", streams(["t"])) as tower,
-        FakeBackend("hosted", streams(["h"])) as hosted,
-    ):
+    store = MemoryStore()
+    async with FakeBackend("hosted", streams(["h"])) as hosted:
         routes = Routes(
             {
                 "echo": [
-                    Backend("tower", tower.url, regime="local"),
+                    Backend("tower", refused_url(), regime="local"),
                     Backend("hosted", hosted.url, regime="hosted"),
                 ],
-                "deep": [Backend("tower", tower.url, regime="local")],
+                "deep": [Backend("hosted", hosted.url, regime="hosted")],
             }
         )
-        app, fwd, _ = host_app(routes, store, token=TOKEN)
+        breaker = {"failure_threshold": 1, "failure_cooldown": 90.0}
+        app, fwd, _ = host_app(routes, store, token=TOKEN, breaker=breaker)
         async with serve(app) as url:
+            async with httpx.AsyncClient(timeout=5) as client:  # tower refuses: its breaker opens
+                first = await client.post(f"{url}/v1/chat/completions", content=chat_request())
+            assert first.headers["x-tierchain-backend"] == "hosted"
             context = await browser.new_context()
             context.set_default_timeout(5000)
             page = await context.new_page()
@@ -58,7 +50,7 @@ async def test_an_operator_logs_in_pins_sees_it_listed_and_unpins(browser):
                 await echo.wait_for()
                 tower_row = echo.locator('tr[data-backend="tower"]')
                 assert "open" in await tower_row.locator("td.breaker").inner_text()
-                assert "1m 30s" in await tower_row.inner_text()
+                assert re.search(r"1m (2\d|30)s", await tower_row.inner_text())
                 hosted_row = echo.locator('tr[data-backend="hosted"]')
                 assert "closed" in await hosted_row.locator("td.breaker").inner_text()
                 assert await page.locator("#pins tr.empty").count() == 1
@@ -77,7 +69,8 @@ async def test_an_operator_logs_in_pins_sees_it_listed_and_unpins(browser):
                 assert (await store.list_pins())["echo"][0] == "hosted"
                 async with httpx.AsyncClient(timeout=5) as client:
                     caller = await client.post(f"{url}/v1/chat/completions", content=chat_request())
-                assert caller.headers["x-tierchain-backend"] == "hosted"
+                # pinned: hosted goes first, so the open tower is not even skipped
+                assert caller.headers["x-tierchain-attempts"] == "hosted;outcome=ok"
 
                 await echo.locator("form.unpin-form button").click()
                 await page.locator("#pins tr.empty").wait_for()

@@ -43,9 +43,9 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 from ._body import CallerGone, read_body
@@ -58,6 +58,8 @@ from .telemetry import log_event
 
 __all__ = ["Admin"]
 
+T = TypeVar("T")
+
 MIN_TTL = 1.0
 """The shortest pin, in seconds."""
 
@@ -67,6 +69,10 @@ _TOKEN = re.compile(r"[\x21-\x7e]{16,512}")
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", re.IGNORECASE)
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SNAPSHOT_TIMEOUT = 1.0
+
+
+class _StoreDown(Exception):
+    """The store failed a pin operation: answered 503."""
 
 
 class _Invalid(ValueError):
@@ -247,6 +253,28 @@ class _Call:
     # -- dispatch --------------------------------------------------------------
 
     async def run(self) -> None:
+        try:
+            await self._dispatch()
+        except _StoreDown as exc:
+            log_event(
+                "admin.store_unavailable", logging.ERROR, path=_shown(self.path), error=str(exc)
+            )
+            message = f"the pin store is unavailable, nothing was changed: {exc}"
+            if self.path.startswith("/pins"):
+                await send_json_error(
+                    self._send, 503, message, "store_unavailable", "service_unavailable"
+                )
+            else:
+                await _text(self._send, 503, message)
+
+    async def _store(self, op: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Call a store method; any failure becomes :class:`_StoreDown` (answered 503)."""
+        try:
+            return await op(*args)
+        except Exception as exc:
+            raise _StoreDown(str(exc) or repr(exc)) from exc
+
+    async def _dispatch(self) -> None:
         path, method = self.path, self.method
         if path in ("", "/"):
             if method != "GET":
@@ -343,7 +371,7 @@ class _Call:
     # -- the JSON API --------------------------------------------------------------
 
     async def _api_list(self) -> None:
-        pins = await self.admin.store.list_pins()
+        pins = await self._store(self.admin.store.list_pins)
         now = self.admin.clock()
         await _json(
             self._send,
@@ -367,7 +395,7 @@ class _Call:
         except _Invalid as exc:
             return await self._api_invalid(exc)
         if self.method == "GET":
-            pins = await self.admin.store.list_pins()
+            pins = await self._store(self.admin.store.list_pins)
             backend, remaining = pins.get(route, (None, 0.0))
             body: dict[str, Any] = {"route": route, "backend": backend}
             if backend is not None:
@@ -439,7 +467,7 @@ class _Call:
             )
 
     async def _pin(self, route: str, backend: str, ttl: float, *, via: str) -> float:
-        until = await self.admin.store.set_pin(route, backend, ttl)
+        until = await self._store(self.admin.store.set_pin, route, backend, ttl)
         log_event(
             "admin.pin_set",
             route=route,
@@ -453,8 +481,8 @@ class _Call:
 
     async def _unpin(self, route: str, *, via: str) -> tuple[bool, str | None]:
         """Remove ``route``'s pin: (whether there was one, the backend it named)."""
-        previous = await self.admin.store.get_pin(route)
-        removed = await self.admin.store.delete_pin(route)
+        previous = await self._store(self.admin.store.get_pin, route)
+        removed = await self._store(self.admin.store.delete_pin, route)
         if removed:
             log_event(
                 "admin.pin_removed",
@@ -576,7 +604,7 @@ class _Call:
 
     async def _render(self, session: str, *, error: str | None = None, status: int = 200) -> None:
         admin = self.admin
-        pins = await admin.store.list_pins()
+        pins = await self._store(admin.store.list_pins)
         now = admin.clock()
         root = html.escape(self.root, quote=True)
         csrf = html.escape(admin._csrf(session), quote=True) if session else ""
@@ -596,6 +624,12 @@ class _Call:
         )
         if error:
             out.append(f'<p class="error" role="alert">{esc(error)}</p>')
+        if getattr(admin.store, "degraded", False) is True:
+            out.append(
+                '<p class="error" role="status">The shared store is unreachable: this replica '
+                "is serving from its local fallback, so what you see here may differ from "
+                "the other replicas, and pins cannot be changed until it is back.</p>"
+            )
         out.append("<h2>Routes</h2>")
         for route, chain in admin.routes.items():
             pinned = pins.get(route)
