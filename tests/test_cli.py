@@ -1,0 +1,205 @@
+"""The tierchain command line: check-config, burst-probe, demo."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from tierchain.__main__ import burst_probe, check_config, main
+
+from .support import FakeBackend, completion_body
+from .test_burst import drained
+
+TOKEN = "cli-admin-token-0123456789"
+
+
+@pytest.fixture
+def routes_file(tmp_path: Path) -> str:
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n'
+        'regime = "local"\n\n'
+        '[[routes.echo.backends]]\nname = "hosted"\nurl = "https://api.example.com"\n'
+        'regime = "hosted"\napi_key_env = "HOSTED_KEY"\n'
+    )
+    return str(path)
+
+
+def run_check(environ: dict[str, str], *, as_json: bool = False) -> tuple[int, str]:
+    out = io.StringIO()
+    code = check_config(as_json=as_json, environ=environ, out=out)
+    return code, out.getvalue()
+
+
+def test_check_config_prints_the_stack_outermost_first_then_routes_and_settings(routes_file):
+    code, text = run_check(
+        {
+            "TIERCHAIN_ROUTES_FILE": routes_file,
+            "HOSTED_KEY": "sk-very-secret",
+            "TIERCHAIN_SLOW_AFTER": "45",
+            "TIERCHAIN_ADMIN_TOKEN": TOKEN,
+        }
+    )
+    assert code == 0
+    assert "configuration OK" in text
+    order = [
+        "StartupIdentity",
+        "Admin ",
+        "Heartbeats",
+        "Budget",
+        "PreferBackend",
+        "Failover",
+        "Breaker",
+        "SaturationWatchdog",
+        "handler: Forwarder",
+    ]
+    positions = [text.index(name) for name in order]
+    assert positions == sorted(positions)
+    assert "slow_after=45.0 (TIERCHAIN_SLOW_AFTER)" in text
+    assert "saturation_cooldown=900.0" in text
+    assert "1. tower        http://127.0.0.1:11434  regime=local" in text
+    assert "headers=Authorization" in text
+    assert "sk-very-secret" not in text
+    assert TOKEN not in text
+    assert "token=***" in text
+
+
+def test_check_config_lists_every_problem_and_exits_2(routes_file):
+    code, text = run_check(
+        {
+            "TIERCHAIN_ROUTES_FILE": routes_file,
+            "TIERCHAIN_BREAKER_FAILURE_THRESHOLD": "0",
+            "TIERCHAIN_HEARTBEAT_INTERVALL": "5",
+        }
+    )
+    assert code == 2
+    assert "3 configuration problem(s)" in text
+    assert "TIERCHAIN_BREAKER_FAILURE_THRESHOLD='0': expected a whole number >= 1" in text
+    assert "did you mean TIERCHAIN_HEARTBEAT_INTERVAL?" in text
+    assert "routes.echo.backends[1].api_key_env='HOSTED_KEY'" in text
+
+
+def test_check_config_reports_what_a_middleware_itself_rejects(routes_file):
+    code, text = run_check(
+        {
+            "TIERCHAIN_ROUTES_FILE": routes_file,
+            "HOSTED_KEY": "k",
+            "TIERCHAIN_STORE_URL": "redis://127.0.0.1:1/0",
+            "TIERCHAIN_REDIS_TTL": "0.5",
+        }
+    )
+    assert code == 2
+    assert "TIERCHAIN_REDIS_TTL=0.5" in text
+
+
+def test_check_config_json_is_machine_readable(routes_file):
+    code, text = run_check(
+        {"TIERCHAIN_ROUTES_FILE": routes_file, "HOSTED_KEY": "k", "TIERCHAIN_STACK": "Failover"},
+        as_json=True,
+    )
+    assert code == 0
+    doc = json.loads(text)
+    assert [row["name"] for row in doc["stack"]] == [
+        "StartupIdentity",
+        "Failover",
+        "handler: Forwarder",
+    ]
+    assert [b["name"] for b in doc["routes"]["echo"]] == ["tower", "hosted"]
+    code, text = run_check({}, as_json=True)
+    assert code == 2
+    assert json.loads(text)["ok"] is False
+
+
+def test_the_installed_command_runs_check_config(routes_file):
+    env = {"TIERCHAIN_ROUTES_FILE": routes_file, "HOSTED_KEY": "k", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tierchain", "check-config"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "configuration OK" in done.stdout
+
+
+def test_burst_probe_without_yes_refuses_and_names_the_number_of_calls(capsys):
+    code = main(["burst-probe", "http://127.0.0.1:9/v1", "--model", "m"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "would make 138 calls to http://127.0.0.1:9/v1/chat/completions" in err
+    assert "concurrency 1, 5, 10, 30, 3 repeats each, max_tokens 1" in err
+    assert "Nothing was sent. Add --yes to run it." in err
+
+
+async def test_burst_probe_without_yes_sends_nothing():
+    async with FakeBackend("b") as backend:
+        err = io.StringIO()
+        code = burst_probe(backend.url, model="m", yes=False, err=err)
+        await asyncio.sleep(0.05)
+    assert code == 2
+    assert backend.requests == []
+
+
+def test_burst_probe_names_a_missing_api_key_variable():
+    err = io.StringIO()
+    code = burst_probe(
+        "http://127.0.0.1:9", model="m", yes=True, api_key_env="NO_SUCH_KEY", environ={}, err=err
+    )
+    assert code == 2
+    assert "--api-key-env NO_SUCH_KEY: that variable is not set" in err.getvalue()
+
+
+async def test_burst_probe_with_yes_runs_all_138_calls_with_progress_and_a_verdict():
+    lock = asyncio.Lock()
+
+    async def serial(ex):
+        async with lock:
+            await asyncio.sleep(0.002)
+        await ex.respond(200, completion_body("x"))
+
+    async with FakeBackend("b", serial) as backend:
+        out, err = io.StringIO(), io.StringIO()
+        code = await asyncio.to_thread(
+            burst_probe,
+            backend.url,
+            model="m",
+            yes=True,
+            api_key_env="PROBE_KEY",
+            environ={"PROBE_KEY": "k-42"},
+            out=out,
+            err=err,
+        )
+        await drained(backend)
+    assert code == 0
+    assert len(backend.requests) == 138
+    assert backend.requests[0].headers["authorization"] == "Bearer k-42"
+    progress = err.getvalue().splitlines()
+    assert progress[0].startswith("burst-probe: 138 calls to ")
+    assert len(progress) == 1 + 12
+    assert progress[-1].startswith("[138/138] concurrency 30, repeat 3/3: 30 ok")
+    assert "Latency grows with concurrency" in out.getvalue()
+    assert "k-42" not in out.getvalue() + err.getvalue()
+
+
+def test_demo_is_the_demo_modules_main(monkeypatch):
+    seen = []
+    fake = types.ModuleType("tierchain.demo")
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "tierchain.demo", fake)
+    assert main(["demo", "--fast"]) == 0
+    assert seen == [["--fast"]]
+
+
+def test_no_command_prints_usage_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "check-config" in capsys.readouterr().err
+    assert main(["no-such-command"]) == 2
