@@ -7,21 +7,137 @@ Run it (two fake upstreams are not included here; point the routes at yours)::
 
 FastAPI runs ``add_middleware`` calls in reverse: the last one added is the
 outermost. So the calls below are written innermost first.
+
+``GET /demo/events`` serves a small page whose EventSource streams a completion
+through the whole stack (``GET /v1/stream?model=echo&prompt=...``, which
+:class:`StreamQuery` turns into the equivalent streaming chat POST).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
 
-from tierchain import Backend, Failover, Forwarder, Routes
+from tierchain import Backend, Failover, Forwarder, Heartbeats, Routes
+
+DEMO_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>tierchain: a stream in the browser</title>
+<style>
+body { font: 15px/1.4 system-ui, sans-serif; margin: 2em; max-width: 50em; }
+#text { white-space: pre-wrap; border: 1px solid #bbb; padding: .5em; min-height: 2em; }
+#events li { font-family: monospace; font-size: 12px; word-break: break-all; }
+</style>
+</head>
+<body>
+<h1>tierchain stream</h1>
+<p>Status: <span id="status">connecting</span></p>
+<p id="text"></p>
+<p>Data events, exactly as received (heartbeat comments never reach <code>onmessage</code>):</p>
+<ol id="events"></ol>
+<script>
+const query = new URLSearchParams(location.search);
+const params = new URLSearchParams({
+  model: query.get("model") || "echo",
+  prompt: query.get("prompt") || "Say hello",
+});
+const source = new EventSource("/v1/stream?" + params);
+const status = document.getElementById("status");
+const text = document.getElementById("text");
+const events = document.getElementById("events");
+function finish(word) { source.close(); status.textContent = word; }
+source.onopen = () => { status.textContent = "open"; };
+source.onmessage = (e) => {
+  const item = document.createElement("li");
+  item.textContent = e.data;
+  events.append(item);
+  if (e.data === "[DONE]") { finish("done"); return; }
+  let message = null;
+  try { message = JSON.parse(e.data); } catch (err) { return; }
+  if (message && message.error) { finish("error: " + message.error.message); return; }
+  const delta = message && message.choices && message.choices[0] && message.choices[0].delta;
+  if (delta && delta.content) { text.textContent += delta.content; }
+};
+source.onerror = () => { if (source.readyState !== EventSource.CLOSED) { finish("closed"); } };
+</script>
+</body>
+</html>
+"""
 
 
-def create_app(routes: Routes, *, connect_timeout: float = 2.0) -> FastAPI:
-    """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends."""
+class StreamQuery:
+    """Turn ``GET <path>?model=...&prompt=...`` into the streaming chat POST it stands for.
+
+    EventSource can only GET; this shim (example code, not library code) lets a
+    browser page stream a completion through the same stack as any client.
+    """
+
+    def __init__(
+        self, app: Any, *, path: str = "/v1/stream", target: str = "/v1/chat/completions"
+    ) -> None:
+        self.app = app
+        self.path = path
+        self.target = target
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "GET" or scope["path"] != self.path:
+            return await self.app(scope, receive, send)
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        body = json.dumps(
+            {
+                "model": query.get("model", ["echo"])[0],
+                "stream": True,
+                "messages": [{"role": "user", "content": query.get("prompt", ["hi"])[0]}],
+            }
+        ).encode()
+        headers = [
+            (k, v) for k, v in scope["headers"] if k not in (b"content-length", b"content-type")
+        ]
+        headers += [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        post = {
+            **scope,
+            "method": "POST",
+            "path": self.target,
+            "raw_path": self.target.encode(),
+            "query_string": b"",
+            "headers": headers,
+        }
+        replaced = False
+
+        async def replay() -> Any:
+            nonlocal replaced
+            if replaced:
+                return await receive()
+            replaced = True
+            message = await receive()  # the GET's own empty body, stood in for by ours
+            if message["type"] != "http.request":
+                return message
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(post, replay, send)
+
+
+def create_app(
+    routes: Routes,
+    *,
+    connect_timeout: float = 2.0,
+    heartbeat_interval: float = 10.0,
+    commit_after: float = 1.0,
+) -> FastAPI:
+    """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends.
+
+    ``heartbeat_interval`` and ``commit_after`` are Heartbeats' ``interval`` and
+    ``commit_after`` (see docs/heartbeats.md).
+    """
     forwarder = Forwarder(connect_timeout=connect_timeout)
 
     @asynccontextmanager
@@ -39,11 +155,18 @@ def create_app(routes: Routes, *, connect_timeout: float = 2.0) -> FastAPI:
     async def models() -> dict[str, object]:
         return {"object": "list", "data": [{"id": name, "object": "model"} for name in routes]}
 
+    @app.get("/demo/events", response_class=HTMLResponse)
+    async def demo_events() -> str:
+        return DEMO_PAGE
+
     # The forwarding handler: every attempt goes to current_attempt(scope).backend.
     app.mount("/v1", forwarder)
 
     # Innermost first (FastAPI: last added is outermost).
     app.add_middleware(Failover, routes=routes, paths=("/v1/",))
+    app.add_middleware(StreamQuery)  # GET /v1/stream -> streaming POST, for EventSource
+    # Outermost: turns the state events of every layer inside into SSE comment lines.
+    app.add_middleware(Heartbeats, interval=heartbeat_interval, commit_after=commit_after)
     return app
 
 

@@ -13,11 +13,21 @@ from litestar import Litestar, asgi, get
 from litestar.middleware import DefineMiddleware
 from litestar.types import Receive, Scope, Send
 
-from tierchain import Backend, Failover, Forwarder, Routes
+from tierchain import Backend, Failover, Forwarder, Heartbeats, Routes
 
 
-def create_app(routes: Routes, *, connect_timeout: float = 2.0) -> Litestar:
-    """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends."""
+def create_app(
+    routes: Routes,
+    *,
+    connect_timeout: float = 2.0,
+    heartbeat_interval: float = 10.0,
+    commit_after: float = 1.0,
+) -> Litestar:
+    """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends.
+
+    ``heartbeat_interval`` and ``commit_after`` are Heartbeats' ``interval`` and
+    ``commit_after`` (see docs/heartbeats.md).
+    """
     forwarder = Forwarder(connect_timeout=connect_timeout)
 
     @asgi("/v1", is_mount=True, copy_scope=True)
@@ -31,7 +41,10 @@ def create_app(routes: Routes, *, connect_timeout: float = 2.0) -> Litestar:
     return Litestar(
         route_handlers=[forward, healthz],
         # Outermost first.
-        middleware=[DefineMiddleware(Failover, routes=routes, paths=("/v1/",))],
+        middleware=[
+            DefineMiddleware(Heartbeats, interval=heartbeat_interval, commit_after=commit_after),
+            DefineMiddleware(Failover, routes=routes, paths=("/v1/",)),
+        ],
         on_shutdown=[forwarder.aclose],
     )
 
