@@ -9,8 +9,10 @@ attempt, or is simply :class:`Forwarder`.
 """
 
 from .admin import Admin
+from .allowance import Allowance
 from .backend import Backend, Routes
 from .breaker import Breaker
+from .budget import Budget
 from .errors import (
     AttemptError,
     BackendSaturated,
@@ -29,9 +31,11 @@ from .redis_store import RedisStore
 from .request import Attempt, TierRequest, current_attempt
 from .store import MemoryStore
 from .telemetry import VERSION as __version__
+from .watchdog import SaturationWatchdog
 
 __all__ = [
     "Admin",
+    "Allowance",
     "Attempt",
     "AttemptError",
     "Backend",
@@ -40,6 +44,7 @@ __all__ = [
     "BackendUnavailable",
     "BodyTooLarge",
     "Breaker",
+    "Budget",
     "BudgetExhausted",
     "Failover",
     "Forwarder",
@@ -49,6 +54,7 @@ __all__ = [
     "RedisStore",
     "RetryableStatus",
     "Routes",
+    "SaturationWatchdog",
     "TierRequest",
     "TierchainError",
     "__version__",

@@ -1,0 +1,242 @@
+"""Budget: the whole request's deadline. Spent means 504, never a failover.
+
+The budget comes from the request header (``X-Request-Timeout: 30`` or
+``2.5``: seconds, a plain decimal), clipped to ``max``; without the header it
+is ``default``; with neither there is no budget and the request passes through
+untouched. A header that is not a finite positive decimal is answered 400.
+
+While the inner app runs, ``TierRequest.deadline`` holds the deadline on the
+monotonic clock, so Failover clips each attempt to it and the
+SaturationWatchdog never mistakes the deadline for a saturation. When the
+deadline passes, ``req.extras["cancel_reason"]`` is set to
+``"budget_exhausted"`` (so Failover records that outcome for the running
+attempt, and a Breaker records nothing against the backend) and then the inner
+app is cancelled. A Failover that finds the budget spent before a new attempt
+raises :class:`~tierchain.errors.BudgetExhausted`, handled the same way.
+
+The caller then gets:
+
+- nothing sent yet: ``504`` with a JSON error of type ``budget_exhausted``;
+- an event stream already started: an SSE error event of that type, sent at
+  an event boundary, and the end of the stream;
+- any other response already started: the connection is aborted (the server
+  closes it), so the caller sees an incomplete response, never a silently
+  short one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+from datetime import timedelta
+
+from opentelemetry import trace
+
+from ._responses import send_json_error
+from ._types import ASGIApp, Message, Receive, Scope, Send
+from .errors import BudgetExhausted
+from .request import TierRequest
+from .sse import EventTail, error_event, is_event_stream
+from .telemetry import ATTR_OUTCOME, BUDGET_EXHAUSTED, log_event
+
+__all__ = ["Budget"]
+
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+_REASON = "budget_exhausted"
+TRAIL_HEADER = b"x-tierchain-attempts"
+
+
+def _option(name: str, value: float | timedelta | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"Budget {name} must be a number of seconds or None, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"Budget {name} must be a finite number of seconds > 0, got {value!r}")
+    return value
+
+
+class Budget:
+    """Give the whole request a deadline; answer 504 when it is spent.
+
+    ``default`` is the budget in seconds when the request carries no
+    ``header``; ``max`` caps what a header may ask for. Works in front of a
+    Failover or alone in front of any ASGI app.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        default: float | timedelta | None = None,
+        header: str = "X-Request-Timeout",
+        max: float | timedelta | None = None,
+    ) -> None:
+        self.app = app
+        self.default = _option("default", default)
+        self.max = _option("max", max)
+        if not isinstance(header, str) or not header.strip():
+            raise ValueError(f"Budget header must be a header name, got {header!r}")
+        self.header = header.strip()
+        self._key = self.header.lower().encode("latin-1")
+        if self.default is not None and self.max is not None:
+            self.default = min(self.default, self.max)
+
+    def budget(self, scope: Scope) -> float | None:
+        """Seconds of budget for this request (None: none). ValueError for a bad header."""
+        for key, value in scope.get("headers", ()):
+            if key.lower() == self._key:
+                text = value.decode("latin-1").strip()
+                if not _DECIMAL.fullmatch(text) or not math.isfinite(float(text)):
+                    raise ValueError(self._bad(text))
+                seconds = float(text)
+                if seconds <= 0:
+                    raise ValueError(self._bad(text))
+                return seconds if self.max is None else min(seconds, self.max)
+        return self.default
+
+    def _bad(self, text: str) -> str:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        return (
+            f"{self.header} must be a finite positive number of seconds written as a decimal "
+            f"(such as 30 or 2.5), got {shown!r}"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            seconds = self.budget(scope)
+        except ValueError as exc:
+            return await send_json_error(
+                send, 400, str(exc), "invalid_request_error", "invalid_request_timeout"
+            )
+        if seconds is None:
+            return await self.app(scope, receive, send)
+        await _Spend(self, scope, seconds).run(receive, send)
+
+
+class _Spend:
+    """One request under a budget: its timer and what has been sent."""
+
+    __slots__ = (
+        "_send",
+        "_tail",
+        "budget",
+        "finished",
+        "fired",
+        "req",
+        "scope",
+        "seconds",
+        "started",
+    )
+
+    def __init__(self, budget: Budget, scope: Scope, seconds: float) -> None:
+        self.budget = budget
+        self.scope = scope
+        self.seconds = seconds
+        self.req = TierRequest.of(scope)
+        self.started = False
+        self.finished = False
+        self.fired = False
+        self._tail: EventTail | None = None
+        self._send: Send | None = None
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.started = True
+            if is_event_stream(list(message.get("headers", ()))):
+                self._tail = EventTail()
+        elif kind == "http.response.body":
+            if self._tail is not None:
+                self._tail.feed(message.get("body", b""))
+            if not message.get("more_body", False):
+                self.finished = True
+        assert self._send is not None
+        await self._send(message)
+
+    async def run(self, receive: Receive, send: Send) -> None:
+        self._send = send
+        req = self.req
+        task = asyncio.current_task()
+        assert task is not None
+        deadline = time.monotonic() + self.seconds
+        if req.deadline is not None:  # an outer budget: the earlier deadline wins
+            deadline = min(deadline, req.deadline)
+        req.deadline = deadline
+
+        def fire() -> None:
+            if self.finished or self.fired:
+                return
+            self.fired = True
+            req.extras["cancel_reason"] = _REASON  # before the cancellation lands
+            task.cancel("tierchain: the request's budget is spent")
+
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), fire)
+        try:
+            await self.budget.app(self.scope, receive, self.send)
+        except asyncio.CancelledError:
+            if not self.fired or task.uncancel() > 0:
+                raise
+            await self._exhausted(send)
+        except BudgetExhausted:
+            req.extras["cancel_reason"] = _REASON
+            await self._exhausted(send)
+        else:
+            if self.fired and task.cancelling():
+                task.uncancel()  # the app swallowed the cancellation and returned anyway
+        finally:
+            timer.cancel()
+
+    async def _exhausted(self, send: Send) -> None:
+        req = self.req
+        route = req.route or ""
+        BUDGET_EXHAUSTED.labels(route).inc()
+        trace.get_current_span().set_attribute(ATTR_OUTCOME, _REASON)
+        trail = ", ".join(f"{r.backend};outcome={r.outcome}" for r in req.attempts)
+        log_event(
+            "request.budget_exhausted",
+            level=logging.WARNING,
+            route=route or None,
+            budget_s=self.seconds,
+            started=self.started,
+            attempts=trail or None,
+        )
+        message = f"the request's budget of {self.seconds:g}s was spent before it was answered"
+        if not self.started:
+            headers = [(TRAIL_HEADER, trail.encode())] if trail else None
+            await send_json_error(
+                send,
+                504,
+                message,
+                _REASON,
+                _REASON,
+                headers=headers,
+                budget_s=self.seconds,
+                attempts=[{"backend": r.backend, "outcome": r.outcome} for r in req.attempts],
+            )
+            return
+        if self._tail is not None and not self.finished:
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": self._tail.closing_bytes()
+                    + error_event(
+                        f"the request's budget of {self.seconds:g}s was spent mid-stream",
+                        _REASON,
+                        _REASON,
+                    ),
+                    "more_body": False,
+                }
+            )
+            return
+        if not self.finished:
+            raise BudgetExhausted(message)

@@ -1,0 +1,309 @@
+"""Ask a backend whether it is still working: the status probe and its readers.
+
+A *reader* turns the body of a backend's status URL into a :class:`Status`
+(busy or not, and a progress value when the format has one), or returns
+``None`` when the body is not a shape it knows. A reader is a plain callable,
+``reader(body: bytes) -> Status | None``; one that raises counts as ``None``.
+
+:func:`judge` turns a status and the previous probe's progress into one of four
+verdicts:
+
+=============== ===========================================================
+``working``     busy, and progress moved since the previous probe (or there
+                is no previous probe, or the format has no progress value)
+``no_progress`` busy, but the progress value is the same as last time:
+                starved, not working (the seed-000 outage)
+``idle``        the backend says it is doing nothing: our request is not
+                being worked on
+``unknown``     any error, timeout, non-200 answer or body no reader knows
+=============== ===========================================================
+
+``unknown`` is never treated as working: the caller falls back to the plain
+stopwatch.
+
+Built-in readers (see ``docs/watchdog.md`` for the formats):
+
+- :func:`gate_status`: ``{"active_generation_count": N, "active_generations":
+  [...]}`` (an ai-gate style proxy). A generation for another model still means
+  busy: on a one-GPU host that model is being swapped in ahead of ours.
+  No progress value.
+- :func:`vllm_metrics`: vLLM's Prometheus ``/metrics``. Busy when
+  ``vllm:num_requests_running`` + ``vllm:num_requests_waiting`` > 0. Progress
+  is the prompt and generation token counters together with the KV-cache
+  usage gauge, because vLLM counts a prompt's tokens only when its prefill
+  completes, while KV blocks are allocated chunk by chunk during the prefill.
+- :func:`llamacpp_metrics`: llama.cpp server's ``/metrics`` (``--metrics``).
+  Busy when ``llamacpp:requests_processing`` + ``llamacpp:requests_deferred``
+  > 0. Progress is ``llamacpp:n_decode_total`` (one per ``llama_decode()``
+  call, prompt batches included) with the token counters.
+- :func:`llamacpp_slots`: llama.cpp server's ``/slots``. Busy when a slot has
+  ``is_processing: true`` (older builds: ``state != 0``). Progress is each
+  busy slot's ``next_token.n_decoded``, but only once every busy slot has
+  started generating: a slot still processing its prompt shows no counter
+  there, and reading a flat ``0`` as "starved" would kill a healthy prefill.
+- :func:`auto_reader` (the default) tries the above by shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+__all__ = [
+    "Reader",
+    "Status",
+    "Verdict",
+    "auto_reader",
+    "fetch_status",
+    "gate_status",
+    "judge",
+    "llamacpp_metrics",
+    "llamacpp_slots",
+    "parse_prometheus",
+    "vllm_metrics",
+]
+
+Verdict = Literal["working", "idle", "unknown", "no_progress"]
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """What a status URL said: ``busy``, and a ``progress`` value if it has one.
+
+    ``progress`` is compared with ``==`` between two probes of the same
+    attempt; any hashable value works (a number, a tuple). ``None`` means the
+    format exposes no progress, so "busy" is taken at its word.
+    """
+
+    busy: bool
+    progress: Hashable | None = None
+    detail: str | None = None
+
+
+Reader = Callable[[bytes], "Status | None"]
+
+
+def judge(status: Status | None, previous: Hashable | None) -> Verdict:
+    """The verdict for ``status`` given the previous probe's progress value."""
+    if status is None:
+        return "unknown"
+    if not status.busy:
+        return "idle"
+    if status.progress is not None and previous is not None and status.progress == previous:
+        return "no_progress"
+    return "working"
+
+
+# -- JSON shapes ---------------------------------------------------------------
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value < 0:
+        return None
+    return int(value)
+
+
+def gate_status(body: bytes) -> Status | None:
+    """Read the gate shape: ``active_generation_count`` and/or ``active_generations``."""
+    data = _json(body)
+    if not isinstance(data, dict):
+        return None
+    has_count = "active_generation_count" in data
+    has_list = "active_generations" in data
+    if not (has_count or has_list):
+        return None
+    count = _count(data.get("active_generation_count")) if has_count else 0
+    generations = data.get("active_generations") if has_list else []
+    if count is None or not isinstance(generations, list):
+        return None
+    active = max(count, len(generations))
+    models = sorted(
+        {str(g.get("model")) for g in generations if isinstance(g, dict) and g.get("model")}
+    )
+    detail = f"{active} active" + (f" ({', '.join(models)})" if models else "")
+    return Status(busy=active > 0, progress=None, detail=detail)
+
+
+def _slot_busy(slot: dict[str, Any]) -> bool | None:
+    flag = slot.get("is_processing")
+    if isinstance(flag, bool):
+        return flag
+    state = slot.get("state")
+    if isinstance(state, int) and not isinstance(state, bool):
+        return state != 0
+    return None
+
+
+def llamacpp_slots(body: bytes) -> Status | None:
+    """Read llama.cpp server's ``GET /slots`` (a JSON list of slots)."""
+    data = _json(body)
+    if not isinstance(data, list) or not data:
+        return None
+    busy_slots: list[tuple[Any, int | None]] = []
+    for slot in data:
+        if not isinstance(slot, dict):
+            return None
+        busy = _slot_busy(slot)
+        if busy is None:
+            return None
+        if busy:
+            token = slot.get("next_token")
+            decoded = _count(token.get("n_decoded")) if isinstance(token, dict) else None
+            if decoded is None:
+                decoded = _count(slot.get("n_decoded"))
+            busy_slots.append((slot.get("id"), decoded))
+    progress: Hashable | None = None
+    if busy_slots and all(d is not None and d > 0 for _, d in busy_slots):
+        progress = tuple(sorted((str(i), d) for i, d in busy_slots))
+    return Status(
+        busy=bool(busy_slots), progress=progress, detail=f"{len(busy_slots)}/{len(data)} busy"
+    )
+
+
+# -- Prometheus text -------------------------------------------------------------
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum the samples of each metric name in Prometheus text exposition format.
+
+    Labels are dropped (samples of one name are added up, e.g. across models),
+    ``#`` lines are skipped, and unparsable lines are ignored.
+    """
+    totals: dict[str, float] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            close = line.rfind("}")
+            if close < brace:
+                continue
+            name, rest = line[:brace], line[close + 1 :]
+        elif space != -1:
+            name, rest = line[:space], line[space:]
+        else:
+            continue
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            value = float(parts[0])
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+def _text(body: bytes) -> str | None:
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _metrics_status(
+    body: bytes, busy_names: Iterable[str], progress_names: Iterable[str]
+) -> Status | None:
+    text = _text(body)
+    if text is None:
+        return None
+    values = parse_prometheus(text)
+    busy_names = tuple(busy_names)
+    if busy_names[0] not in values:
+        return None
+    active = sum(values.get(name, 0.0) for name in busy_names)
+    present = [name for name in progress_names if name in values]
+    progress = tuple(round(values[name], 6) for name in present) if present else None
+    return Status(busy=active > 0, progress=progress, detail=f"{active:g} active")
+
+
+def vllm_metrics(body: bytes) -> Status | None:
+    """Read vLLM's Prometheus ``GET /metrics``."""
+    return _metrics_status(
+        body,
+        ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+        (
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+            "vllm:kv_cache_usage_perc",
+            "vllm:gpu_cache_usage_perc",
+        ),
+    )
+
+
+def llamacpp_metrics(body: bytes) -> Status | None:
+    """Read llama.cpp server's Prometheus ``GET /metrics``."""
+    return _metrics_status(
+        body,
+        ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+        (
+            "llamacpp:n_decode_total",
+            "llamacpp:prompt_tokens_total",
+            "llamacpp:tokens_predicted_total",
+        ),
+    )
+
+
+_BUILT_IN: tuple[Reader, ...] = (gate_status, llamacpp_slots, vllm_metrics, llamacpp_metrics)
+
+
+def auto_reader(body: bytes) -> Status | None:
+    """Try every built-in reader; the first that knows the shape answers."""
+    for reader in _BUILT_IN:
+        status = reader(body)
+        if status is not None:
+            return status
+    return None
+
+
+MAX_STATUS_BYTES = 4 * 2**20
+"""A status body larger than this is not read to the end: the answer is unknown."""
+
+
+async def fetch_status(
+    client: httpx.AsyncClient, url: str, *, limit: float, reader: Reader
+) -> Status | None:
+    """One GET of ``url`` within ``limit`` seconds, read by ``reader``.
+
+    Any error, timeout, non-200 answer, oversized body, or body the reader
+    does not know (or raises on) gives ``None``: unknown.
+    """
+    if limit <= 0:
+        return None
+    try:
+        async with asyncio.timeout(limit):
+            async with client.stream("GET", url, headers={"accept": "*/*"}) as response:
+                if response.status_code != 200:
+                    return None
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > MAX_STATUS_BYTES:
+                        return None
+                    chunks.append(chunk)
+        body = b"".join(chunks)
+    except (TimeoutError, httpx.HTTPError, OSError, ValueError):
+        return None
+    try:
+        return reader(body)
+    except Exception:  # a broken reader is an unknown answer, never a failed request
+        return None

@@ -1,0 +1,413 @@
+"""SaturationWatchdog: a backend that accepts work and goes quiet is saturated.
+
+It sits inside :class:`~tierchain.Failover` (one call per attempt), outside the
+host handler, and bounds only the *wait*: the time from the attempt's start to
+its first chunk.
+
+- For an event stream the first chunk is the first event carrying ``data:``;
+  comments and pings are not progress and never restart the window.
+- For anything else it is the first body bytes. A non-streaming completion
+  sends nothing until it is complete, so there the window bounds the whole
+  attempt, and ``slow_after`` must sit above the slowest legitimate completion
+  on that route.
+- Once the first chunk has been passed on, the watchdog stands down: a stream
+  that has started is never cut for being long, and after a byte has reached
+  the caller there is nothing left to fail over into.
+
+When the window expires on a tier that has a later tier behind it:
+
+1. with no ``status_url`` the backend is saturated (the plain stopwatch);
+2. with one, one GET asks it (bounded by ``probe_timeout`` and by the
+   remaining budget): ``working`` extends the wait by one more window and
+   emits ``still_working``; ``idle`` or ``no_progress`` mean saturated;
+   ``unknown`` behaves exactly as the plain stopwatch.
+
+Saturated means: the inner app is cancelled (so the upstream connection
+closes) and :class:`~tierchain.errors.BackendSaturated` is raised for Failover
+to record and advance; a Breaker wrapping this layer sees it pass.
+
+The last tier (or a request with no Failover) is never cut by the window: it
+is recorded as slow and only the budget or the ceiling ends it. The ceiling
+(``ceiling`` seconds after the attempt started, on the monotonic clock) is
+never extended by any answer. A window that would end at or after the
+request's budget is left to the Budget, so a spent budget is never mistaken
+for a saturation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Hashable, Mapping
+from datetime import timedelta
+
+import httpx
+from opentelemetry import trace
+
+from ._responses import send_json_error
+from ._types import ASGIApp, Message, Receive, Scope, Send
+from .allowance import Allowance
+from .errors import BackendSaturated
+from .probes import Reader, Status, auto_reader, fetch_status, judge
+from .request import Attempt, TierRequest
+from .sse import EventTail, FirstChunk, error_event, is_event_stream
+from .telemetry import (
+    ATTR_BACKEND,
+    ATTR_ROUTE,
+    BACKEND_SATURATED,
+    PROBE_ANSWERS,
+    log_event,
+    tracer,
+)
+
+__all__ = ["SaturationWatchdog", "SlowAfter"]
+
+SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float]
+"""Seconds, or a callable computing seconds from the request body (an :class:`Allowance`)."""
+
+
+def _seconds(name: str, value: float | timedelta, *, zero_ok: bool) -> float:
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return value
+
+
+class SaturationWatchdog:
+    """Bound the wait for an attempt's first chunk; past it, the backend is saturated.
+
+    ``slow_after`` is the window in seconds (0: off), or a callable
+    ``(body) -> seconds`` such as :class:`~tierchain.Allowance`. ``ceiling`` is
+    the absolute limit on one attempt's wait, never extended. ``probe_timeout``
+    bounds each status probe. ``readers`` maps a backend name to the reader of
+    its status URL (default: :func:`~tierchain.probes.auto_reader`, which
+    recognises the built-in formats by shape). ``client`` supplies the
+    ``httpx.AsyncClient`` for probes (then its owner closes it); otherwise one
+    is created on first use and closed by :meth:`aclose` or lifespan shutdown.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        slow_after: SlowAfter = 0.0,
+        ceiling: float | timedelta = 1800.0,
+        probe_timeout: float | timedelta = 4.0,
+        readers: Mapping[str, Reader] | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.app = app
+        if callable(slow_after):
+            self.slow_after: float | Callable[[bytes], float] = slow_after
+            self.off = False
+        else:
+            self.slow_after = _seconds("slow_after", slow_after, zero_ok=True)
+            self.off = self.slow_after == 0
+        self.ceiling = _seconds("ceiling", ceiling, zero_ok=False)
+        self.probe_timeout = _seconds("probe_timeout", probe_timeout, zero_ok=False)
+        self.readers = dict(readers or {})
+        for name, reader in self.readers.items():
+            if not callable(reader):
+                raise ValueError(f"the status reader for backend {name!r} is not callable")
+        self._own_client = client is None
+        self._client = client
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The probe client, created on first use."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=None, follow_redirects=False, trust_env=False)
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the probe client (if this watchdog created it)."""
+        client, self._client = self._client, None
+        if client is not None and self._own_client:
+            await client.aclose()
+
+    async def __aenter__(self) -> SaturationWatchdog:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def reader_for(self, backend: str) -> Reader:
+        """The status reader used for ``backend``."""
+        return self.readers.get(backend, auto_reader)
+
+    def window(self, body: bytes | None) -> float:
+        """The first window for a request with ``body`` (0: off), at most the ceiling."""
+        if not callable(self.slow_after):
+            return min(self.slow_after, self.ceiling)
+        try:
+            value = float(self.slow_after(body or b""))
+        except Exception as exc:  # a broken allowance must not break a request
+            log_event("watchdog.allowance_failed", level=logging.WARNING, error=repr(exc))
+            return self.ceiling
+        if not math.isfinite(value) or value <= 0:
+            return self.ceiling if value == math.inf else 0.0
+        return min(value, self.ceiling)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, self._lifespan_send(send))
+        if scope["type"] != "http" or self.off:
+            return await self.app(scope, receive, send)
+        req = TierRequest.find(scope)
+        window = self.window(req.body if req is not None else None)
+        if window <= 0:
+            return await self.app(scope, receive, send)
+        await _Watch(self, scope, req, window).run(receive, send)
+
+    def _lifespan_send(self, send: Send) -> Send:
+        async def lifespan_send(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.aclose()
+            await send(message)
+
+        return lifespan_send
+
+
+class _Watch:
+    """One attempt under the watchdog: the send wrapper and the timer task."""
+
+    __slots__ = (
+        "_detector",
+        "_send",
+        "_tail",
+        "_task",
+        "_watcher",
+        "attempt",
+        "backend",
+        "fired",
+        "first",
+        "last",
+        "req",
+        "route",
+        "scope",
+        "start",
+        "started",
+        "watchdog",
+        "window",
+    )
+
+    def __init__(
+        self, watchdog: SaturationWatchdog, scope: Scope, req: TierRequest | None, window: float
+    ) -> None:
+        self.watchdog = watchdog
+        self.scope = scope
+        self.req = req
+        self.attempt: Attempt | None = req.attempt if req is not None else None
+        attempt = self.attempt
+        self.backend = attempt.backend.name if attempt is not None else None
+        self.route = (attempt.route if attempt is not None else None) or ""
+        self.last = attempt is None or attempt.is_last
+        self.window = window
+        self.start = time.monotonic()
+        self.first = False
+        self.started = False
+        self.fired: str | None = None
+        self._detector: FirstChunk | None = None
+        self._tail: EventTail | None = None
+        self._send: Send | None = None
+        self._task: asyncio.Task[object] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    # -- the attempt -------------------------------------------------------
+
+    async def run(self, receive: Receive, send: Send) -> None:
+        self._send = send
+        self._task = task = asyncio.current_task()
+        assert task is not None
+        self._watcher = watcher = asyncio.create_task(self._watch(), name="tierchain-watchdog")
+        try:
+            await self.watchdog.app(self.scope, receive, self.send)
+        except asyncio.CancelledError:
+            if self.fired is None or task.uncancel() > 0:
+                raise
+            await self._saturated(send)
+        else:
+            if self.fired is not None and task.cancelling():
+                # The inner app swallowed our cancellation and returned anyway.
+                task.uncancel()
+                if not self.first:
+                    await self._saturated(send)
+        finally:
+            watcher.cancel()
+            await asyncio.wait([watcher])
+
+    async def send(self, message: Message) -> None:
+        if not self.first:
+            kind = message["type"]
+            if kind == "http.response.start":
+                self.started = True
+                if is_event_stream(list(message.get("headers", ()))):
+                    self._detector = FirstChunk()
+                    self._tail = EventTail()
+            elif kind == "http.response.body":
+                chunk: bytes = message.get("body", b"")
+                if self._detector is not None:
+                    if self._detector.feed(chunk):
+                        self._first_chunk()
+                elif chunk or not message.get("more_body", False):
+                    self._first_chunk()
+                if self._tail is not None:
+                    self._tail.feed(chunk)
+        assert self._send is not None
+        await self._send(message)
+
+    def answered(self) -> bool:
+        """True once the first chunk has been passed on."""
+        return self.first
+
+    def _first_chunk(self) -> None:
+        self.first = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    # -- the timer ---------------------------------------------------------
+
+    def _deadline(self) -> float | None:
+        if self.attempt is not None and self.attempt.deadline is not None:
+            return self.attempt.deadline
+        return self.req.deadline if self.req is not None else None
+
+    async def _watch(self) -> None:
+        watchdog = self.watchdog
+        ceiling_at = self.start + watchdog.ceiling
+        window_end = self.start + self.window
+        backend = self.attempt.backend if self.attempt is not None else None
+        status_url = backend.status_url if backend is not None else None
+        previous: Hashable | None = None
+        slow_logged = False
+        while True:
+            due = min(window_end, ceiling_at)
+            deadline = self._deadline()
+            if deadline is not None and due >= deadline:
+                return  # the budget ends this attempt first: a deadline, not a saturation
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            if self.first:
+                return
+            now = time.monotonic()
+            if now >= ceiling_at:
+                self._fire("ceiling")
+                return
+            if self.last:
+                if not slow_logged:
+                    slow_logged = True
+                    self._slow(now)
+                window_end = ceiling_at
+                continue
+            if status_url is None or backend is None:
+                self._fire("no_first_chunk")
+                return
+            limit = min(watchdog.probe_timeout, ceiling_at - now)
+            if deadline is not None:
+                limit = min(limit, deadline - now)
+            status = await self._probe(status_url, backend.name, limit)
+            verdict = judge(status, previous)
+            PROBE_ANSWERS.labels(backend.name, verdict).inc()
+            if self.answered():
+                return  # the first chunk arrived while we asked
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+            if verdict == "working":
+                assert status is not None
+                previous = status.progress
+                window_end += self.window
+                elapsed = round(now - self.start, 1)
+                log_event(
+                    "dispatch.backend_still_working",
+                    route=self.route,
+                    backend=backend.name,
+                    elapsed_s=elapsed,
+                    detail=status.detail,
+                )
+                if self.req is not None:
+                    self.req.emit("still_working", backend=backend.name, elapsed_s=elapsed)
+                continue
+            self._fire("probe_unknown" if verdict == "unknown" else verdict)
+            return
+
+    async def _probe(self, url: str, backend: str, limit: float) -> Status | None:
+        with tracer.start_as_current_span(
+            "tierchain.probe", attributes={ATTR_BACKEND: backend, ATTR_ROUTE: self.route}
+        ) as span:
+            status = await fetch_status(
+                self.watchdog.client,
+                url,
+                limit=limit,
+                reader=self.watchdog.reader_for(backend),
+            )
+            if status is not None:
+                span.set_attribute("tierchain.probe.busy", status.busy)
+            return status
+
+    def _fire(self, reason: str) -> None:
+        self.fired = reason
+        if self._task is not None:
+            self._task.cancel(f"tierchain: backend saturated ({reason})")
+
+    def _slow(self, now: float) -> None:
+        waited = round(now - self.start, 1)
+        log_event(
+            "dispatch.backend_slow",
+            level=logging.WARNING,
+            route=self.route,
+            backend=self.backend,
+            waited_s=waited,
+            window_s=self.window,
+            last_tier=True,
+        )
+        trace.get_current_span().add_event(
+            "tierchain.backend_slow", {ATTR_BACKEND: self.backend or "", "waited_s": waited}
+        )
+        if self.req is not None and self.backend is not None:
+            self.req.emit("backend_slow", backend=self.backend, waited_s=waited, failing_over=False)
+
+    # -- the verdict -------------------------------------------------------
+
+    async def _saturated(self, send: Send) -> None:
+        waited = time.monotonic() - self.start
+        reason = self.fired or "no_first_chunk"
+        backend = self.backend or ""
+        BACKEND_SATURATED.labels(self.route, backend).inc()
+        log_event(
+            "dispatch.backend_saturated",
+            level=logging.WARNING,
+            route=self.route,
+            backend=backend,
+            waited_s=round(waited, 3),
+            reason=reason,
+            failing_over=not self.last,
+            n=self.attempt.n if self.attempt is not None else None,
+            of=self.attempt.of if self.attempt is not None else None,
+        )
+        trace.get_current_span().add_event(
+            "tierchain.backend_saturated",
+            {ATTR_BACKEND: backend, "reason": reason, "waited_s": round(waited, 3)},
+        )
+        message = f"backend {backend!r} produced no first chunk in {waited:.1f}s ({reason})"
+        if self.attempt is not None:
+            raise BackendSaturated(message, waited=waited)
+        # Alone (no Failover): only the ceiling ends an attempt; answer it ourselves.
+        if not self.started:
+            await send_json_error(send, 504, message, "backend_saturated", reason)
+        elif self._tail is not None:
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": self._tail.closing_bytes()
+                    + error_event(message, "backend_saturated", reason),
+                    "more_body": False,
+                }
+            )
+        else:
+            raise BackendSaturated(message, waited=waited)

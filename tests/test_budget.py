@@ -1,0 +1,231 @@
+"""Budget: a spent budget is a deadline (504, no failover), not a saturation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tierchain import (
+    Backend,
+    BackendUnavailable,
+    Budget,
+    Failover,
+    Forwarder,
+    Routes,
+    SaturationWatchdog,
+    TierRequest,
+    current_attempt,
+)
+
+from .support import Exchange, FakeBackend, chat_request, openai_stream, parse_sse, serve, streams
+
+HOSTED = openai_stream(["from ", "hosted"])
+
+
+async def quiet(ex: Exchange) -> None:
+    await ex.wait_closed_by_peer()
+
+
+class Gateway:
+    """Budget -> Failover -> SaturationWatchdog -> Forwarder."""
+
+    def __init__(self, chain: list[Backend], *, slow_after: float, **budget: Any) -> None:
+        self.forwarder = Forwarder()
+        self.watchdog = SaturationWatchdog(self.forwarder, slow_after=slow_after)
+        self.events: list[dict[str, Any]] = []
+        inner = Budget(Failover(self.watchdog, routes=Routes({"echo": chain})), **budget)
+
+        async def app(scope, receive, send):
+            if scope["type"] == "http":
+                TierRequest.of(scope).subscribe(self.events.append)
+            await inner(scope, receive, send)
+
+        self.app = app
+
+    async def aclose(self) -> None:
+        await self.forwarder.aclose()
+        await self.watchdog.aclose()
+
+
+async def post(url: str, body: bytes, **kw: Any) -> tuple[httpx.Response, float]:
+    async with httpx.AsyncClient(timeout=5) as client:
+        t0 = time.monotonic()
+        response = await client.post(url + "/v1/chat/completions", content=body, **kw)
+        return response, time.monotonic() - t0
+
+
+async def test_a_spent_budget_answers_504_and_starts_no_new_attempt(metric):
+    saturated = metric("tierchain_backend_saturated_total", route="echo", backend="tower")
+    exhausted = metric("tierchain_budget_exhausted_total", route="echo")
+    async with FakeBackend("tower", quiet) as tower, FakeBackend("hosted") as hosted:
+        gw = Gateway([Backend("tower", tower.url), Backend("hosted", hosted.url)], slow_after=0.4)
+        async with serve(gw.app) as url:
+            response, took = await post(url, chat_request(), headers={"x-request-timeout": "0.15"})
+            await asyncio.wait_for(tower.connection_closed.wait(), 1)
+        await gw.aclose()
+    assert response.status_code == 504
+    error = response.json()["error"]
+    assert error["type"] == "budget_exhausted"
+    assert error["attempts"] == [{"backend": "tower", "outcome": "budget_exhausted"}]
+    assert response.headers["x-tierchain-attempts"] == "tower;outcome=budget_exhausted"
+    assert 0.15 <= took < 0.4
+    assert hosted.requests == []  # no failover into a spent budget
+    assert tower.open_connections == 0
+    assert not [e for e in gw.events if e["state"] == "backend_saturated"]
+    assert metric("tierchain_backend_saturated_total", route="echo", backend="tower") == saturated
+    assert metric("tierchain_budget_exhausted_total", route="echo") == exhausted + 1
+
+
+async def test_a_slow_backend_with_budget_left_fails_over():
+    async with (
+        FakeBackend("tower", quiet) as tower,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        gw = Gateway([Backend("tower", tower.url), Backend("hosted", hosted.url)], slow_after=0.1)
+        async with serve(gw.app) as url:
+            response, took = await post(url, chat_request(), headers={"x-request-timeout": "2"})
+        await gw.aclose()
+    assert response.status_code == 200
+    assert response.content == b"".join(HOSTED)
+    assert response.headers["x-tierchain-attempts"] == (
+        "tower;outcome=saturated, hosted;outcome=ok"
+    )
+    assert took < 0.4
+
+
+async def test_a_window_that_would_outlast_the_budget_is_left_to_the_budget():
+    # slow_after equals the budget: the deadline wins, and it is not a saturation.
+    async with FakeBackend("tower", quiet) as tower, FakeBackend("hosted") as hosted:
+        gw = Gateway(
+            [Backend("tower", tower.url), Backend("hosted", hosted.url)],
+            slow_after=0.15,
+            default=0.15,
+        )
+        async with serve(gw.app) as url:
+            response, _ = await post(url, chat_request())
+        await gw.aclose()
+    assert response.status_code == 504
+    assert hosted.requests == []
+
+
+async def test_a_budget_spent_mid_stream_ends_it_with_an_sse_error_event():
+    first = openai_stream(["one"])[0]
+
+    async def stalls(ex: Exchange) -> None:
+        await ex.head()
+        await ex.write(first[:-1])  # stop in the middle of the event's blank line
+        await ex.wait_closed_by_peer()
+
+    async with FakeBackend("tower", stalls) as tower, FakeBackend("hosted") as hosted:
+        gw = Gateway([Backend("tower", tower.url), Backend("hosted", hosted.url)], slow_after=0.15)
+        async with serve(gw.app) as url:
+            response, took = await post(url, chat_request(), headers={"x-request-timeout": ".25"})
+        await gw.aclose()
+    assert response.status_code == 200
+    events = parse_sse(response.content)
+    assert json.loads(events[0]["data"])["choices"][0]["delta"]["content"] == "one"
+    assert json.loads(events[-1]["data"])["error"]["type"] == "budget_exhausted"
+    assert 0.25 <= took < 0.6
+    assert hosted.requests == []
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "inf", "nan", "1e3", "", "1,5"])
+async def test_a_header_that_is_not_a_finite_positive_decimal_gets_400(value):
+    async with FakeBackend("tower") as tower:
+        gw = Gateway([Backend("tower", tower.url)], slow_after=0)
+        async with serve(gw.app) as url:
+            response, _ = await post(url, chat_request(), headers={"x-request-timeout": value})
+        await gw.aclose()
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "X-Request-Timeout must be a finite positive number of seconds" in message
+    assert tower.requests == []
+
+
+async def test_max_clips_the_header_and_default_applies_without_one():
+    seen: list[float | None] = []
+
+    async def app(scope, receive, send):
+        req = TierRequest.of(scope)
+        seen.append(None if req.deadline is None else round(req.remaining() or 0, 1))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    budget = Budget(app, default=5, max=30)
+    async with serve(budget) as url, httpx.AsyncClient() as client:
+        await client.get(url, headers={"X-Request-Timeout": "100"})
+        await client.get(url, headers={"X-Request-Timeout": "12.5"})
+        await client.get(url)
+    assert seen == [30.0, 12.5, 5.0]
+
+    none = Budget(app)
+    async with serve(none) as url, httpx.AsyncClient() as client:
+        await client.get(url)
+    assert seen[-1] is None
+
+
+async def test_budget_works_alone_in_front_of_any_app():
+    async def slow_app(scope, receive, send):
+        await asyncio.sleep(5)
+
+    async with serve(Budget(slow_app, default=0.1)) as url, httpx.AsyncClient(timeout=5) as client:
+        t0 = time.monotonic()
+        response = await client.get(url)
+        took = time.monotonic() - t0
+    assert response.status_code == 504
+    assert response.json()["error"]["type"] == "budget_exhausted"
+    assert took < 0.4
+
+
+async def test_a_budget_found_spent_between_attempts_starts_no_new_attempt():
+    calls: list[str] = []
+
+    async def blocking_handler(scope, receive, send):
+        calls.append(current_attempt(scope).backend.name)
+        time.sleep(0.12)  # noqa: ASYNC251 - block the loop so the budget's timer cannot fire
+        raise BackendUnavailable("refused", reason="connect_refused")
+
+    app = Budget(
+        Failover(
+            blocking_handler,
+            routes=Routes({"echo": [Backend("a", "http://a.test"), Backend("b", "http://b.test")]}),
+        ),
+        default=0.1,
+    )
+    async with serve(app) as url:
+        response, _ = await post(url, chat_request())
+    assert response.status_code == 504
+    assert calls == ["a"]
+
+
+async def test_the_running_attempt_learns_why_it_was_cancelled():
+    reasons: list[object] = []
+
+    async def handler(scope, receive, send):
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            reasons.append(TierRequest.of(scope).extras.get("cancel_reason"))
+            raise
+
+    async with serve(Budget(handler, default=0.05)) as url, httpx.AsyncClient(timeout=5) as client:
+        response = await client.get(url)
+    assert response.status_code == 504
+    assert reasons == ["budget_exhausted"]
+
+
+def test_options_are_validated_in_init():
+    async def app(scope, receive, send):
+        pass
+
+    with pytest.raises(ValueError, match="default"):
+        Budget(app, default=0)
+    with pytest.raises(ValueError, match="max"):
+        Budget(app, max=float("inf"))
+    with pytest.raises(ValueError, match="header"):
+        Budget(app, header=" ")
