@@ -589,3 +589,64 @@ async def test_each_line_counts_and_adds_a_span_event(metric):
 def test_bad_options_are_refused_at_start_up(opts):
     with pytest.raises(ValueError, match="must be"):
         Heartbeats(lambda *a: None, **opts)  # type: ignore[arg-type]
+
+
+async def test_a_late_refusal_that_is_not_json_becomes_a_wrapped_error_event():
+    committed = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await committed.wait()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [(b"content-type", b"text/plain")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b"over", "more_body": True})
+        await send({"type": "http.response.body", "body": b"loaded"})
+
+    heart = Heartbeats(app, interval=0, commit_after=TICK)
+    async with (
+        serve(heart) as url,
+        httpx.AsyncClient(timeout=5) as client,
+        client.stream("POST", url, headers={"accept": "text/event-stream"}) as resp,
+    ):
+        reader = Reader(resp)
+        try:
+            await reader.until(lambda raw: count(raw, state="waiting") >= 1)
+            committed.set()
+            raw = await reader.rest()
+        finally:
+            await reader.aclose()
+    assert resp.status_code == 200
+    assert without_heartbeats(raw) == (
+        b'data: {"error":{"message":"the gateway answered 503: overloaded",'
+        b'"type":"upstream_error","code":"http_503"}}\n\n'
+    )
+
+
+async def test_still_working_events_not_yet_shown_collapse_into_the_latest():
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        req = TierRequest.of(scope)
+        req.emit("attempt", n=1, of=1, backend="tower", regime=None)
+        for elapsed in (1.0, 2.0, 3.0):
+            req.emit("still_working", backend="tower", elapsed_s=elapsed)
+        await asyncio.sleep(3 * TICK)  # past commit_after: the queue is shown at the commit
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b"data: x\n\n"})
+
+    heart = Heartbeats(app, interval=0, commit_after=TICK)
+    async with serve(heart) as url, httpx.AsyncClient(timeout=5) as client:
+        response = await client.post(url, headers={"accept": "text/event-stream"})
+    assert [(s["state"], s.get("elapsed_s")) for s in states(response.content)] == [
+        ("attempt", None),
+        ("still_working", 3.0),
+        ("generating", None),
+    ]
