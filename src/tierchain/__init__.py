@@ -26,6 +26,7 @@ from .errors import (
 from .failover import Failover
 from .forwarder import Forwarder
 from .heartbeats import Heartbeats
+from .identity import StartupIdentity
 from .prefer import PreferBackend
 from .redis_store import RedisStore
 from .request import Attempt, TierRequest, current_attempt
@@ -55,6 +56,7 @@ __all__ = [
     "RetryableStatus",
     "Routes",
     "SaturationWatchdog",
+    "StartupIdentity",
     "TierRequest",
     "TierchainError",
     "__version__",
