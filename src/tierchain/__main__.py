@@ -205,6 +205,8 @@ def _stack_rows(settings: Any) -> list[dict[str, Any]]:
 
 
 def _val(value: Any) -> str:
+    if value is None:
+        return "none"
     return json.dumps(value) if not isinstance(value, str) else value
 
 
