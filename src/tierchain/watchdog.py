@@ -58,11 +58,14 @@ from .telemetry import (
     ATTR_ROUTE,
     BACKEND_SATURATED,
     PROBE_ANSWERS,
+    labelled,
     log_event,
     tracer,
 )
 
 __all__ = ["SaturationWatchdog", "SlowAfter"]
+
+_EARLY = 1e-3  # a loop timer may fire a hair early; treat that as on time
 
 SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float]
 """Seconds, or a callable computing seconds from the request body (an :class:`Allowance`)."""
@@ -175,14 +178,23 @@ class SaturationWatchdog:
 
 
 class _Watch:
-    """One attempt under the watchdog: the send wrapper and the timer task."""
+    """One attempt under the watchdog: the send wrapper and its timer.
+
+    The window is a loop timer, not a task: an attempt that answers in time
+    costs one timer handle. A task exists only while a status probe is out.
+    """
 
     __slots__ = (
+        "_ceiling_at",
         "_detector",
+        "_handle",
+        "_previous",
+        "_prober",
         "_send",
+        "_slow_logged",
         "_tail",
         "_task",
-        "_watcher",
+        "_window_end",
         "attempt",
         "backend",
         "fired",
@@ -213,11 +225,16 @@ class _Watch:
         self.first = False
         self.started = False
         self.fired: str | None = None
+        self._ceiling_at = self.start + watchdog.ceiling
+        self._window_end = self.start + window
+        self._previous: Hashable | None = None
+        self._slow_logged = False
         self._detector: FirstChunk | None = None
         self._tail: EventTail | None = None
         self._send: Send | None = None
         self._task: asyncio.Task[object] | None = None
-        self._watcher: asyncio.Task[None] | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._prober: asyncio.Task[None] | None = None
 
     # -- the attempt -------------------------------------------------------
 
@@ -225,7 +242,7 @@ class _Watch:
         self._send = send
         self._task = task = asyncio.current_task()
         assert task is not None
-        self._watcher = watcher = asyncio.create_task(self._watch(), name="tierchain-watchdog")
+        self._schedule()
         try:
             await self.watchdog.app(self.scope, receive, self.send)
         except asyncio.CancelledError:
@@ -239,8 +256,13 @@ class _Watch:
                 if not self.first:
                     await self._saturated(send)
         finally:
-            watcher.cancel()
-            await asyncio.wait([watcher])
+            if self._handle is not None:
+                self._handle.cancel()
+                self._handle = None
+            prober = self._prober
+            if prober is not None:
+                prober.cancel()
+                await asyncio.wait([prober])
 
     async def send(self, message: Message) -> None:
         if not self.first:
@@ -268,8 +290,9 @@ class _Watch:
 
     def _first_chunk(self) -> None:
         self.first = True
-        if self._watcher is not None:
-            self._watcher.cancel()
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
     # -- the timer ---------------------------------------------------------
 
@@ -278,63 +301,70 @@ class _Watch:
             return self.attempt.deadline
         return self.req.deadline if self.req is not None else None
 
-    async def _watch(self) -> None:
-        watchdog = self.watchdog
-        ceiling_at = self.start + watchdog.ceiling
-        window_end = self.start + self.window
-        backend = self.attempt.backend if self.attempt is not None else None
-        status_url = backend.status_url if backend is not None else None
-        previous: Hashable | None = None
-        slow_logged = False
-        while True:
-            due = min(window_end, ceiling_at)
-            deadline = self._deadline()
-            if deadline is not None and due >= deadline:
-                return  # the budget ends this attempt first: a deadline, not a saturation
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            if self.first:
-                return
-            now = time.monotonic()
-            if now >= ceiling_at:
-                self._fire("ceiling")
-                return
-            if self.last:
-                if not slow_logged:
-                    slow_logged = True
-                    self._slow(now)
-                window_end = ceiling_at
-                continue
-            if status_url is None or backend is None:
-                self._fire("no_first_chunk")
-                return
-            limit = min(watchdog.probe_timeout, ceiling_at - now)
-            if deadline is not None:
-                limit = min(limit, deadline - now)
-            status = await self._probe(status_url, backend.name, limit)
-            verdict = judge(status, previous)
-            PROBE_ANSWERS.labels(backend.name, verdict).inc()
-            if self.answered():
-                return  # the first chunk arrived while we asked
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return
-            if verdict == "working":
-                assert status is not None
-                previous = status.progress
-                window_end += self.window
-                elapsed = round(now - self.start, 1)
-                log_event(
-                    "dispatch.backend_still_working",
-                    route=self.route,
-                    backend=backend.name,
-                    elapsed_s=elapsed,
-                    detail=status.detail,
-                )
-                if self.req is not None:
-                    self.req.emit("still_working", backend=backend.name, elapsed_s=elapsed)
-                continue
-            self._fire("probe_unknown" if verdict == "unknown" else verdict)
+    def _schedule(self) -> None:
+        """Arm the timer for the next expiry (the window's end or the ceiling)."""
+        due = min(self._window_end, self._ceiling_at)
+        deadline = self._deadline()
+        if deadline is not None and due >= deadline:
+            return  # the budget ends this attempt first: a deadline, not a saturation
+        delay = max(0.0, due - time.monotonic())
+        self._handle = asyncio.get_running_loop().call_later(delay, self._expired)
+
+    def _expired(self) -> None:
+        self._handle = None
+        if self.first or self.fired is not None:
             return
+        now = time.monotonic()
+        if now >= self._ceiling_at - _EARLY:
+            self._fire("ceiling")
+            return
+        if self.last:
+            if not self._slow_logged:
+                self._slow_logged = True
+                self._slow(now)
+            self._window_end = self._ceiling_at
+            self._schedule()
+            return
+        backend = self.attempt.backend if self.attempt is not None else None
+        if backend is None or backend.status_url is None:
+            self._fire("no_first_chunk")
+            return
+        self._prober = asyncio.create_task(self._ask(now), name="tierchain-watchdog-probe")
+
+    async def _ask(self, now: float) -> None:
+        """Ask the backend whether it is still working; extend, or call it saturated."""
+        assert self.attempt is not None
+        backend = self.attempt.backend
+        assert backend.status_url is not None
+        deadline = self._deadline()
+        limit = min(self.watchdog.probe_timeout, self._ceiling_at - now)
+        if deadline is not None:
+            limit = min(limit, deadline - now)
+        status = await self._probe(backend.status_url, backend.name, limit)
+        verdict = judge(status, self._previous)
+        labelled(PROBE_ANSWERS, backend.name, verdict).inc()
+        if self.answered():
+            return  # the first chunk arrived while we asked
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return
+        if verdict == "working":
+            assert status is not None
+            self._previous = status.progress
+            self._window_end += self.window
+            elapsed = round(now - self.start, 1)
+            log_event(
+                "dispatch.backend_still_working",
+                route=self.route,
+                backend=backend.name,
+                elapsed_s=elapsed,
+                detail=status.detail,
+            )
+            if self.req is not None:
+                self.req.emit("still_working", backend=backend.name, elapsed_s=elapsed)
+            self._schedule()
+            return
+        self._fire("probe_unknown" if verdict == "unknown" else verdict)
 
     async def _probe(self, url: str, backend: str, limit: float) -> Status | None:
         with tracer.start_as_current_span(
@@ -378,7 +408,7 @@ class _Watch:
         waited = time.monotonic() - self.start
         reason = self.fired or "no_first_chunk"
         backend = self.backend or ""
-        BACKEND_SATURATED.labels(self.route, backend).inc()
+        labelled(BACKEND_SATURATED, self.route, backend).inc()
         log_event(
             "dispatch.backend_saturated",
             level=logging.WARNING,
