@@ -348,7 +348,7 @@ async def test_alone_in_front_of_one_backend_it_answers_503_fast_while_open():
             took = time.monotonic() - t0
         await forwarder.aclose()
     assert response.status_code == 503
-    assert took < 0.1
+    assert took < 0.5  # no upstream round trip; the real proof is the request count below
     assert response.headers["retry-after"] == "30"
     error = response.json()["error"]
     assert error["backends"] == [{"backend": "tower", "state": "open", "retry_in_s": 30.0}]
@@ -434,9 +434,9 @@ async def test_the_seed_000_shape_a_saturated_tower_stops_receiving_work():
         routes = Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
         forwarder = Forwarder()
         inner: Any = (
-            watchdog(forwarder, slow_after=0.2)
+            watchdog(forwarder, slow_after=0.3)
             if watchdog is not None
-            else _SaturateAfter(forwarder, 0.2)
+            else _SaturateAfter(forwarder, 0.3)
         )
         app = Failover(Breaker(inner), routes=routes)
         async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
@@ -449,10 +449,10 @@ async def test_the_seed_000_shape_a_saturated_tower_stops_receiving_work():
                 assert response.headers["x-tierchain-backend"] == "hosted"
         await forwarder.aclose()
     assert len(tower.requests) == 2
-    assert waits[0] >= 0.2
-    assert waits[1] >= 0.2
-    assert waits[2] < 0.15
-    assert waits[3] < 0.15
+    assert waits[0] >= 0.3
+    assert waits[1] >= 0.3
+    assert waits[2] < 0.25
+    assert waits[3] < 0.25
     assert "tower;outcome=skipped" in response.headers["x-tierchain-attempts"]
 
 
