@@ -301,7 +301,8 @@ class _Stream:
 
     async def _commit_own(self) -> None:
         """Commit 200 text/event-stream ourselves and show every queued state line."""
-        await self._send({"type": "http.response.start", "status": 200, "headers": _OWN_HEADERS})
+        start = {"type": "http.response.start", "status": 200, "headers": list(_OWN_HEADERS)}
+        await self._send(start)
         self.phase = _OWN
         if not self.req.in_chain:
             self.first = FirstChunk()
@@ -368,8 +369,8 @@ class _Stream:
             if not chunk and more:
                 return
             if self.first is not None and chunk and self.first.feed(chunk):
-                self.first = None
-                if (self.req.state or {}).get("state") != "generating":
+                self.first = None  # alone (no Failover inside), we say "generating" ourselves
+                if not self.req.in_chain and (self.req.state or {}).get("state") != "generating":
                     self.req.emit("generating")
             out = b""
             if self._pending and chunk and self._boundary_before(chunk):
