@@ -477,3 +477,28 @@ class _SaturateAfter:
                 await self.app(scope, receive, send)
         except TimeoutError:
             raise BackendSaturated("no first chunk", waited=self.window) from None
+
+
+async def test_a_request_failover_does_not_route_passes_the_breaker_and_watchdog_untouched():
+    from tierchain import SaturationWatchdog
+
+    calls = []
+
+    async def health(scope, receive, send):
+        calls.append(scope["path"])
+        await send({"type": "http.response.start", "status": 500, "headers": []})
+        await send({"type": "http.response.body", "body": b"down"})
+
+    store = MemoryStore()
+    app = Failover(
+        Breaker(SaturationWatchdog(health, slow_after=0.01), store=store, failure_threshold=1),
+        routes=Routes({"echo": [Backend("tower", "http://127.0.0.1:1")]}),
+        paths=("/v1/",),
+    )
+    async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+        statuses = [(await client.get(url + "/healthz")).status_code for _ in range(3)]
+    assert statuses == [500, 500, 500]
+    assert calls == ["/healthz"] * 3
+    snapshot = await store.breaker_snapshot("", "default")
+    assert snapshot.state == "closed"
+    assert snapshot.failures == 0

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-from tierchain.demo import run_demo
+from tierchain.demo import run_demo, trail_of
 
 
-async def test_the_demo_shows_each_request_with_the_tiers_it_tried():
+async def test_the_demo_tells_the_outage_story_with_the_tiers_each_request_tried():
     printed: list[str] = []
     outcomes = await run_demo(fast=True, color=False, out=printed.append)
     text = "\n".join(printed)
-    assert outcomes[0].trail == "tower;outcome=ok"
-    assert outcomes[1].trail == "tower;outcome=connect_refused, hosted;outcome=ok"
+    trails = [trail_of(o) for o in outcomes]
+    assert trails[0] == [("tower", "ok")]
+    assert trails[1] == [("tower", "connect_refused"), ("hosted", "ok")]
+    assert trails[2] == [("tower", "http_500"), ("hosted", "ok")]
+    assert trails[4] == [("hosted", "ok")]  # X-Prefer-Backend: hosted
+    assert trails[5] == [("tower", "saturated"), ("hosted", "ok")]
+    assert trails[6] == [("tower", "saturated"), ("hosted", "ok")]
+    assert trails[7] == [("tower", "skipped"), ("hosted", "ok")]
+    assert trails[8] == [("tower", "ok")]
     assert all(o.status == 200 and o.error is None for o in outcomes)
+    # The skipped tower costs no wait; the quiet one cost about slow_after.
+    assert outcomes[7].seconds < outcomes[5].seconds
+    assert "backend_saturated" in text
+    assert "log: breaker.opened" in text
     assert "tiers tried: tower (connect_refused) -> hosted (ok)" in text
-    assert "Hello from the hosted tier." in text

@@ -44,7 +44,7 @@ from .errors import (
     RetryableStatus,
     TierchainError,
 )
-from .request import TierRequest
+from .request import UNROUTED_KEY, TierRequest
 from .sse import FirstChunk, is_event_stream
 from .store import (
     BreakerChange,
@@ -139,7 +139,7 @@ class Breaker:
         self._store_warned = -math.inf
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or UNROUTED_KEY in scope:
             return await self.app(scope, receive, send)
         req = TierRequest.find(scope)
         attempt = req.attempt if req is not None and req.in_chain else None

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import sys
 import time
@@ -26,8 +27,14 @@ import httpx
 
 from ._types import Receive, Scope, Send
 from .backend import Backend, Routes
+from .breaker import Breaker
+from .budget import Budget
 from .failover import Failover
 from .forwarder import Forwarder
+from .heartbeats import Heartbeats
+from .prefer import PreferBackend
+from .store import MemoryStore
+from .watchdog import SaturationWatchdog
 
 __all__ = ["main", "run_demo"]
 
@@ -149,9 +156,34 @@ def _free_port() -> int:
 # -- the gateway ------------------------------------------------------------------
 
 
-def build_gateway(routes: Routes, forwarder: Forwarder, *, fast: bool) -> Any:
-    """The tierchain stack in the brief's order, around the Forwarder."""
-    return Failover(forwarder, routes=routes)
+@dataclass(frozen=True)
+class Timing:
+    """The demo's clock: real defaults are minutes; the story needs seconds."""
+
+    slow_after: float
+    saturation_cooldown: float
+    heartbeat_interval: float
+    commit_after: float
+    budget: float
+
+
+NORMAL = Timing(
+    slow_after=1.0, saturation_cooldown=2.0, heartbeat_interval=0.3, commit_after=0.2, budget=20.0
+)
+FAST = Timing(
+    slow_after=0.25, saturation_cooldown=0.6, heartbeat_interval=0.1, commit_after=0.05, budget=10.0
+)
+
+
+def build_gateway(routes: Routes, forwarder: Forwarder, timing: Timing) -> Any:
+    """The whole tierchain stack in the brief's order, around the Forwarder."""
+    store = MemoryStore()
+    app: Any = SaturationWatchdog(forwarder, slow_after=timing.slow_after)
+    app = Breaker(app, store=store, saturation_cooldown=timing.saturation_cooldown)
+    app = Failover(app, routes=routes)
+    app = PreferBackend(app, store=store)
+    app = Budget(app, default=timing.budget)
+    return Heartbeats(app, interval=timing.heartbeat_interval, commit_after=timing.commit_after)
 
 
 # -- the client -------------------------------------------------------------------
@@ -176,14 +208,18 @@ class Outcome:
     error: str | None = None
 
 
-async def ask(client: httpx.AsyncClient, url: str, prompt: str) -> Outcome:
+async def ask(
+    client: httpx.AsyncClient, url: str, prompt: str, headers: dict[str, str] | None = None
+) -> Outcome:
     """Send one streaming chat request; collect heartbeats and content as they arrive."""
     body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": prompt}]}
     t0 = time.monotonic()
     heartbeats: list[dict[str, Any]] = []
     text: list[str] = []
     error = None
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+    async with client.stream(
+        "POST", url + "/v1/chat/completions", json=body, headers=headers
+    ) as response:
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
             raw = await response.aread()
             error = raw.decode(errors="replace")
@@ -199,6 +235,7 @@ async def ask(client: httpx.AsyncClient, url: str, prompt: str) -> Outcome:
                     data = json.loads(payload)
                     if "error" in data:
                         error = data["error"].get("message")
+                        heartbeats.append({"state": "error event", **data["error"]})
                     else:
                         for choice in data.get("choices", []):
                             text.append(choice.get("delta", {}).get("content") or "")
@@ -208,20 +245,49 @@ async def ask(client: httpx.AsyncClient, url: str, prompt: str) -> Outcome:
         )
 
 
+def trail_of(outcome: Outcome) -> list[tuple[str, str]]:
+    """(backend, outcome) per attempt: from the trail header, else from the heartbeats.
+
+    The header is lost when Heartbeats had to commit the response before the
+    answer came (it had to start the stream to say anything); the state lines
+    carry the same story.
+    """
+    if outcome.trail:
+        return [
+            (name, result)
+            for name, _, result in (p.partition(";outcome=") for p in outcome.trail.split(", "))
+        ]
+    trail: list[tuple[str, str]] = []
+    ends = {"backend_failed": None, "backend_saturated": "saturated", "backend_skipped": "skipped"}
+    for beat in outcome.heartbeats:
+        state = beat.get("state")
+        if state in ends:
+            trail.append((str(beat.get("backend")), ends[state] or str(beat.get("reason"))))
+        elif state == "generating":
+            trail.append((str(beat.get("backend")), "ok"))
+    return trail
+
+
 def describe(n: int, title: str, outcome: Outcome, color: bool) -> str:
     def c(code: str, s: str) -> str:
         return f"{code}{s}{RESET}" if color else s
 
-    lines = [c(BOLD, f"request {n}: {title}")]
+    lines: list[str] = []
+    previous = None
     for beat in outcome.heartbeats:
+        if beat == previous:
+            lines[-1] = lines[-1].rstrip(")").rstrip() + " +keepalive)"
+            if "(" not in lines[-1]:
+                lines[-1] = lines[-1].replace(" +keepalive)", "  (+keepalive)")
+            continue
+        previous = beat
         fields = ", ".join(f"{k}={v}" for k, v in beat.items() if k != "state")
         lines.append(c(DIM, f"    : {beat.get('state')}  {fields}"))
-    if outcome.trail:
-        tried = []
-        for part in outcome.trail.split(", "):
-            name, _, result = part.partition(";outcome=")
-            mark = c(GREEN, "ok") if result == "ok" else c(RED, result)
-            tried.append(f"{name} ({mark})")
+    tried = []
+    for name, result in trail_of(outcome):
+        mark = c(GREEN, "ok") if result == "ok" else c(RED, result)
+        tried.append(f"{name} ({mark})")
+    if tried:
         lines.append("    tiers tried: " + " -> ".join(tried))
     if outcome.error:
         lines.append("    " + c(RED, f"error {outcome.status}: {outcome.error}"))
@@ -235,7 +301,7 @@ def describe(n: int, title: str, outcome: Outcome, color: bool) -> str:
 
 
 @contextlib.asynccontextmanager
-async def _world(fast: bool) -> AsyncIterator[tuple[FakeUpstream, _Server, str]]:
+async def _world(timing: Timing, fast: bool) -> AsyncIterator[tuple[FakeUpstream, _Server, str]]:
     tower = FakeUpstream("tower", delay=0.005 if fast else 0.03)
     hosted = FakeUpstream("hosted", delay=0.005 if fast else 0.03)
     tower_server, hosted_server = _Server(tower), _Server(hosted)
@@ -250,7 +316,7 @@ async def _world(fast: bool) -> AsyncIterator[tuple[FakeUpstream, _Server, str]]
         }
     )
     forwarder = Forwarder(connect_timeout=2.0)
-    gateway = _Server(build_gateway(routes, forwarder, fast=fast))
+    gateway = _Server(build_gateway(routes, forwarder, timing))
     await gateway.start()
     try:
         yield tower, tower_server, gateway.url
@@ -268,28 +334,82 @@ async def run_demo(
     """Run the story; return each request's outcome (the tests read them)."""
     if color is None:
         color = sys.stdout.isatty()
+    timing = FAST if fast else NORMAL
     outcomes: list[Outcome] = []
-    async with _world(fast) as (tower, tower_server, url), httpx.AsyncClient(timeout=30) as client:
+    # Show tierchain's own warnings (saturations, breaker transitions) in the story.
+    handler = _OutHandler(out, color)
+    logger = logging.getLogger("tierchain")
+    logger.addHandler(handler)
+    try:
+        await _story(timing, fast, color, out, outcomes)
+    finally:
+        logger.removeHandler(handler)
+    return outcomes
+
+
+class _OutHandler(logging.Handler):
+    def __init__(self, out: Callable[[str], None], color: bool) -> None:
+        super().__init__(logging.INFO)
+        self.out, self.color = out, color
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = getattr(record, "event", "")
+        if record.levelno < logging.WARNING and not event.startswith("breaker."):
+            return
+        text = f"    log: {record.getMessage()}"
+        self.out(f"{DIM}{text}{RESET}" if self.color else text)
+
+
+async def _story(
+    timing: Timing,
+    fast: bool,
+    color: bool,
+    out: Callable[[str], None],
+    outcomes: list[Outcome],
+) -> None:
+    async with (
+        _world(timing, fast) as (tower, tower_server, url),
+        httpx.AsyncClient(timeout=30) as client,
+    ):
         n = 0
 
-        async def step(title: str) -> Outcome:
+        async def step(title: str, headers: dict[str, str] | None = None) -> Outcome:
             nonlocal n
             n += 1
-            outcome = await ask(client, url, f"turn {n}")
+            out(f"{BOLD}request {n}: {title}{RESET}" if color else f"request {n}: {title}")
+            outcome = await ask(client, url, f"turn {n}", headers)
             outcomes.append(outcome)
-            out(describe(n, title, outcome, color))
+            out(describe(n, title, outcome, color) + "\n")
             return outcome
 
-        out(f"gateway on {url}; routes: echo -> tower (local), hosted (hosted)\n")
+        out(
+            f"gateway on {url}; route echo -> tower (local), hosted (hosted)\n"
+            f"stack: Heartbeats > Budget > PreferBackend > Failover > Breaker > "
+            f"SaturationWatchdog(slow_after={timing.slow_after}s) > Forwarder\n"
+        )
         await step("the tower is healthy")
         await tower_server.stop()
-        await step("the tower is down: the connection is refused, the hosted tier answers")
+        await step("the tower is down: refused in milliseconds, the hosted tier answers")
         tower.mode = "error"
         await tower_server.start()
-        await step("the tower is back but answers 500: fail over before a byte was sent")
+        await step("the tower answers 500: failover before a byte reached the caller")
         tower.mode = "ok"
         await step("the tower recovered")
-    return outcomes
+        await step(
+            "the caller prefers the hosted tier (X-Prefer-Backend: hosted)",
+            {"X-Prefer-Backend": "hosted"},
+        )
+        tower.mode = "quiet"
+        await step(
+            f"a game takes the GPU: the tower accepts and goes quiet; "
+            f"after {timing.slow_after}s it counts as saturated"
+        )
+        await step("still quiet: the second saturation opens the tower's breaker")
+        await step("the breaker is open: the tower is skipped without a wait")
+        tower.mode = "ok"
+        tower.release()
+        await asyncio.sleep(timing.saturation_cooldown)
+        await step("the game ended and the cooldown passed: one probe goes to the tower")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from .errors import (
     BudgetExhausted,
     RetryableStatus,
 )
-from .request import Attempt, AttemptRecord, TierRequest
+from .request import UNROUTED_KEY, Attempt, AttemptRecord, TierRequest
 from .sse import EventTail, FirstChunk, error_event, is_event_stream
 from .telemetry import (
     ATTEMPTS,
@@ -140,6 +140,8 @@ class Failover:
             or scope["method"] != "POST"
             or not (scope.get("raw_path") or scope["path"].encode()).startswith(self.paths)
         ):
+            if scope["type"] == "http":
+                scope[UNROUTED_KEY] = True
             return await self.app(scope, receive, send)
         req = TierRequest.of(scope)
         try:

@@ -26,6 +26,7 @@ from .backend import Backend
 
 __all__ = [
     "SCOPE_KEY",
+    "UNROUTED_KEY",
     "Attempt",
     "AttemptRecord",
     "Reorder",
@@ -36,6 +37,10 @@ __all__ = [
 
 SCOPE_KEY = "tierchain.request"
 """The scope key under which the :class:`TierRequest` lives."""
+
+UNROUTED_KEY = "tierchain.unrouted"
+"""Set (True) in the scope by Failover for a request it does not route (a GET, a
+health check): per-attempt layers inside it let such requests straight through."""
 
 StateEvent = dict[str, Any]
 """A state event: a JSON-able dict with at least a ``state`` field."""

@@ -51,7 +51,7 @@ from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance
 from .errors import BackendSaturated
 from .probes import Reader, Status, auto_reader, fetch_status, judge
-from .request import Attempt, TierRequest
+from .request import UNROUTED_KEY, Attempt, TierRequest
 from .sse import EventTail, FirstChunk, error_event, is_event_stream
 from .telemetry import (
     ATTR_BACKEND,
@@ -160,7 +160,7 @@ class SaturationWatchdog:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             return await self.app(scope, receive, self._lifespan_send(send))
-        if scope["type"] != "http" or self.off:
+        if scope["type"] != "http" or self.off or UNROUTED_KEY in scope:
             return await self.app(scope, receive, send)
         req = TierRequest.find(scope)
         window = self.window(req.body if req is not None else None)
