@@ -73,7 +73,7 @@ from .sse import (
     error_json,
     is_event_stream,
 )
-from .telemetry import STREAM_HEARTBEATS, log_event
+from .telemetry import STREAM_HEARTBEATS, labelled, log_event
 
 __all__ = ["TASK_NAME", "Heartbeats"]
 
@@ -211,6 +211,9 @@ class _Stream:
         self.late_size = 0
         self.inner_started = False
         self.span = trace.get_current_span()
+        self.recording = self.span.is_recording()
+        self.handle: asyncio.TimerHandle | None = None
+        self.ticker: asyncio.Task[None] | None = None
 
     # -- the request ---------------------------------------------------------
 
@@ -263,8 +266,9 @@ class _Stream:
             line = comment_line(event)
         except (TypeError, ValueError):  # a field that is not JSON: say the state only
             line = comment_line({"state": state})
-        STREAM_HEARTBEATS.labels(state).inc()
-        self.span.add_event("stream.heartbeat", {"state": state, "keepalive": keepalive})
+        labelled(STREAM_HEARTBEATS, state).inc()
+        if self.recording:
+            self.span.add_event("stream.heartbeat", {"state": state, "keepalive": keepalive})
         return line
 
     def _lines(self) -> bytes:
@@ -438,9 +442,19 @@ class _Stream:
 
     # -- the request's life ----------------------------------------------------------
 
+    def _spawn_ticker(self) -> None:
+        """Start the keepalive ticker: only once the response has been quiet a while."""
+        self.handle = None
+        if self.phase < _PASS and not self.gone:
+            self.ticker = asyncio.create_task(self.tick(), name=TASK_NAME)
+
     async def run(self) -> None:
         unsubscribe = self.req.subscribe(self.on_event)
-        ticker = asyncio.create_task(self.tick(), name=TASK_NAME)
+        # No task for a request that is over before anything could be due: the
+        # ticker starts when the commit (or the first keepalive) could fall due.
+        hb = self.hb
+        first_due = min(hb.commit_after, hb.interval) if hb.interval > 0 else hb.commit_after
+        self.handle = asyncio.get_running_loop().call_later(first_due, self._spawn_ticker)
         try:
             try:
                 await self.hb.app(self.scope, self.receive, self.send)
@@ -475,5 +489,9 @@ class _Stream:
                         await self._finish_own(b"")
         finally:
             unsubscribe()
-            ticker.cancel()
-            await asyncio.wait({ticker})
+            if self.handle is not None:
+                self.handle.cancel()
+            ticker = self.ticker
+            if ticker is not None:
+                ticker.cancel()
+                await asyncio.wait([ticker])
