@@ -650,3 +650,57 @@ async def test_still_working_events_not_yet_shown_collapse_into_the_latest():
         ("still_working", 3.0),
         ("generating", None),
     ]
+
+
+async def test_a_keepalive_never_lands_inside_an_event_whose_send_is_still_in_flight():
+    # The caller reads slowly: the send that completes an event blocks while
+    # several keepalive intervals pass. The bytes handed over already end at a
+    # boundary, but they have not gone out yet: a keepalive must not overtake
+    # them and land between the event's halves.
+    release = asyncio.Event()
+    halves_sent = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b'data: {"a":', "more_body": True})
+        await send({"type": "http.response.body", "body": b" 1}\n\n", "more_body": True})
+        halves_sent.set()
+        await asyncio.sleep(TICK * 3)  # silence: keepalives are due now
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    written: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            if message["body"].endswith(b" 1}\n\n"):
+                await release.wait()  # a slow reader: the send that ends the event lags
+            written.append(message["body"])
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/",
+        "headers": [(b"accept", b"text/event-stream")],
+    }
+    task = asyncio.create_task(
+        Heartbeats(app, interval=TICK / 2, commit_after=TICK)(scope, receive, send)
+    )
+    await asyncio.sleep(TICK * 3)  # several intervals pass while the first half is in flight
+    release.set()
+    await asyncio.wait_for(halves_sent.wait(), 1)
+    await asyncio.wait_for(task, 1)
+    stream = b"".join(written)
+    before, event, after = stream.partition(b'data: {"a": 1}\n\n')
+    assert event  # the event arrived whole: nothing slipped between its halves
+    assert before == b': {"state":"generating"}\n'  # the state line, in front of it
+    assert after.count(b': {"state":"generating"}\n') >= 1  # keepalives flowed, after it

@@ -214,6 +214,8 @@ class _Stream:
         self.recording = self.span.is_recording()
         self.handle: asyncio.TimerHandle | None = None
         self.ticker: asyncio.Task[None] | None = None
+        self.in_send = False  # a relayed chunk is being sent (without the lock)
+        self.ticker_writing = False  # the ticker is sending its lines (under the lock)
 
     # -- the request ---------------------------------------------------------
 
@@ -353,8 +355,18 @@ class _Stream:
                 self.late_status = status  # its body becomes one event
 
     async def _on_body(self, message: Message) -> None:
-        chunk: bytes = message.get("body", b"")
-        more = bool(message.get("more_body", False))
+        if self.phase == _RELAY and not self.ticker_writing:
+            # The hot path: a relayed upstream chunk while the ticker is not writing.
+            # No lock: the ticker sees ``in_send`` and leaves its line for the next
+            # boundary, and a chunk arriving while the ticker writes takes the lock.
+            self.in_send = True
+            try:
+                await self._relay(message)
+            finally:
+                self.in_send = False
+                if self.keepalive_due:
+                    self.wake.set()  # the ticker held a line back while this send was out
+            return
         async with self.lock:
             phase = self.phase
             if phase == _DONE:
@@ -363,6 +375,8 @@ class _Stream:
                 await self._send(message)
                 return
             if self.late_status is not None:
+                chunk: bytes = message.get("body", b"")
+                more = bool(message.get("more_body", False))
                 if chunk and self.late_size < _ANSWER_LIMIT:
                     self.late_body.append(chunk)
                     self.late_size += len(chunk)
@@ -370,22 +384,37 @@ class _Stream:
                     body = b"".join(self.late_body)
                     await self._finish_own(_late_answer_event(self.late_status, body))
                 return
-            if not chunk and more:
-                return
-            if self.first is not None and chunk and self.first.feed(chunk):
-                self.first = None  # alone (no Failover inside), we say "generating" ourselves
-                if not self.req.in_chain and (self.req.state or {}).get("state") != "generating":
-                    self.req.emit("generating")
-            out = b""
-            if self._pending and chunk and self._boundary_before(chunk):
-                out = self._lines()
+            await self._relay(message)
+
+    async def _relay(self, message: Message) -> None:
+        """Pass an upstream chunk on, with any due state lines at its boundaries."""
+        chunk: bytes = message.get("body", b"")
+        more = bool(message.get("more_body", False))
+        if not chunk and more:
+            return
+        if self.first is not None and chunk and self.first.feed(chunk):
+            self.first = None  # alone (no Failover inside), we say "generating" ourselves
+            if not self.req.in_chain and (self.req.state or {}).get("state") != "generating":
+                self.req.emit("generating")
+        if not (self.queue or self.keepalive_due):
             if chunk:
                 self.tail.feed(chunk)
                 self.after_own = False
-            out += chunk
-            if more and self._pending and self._at_boundary():
-                out += self._lines()  # a state line or keepalive that waited for this boundary
-            await self._write(out, more=more)
+            if not more:
+                self.phase = _DONE
+            await self._send(message)
+            self.last_output = time.monotonic()
+            return
+        out = b""
+        if chunk and self._boundary_before(chunk):
+            out = self._lines()
+        if chunk:
+            self.tail.feed(chunk)
+            self.after_own = False
+        out += chunk
+        if more and self._pending and self._at_boundary():
+            out += self._lines()  # a state line or keepalive that waited for this boundary
+        await self._write(out, more=more)
 
     # -- the keepalive ticker ------------------------------------------------------
 
@@ -423,9 +452,14 @@ class _Stream:
                 if self.phase in (_RELAY, _OWN) and not self.gone:
                     quiet = time.monotonic() - self.last_output
                     keepalive = interval > 0 and quiet >= interval
-                    if (self.queue or keepalive or self.keepalive_due) and self._at_boundary():
-                        await self._write(self._lines())
-                        self.after_own = True
+                    owed = bool(self.queue) or keepalive or self.keepalive_due
+                    if owed and not self.in_send and self._at_boundary():
+                        self.ticker_writing = True
+                        try:
+                            await self._write(self._lines())
+                            self.after_own = True
+                        finally:
+                            self.ticker_writing = False
                     elif keepalive:
                         self.keepalive_due = True  # written at the next event boundary
             if interval > 0 and not self.keepalive_due:
