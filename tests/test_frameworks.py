@@ -57,3 +57,39 @@ async def test_the_example_gateway_passes_a_backend_400_through(factory):
             response = await client.post(url + "/v1/chat/completions", content=chat_request())
     assert response.status_code == 400
     assert hosted.requests == []
+
+
+@pytest.mark.parametrize("factory", FRAMEWORKS)
+async def test_the_whole_stack_routes_around_a_quiet_tower_and_then_skips_it(factory):
+    # The seed-000 shape through every layer of the example gateway: the tower
+    # accepts and goes quiet; the watchdog gives up on it, the hosted tier
+    # answers; after two saturations the breaker skips the tower without a wait.
+    async def quiet(ex):
+        await ex.head()
+        await ex.write(b": ping\n\n")
+        await ex.wait_closed_by_peer()
+
+    async with (
+        FakeBackend("tower", quiet) as tower,
+        FakeBackend("hosted", streams(["ok"])) as hosted,
+    ):
+        routes = Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
+        app = factory(routes, slow_after=0.15, heartbeat_interval=0.05, commit_after=0.05)
+        async with (
+            serve(app, lifespan="on") as url,
+            httpx.AsyncClient(timeout=5) as client,
+        ):
+            bodies = []
+            for _ in range(3):
+                r = await client.post(url + "/v1/chat/completions", content=chat_request())
+                bodies.append(r.content)
+    states = [re.findall(rb'"state":"([a-z_]+)"', body) for body in bodies]
+    for seen in states[:2]:
+        assert b"backend_saturated" in seen
+        assert seen[-1] == b"generating"
+    assert b"backend_skipped" in states[2]
+    assert b"backend_saturated" not in states[2]
+    assert len(tower.requests) == 2  # the third request never reached the tower
+    assert len(hosted.requests) == 3
+    for body in bodies:
+        assert body.endswith(b"data: [DONE]\n\n")

@@ -25,7 +25,20 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
-from tierchain import Backend, Failover, Forwarder, Heartbeats, Routes
+from tierchain import (
+    Admin,
+    Backend,
+    Breaker,
+    Budget,
+    Failover,
+    Forwarder,
+    Heartbeats,
+    MemoryStore,
+    PreferBackend,
+    RedisStore,
+    Routes,
+    SaturationWatchdog,
+)
 
 DEMO_PAGE = """<!doctype html>
 <html lang="en">
@@ -132,13 +145,21 @@ def create_app(
     connect_timeout: float = 2.0,
     heartbeat_interval: float = 10.0,
     commit_after: float = 1.0,
+    slow_after: float = 0.0,
+    budget: float | None = None,
+    store: MemoryStore | RedisStore | None = None,
+    admin_token: str | None = None,
 ) -> FastAPI:
     """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends.
 
-    ``heartbeat_interval`` and ``commit_after`` are Heartbeats' ``interval`` and
-    ``commit_after`` (see docs/heartbeats.md).
+    The whole tierchain stack, in the brief's order. ``heartbeat_interval`` and
+    ``commit_after`` are Heartbeats' options (docs/heartbeats.md), ``slow_after``
+    the SaturationWatchdog's window (0: off), ``budget`` Budget's default in
+    seconds. One ``store`` (in memory unless given) holds the breakers and the
+    operator pins; with ``admin_token`` the operator page is at ``/admin/tierchain``.
     """
     forwarder = Forwarder(connect_timeout=connect_timeout)
+    store = store if store is not None else MemoryStore()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -159,12 +180,19 @@ def create_app(
     async def demo_events() -> str:
         return DEMO_PAGE
 
+    if admin_token is not None:
+        app.mount("/admin/tierchain", Admin(routes=routes, store=store, token=admin_token))
+
     # The forwarding handler: every attempt goes to current_attempt(scope).backend.
     app.mount("/v1", forwarder)
 
-    # Innermost first (FastAPI: last added is outermost).
+    # Innermost first (FastAPI: the last one added is the outermost).
+    app.add_middleware(SaturationWatchdog, slow_after=slow_after)
+    app.add_middleware(Breaker, store=store)
     app.add_middleware(Failover, routes=routes, paths=("/v1/",))
     app.add_middleware(StreamQuery)  # GET /v1/stream -> streaming POST, for EventSource
+    app.add_middleware(PreferBackend, store=store)
+    app.add_middleware(Budget, default=budget)
     # Outermost: turns the state events of every layer inside into SSE comment lines.
     app.add_middleware(Heartbeats, interval=heartbeat_interval, commit_after=commit_after)
     return app

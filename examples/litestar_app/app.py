@@ -9,11 +9,24 @@ from __future__ import annotations
 
 import os
 
+import httpx
 from litestar import Litestar, asgi, get
 from litestar.middleware import DefineMiddleware
 from litestar.types import Receive, Scope, Send
 
-from tierchain import Backend, Failover, Forwarder, Heartbeats, Routes
+from tierchain import (
+    Backend,
+    Breaker,
+    Budget,
+    Failover,
+    Forwarder,
+    Heartbeats,
+    MemoryStore,
+    PreferBackend,
+    RedisStore,
+    Routes,
+    SaturationWatchdog,
+)
 
 
 def create_app(
@@ -22,13 +35,20 @@ def create_app(
     connect_timeout: float = 2.0,
     heartbeat_interval: float = 10.0,
     commit_after: float = 1.0,
+    slow_after: float = 0.0,
+    budget: float | None = None,
+    store: MemoryStore | RedisStore | None = None,
 ) -> Litestar:
     """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends.
 
-    ``heartbeat_interval`` and ``commit_after`` are Heartbeats' ``interval`` and
-    ``commit_after`` (see docs/heartbeats.md).
+    The whole tierchain stack, in the brief's order (see the FastAPI example for
+    the options). Litestar builds the middleware stack once per route handler,
+    so everything that must be shared is made here and passed in: one store for
+    every Breaker and PreferBackend, one probe client for every watchdog.
     """
     forwarder = Forwarder(connect_timeout=connect_timeout)
+    store = store if store is not None else MemoryStore()
+    probe_client = httpx.AsyncClient(timeout=None, trust_env=False)
 
     @asgi("/v1", is_mount=True, copy_scope=True)
     async def forward(scope: Scope, receive: Receive, send: Send) -> None:
@@ -43,9 +63,14 @@ def create_app(
         # Outermost first.
         middleware=[
             DefineMiddleware(Heartbeats, interval=heartbeat_interval, commit_after=commit_after),
+            DefineMiddleware(Budget, default=budget),
+            DefineMiddleware(PreferBackend, store=store),
             DefineMiddleware(Failover, routes=routes, paths=("/v1/",)),
+            DefineMiddleware(Breaker, store=store),
+            DefineMiddleware(SaturationWatchdog, slow_after=slow_after, client=probe_client),
         ],
-        on_shutdown=[forwarder.aclose],
+        # Middleware never sees Litestar's lifespan: close what it shares here.
+        on_shutdown=[forwarder.aclose, probe_client.aclose],
     )
 
 
