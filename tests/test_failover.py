@@ -231,3 +231,42 @@ async def test_a_caller_that_disconnects_closes_the_upstream_connection():
             assert time.monotonic() - t0 < 0.5
             assert tower.open_connections == 0
         await fwd.aclose()
+
+
+async def test_a_backend_that_answers_garbage_fails_over_and_says_why():
+    async def garbage(ex: Exchange) -> None:
+        ex._writer.write(b"\x00\xffthis is not HTTP at all\r\n\r\n")
+        await ex._writer.drain()
+        await ex.reset()
+
+    async with (
+        FakeBackend("tower", garbage) as tower,
+        FakeBackend("hosted", streams(["fine"])) as hosted,
+    ):
+        app, fwd = gateway({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
+        async with serve(app) as url:
+            response = await post(url, chat_request())
+        await fwd.aclose()
+    assert response.status_code == 200
+    assert response.content == b"".join(openai_stream(["fine"]))
+    first = response.headers["x-tierchain-attempts"].split(", ")[0]
+    assert first in {"tower;outcome=protocol_error", "tower;outcome=connection_reset"}
+
+
+async def test_a_body_that_stops_short_of_its_content_length_reaches_no_backend():
+    # The caller promises more body than it sends and hangs up: nothing is forwarded.
+    async with FakeBackend("tower") as tower:
+        app, fwd = gateway({"echo": [Backend("tower", tower.url)]})
+        async with serve(app) as url:
+            host, port = url.removeprefix("http://").split(":")
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n"
+                + chat_request()
+            )
+            await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+            await asyncio.sleep(0.05)
+        await fwd.aclose()
+    assert tower.requests == []
