@@ -90,8 +90,12 @@ class EventTail:
 
     def feed(self, chunk: bytes) -> None:
         """Note that ``chunk`` was sent."""
-        if chunk:
-            self._tail = (self._tail + chunk)[-3:] if len(chunk) < 3 else chunk[-3:]
+        if len(chunk) >= 3:
+            # Keep the (immutable) chunk itself: its last three bytes are read
+            # only when asked, so a chunk costs no copy.
+            self._tail = chunk
+        elif chunk:
+            self._tail = self._tail[-3:] + chunk
 
     @property
     def pending_cr(self) -> bool:
