@@ -325,7 +325,31 @@ class _Stream:
     # -- the inner app's send ----------------------------------------------------
 
     async def send(self, message: Message) -> None:
-        if self.phase == _PASS:
+        phase = self.phase
+        if phase == _RELAY:
+            if message["type"] == "http.response.body" and not (
+                self.ticker_writing or self.queue or self.keepalive_due or self.first is not None
+            ):
+                # The hot path: a relayed upstream chunk with nothing to add to it.
+                # No lock: the ticker sees ``in_send`` and leaves its line for the next
+                # boundary, and a chunk arriving while the ticker writes takes the lock.
+                chunk: bytes = message.get("body", b"")
+                more = message.get("more_body", False)
+                if chunk:
+                    self.tail.feed(chunk)
+                    self.after_own = False
+                elif more:
+                    return
+                if not more:
+                    self.phase = _DONE
+                self.in_send = True
+                try:
+                    await self._send(message)
+                    self.last_output = time.monotonic()
+                finally:
+                    self._sent()
+                return
+        elif phase == _PASS:
             await self._send(message)
             return
         kind = message["type"]
@@ -335,6 +359,12 @@ class _Stream:
             await self._on_body(message)
         elif self.phase != _OWN:  # e.g. trailers; after our own commit they cannot follow
             await self._send(message)
+
+    def _sent(self) -> None:
+        """A relayed chunk's send is back."""
+        self.in_send = False
+        if self.keepalive_due:
+            self.wake.set()  # the ticker held a line back while this send was out
 
     async def _on_start(self, message: Message) -> None:
         async with self.lock:
@@ -356,16 +386,12 @@ class _Stream:
 
     async def _on_body(self, message: Message) -> None:
         if self.phase == _RELAY and not self.ticker_writing:
-            # The hot path: a relayed upstream chunk while the ticker is not writing.
-            # No lock: the ticker sees ``in_send`` and leaves its line for the next
-            # boundary, and a chunk arriving while the ticker writes takes the lock.
+            # As in the hot path (see send), with state lines or detection to do.
             self.in_send = True
             try:
                 await self._relay(message)
             finally:
-                self.in_send = False
-                if self.keepalive_due:
-                    self.wake.set()  # the ticker held a line back while this send was out
+                self._sent()
             return
         async with self.lock:
             phase = self.phase
