@@ -32,6 +32,7 @@ from __future__ import annotations
 import email.utils
 import math
 import time
+from collections.abc import Awaitable
 from typing import Any, Literal
 
 from ._responses import header, send_json_error
@@ -359,10 +360,16 @@ class _Guard:
         self.settled = True
         await self.breaker.record(self.route, self.name, self.ticket, outcome, retry_after)
 
-    async def send(self, message: Message) -> None:
-        assert self._send is not None
+    def send(self, message: Message) -> Awaitable[None]:
+        """Pass ``message`` on; once settled, the inner send's own awaitable (no frame of ours)."""
+        send = self._send
+        assert send is not None
         if self.settled:
-            return await self._send(message)
+            return send(message)
+        return self._watch(message, send)
+
+    async def _watch(self, message: Message, send: Send) -> None:
+        """Until the outcome is settled: look at what passes."""
         kind = message["type"]
         if kind == "http.response.start":
             status = self.status = int(message["status"])
@@ -375,11 +382,11 @@ class _Guard:
                     await self.settle("failure", hint)
             elif status >= 400:
                 await self.settle("neutral")
-            elif is_event_stream(list(message.get("headers", ()))):
+            elif is_event_stream(message.get("headers", ())):
                 self._detector = FirstChunk()
-            return await self._send(message)
+            return await send(message)
         if kind == "http.response.body" and self.status is not None:
-            await self._send(message)
+            await send(message)
             body: bytes = message.get("body", b"")
             if self._detector is not None:
                 first = bool(body) and self._detector.feed(body)
@@ -388,4 +395,4 @@ class _Guard:
             if first or not message.get("more_body", False):
                 await self.settle("success")
             return None
-        return await self._send(message)
+        return await send(message)

@@ -31,6 +31,7 @@ import logging
 import math
 import re
 import time
+from collections.abc import Awaitable
 from datetime import timedelta
 
 from opentelemetry import trace
@@ -148,19 +149,20 @@ class _Spend:
         self._tail: EventTail | None = None
         self._send: Send | None = None
 
-    async def send(self, message: Message) -> None:
+    def send(self, message: Message) -> Awaitable[None]:
+        """Note what passes and pass it on: the inner send's own awaitable, no frame of ours."""
         kind = message["type"]
-        if kind == "http.response.start":
-            self.started = True
-            if is_event_stream(list(message.get("headers", ()))):
-                self._tail = EventTail()
-        elif kind == "http.response.body":
+        if kind == "http.response.body":
             if self._tail is not None:
                 self._tail.feed(message.get("body", b""))
             if not message.get("more_body", False):
                 self.finished = True
+        elif kind == "http.response.start":
+            self.started = True
+            if is_event_stream(message.get("headers", ())):
+                self._tail = EventTail()
         assert self._send is not None
-        await self._send(message)
+        return self._send(message)
 
     async def run(self, receive: Receive, send: Send) -> None:
         self._send = send

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from opentelemetry.trace import Span, Status, StatusCode
@@ -421,15 +421,18 @@ class _Responder:
         self._held: list[bytes] = []
         self._held_size = 0
 
-    async def send(self, message: Message) -> None:
+    def send(self, message: Message) -> Awaitable[None]:
+        """The inner app's send. Once committed, returns the caller's send's own awaitable."""
         if self.committed:
             if message["type"] == "http.response.body":
                 if self._tail is not None:
                     self._tail.feed(message.get("body", b""))
                 if not message.get("more_body", False):
                     self._guard.done = True
-            await self._send(message)
-            return
+            return self._send(message)
+        return self._before_commit(message)
+
+    async def _before_commit(self, message: Message) -> None:
         if self.aborted is not None:
             raise self.aborted
         kind = message["type"]

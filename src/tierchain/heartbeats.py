@@ -370,7 +370,7 @@ class _Stream:
         async with self.lock:
             self.inner_started = True
             status = int(message["status"])
-            sse = 200 <= status < 300 and is_event_stream(list(message.get("headers", ())))
+            sse = 200 <= status < 300 and is_event_stream(message.get("headers", ()))
             if self.phase == _WAITING:
                 if sse and self.streaming():
                     self.phase = _RELAY

@@ -16,6 +16,7 @@ between the CR and the LF of one line ending.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
 _TERMINATORS = b"\r\n"
 
 
-def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+def is_event_stream(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     """True when the response headers say ``content-type: text/event-stream``."""
     for key, value in headers:
         if key.lower() == b"content-type":

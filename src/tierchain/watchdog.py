@@ -40,7 +40,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from datetime import timedelta
 
 import httpx
@@ -264,12 +264,17 @@ class _Watch:
                 prober.cancel()
                 await asyncio.wait([prober])
 
-    async def send(self, message: Message) -> None:
+    def send(self, message: Message) -> Awaitable[None]:
+        """Pass ``message`` on, watching for the first chunk until it has passed.
+
+        Returns the inner send's own awaitable: after the first chunk a message
+        costs this one check and no coroutine frame of ours.
+        """
         if not self.first:
             kind = message["type"]
             if kind == "http.response.start":
                 self.started = True
-                if is_event_stream(list(message.get("headers", ()))):
+                if is_event_stream(message.get("headers", ())):
                     self._detector = FirstChunk()
                     self._tail = EventTail()
             elif kind == "http.response.body":
@@ -282,7 +287,7 @@ class _Watch:
                 if self._tail is not None:
                     self._tail.feed(chunk)
         assert self._send is not None
-        await self._send(message)
+        return self._send(message)
 
     def answered(self) -> bool:
         """True once the first chunk has been passed on."""
