@@ -31,7 +31,7 @@ class DisconnectGuard:
     (uvicorn reports one when the response ends) cancels nothing.
     """
 
-    __slots__ = ("_cancelled", "_handle", "_receive", "_task", "_watcher", "done", "gone")
+    __slots__ = ("_cancelled", "_gone", "_handle", "_receive", "_task", "_watcher", "done")
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
@@ -40,7 +40,14 @@ class DisconnectGuard:
         self._handle: asyncio.TimerHandle | None = None
         self._cancelled = False
         self.done = False
-        self.gone = asyncio.Event()
+        self._gone: asyncio.Event | None = None  # made when first needed
+
+    @property
+    def gone(self) -> asyncio.Event:
+        """Set once the caller has disconnected."""
+        if self._gone is None:
+            self._gone = asyncio.Event()
+        return self._gone
 
     async def __aenter__(self) -> DisconnectGuard:
         self._task = asyncio.current_task()

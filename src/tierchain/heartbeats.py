@@ -532,21 +532,10 @@ class _Stream:
                             )
                         )
                 raise
-            async with self.lock:
-                if self.phase == _OWN and not self.gone:
-                    if self.late_status is not None:
-                        body = b"".join(self.late_body)
-                        await self._finish_own(_late_answer_event(self.late_status, body))
-                    elif not self.inner_started:
-                        await self._finish_own(
-                            error_event(
-                                "the gateway ended without an answer",
-                                "upstream_error",
-                                "no_response",
-                            )
-                        )
-                    else:
-                        await self._finish_own(b"")
+            # Only the ticker commits our own response or holds the lock here:
+            # without one there is nothing to finish.
+            if self.ticker is not None:
+                await self._finish()
         finally:
             unsubscribe()
             if self.handle is not None:
@@ -555,3 +544,21 @@ class _Stream:
             if ticker is not None:
                 ticker.cancel()
                 await asyncio.wait([ticker])
+
+    async def _finish(self) -> None:
+        """The inner app returned: end our own response if we committed one."""
+        async with self.lock:
+            if self.phase == _OWN and not self.gone:
+                if self.late_status is not None:
+                    body = b"".join(self.late_body)
+                    await self._finish_own(_late_answer_event(self.late_status, body))
+                elif not self.inner_started:
+                    await self._finish_own(
+                        error_event(
+                            "the gateway ended without an answer",
+                            "upstream_error",
+                            "no_response",
+                        )
+                    )
+                else:
+                    await self._finish_own(b"")

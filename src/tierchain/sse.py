@@ -57,6 +57,9 @@ class FirstChunk:
         """Look at the next chunk of the body; True once a data line has started."""
         if self.found:
             return True
+        if not self._line and chunk.startswith(b"data:"):
+            self.found = True  # the usual first event: a data line at a line start
+            return True
         start, size = 0, len(chunk)
         while True:
             ends = [i for i in (chunk.find(b"\n", start), chunk.find(b"\r", start)) if i >= 0]
@@ -128,9 +131,13 @@ class EventTail:
         return b"\n" if self.at_line_start else b"\n\n"
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def _one_line_json(obj: Any) -> bytes:
-    # json.dumps escapes every control character, so no raw newline survives.
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    # JSON escapes every control character, so no raw newline survives. One
+    # shared encoder: json.dumps with options builds a new one per call.
+    return _ENCODER.encode(obj).encode()
 
 
 def comment_line(event: dict[str, Any]) -> bytes:
