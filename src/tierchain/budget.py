@@ -39,7 +39,7 @@ from opentelemetry import trace
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import BudgetExhausted
-from .request import TierRequest
+from .request import TRAIL_HEADER, TierRequest, format_trail
 from .sse import EventTail, error_event, is_event_stream
 from .telemetry import ATTR_OUTCOME, BUDGET_EXHAUSTED, log_event
 
@@ -47,7 +47,6 @@ __all__ = ["Budget"]
 
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 _REASON = "budget_exhausted"
-TRAIL_HEADER = b"x-tierchain-attempts"
 
 
 def _option(name: str, value: float | timedelta | None) -> float | None:
@@ -203,7 +202,7 @@ class _Spend:
         route = req.route or ""
         BUDGET_EXHAUSTED.labels(route).inc()
         trace.get_current_span().set_attribute(ATTR_OUTCOME, _REASON)
-        trail = ", ".join(f"{r.backend};outcome={r.outcome}" for r in req.attempts)
+        trail = format_trail(req.attempts).decode()
         log_event(
             "request.budget_exhausted",
             level=logging.WARNING,

@@ -40,7 +40,7 @@ from .errors import (
     BudgetExhausted,
     RetryableStatus,
 )
-from .request import UNROUTED_KEY, Attempt, AttemptRecord, TierRequest
+from .request import TRAIL_HEADER, UNROUTED_KEY, Attempt, AttemptRecord, TierRequest, format_trail
 from .sse import EventTail, FirstChunk, error_event, is_event_stream
 from .telemetry import (
     ATTEMPTS,
@@ -59,7 +59,6 @@ from .telemetry import (
 __all__ = ["DEFAULT_RETRY_STATUSES", "Failover", "ResolveError"]
 
 DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-TRAIL_HEADER = b"x-tierchain-attempts"
 BACKEND_HEADER = b"x-tierchain-backend"
 _HOLD_LIMIT = 64 * 1024  # comment bytes held before the first data event
 
@@ -90,13 +89,6 @@ def _retry_after(headers: Headers) -> float | None:
     except ValueError:
         return None
     return seconds if math.isfinite(seconds) and seconds >= 0 else None
-
-
-def _trail(records: list[AttemptRecord], extra: tuple[str, str] | None = None) -> bytes:
-    parts = [f"{r.backend};outcome={r.outcome}" for r in records]
-    if extra is not None:
-        parts.append(f"{extra[0]};outcome={extra[1]}")
-    return ", ".join(parts).encode()
 
 
 class Failover:
@@ -233,7 +225,7 @@ class Failover:
         guard.done = True
         span.set_attribute(ATTR_OUTCOME, "all_failed")
         span.set_status(Status(StatusCode.ERROR, "every backend failed"))
-        trail = [(TRAIL_HEADER, _trail(req.attempts))]
+        trail = [(TRAIL_HEADER, format_trail(req.attempts))]
         if len(skipped) == of:
             soonest_s = min((s for s in skipped.values() if s is not None), default=1.0)
             retry = max(1, math.ceil(soonest_s))
@@ -481,7 +473,8 @@ class _Responder:
         elapsed = time.monotonic() - attempt.started
         labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(elapsed)
         headers: Headers = self.start["headers"]
-        headers.append((TRAIL_HEADER, _trail(req.attempts, (attempt.backend.name, self.outcome))))
+        trail = format_trail(req.attempts, (attempt.backend.name, self.outcome))
+        headers.append((TRAIL_HEADER, trail))
         headers.append((BACKEND_HEADER, attempt.backend.name.encode()))
         req.emit("generating", backend=attempt.backend.name)
         await self._send(self.start)

@@ -26,6 +26,7 @@ from .backend import Backend
 
 __all__ = [
     "SCOPE_KEY",
+    "TRAIL_HEADER",
     "UNROUTED_KEY",
     "Attempt",
     "AttemptRecord",
@@ -33,6 +34,7 @@ __all__ = [
     "StateEvent",
     "TierRequest",
     "current_attempt",
+    "format_trail",
 ]
 
 SCOPE_KEY = "tierchain.request"
@@ -78,6 +80,18 @@ class Attempt:
     def is_last(self) -> bool:
         """True when there is no later tier to fail over into."""
         return self.n >= self.of
+
+
+TRAIL_HEADER = b"x-tierchain-attempts"
+"""The response header carrying the attempt trail: ``tower;outcome=connect_refused, ...``."""
+
+
+def format_trail(records: list[AttemptRecord], extra: tuple[str, str] | None = None) -> bytes:
+    """The trail header's value for ``records`` (plus an attempt still running, ``extra``)."""
+    parts = [f"{r.backend};outcome={r.outcome}" for r in records]
+    if extra is not None:
+        parts.append(f"{extra[0]};outcome={extra[1]}")
+    return ", ".join(parts).encode()
 
 
 @dataclass(slots=True, frozen=True)
