@@ -222,6 +222,7 @@ class FakeBackend:
     connection_closed: asyncio.Event = field(default_factory=asyncio.Event)
     _server: asyncio.Server | None = None
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
+    _handlers: set[asyncio.Task[None]] = field(default_factory=set)
     port: int = 0
 
     @property
@@ -240,6 +241,11 @@ class FakeBackend:
             self._server = None
         for writer in list(self._writers):
             writer.transport.abort()
+        # Let every connection handler see its connection end, so no task is left
+        # pending for the event loop to cancel at close.
+        handlers = [t for t in self._handlers if t is not asyncio.current_task()]
+        if handlers:
+            await asyncio.wait(handlers, timeout=1)
 
     async def __aenter__(self) -> FakeBackend:
         return await self.start()
@@ -248,6 +254,10 @@ class FakeBackend:
         await self.stop()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
         self.open_connections += 1
         self._writers.add(writer)
         try:
