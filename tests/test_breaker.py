@@ -348,7 +348,7 @@ async def test_alone_in_front_of_one_backend_it_answers_503_fast_while_open():
             took = time.monotonic() - t0
         await forwarder.aclose()
     assert response.status_code == 503
-    assert took < 0.5  # no upstream round trip; the real proof is the request count below
+    assert took < 1.5  # no upstream round trip; the real proof is the request count below
     assert response.headers["retry-after"] == "30"
     error = response.json()["error"]
     assert error["backends"] == [{"backend": "tower", "state": "open", "retry_in_s": 30.0}]

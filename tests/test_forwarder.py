@@ -60,7 +60,7 @@ async def test_a_backend_that_never_accepts_costs_the_connect_timeout_then_fails
         await forwarder.aclose()
     assert response.status_code == 200
     assert response.headers["x-tierchain-attempts"].startswith("tower;outcome=connect_timeout")
-    assert 0.2 <= took < 0.5
+    assert 0.2 <= took < 1.5
 
 
 async def test_hop_by_hop_headers_are_dropped_and_backend_headers_and_model_are_applied():
@@ -181,7 +181,7 @@ async def test_a_caller_that_leaves_while_the_backend_is_silent_closes_the_upstr
                     await request
             t0 = time.monotonic()
             await asyncio.wait_for(tower.connection_closed.wait(), 1)
-            assert time.monotonic() - t0 < 0.5
+            assert time.monotonic() - t0 < 1.5
         await forwarder.aclose()
     assert tower.open_connections == 0
     leftovers = [t for t in asyncio.all_tasks() if t.get_name().startswith("tierchain")]
