@@ -109,7 +109,7 @@ async def test_latency_that_grows_with_concurrency_is_evidence_of_queueing_not_o
 
 
 async def test_flat_latency_is_not_called_proof_of_no_admission_control():
-    result = await probe(parallel(0.08), levels=SMALL, repeats=1)
+    result = await probe(parallel(0.2), levels=SMALL, repeats=1)  # roomy on a busy machine
     outcome = verdict(result)
     assert outcome.kind == "flat"
     assert "cannot distinguish no admission control from a backend that absorbed the burst" in (

@@ -160,7 +160,7 @@ async def test_when_every_backend_fails_the_caller_gets_502_listing_each_attempt
     assert error["type"] == "all_backends_failed"
     assert error["attempts"] == [
         {"backend": "tower", "outcome": "connect_refused"},
-        {"backend": "hosted", "outcome": "http_503"},
+        {"backend": "hosted", "outcome": "http_503", "message": "x"},
     ]
     assert response.headers["x-tierchain-attempts"] == (
         "tower;outcome=connect_refused, hosted;outcome=http_503"

@@ -106,9 +106,11 @@ async def test_a_forwarder_alone_answers_502_for_a_dead_backend():
 
 
 async def test_a_forwarder_alone_streams_and_ends_a_broken_stream_with_an_error_event():
+    first, second = openai_stream(["one", "two"])[:2]
+
     async def dies(ex: Exchange) -> None:
         await ex.head()
-        await ex.write(openai_stream(["one"])[0][:20])  # mid-event
+        await ex.write(first + second[:-12])  # a whole event, then most of one
         await ex.reset()
 
     async with FakeBackend("tower", dies) as tower:
@@ -116,7 +118,9 @@ async def test_a_forwarder_alone_streams_and_ends_a_broken_stream_with_an_error_
         async with serve(forwarder) as url, httpx.AsyncClient(timeout=5) as client:
             response = await client.post(url + "/v1/chat/completions", content=chat_request())
         await forwarder.aclose()
-    assert response.content.startswith(openai_stream(["one"])[0][:20] + b"\n\ndata: ")
+    # The whole event, then the error event: the half one never reaches the caller.
+    assert response.content.startswith(first + b'data: {"error":')
+    assert b'"two"' not in response.content
     assert b'"code":"stream_broken"' in response.content
 
 

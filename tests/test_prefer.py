@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -12,6 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+import tierchain.store
 from tierchain import Backend, Failover, Forwarder, PreferBackend, Routes
 from tierchain.request import SCOPE_KEY, TierRequest
 from tierchain.store import MemoryStore
@@ -71,7 +74,7 @@ async def test_the_other_tiers_stay_behind_it():
         async with serve(app) as url:
             response = await post(url, "hosted")
         await fwd.aclose()
-    assert response.status_code == 502
+    assert response.status_code == 503  # every tier said 503: the caller is told so
     assert [a["backend"] for a in response.json()["error"]["attempts"]] == [
         "hosted",
         "tower",
@@ -120,7 +123,7 @@ async def test_an_unknown_name_changes_nothing_over_the_network(caplog, metric):
     assert metric("tierchain_backend_preference_total", applied="false") == before + 1
 
 
-async def test_pins_apply_to_every_caller_until_expiry_and_then_stop():
+async def test_pins_apply_to_every_caller_until_expiry_and_then_stop(monkeypatch):
     store = MemoryStore()
     async with (
         FakeBackend("tower", streams(["t"])) as tower,
@@ -130,9 +133,11 @@ async def test_pins_apply_to_every_caller_until_expiry_and_then_stop():
             {"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]}, store=store
         )
         async with serve(app) as url:
-            await store.set_pin("echo", "hosted", 0.3)
+            await store.set_pin("echo", "hosted", 60)
             pinned = await asyncio.gather(post(url), post(url), post(url))
-            await asyncio.sleep(0.35)
+            # A minute later (the store's wall clock moved on): the pin has expired.
+            later = SimpleNamespace(time=lambda: time.time() + 61, monotonic=time.monotonic)
+            monkeypatch.setattr(tierchain.store, "time", later)
             after = await post(url)
         await fwd.aclose()
     assert [r.headers["x-tierchain-backend"] for r in pinned] == ["hosted"] * 3

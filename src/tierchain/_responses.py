@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import email.utils
 import json
+import math
+import time
 from typing import Any
 
 from ._types import Headers, Send
@@ -36,3 +39,46 @@ def header(headers: Headers, name: bytes) -> bytes | None:
         if key.lower() == name:
             return value
     return None
+
+
+def retry_after(headers: Headers) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), or None."""
+    value = header(headers, b"retry-after")
+    if value is None:
+        return None
+    text = value.decode("latin-1").strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - time.time()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+def error_detail(body: bytes) -> str | None:
+    """The message an upstream error body gives (OpenAI shape or plain text), shortened."""
+    if not body:
+        return None
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, ValueError):
+        data = None
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            text = error["message"]
+        elif isinstance(error, str):
+            text = error
+        elif isinstance(data.get("message"), str):
+            text = data["message"]
+        elif isinstance(data.get("detail"), str):
+            text = data["detail"]
+        else:
+            text = body.decode("utf-8", "replace")
+    else:
+        text = body.decode("utf-8", "replace")
+    text = " ".join(text.split())
+    return text if len(text) <= 300 else text[:300] + "..."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,11 @@ class Backend:
     backend is still working before a slow attempt is abandoned. ``headers``
     are added to every request sent to it (an API key for a hosted tier), and
     ``model``, when set, replaces the JSON body's ``model`` for this backend.
+    ``stream_end`` says when its event streams are complete: ``"openai"``
+    (``data: [DONE]``, or a ``finish_reason`` before a clean end), another
+    string (a data event whose value is exactly that), or None (any clean end).
+    A stream that ends otherwise is truncated, an error. ``stall_after``
+    overrides the SaturationWatchdog's ``stall_after`` for this backend.
     """
 
     name: str
@@ -44,6 +50,8 @@ class Backend:
     status_url: str | None = None
     headers: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     model: str | None = None
+    stream_end: str | None = "openai"
+    stall_after: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -54,6 +62,25 @@ class Backend:
         if self.status_url is not None:
             _check_url(f"backend {self.name!r} status_url", self.status_url)
         object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
+        if self.stream_end is not None and (
+            not isinstance(self.stream_end, str) or not self.stream_end.strip()
+        ):
+            raise ValueError(
+                f"backend {self.name!r} stream_end must be a non-empty string or None, "
+                f"got {self.stream_end!r}"
+            )
+        if self.stall_after is not None:
+            stall = self.stall_after
+            if (
+                isinstance(stall, bool)
+                or not isinstance(stall, int | float)
+                or not math.isfinite(stall)
+                or stall <= 0
+            ):
+                raise ValueError(
+                    f"backend {self.name!r} stall_after must be a finite number of seconds > 0, "
+                    f"got {stall!r}"
+                )
 
 
 class Routes(Mapping[str, tuple[Backend, ...]]):

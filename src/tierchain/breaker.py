@@ -16,26 +16,31 @@ immediately. The probe's success closes the breaker, its failure re-opens it.
 Alone (no Failover in front) it guards one backend and answers 503 with
 ``Retry-After`` while open.
 
-Each attempt's outcome is settled exactly once:
+Each attempt's outcome is settled exactly once, when the attempt ends, from the
+attempt's :class:`~tierchain.observer.Observer` (Failover's; alone, the
+Breaker's own):
 
-- success: a first chunk (the first ``data:`` event of an event stream, the
-  first body bytes otherwise) after a status below 400;
-- failure: a 5xx or 429 status (raised by Failover as ``RetryableStatus`` or
-  seen passing through), ``BackendUnavailable`` or any other exception;
+- success: a status below 400 and a whole answer (an event stream that reached
+  its terminator);
+- failure: a 5xx or 429 status, ``BackendUnavailable``, a stream that broke,
+  was truncated, stalled or was malformed after its first data event, an event
+  stream with no data event, or any other exception;
 - saturation: ``BackendSaturated``;
 - neutral (counts nothing, clears nothing, frees a probe slot): a 4xx other
   than 429, a cancelled attempt (the caller left), a spent budget.
+
+So a tower that keeps breaking mid-stream is skipped after
+``failure_threshold`` like any other failing backend.
 """
 
 from __future__ import annotations
 
-import email.utils
 import math
 import time
 from collections.abc import Awaitable
 from typing import Any, Literal
 
-from ._responses import header, send_json_error
+from ._responses import retry_after, send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backend import Backend
 from .errors import (
@@ -45,8 +50,8 @@ from .errors import (
     RetryableStatus,
     TierchainError,
 )
+from .observer import Observer
 from .request import UNROUTED_KEY, TierRequest
-from .sse import FirstChunk, is_event_stream
 from .store import (
     BreakerChange,
     BreakerPolicy,
@@ -149,13 +154,11 @@ class Breaker:
         route = req.route or attempt.route or ""
         name = attempt.backend.name
         if self.when_all_open == "try_soonest":
-            req.extras["on_all_open"] = "try_soonest"
+            req.try_soonest = True
         ticket = await self._acquire(route, name, attempt.force)
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
-            error = BackendSkipped(_skip_message(name, ticket), retry_in=ticket.retry_in)
-            req.extras["attempt_error"] = error  # found by Failover if a framework hides it
-            raise error
+            raise BackendSkipped(_skip_message(name, ticket), retry_in=ticket.retry_in)
         await _Guard(self, route, name, ticket, req).run(scope, receive, send)
 
     async def _alone(
@@ -173,7 +176,7 @@ class Breaker:
         try:
             await guard.run(scope, receive, send)
         except AttemptError as exc:
-            if guard.status is not None:
+            if guard.observer.status is not None:
                 raise  # the response has started: the server ends it
             saturated = isinstance(exc, BackendSaturated | BackendSkipped)
             await send_json_error(
@@ -282,22 +285,6 @@ def _skip_message(name: str, ticket: Ticket) -> str:
     return f"backend {name!r} is open; retry in {_round(ticket.retry_in)}s"
 
 
-def _retry_after(message: Message) -> float | None:
-    value = header(list(message.get("headers", ())), b"retry-after")
-    if value is None:
-        return None
-    text = value.decode("latin-1").strip()
-    try:
-        seconds = float(text)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(text)
-        except (TypeError, ValueError):
-            return None
-        seconds = when.timestamp() - time.time()
-    return max(0.0, seconds) if math.isfinite(seconds) else None
-
-
 def _classify(exc: BaseException) -> tuple[Outcome, float | None]:
     if isinstance(exc, BackendSaturated):
         return "saturation", None
@@ -316,20 +303,27 @@ def _classify(exc: BaseException) -> tuple[Outcome, float | None]:
     return "neutral", None  # cancelled: the caller left, or the budget ended the attempt
 
 
-class _Guard:
-    """One admitted attempt: watch what it sends and settle its outcome once."""
+def _judge(observer: Observer) -> tuple[Outcome, float | None]:
+    """The outcome of an attempt that returned, from what its response showed."""
+    status = observer.status
+    if status is None:
+        return "failure", None  # returned without answering
+    if status >= 500 or status == 429:
+        hint = retry_after(observer.headers) if status in (429, 503) else None
+        return "failure", hint
+    if status >= 400:
+        return "neutral", None
+    return ("success" if observer.verdict() == "ok" else "failure"), None
 
-    __slots__ = (
-        "_detector",
-        "_send",
-        "breaker",
-        "name",
-        "req",
-        "route",
-        "settled",
-        "status",
-        "ticket",
-    )
+
+class _Guard:
+    """One admitted attempt: settle its outcome once, when it ends.
+
+    Inside a Failover it reads the attempt's observer and wraps nothing; alone
+    it feeds an observer of its own from a ``send`` wrapper.
+    """
+
+    __slots__ = ("_send", "breaker", "name", "observer", "own", "req", "route", "ticket")
 
     def __init__(
         self, breaker: Breaker, route: str, name: str, ticket: Ticket, req: TierRequest | None
@@ -339,60 +333,37 @@ class _Guard:
         self.name = name
         self.ticket = ticket
         self.req = req
-        self.settled = False
-        self.status: int | None = None
-        self._detector: FirstChunk | None = None
+        shared = req.observer if req is not None and req.in_chain else None
+        self.own = shared is None
+        self.observer = shared if shared is not None else Observer()
         self._send: Send | None = None
 
     async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
+        req = self.req
         try:
-            await self.breaker.app(scope, receive, self.send)
+            await self.breaker.app(scope, receive, self.send if self.own else send)
         except BaseException as exc:
-            if not self.settled:
-                await self.settle(*_classify(exc))
+            cause = req.attempt_error if req is not None and req.aborted else None
+            await self.breaker.record(self.route, self.name, self.ticket, *_classify(cause or exc))
             raise
-        if not self.settled:
-            # Returned without a first chunk: an empty good answer, or no answer at all.
-            await self.settle("success" if self.status is not None else "failure")
-
-    async def settle(self, outcome: Outcome, retry_after: float | None = None) -> None:
-        self.settled = True
-        await self.breaker.record(self.route, self.name, self.ticket, outcome, retry_after)
+        left = req.attempt_error if req is not None else None
+        outcome = _classify(left) if left is not None else _judge(self.observer)
+        await self.breaker.record(self.route, self.name, self.ticket, *outcome)
 
     def send(self, message: Message) -> Awaitable[None]:
-        """Pass ``message`` on; once settled, the inner send's own awaitable (no frame of ours)."""
+        """Alone: note what passes in the observer, and pass it on unchanged."""
         send = self._send
         assert send is not None
-        if self.settled:
-            return send(message)
-        return self._watch(message, send)
-
-    async def _watch(self, message: Message, send: Send) -> None:
-        """Until the outcome is settled: look at what passes."""
         kind = message["type"]
-        if kind == "http.response.start":
-            status = self.status = int(message["status"])
-            if status >= 500 or status == 429:
-                cause = self.req.extras.get("attempt_error") if self.req is not None else None
-                if isinstance(cause, AttemptError):
-                    await self.settle(*_classify(cause))
-                else:
-                    hint = _retry_after(message) if status in (429, 503) else None
-                    await self.settle("failure", hint)
-            elif status >= 400:
-                await self.settle("neutral")
-            elif is_event_stream(message.get("headers", ())):
-                self._detector = FirstChunk()
-            return await send(message)
-        if kind == "http.response.body" and self.status is not None:
-            await send(message)
-            body: bytes = message.get("body", b"")
-            if self._detector is not None:
-                first = bool(body) and self._detector.feed(body)
-            else:
-                first = bool(body)
-            if first or not message.get("more_body", False):
-                await self.settle("success")
-            return None
-        return await send(message)
+        observer = self.observer
+        if kind == "http.response.body":
+            try:
+                observer.body(message.get("body", b""))
+            except TierchainError:
+                pass  # an over-long event: the stream is judged at its end
+            if not message.get("more_body", False):
+                observer.end()
+        elif kind == "http.response.start":
+            observer.start(int(message["status"]), list(message.get("headers", ())))
+        return send(message)

@@ -8,7 +8,7 @@ untouched. A header that is not a finite positive decimal is answered 400.
 While the inner app runs, ``TierRequest.deadline`` holds the deadline on the
 monotonic clock, so Failover clips each attempt to it and the
 SaturationWatchdog never mistakes the deadline for a saturation. When the
-deadline passes, ``req.extras["cancel_reason"]`` is set to
+deadline passes, ``TierRequest.cancel_reason`` is set to
 ``"budget_exhausted"`` (so Failover records that outcome for the running
 attempt, and a Breaker records nothing against the backend) and then the inner
 app is cancelled. A Failover that finds the budget spent before a new attempt
@@ -18,7 +18,8 @@ The caller then gets:
 
 - nothing sent yet: ``504`` with a JSON error of type ``budget_exhausted``;
 - an event stream already started: an SSE error event of that type, sent at
-  an event boundary, and the end of the stream;
+  an event boundary (a partial event is dropped, never closed off), and the
+  end of the stream;
 - any other response already started: the connection is aborted (the server
   closes it), so the caller sees an incomplete response, never a silently
   short one.
@@ -39,8 +40,9 @@ from opentelemetry import trace
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import BudgetExhausted
+from .observer import Observer, whole_events
 from .request import TRAIL_HEADER, TierRequest, format_trail
-from .sse import EventTail, error_event, is_event_stream
+from .sse import error_event, is_event_stream
 from .telemetry import ATTR_OUTCOME, BUDGET_EXHAUSTED, log_event
 
 __all__ = ["Budget"]
@@ -123,11 +125,16 @@ class Budget:
 
 
 class _Spend:
-    """One request under a budget: its timer and what has been sent."""
+    """One request under a budget: its timer and what has been sent.
+
+    Inside a Failover, the events that reach this layer are already whole and
+    it only notes the start and the end. Alone in front of an event stream it
+    keeps an observer of its own, so that it too passes on whole events only.
+    """
 
     __slots__ = (
+        "_observer",
         "_send",
-        "_tail",
         "budget",
         "finished",
         "fired",
@@ -145,23 +152,32 @@ class _Spend:
         self.started = False
         self.finished = False
         self.fired = False
-        self._tail: EventTail | None = None
+        self._observer: Observer | None = None
         self._send: Send | None = None
 
     def send(self, message: Message) -> Awaitable[None]:
         """Note what passes and pass it on: the inner send's own awaitable, no frame of ours."""
+        send = self._send
+        assert send is not None
         kind = message["type"]
         if kind == "http.response.body":
-            if self._tail is not None:
-                self._tail.feed(message.get("body", b""))
+            if self._observer is not None:
+                return self._relay(message, self._observer, send)
             if not message.get("more_body", False):
                 self.finished = True
         elif kind == "http.response.start":
             self.started = True
-            if is_event_stream(message.get("headers", ())):
-                self._tail = EventTail()
-        assert self._send is not None
-        return self._send(message)
+            headers = message.get("headers", ())
+            if not self.req.in_chain and is_event_stream(headers):
+                self._observer = Observer()
+        return send(message)
+
+    async def _relay(self, message: Message, observer: Observer, send: Send) -> None:
+        out = whole_events(observer, message)
+        if out is not None:
+            if not out["more_body"]:
+                self.finished = True
+            await send(out)
 
     async def run(self, receive: Receive, send: Send) -> None:
         self._send = send
@@ -177,7 +193,7 @@ class _Spend:
             if self.finished or self.fired:
                 return
             self.fired = True
-            req.extras["cancel_reason"] = _REASON  # before the cancellation lands
+            req.cancel_reason = _REASON  # before the cancellation lands
             task.cancel("tierchain: the request's budget is spent")
 
         loop = asyncio.get_running_loop()
@@ -189,7 +205,7 @@ class _Spend:
                 raise
             await self._exhausted(send)
         except BudgetExhausted:
-            req.extras["cancel_reason"] = _REASON
+            req.cancel_reason = _REASON
             await self._exhausted(send)
         else:
             if self.fired and task.cancelling():
@@ -225,12 +241,13 @@ class _Spend:
                 attempts=[{"backend": r.backend, "outcome": r.outcome} for r in req.attempts],
             )
             return
-        if self._tail is not None and not self.finished:
+        observer = self._observer if self._observer is not None else req.observer
+        if observer is not None and observer.sse and not self.finished:
+            observer.drop_pending()  # a partial event never reaches the caller
             await send(
                 {
                     "type": "http.response.body",
-                    "body": self._tail.closing_bytes()
-                    + error_event(
+                    "body": error_event(
                         f"the request's budget of {self.seconds:g}s was spent mid-stream",
                         _REASON,
                         _REASON,

@@ -345,6 +345,7 @@ LAYERS: tuple[Layer, ...] = (
         _o("retry_statuses", "FAILOVER_RETRY_STATUSES", status_list,
            "HTTP statuses separated by commas, such as 429,500,502,503,504"),
         _o("paths", "FAILOVER_PATHS", path_list, "path prefixes separated by commas, such as /v1/"),
+        _o("hold_limit", "FAILOVER_HOLD_LIMIT", size, "a size in bytes such as 16MiB"),
     ), wired=frozenset({"routes"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
@@ -362,6 +363,7 @@ LAYERS: tuple[Layer, ...] = (
         _o("slow_after", "SLOW_AFTER", slow_after, f"{_SECS} (0: off), or the word allowance"),
         _o("ceiling", "WATCHDOG_CEILING", seconds(zero_ok=False), _SECS_POS),
         _o("probe_timeout", "WATCHDOG_PROBE_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
+        _o("stall_after", "WATCHDOG_STALL_AFTER", seconds(), f"{_SECS} (0: off)"),
     ), code_only=frozenset({"readers", "client"})),
     Layer("Allowance", "tierchain.allowance", "component", (
         _o("cold_start", "ALLOWANCE_COLD_START", seconds(), _SECS_NONNEG),

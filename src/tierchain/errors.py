@@ -10,6 +10,8 @@ is a different fact and a different branch of the tree::
     │   ├── BackendSkipped      the breaker is open; the backend was not touched
     │   ├── BackendSaturated    no first chunk within the window (the watchdog)
     │   ├── BackendUnavailable  refused, reset, connect timeout, broken stream
+    │   ├── StreamError         the stream went wrong: no_data, truncated, stalled,
+    │   │                       malformed_stream
     │   └── RetryableStatus     a retryable status arrived before anything was sent
     ├── BudgetExhausted         the request's deadline is spent: 504, never a failover
     └── BodyTooLarge            the request body exceeds what can be replayed: 413
@@ -66,13 +68,32 @@ class BackendUnavailable(AttemptError):
     reason = "unavailable"
 
 
-class RetryableStatus(AttemptError):
-    """The backend answered a retryable status before anything reached the caller."""
+class StreamError(AttemptError):
+    """The backend's stream went wrong; a failure of the backend, not of the caller.
 
-    def __init__(self, status: int, *, retry_after: float | None = None) -> None:
+    ``reason`` is one of ``no_data`` (an event stream that ended, or carried only
+    comments or garbage, before any data event), ``truncated`` (ended without its
+    terminator), ``stalled`` (no data event for ``stall_after`` seconds) or
+    ``malformed_stream`` (an event grew past the limit without ending).
+    """
+
+    reason = "malformed_stream"
+
+
+class RetryableStatus(AttemptError):
+    """The backend answered a retryable status before anything reached the caller.
+
+    ``retry_after`` is the backend's ``Retry-After`` in seconds (None: not given)
+    and ``detail`` the message its body gave, if any.
+    """
+
+    def __init__(
+        self, status: int, *, retry_after: float | None = None, detail: str | None = None
+    ) -> None:
         super().__init__(f"backend answered {status}", reason=f"http_{status}")
         self.status = status
         self.retry_after = retry_after
+        self.detail = detail
 
 
 class BudgetExhausted(TierchainError):

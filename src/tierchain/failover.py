@@ -5,20 +5,42 @@ route (404 for an unknown model, 400 for a body that cannot name one), apply
 any reorderings that outer layers registered (PreferBackend, pins) while
 refusing any that would drop a backend, then try the chain in order.
 
-An attempt's ``http.response.start`` is held back until its first chunk (for an
-event stream, the first event carrying ``data:``; comments before it are held
-with it). Until then the attempt may still fail over: on an
-:class:`~tierchain.errors.AttemptError`, any other exception, or a retryable
-status. After the first byte has gone to the caller there is no failover: a
-later failure ends an event stream with an OpenAI-style error event, and
-aborts any other body (the server then closes the connection, so the caller
-sees an incomplete response rather than a silently short one).
+Each attempt gets one :class:`~tierchain.observer.Observer`, fed by this
+layer's ``send`` wrapper and read by every layer inside (Breaker,
+SaturationWatchdog) and outside (Budget, Heartbeats). The caller only ever
+receives whole events: an event is passed on once its blank line arrived.
+
+An attempt's ``http.response.start`` is held back until it is worth sending:
+
+- an event stream: until its first complete data event (comments before it
+  are held with it, up to 64 KiB);
+- any other answer: until it is complete (up to ``hold_limit`` bytes; a larger
+  one streams on from there), so one cut short, stalled or reset fails over
+  without the caller noticing;
+- a retryable status (429, 5xx): never; its ``Retry-After`` and message are
+  kept and the chain advances.
+
+Until then the attempt may still fail over: on an
+:class:`~tierchain.errors.AttemptError` (raised, or left in
+``TierRequest.attempt_error`` by a layer that knew), any other exception, a
+retryable status, or an event stream that ends with no data event
+(``no_data``). After the first byte has gone to the caller there is no
+failover: a later failure (``stream_broken``, ``truncated``, ``stalled``,
+``malformed_stream``) drops any partial event and ends an event stream with an
+OpenAI-style error event, and aborts any other body (the server then closes
+the connection, so the caller sees an incomplete response rather than a
+silently short one). Either way it counts against the backend.
+
+When every tier refused with 429 or 503 the caller gets 429 (503 if any tier
+said 503, or a breaker was open) with the soonest ``Retry-After`` any tier
+gave and each tier's message; otherwise 502 listing every attempt.
 
 When the caller disconnects, the running attempt is cancelled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -29,19 +51,22 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from ._body import CallerGone, read_body
 from ._disconnect import DisconnectGuard
-from ._responses import header, send_json_error
+from ._responses import error_detail, retry_after, send_json_error
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .backend import Backend, Routes
 from .errors import (
     AttemptError,
     BackendSaturated,
     BackendSkipped,
+    BackendUnavailable,
     BodyTooLarge,
     BudgetExhausted,
     RetryableStatus,
+    StreamError,
 )
+from .observer import Observer
 from .request import TRAIL_HEADER, UNROUTED_KEY, Attempt, AttemptRecord, TierRequest, format_trail
-from .sse import EventTail, FirstChunk, error_event, is_event_stream
+from .sse import error_event
 from .telemetry import (
     ATTEMPTS,
     ATTR_ATTEMPT_N,
@@ -60,7 +85,9 @@ __all__ = ["DEFAULT_RETRY_STATUSES", "Failover", "ResolveError"]
 
 DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 BACKEND_HEADER = b"x-tierchain-backend"
-_HOLD_LIMIT = 64 * 1024  # comment bytes held before the first data event
+_COMMENT_LIMIT = 64 * 1024  # comment bytes held before the first data event
+_REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its message
+_REFUSED = frozenset({429, 503})
 
 
 class ResolveError(ValueError):
@@ -80,17 +107,6 @@ def _json_body(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _retry_after(headers: Headers) -> float | None:
-    value = header(headers, b"retry-after")
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
-
-
 class Failover:
     """Own the chain: one call of the inner app per attempt, until one answers.
 
@@ -98,7 +114,9 @@ class Failover:
     mapping). ``resolve(scope, body) -> route`` replaces the default, which
     reads the OpenAI-compatible JSON body's ``model``. ``retry_statuses`` are
     the statuses that advance the chain when they arrive before anything was
-    sent. Every response carries ``x-tierchain-attempts``, the attempt trail.
+    sent. ``hold_limit`` is how large a non-streaming answer may be and still be
+    held until it is whole (larger ones stream on, and can no longer fail over).
+    Every response carries ``x-tierchain-attempts``, the attempt trail.
 
     Only ``POST`` requests whose path starts with one of ``paths`` are routed;
     anything else (``GET /v1/models``, a health check, an admin page) passes
@@ -114,6 +132,7 @@ class Failover:
         resolve: Resolver | None = None,
         retry_statuses: Collection[int] = DEFAULT_RETRY_STATUSES,
         paths: Collection[str] = ("/",),
+        hold_limit: int = 16 * 2**20,
     ) -> None:
         self.app = app
         # Matched against the raw path: routers (a Litestar mount) rewrite scope["path"].
@@ -122,6 +141,9 @@ class Failover:
         if max_body < 0:
             raise ValueError(f"max_body must be >= 0, got {max_body}")
         self.max_body = int(max_body)
+        if hold_limit < 0:
+            raise ValueError(f"hold_limit must be >= 0, got {hold_limit}")
+        self.hold_limit = int(hold_limit)
         self.resolve = resolve
         self.retry_statuses = frozenset(retry_statuses)
         self._known = ", ".join(sorted(self.routes))
@@ -207,15 +229,12 @@ class Failover:
     ) -> None:
         chain = req.chain
         of = len(chain)
-        skipped: dict[str, float | None] = {}
         for n, backend in enumerate(chain, 1):
             if await self._attempt(scope, req, guard, send, Attempt(n, of, backend, req.route)):
                 span.set_attribute(ATTR_OUTCOME, "ok")
                 return
-            last = req.attempts[-1]
-            if last.outcome == "skipped":
-                skipped[backend.name] = req.extras.get(f"retry_in:{backend.name}")
-        if len(skipped) == of and req.extras.get("on_all_open") == "try_soonest":
+        skipped = {r.backend: r.retry_after for r in req.attempts if r.outcome == "skipped"}
+        if len(skipped) == of and req.try_soonest:
             name = min(skipped, key=lambda b: skipped[b] or 0.0)
             soonest = next(b for b in chain if b.name == name)
             attempt = Attempt(of, of, soonest, req.route, force=True)
@@ -225,7 +244,13 @@ class Failover:
         guard.done = True
         span.set_attribute(ATTR_OUTCOME, "all_failed")
         span.set_status(Status(StatusCode.ERROR, "every backend failed"))
+        await self._all_failed(req, send, of, skipped)
+
+    async def _all_failed(
+        self, req: TierRequest, send: Send, of: int, skipped: dict[str, float | None]
+    ) -> None:
         trail = [(TRAIL_HEADER, format_trail(req.attempts))]
+        records = req.attempts
         if len(skipped) == of:
             soonest_s = min((s for s in skipped.values() if s is not None), default=1.0)
             retry = max(1, math.ceil(soonest_s))
@@ -241,6 +266,24 @@ class Failover:
                 ],
             )
             return
+        refused = [r for r in records if r.outcome in ("http_429", "http_503")]
+        if refused and all(r.outcome in ("http_429", "http_503", "skipped") for r in records):
+            # Every tier said "not now": that is the caller's answer, not a bad gateway.
+            status = 429 if all(r.outcome == "http_429" for r in records) else 503
+            given = [r.retry_after for r in records if r.retry_after is not None]
+            retry = max(1, math.ceil(min(given))) if given else 1
+            await send_json_error(
+                send,
+                status,
+                f"every backend for route {req.route!r} is "
+                + ("rate limited" if status == 429 else "unavailable or busy")
+                + f"; retry in {retry}s",
+                "rate_limit_exceeded" if status == 429 else "all_backends_busy",
+                "rate_limited" if status == 429 else "service_unavailable",
+                headers=[*trail, (b"retry-after", str(retry).encode())],
+                attempts=[_attempt_json(r) for r in records],
+            )
+            return
         await send_json_error(
             send,
             502,
@@ -248,7 +291,7 @@ class Failover:
             "all_backends_failed",
             "bad_gateway",
             headers=trail,
-            attempts=[{"backend": r.backend, "outcome": r.outcome} for r in req.attempts],
+            attempts=[_attempt_json(r) for r in records],
         )
 
     async def _attempt(
@@ -261,9 +304,11 @@ class Failover:
                 raise BudgetExhausted("the request's budget was spent before the next attempt")
         backend = attempt.backend
         req.attempt = attempt
-        req.extras.pop("attempt_error", None)
+        req.attempt_error = None
+        req.aborted = False
+        observer = req.observer = Observer(attempt.started, stream_end=backend.stream_end)
         req.emit("attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime)
-        responder = _Responder(self, req, attempt, send, guard)
+        responder = _Responder(self, req, attempt, observer, send, guard)
         attrs: dict[str, str | int] = {
             ATTR_ROUTE: attempt.route or "",
             ATTR_BACKEND: backend.name,
@@ -276,45 +321,46 @@ class Failover:
         outcome = "ok"
         recorded = len(req.attempts)
         try:
+            error: BaseException | None = None
             try:
                 # A fresh copy per attempt: routers (Starlette's Mount, Litestar's) rewrite
                 # the scope as they dispatch, and a replay must start from the original.
                 await self.app(dict(scope), _replay(req.body or b"", guard), responder.send)
-            except AttemptError as exc:
-                outcome = exc.reason
-                if responder.committed:
-                    await responder.fail_after_commit(exc, outcome)
-                    return True
-                self._failed(req, attempt, exc, outcome)
-                return False
+            except asyncio.CancelledError:
+                if not _own_abort(req):
+                    raise
+                error = req.attempt_error
             except Exception as exc:
-                outcome = "error"
-                if responder.committed:
-                    await responder.fail_after_commit(exc, outcome)
-                    return True
+                error = exc
+            else:
+                if req.aborted:
+                    _own_abort(req)  # the app swallowed our cancellation and returned
+                error = req.attempt_error or responder.failure()
+            if error is None:
+                if not responder.committed:
+                    await responder.commit(responder.held_body(), more_body=False)
+                outcome = responder.outcome
+                self._record(req, attempt, outcome)
+                return True
+            outcome = error.reason if isinstance(error, AttemptError) else "error"
+            if responder.committed:
+                await responder.fail_after_commit(error, outcome)
+                return True
+            if not isinstance(error, AttemptError):
                 log_event(
                     "dispatch.attempt_error",
                     level=40,
                     route=attempt.route,
                     backend=backend.name,
-                    error=repr(exc),
+                    error=repr(error),
                 )
-                self._failed(req, attempt, exc, outcome)
-                return False
-            if not responder.committed:
-                if responder.start is None:
-                    outcome = "no_response"
-                    self._failed(req, attempt, None, outcome)
-                    return False
-                await responder.commit(b"", more_body=False)
-            outcome = responder.outcome
-            self._record(req, attempt, outcome)
-            return True
+            self._failed(req, attempt, error, outcome)
+            return False
         except BaseException:
             # Cancelled from outside: the caller left, or a layer such as Budget
-            # ended the request and said why in req.extras["cancel_reason"].
+            # ended the request and said why in req.cancel_reason.
             if len(req.attempts) == recorded:
-                outcome = str(req.extras.get("cancel_reason", "cancelled"))
+                outcome = req.cancel_reason or "cancelled"
                 self._record(req, attempt, outcome)
             raise
         finally:
@@ -323,23 +369,35 @@ class Failover:
                 span.set_attribute(ATTR_REGIME, "saturated")
             span.end()
 
-    def _record(self, req: TierRequest, attempt: Attempt, outcome: str) -> None:
+    def _record(
+        self,
+        req: TierRequest,
+        attempt: Attempt,
+        outcome: str,
+        retry_after: float | None = None,
+        detail: str | None = None,
+    ) -> None:
         elapsed = time.monotonic() - attempt.started
-        req.attempts.append(AttemptRecord(attempt.n, attempt.backend.name, outcome, elapsed))
+        req.attempts.append(
+            AttemptRecord(attempt.n, attempt.backend.name, outcome, elapsed, retry_after, detail)
+        )
         labelled(ATTEMPTS, attempt.route or "", attempt.backend.name, outcome).inc()
 
-    def _failed(
-        self, req: TierRequest, attempt: Attempt, exc: BaseException | None, outcome: str
-    ) -> None:
-        self._record(req, attempt, outcome)
+    def _failed(self, req: TierRequest, attempt: Attempt, exc: BaseException, outcome: str) -> None:
+        retry: float | None = None
+        detail: str | None = None
+        if isinstance(exc, BackendSkipped):
+            retry = exc.retry_in
+        elif isinstance(exc, RetryableStatus):
+            retry, detail = exc.retry_after, exc.detail
+        self._record(req, attempt, outcome, retry, detail)
         backend = attempt.backend.name
         failing_over = not attempt.is_last
         if isinstance(exc, BackendSkipped):
-            req.extras[f"retry_in:{backend}"] = exc.retry_in
             req.emit(
                 "backend_skipped",
                 backend=backend,
-                retry_in_s=None if exc.retry_in is None else round(exc.retry_in, 1),
+                retry_in_s=None if retry is None else round(retry, 1),
                 failing_over=failing_over,
             )
         elif isinstance(exc, BackendSaturated):
@@ -357,6 +415,25 @@ class Failover:
         )
 
 
+def _own_abort(req: TierRequest) -> bool:
+    """True when the running task's cancellation was the attempt's own abort (now undone)."""
+    if not req.aborted:
+        return False
+    req.aborted = False
+    task = asyncio.current_task()
+    # Only our own cancellation: a pending one (the caller left, the budget) goes on.
+    return task is None or task.uncancel() == 0
+
+
+def _attempt_json(record: AttemptRecord) -> dict[str, Any]:
+    item: dict[str, Any] = {"backend": record.backend, "outcome": record.outcome}
+    if record.retry_after is not None:
+        item["retry_after_s"] = round(record.retry_after, 1)
+    if record.detail is not None:
+        item["message"] = record.detail
+    return item
+
+
 def _replay(body: bytes, guard: DisconnectGuard) -> Receive:
     sent = False
 
@@ -371,22 +448,20 @@ def _replay(body: bytes, guard: DisconnectGuard) -> Receive:
 
 
 class _Responder:
-    """One attempt's view of ``send``: holds the start until the first chunk."""
+    """One attempt's ``send``: feeds its observer, holds the start until it is worth sending."""
 
     __slots__ = (
-        "_detector",
         "_failover",
         "_guard",
         "_held",
         "_held_size",
         "_send",
-        "_tail",
-        "aborted",
         "attempt",
         "committed",
+        "observer",
         "outcome",
+        "refusal",
         "req",
-        "sse",
         "start",
     )
 
@@ -395,94 +470,186 @@ class _Responder:
         failover: Failover,
         req: TierRequest,
         attempt: Attempt,
+        observer: Observer,
         send: Send,
         guard: DisconnectGuard,
     ) -> None:
         self._failover = failover
         self.req = req
         self.attempt = attempt
+        self.observer = observer
         self._send = send
         self._guard = guard
         self.start: Message | None = None
         self.committed = False
-        self.aborted: AttemptError | None = None
-        self.sse = False
         self.outcome = "ok"
-        self._detector: FirstChunk | None = None
-        self._tail: EventTail | None = None
+        self.refusal: list[bytes] | None = None  # a retryable answer's body, being kept
         self._held: list[bytes] = []
         self._held_size = 0
 
     def send(self, message: Message) -> Awaitable[None]:
-        """The inner app's send. Once committed, returns the caller's send's own awaitable."""
-        if self.committed:
-            if message["type"] == "http.response.body":
-                if self._tail is not None:
-                    self._tail.feed(message.get("body", b""))
-                if not message.get("more_body", False):
-                    self._guard.done = True
+        """The inner app's send. A committed stream's events go straight on."""
+        if self.committed and message["type"] == "http.response.body":
+            observer = self.observer
+            chunk: bytes = message.get("body", b"")
+            more = message.get("more_body", False)
+            if observer.sse:
+                try:
+                    out = observer.body(chunk)
+                except StreamError as exc:
+                    self.req.abort(exc)
+                    return _nothing()
+                if more:
+                    if not out:
+                        return _nothing()  # part of an event: held until it is whole
+                    return self._send(
+                        {"type": "http.response.body", "body": out, "more_body": True}
+                    )
+                observer.end()
+                if not observer.complete:
+                    # Truncated: the caller gets the events so far, then (from Failover,
+                    # once the app returns) an error event, never a silently short answer.
+                    if out:
+                        return self._send(
+                            {"type": "http.response.body", "body": out, "more_body": True}
+                        )
+                    return _nothing()
+                self._guard.done = True
+                return self._send({"type": "http.response.body", "body": out, "more_body": False})
+            observer.body(chunk)
+            if not more:
+                observer.end()
+                self._guard.done = True
             return self._send(message)
         return self._before_commit(message)
 
     async def _before_commit(self, message: Message) -> None:
-        if self.aborted is not None:
-            raise self.aborted
+        if self.req.aborted:
+            return  # on its way out: nothing more goes to the caller
         kind = message["type"]
+        observer = self.observer
         if kind == "http.response.start":
             status = int(message["status"])
             headers = list(message.get("headers", ()))
+            observer.start(status, headers)
             if status in self._failover.retry_statuses:
-                # A framework may have turned a layer's AttemptError into this 500
-                # (Litestar's handler does); the layer left the real cause behind.
-                cause = self.req.extras.pop("attempt_error", None)
-                if isinstance(cause, AttemptError):
-                    self.aborted = cause
-                else:
-                    self.aborted = RetryableStatus(status, retry_after=_retry_after(headers))
-                raise self.aborted
+                self.refusal = []  # kept for its message; the chain advances
+                return
             self.start = {**message, "headers": headers}
-            self.sse = is_event_stream(headers)
-            if self.sse:
-                self._detector = FirstChunk()
-                self._tail = EventTail()
             self.outcome = "ok" if status < 400 else f"http_{status}"
             return
         if kind != "http.response.body":
-            await self._send(message)  # e.g. http.response.trailers, passed as-is
+            if self.committed or self.start is None:
+                await self._send(message)  # e.g. http.response.trailers, passed as-is
+            return
+        chunk: bytes = message.get("body", b"")
+        more = bool(message.get("more_body", False))
+        if self.refusal is not None:
+            if chunk and sum(map(len, self.refusal)) < _REFUSAL_LIMIT:
+                self.refusal.append(chunk)
+            if not more:
+                observer.end()
             return
         if self.start is None:
             raise RuntimeError("the inner app sent a body before http.response.start")
-        chunk: bytes = message.get("body", b"")
-        more = bool(message.get("more_body", False))
-        if more:
-            if self._detector is not None:
-                if not self._detector.feed(chunk) and self._held_size + len(chunk) < _HOLD_LIMIT:
-                    if chunk:
-                        self._held.append(chunk)
-                        self._held_size += len(chunk)
-                    return
-            elif not chunk:
+        if self.committed:
+            await self.send(message)  # a trailer-less body after commit: the usual path
+            return
+        if observer.sse:
+            try:
+                out = observer.body(chunk)
+            except StreamError as exc:
+                self.req.abort(exc)
                 return
-        await self.commit(chunk, more_body=more)
+            if observer.first_data_at is None:
+                # Comments and pings before the first data event: held with it.
+                if out:
+                    if self._held_size + len(out) > _COMMENT_LIMIT:
+                        self._held.clear()  # comments only, none of them progress
+                        self._held_size = 0
+                    self._held.append(out)
+                    self._held_size += len(out)
+                if not more:
+                    observer.end()  # no data at all: the attempt fails (no_data)
+                return
+            if not more:
+                observer.end()
+                if not observer.complete:
+                    return  # whole stream, nothing sent, but truncated: fail over
+            await self.commit(self.held_body() + out if self._held else out, more_body=more)
+            return
+        observer.body(chunk)
+        if not more:
+            observer.end()
+            self._hold(chunk)  # whole: committed by Failover once the app returns
+            return
+        self._hold(chunk)
+        if self._held_size > self._failover.hold_limit:
+            await self.commit(self.held_body(), more_body=True)  # too large to hold: stream on
+
+    def _hold(self, chunk: bytes) -> None:
+        if chunk:
+            self._held.append(chunk)
+            self._held_size += len(chunk)
+
+    def held_body(self) -> bytes:
+        """Everything held so far, released."""
+        held = self._held
+        body = held[0] if len(held) == 1 else b"".join(held)
+        held.clear()
+        self._held_size = 0
+        return body
+
+    def failure(self) -> AttemptError | None:
+        """Why the attempt failed, judged once the app returned (None: it answered)."""
+        observer = self.observer
+        if self.refusal is not None:
+            assert observer.status is not None
+            return RetryableStatus(
+                observer.status,
+                retry_after=retry_after(observer.headers),
+                detail=error_detail(b"".join(self.refusal)),
+            )
+        if self.start is None:
+            return AttemptError("the handler returned without answering", reason="no_response")
+        if self.committed:
+            if observer.ended and observer.complete:
+                return None
+            if observer.sse and observer.ended:
+                return StreamError("the stream ended without its terminator", reason="truncated")
+            return BackendUnavailable("the response ended before it was whole", reason="truncated")
+        if observer.sse:
+            if observer.first_data_at is None:
+                return StreamError("the event stream carried no data event", reason="no_data")
+            return StreamError("the stream ended without its terminator", reason="truncated")
+        if not observer.ended:
+            return BackendUnavailable(
+                "the handler returned before the response was whole", reason="truncated"
+            )
+        return None
 
     async def commit(self, chunk: bytes, *, more_body: bool) -> None:
-        """Send the held start, anything held, and ``chunk``: the point of no return."""
+        """Send the held start and ``chunk``: the point of no return."""
         assert self.start is not None
-        req, attempt = self.req, self.attempt
+        req, attempt, observer = self.req, self.attempt, self.observer
         self.committed = True
+        req.committed = True
         elapsed = time.monotonic() - attempt.started
         labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(elapsed)
         headers: Headers = self.start["headers"]
+        if observer.sse or more_body:
+            # The length may change (a partial event dropped, an error event added,
+            # state lines put in front): let the server frame the body itself.
+            headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+        elif _has_body(observer.status):
+            headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+            headers.append((b"content-length", str(len(chunk)).encode()))
         trail = format_trail(req.attempts, (attempt.backend.name, self.outcome))
         headers.append((TRAIL_HEADER, trail))
         headers.append((BACKEND_HEADER, attempt.backend.name.encode()))
+        self.start["headers"] = headers
         req.emit("generating", backend=attempt.backend.name)
         await self._send(self.start)
-        if self._held:
-            chunk = b"".join(self._held) + chunk
-            self._held.clear()
-        if self._tail is not None:
-            self._tail.feed(chunk)
         if not more_body:
             self._guard.done = True
         await self._send({"type": "http.response.body", "body": chunk, "more_body": more_body})
@@ -490,7 +657,7 @@ class _Responder:
     async def fail_after_commit(self, exc: BaseException, outcome: str) -> None:
         """End a committed response after its attempt failed mid-way."""
         attempt = self.attempt
-        self._failover._record(self.req, attempt, f"{outcome}_after_commit")
+        self._failover._record(self.req, attempt, outcome)
         log_event(
             "dispatch.stream_failed",
             level=30,
@@ -499,15 +666,14 @@ class _Responder:
             outcome=outcome,
             error=repr(exc),
         )
-        if self._tail is None:
+        if not self.observer.sse:
             raise exc  # not an event stream: let the server abort the connection
+        self.observer.drop_pending()  # a partial event never reaches the caller
         self._guard.done = True
-        closing = self._tail.closing_bytes()
         await self._send(
             {
                 "type": "http.response.body",
-                "body": closing
-                + error_event(
+                "body": error_event(
                     f"backend {attempt.backend.name!r} failed mid-stream ({outcome})",
                     "upstream_error",
                     outcome,
@@ -515,3 +681,11 @@ class _Responder:
                 "more_body": False,
             }
         )
+
+
+def _has_body(status: int | None) -> bool:
+    return status is not None and status >= 200 and status not in (204, 304)
+
+
+async def _nothing() -> None:
+    return None

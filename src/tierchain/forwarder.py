@@ -8,9 +8,12 @@ dead backend costs the caller that long at most and a refused connection costs
 milliseconds. Waiting for the answer itself is bounded elsewhere: by the
 SaturationWatchdog and the Budget.
 
-Inside a Failover, a backend that cannot be reached raises
-:class:`~tierchain.errors.BackendUnavailable` so the chain advances. Used
-alone (with ``backend=``), it answers 502 itself.
+Inside a Failover, a backend that cannot be reached (or breaks its stream)
+is reported as :class:`~tierchain.errors.BackendUnavailable` in
+``TierRequest.attempt_error``, and the handler returns without answering, so
+the chain advances; no exception crosses the host framework. Used alone (with
+``backend=``), it answers 502 itself, or ends a broken event stream with an
+error event after the last whole event.
 
 The request's ``accept-encoding`` is replaced by ``identity``: the stream is
 passed through byte for byte and heartbeats need to see event boundaries.
@@ -30,9 +33,10 @@ from ._disconnect import DisconnectGuard
 from ._responses import send_json_error
 from ._types import Headers, Receive, Scope, Send
 from .backend import Backend
-from .errors import BackendUnavailable
+from .errors import BackendUnavailable, StreamError
+from .observer import Observer
 from .request import TierRequest
-from .sse import EventTail, error_event, is_event_stream
+from .sse import error_event, is_event_stream
 
 __all__ = ["Forwarder"]
 
@@ -195,34 +199,41 @@ class Forwarder:
         except httpx.TransportError:
             return await self._unavailable(scope, send, backend, "protocol_error", raise_errors)
 
-        tail: EventTail | None = None
+        # Alone, the Forwarder passes on whole events only (its own observer); inside a
+        # Failover, Failover's observer does that.
+        observer: Observer | None = None
         try:
             headers = _response_headers(response)
             if not raise_errors and is_event_stream(headers):
-                tail = EventTail()
+                observer = Observer()
+                observer.start(response.status_code, headers)
             await send(
                 {"type": "http.response.start", "status": response.status_code, "headers": headers}
             )
             async for chunk in response.aiter_raw():
+                if observer is not None:
+                    chunk = observer.body(chunk)
                 if chunk:
-                    if tail is not None:
-                        tail.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except httpx.TransportError as exc:
+        except (httpx.TransportError, StreamError) as exc:
             if raise_errors:
-                error = BackendUnavailable(
-                    f"backend {backend.name!r} broke the stream: {exc!r}", reason="stream_broken"
+                # Said without raising: a framework around this handler (Litestar's)
+                # would turn an exception into a 500 of its own and log it.
+                _leave_cause(
+                    scope,
+                    BackendUnavailable(
+                        f"backend {backend.name!r} broke the stream: {exc!r}",
+                        reason="stream_broken",
+                    ),
                 )
-                _leave_cause(scope, error)
-                raise error from exc
-            if tail is None:
+                return
+            if observer is None:
                 raise
             await send(
                 {
                     "type": "http.response.body",
-                    "body": tail.closing_bytes()
-                    + error_event(
+                    "body": error_event(
                         f"backend {backend.name!r} failed mid-stream",
                         "upstream_error",
                         "stream_broken",
@@ -238,17 +249,16 @@ class Forwarder:
     ) -> None:
         message = f"backend {backend.name!r} is unreachable ({reason})"
         if raise_errors:
-            error = BackendUnavailable(message, reason=reason)
-            _leave_cause(scope, error)
-            raise error
+            _leave_cause(scope, BackendUnavailable(message, reason=reason))
+            return  # Failover finds the cause; nothing was sent
         await send_json_error(send, 502, message, "upstream_unavailable", reason)
 
 
 def _leave_cause(scope: Scope, error: BackendUnavailable) -> None:
-    """Leave the real cause where Failover finds it if a framework turns it into a 500."""
+    """Leave the real cause where Failover (and a Breaker) find it."""
     req = TierRequest.find(scope)
     if req is not None:
-        req.extras["attempt_error"] = error
+        req.attempt_error = error
 
 
 def _response_headers(response: httpx.Response) -> Headers:

@@ -29,8 +29,10 @@ When the response commits (the commit rule)
     ``data: {"error": {...}}`` event, after which the stream ends.
 
 Framing and safety
-    Comment lines go in only at event boundaries (tracked with
-    :class:`~tierchain.sse.EventTail`), never after a CR that an LF may still
+    Comment lines go in only at event boundaries. Inside a Failover every
+    chunk that reaches this layer is whole events (Failover's observer holds a
+    partial one back); used alone, Heartbeats keeps an observer of its own that
+    does the same. Lines never go in after a CR that an LF may still
     complete, so an upstream event split across chunks at any byte arrives
     exactly as the backend sent it. A keepalive that falls due inside an event
     waits for the next boundary. Each line ends in a single newline and never
@@ -64,10 +66,9 @@ from typing import Any
 from opentelemetry import trace
 
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
+from .observer import Observer, whole_events
 from .request import StateEvent, TierRequest
 from .sse import (
-    EventTail,
-    FirstChunk,
     comment_line,
     error_event,
     error_json,
@@ -195,7 +196,7 @@ class _Stream:
         self.lock = asyncio.Lock()
         self.wake = asyncio.Event()
         self.queue: deque[StateEvent] = deque(maxlen=hb.max_queued)
-        self.tail = EventTail()
+        self.last = b""  # the last relayed chunk (whole events): is a CR pending?
         self.after_own = True  # the last bytes written are our own lines: a boundary
         self.keepalive_due = False
         self.started = time.monotonic()
@@ -205,7 +206,8 @@ class _Stream:
         self.body_done = False
         self.sniffed: bool | None = None
         self.gone = False
-        self.first: FirstChunk | None = None
+        self.observer: Observer | None = None  # alone (no Failover inside): our own
+        self.said_generating = False
         self.late_status: int | None = None  # own phase: a non-stream answer being collected
         self.late_body: list[bytes] = []
         self.late_size = 0
@@ -282,22 +284,26 @@ class _Stream:
             events = list(self.queue)
             self.queue.clear()
             return b"".join(self._line(e, False) for e in events)
-        return self._line(self.req.state or _WAITING_STATE, True)
+        state = self.req.state or _WAITING_STATE
+        if state.get("state") == "generating":
+            observer = self.observer or self.req.observer
+            last = observer.last_event_at if observer is not None else None
+            if last is not None:  # while a gap grows, say how long it is
+                state = {**state, "idle_s": round(time.monotonic() - last, 1)}
+        return self._line(state, True)
 
     @property
     def _pending(self) -> bool:
         return bool(self.queue) or self.keepalive_due
 
     def _at_boundary(self) -> bool:
-        return self.after_own or (self.tail.at_boundary and not self.tail.pending_cr)
+        return self.after_own or self.last[-1:] != b"\r"
 
     def _boundary_before(self, chunk: bytes) -> bool:
         if self.after_own:
             return True
-        if not self.tail.at_boundary:
-            return False
         # After a CR, an LF would complete that line ending: not a boundary then.
-        return not (self.tail.pending_cr and chunk.startswith(b"\n"))
+        return not (self.last[-1:] == b"\r" and chunk.startswith(b"\n"))
 
     async def _write(self, data: bytes, *, more: bool = True) -> None:
         if not more:
@@ -310,17 +316,16 @@ class _Stream:
         start = {"type": "http.response.start", "status": 200, "headers": list(_OWN_HEADERS)}
         await self._send(start)
         self.phase = _OWN
-        if not self.req.in_chain:
-            self.first = FirstChunk()
         log_event("stream.committed", waited_s=round(time.monotonic() - self.started, 3))
         await self._write(self._lines())
         self.after_own = True
 
     async def _finish_own(self, event: bytes) -> None:
         """End our own stream with ``event`` (an error event, or a whole late answer)."""
-        closing = b"" if self.after_own else self.tail.closing_bytes()
-        head = self._lines() if self.queue else b""  # safe: closing ends any open event
-        await self._write(closing + head + event, more=False)
+        if self.observer is not None:
+            self.observer.drop_pending()  # a partial event is never shown half
+        head = self._lines() if self.queue else b""  # only whole events went out
+        await self._write(head + event, more=False)
 
     # -- the inner app's send ----------------------------------------------------
 
@@ -328,7 +333,7 @@ class _Stream:
         phase = self.phase
         if phase == _RELAY:
             if message["type"] == "http.response.body" and not (
-                self.ticker_writing or self.queue or self.keepalive_due or self.first is not None
+                self.ticker_writing or self.queue or self.keepalive_due or self.observer is not None
             ):
                 # The hot path: a relayed upstream chunk with nothing to add to it.
                 # No lock: the ticker sees ``in_send`` and leaves its line for the next
@@ -336,7 +341,7 @@ class _Stream:
                 chunk: bytes = message.get("body", b"")
                 more = message.get("more_body", False)
                 if chunk:
-                    self.tail.feed(chunk)
+                    self.last = chunk
                     self.after_own = False
                 elif more:
                     return
@@ -370,12 +375,19 @@ class _Stream:
         async with self.lock:
             self.inner_started = True
             status = int(message["status"])
-            sse = 200 <= status < 300 and is_event_stream(message.get("headers", ()))
+            headers = message.get("headers", ())
+            sse = 200 <= status < 300 and is_event_stream(headers)
+            if sse and not self.req.in_chain and self.phase in (_WAITING, _OWN):
+                self.observer = Observer()  # alone: we pass on whole events ourselves
+                self.observer.start(status, list(headers))
             if self.phase == _WAITING:
                 if sse and self.streaming():
                     self.phase = _RELAY
-                    if not self.req.in_chain:
-                        self.first = FirstChunk()
+                    # State lines change the body's length: the server frames it.
+                    message = {
+                        **message,
+                        "headers": [(k, v) for k, v in headers if k.lower() != b"content-length"],
+                    }
                 else:
                     self.phase = _PASS
                     self.queue.clear()
@@ -414,17 +426,23 @@ class _Stream:
 
     async def _relay(self, message: Message) -> None:
         """Pass an upstream chunk on, with any due state lines at its boundaries."""
+        observer = self.observer
+        if observer is not None:
+            whole = whole_events(observer, message)
+            if whole is None:
+                return  # part of an event: held until it is whole
+            message = whole
+            if observer.first_data_at is not None and not self.said_generating:
+                self.said_generating = True  # alone, we say "generating" ourselves
+                if (self.req.state or {}).get("state") != "generating":
+                    self.req.emit("generating")
         chunk: bytes = message.get("body", b"")
         more = bool(message.get("more_body", False))
         if not chunk and more:
             return
-        if self.first is not None and chunk and self.first.feed(chunk):
-            self.first = None  # alone (no Failover inside), we say "generating" ourselves
-            if not self.req.in_chain and (self.req.state or {}).get("state") != "generating":
-                self.req.emit("generating")
         if not (self.queue or self.keepalive_due):
             if chunk:
-                self.tail.feed(chunk)
+                self.last = chunk
                 self.after_own = False
             if not more:
                 self.phase = _DONE
@@ -435,7 +453,7 @@ class _Stream:
         if chunk and self._boundary_before(chunk):
             out = self._lines()
         if chunk:
-            self.tail.feed(chunk)
+            self.last = chunk
             self.after_own = False
         out += chunk
         if more and self._pending and self._at_boundary():

@@ -32,7 +32,7 @@ from opentelemetry import trace
 
 from ._types import ASGIApp, Receive, Scope, Send
 from .backend import Backend
-from .request import TierRequest
+from .request import Preference, TierRequest
 from .store import Store
 from .telemetry import ATTR_ROUTE, BACKEND_PREFERENCE, log_event
 
@@ -152,7 +152,7 @@ class PreferBackend:
                     moved = _to_front(chain, pinned)
                     if moved is not None:
                         chain = moved
-                        req.extras["pin"] = pinned
+                        req.pin = pinned
                         trace.get_current_span().set_attribute(ATTR_PIN_BACKEND, pinned)
             if preference is not None and preference.name is not None:
                 moved = _to_front(chain, preference.name)
@@ -190,11 +190,7 @@ class PreferBackend:
         self, req: TierRequest, preference: _Preference, *, applied: bool, route: str | None
     ) -> None:
         reason = "applied" if applied else preference.reason
-        req.extras["preference"] = {
-            "requested": preference.shown,
-            "applied": applied,
-            "reason": reason,
-        }
+        req.preference = Preference(preference.shown, applied, reason)
         BACKEND_PREFERENCE.labels("true" if applied else "false").inc()
         fields: dict[str, str | bool] = {
             "requested": preference.shown,

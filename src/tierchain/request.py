@@ -9,13 +9,17 @@ the same one. It carries:
 - the budget's deadline,
 - the attempt trail, and
 - a channel of state events (:meth:`TierRequest.emit`), which Heartbeats turns
-  into SSE comment lines and anything else may listen to.
+  into SSE comment lines and anything else may listen to,
+- the current attempt's :class:`~tierchain.observer.Observer`, and the typed
+  facts the layers share (why an attempt failed, why it was cancelled, whether
+  the response has started).
 
 A host handler needs exactly one call: :func:`current_attempt`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,6 +27,8 @@ from typing import Any
 
 from ._types import Scope
 from .backend import Backend
+from .errors import AttemptError
+from .observer import Observer
 
 __all__ = [
     "SCOPE_KEY",
@@ -30,6 +36,7 @@ __all__ = [
     "UNROUTED_KEY",
     "Attempt",
     "AttemptRecord",
+    "Preference",
     "Reorder",
     "StateEvent",
     "TierRequest",
@@ -96,12 +103,27 @@ def format_trail(records: list[AttemptRecord], extra: tuple[str, str] | None = N
 
 @dataclass(slots=True, frozen=True)
 class AttemptRecord:
-    """How one attempt ended, for the trail header, the 502 body and the demo."""
+    """How one attempt ended, for the trail header, the error body and the demo.
+
+    ``retry_after`` is when the backend (its ``Retry-After``) or its breaker said
+    to come back, in seconds; ``detail`` is the backend's own message, if any.
+    """
 
     n: int
     backend: str
     outcome: str
     elapsed: float
+    retry_after: float | None = None
+    detail: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Preference:
+    """What PreferBackend made of the request's preference header."""
+
+    requested: str
+    applied: bool
+    reason: str
 
 
 class TierRequest:
@@ -109,18 +131,25 @@ class TierRequest:
 
     __slots__ = (
         "_listeners",
+        "aborted",
         "attempt",
+        "attempt_error",
         "attempts",
         "body",
+        "cancel_reason",
         "chain",
+        "committed",
         "deadline",
-        "extras",
         "in_chain",
+        "observer",
+        "pin",
+        "preference",
         "reorderers",
         "route",
         "started",
         "state",
         "streaming",
+        "try_soonest",
     )
 
     def __init__(self) -> None:
@@ -135,8 +164,25 @@ class TierRequest:
         self.reorderers: list[Reorder] = []
         self.state: StateEvent | None = None
         self.started = time.monotonic()
-        self.extras: dict[str, Any] = {}
         self._listeners: list[Listener] = []
+        self.observer: Observer | None = None
+        """The current attempt's response facts (set by Failover per attempt)."""
+        self.committed = False
+        """True once a response has started towards the caller (Failover's commit)."""
+        self.attempt_error: AttemptError | None = None
+        """Why the current attempt failed, left by the layer that knew (a Forwarder
+        that could not connect, a stream found malformed) where a framework might
+        otherwise turn it into a plain 500."""
+        self.aborted = False
+        """True while the current attempt is being cancelled by :meth:`abort`."""
+        self.cancel_reason: str | None = None
+        """The outcome word for an attempt an outer layer cancelled (``budget_exhausted``)."""
+        self.try_soonest = False
+        """An inner Breaker asks for one forced attempt when every backend is open."""
+        self.pin: str | None = None
+        """The backend an operator pin moved to the front, if any."""
+        self.preference: Preference | None = None
+        """What became of the caller's preference header, if it sent one."""
 
     @classmethod
     def of(cls, scope: Scope) -> TierRequest:
@@ -180,6 +226,21 @@ class TierRequest:
                 pass
 
         return unsubscribe
+
+    def abort(self, error: AttemptError) -> None:
+        """End the current attempt with ``error`` from inside a ``send`` call.
+
+        The running task is cancelled (a cancellation passes through any
+        framework's exception handling untouched) and the layer that owns the
+        attempt finds ``error`` in :attr:`attempt_error`.
+        """
+        self.attempt_error = error
+        if self.aborted:
+            return  # already on its way out
+        self.aborted = True
+        task = asyncio.current_task()
+        if task is not None:
+            task.cancel(f"tierchain: {error.reason}")
 
     def remaining(self) -> float | None:
         """Seconds left of the request's budget, or None when it has none."""

@@ -1,34 +1,36 @@
 """Server-sent-event framing shared by the layers.
 
-Three small mechanics, each fed the response body chunk by chunk:
+The one SSE rule every layer relies on lives here:
 
-- :class:`FirstChunk` says when the first event that carries ``data:`` has
-  started. Comments (``: ping``), other fields and blank lines are not progress.
-- :class:`EventTail` says whether the bytes sent so far end at an event
-  boundary, which is the only place anything may be inserted into a stream.
-  It looks at the last three bytes only, so it costs the same for any chunk.
-- :func:`comment_line` and :func:`error_event` build what we insert.
+- :func:`last_boundary` finds where the last whole event in a buffer ends (an
+  event ends with a blank line). Line endings may be LF, CR or CRLF, and a
+  chunk may end anywhere, including between the CR and the LF of one line
+  ending.
+- :func:`has_data`, :func:`has_data_value` and :func:`has_finish_reason` read
+  whole events: progress is a complete event carrying ``data``; comments
+  (``: ping``), other fields and blank lines are not.
+- :func:`comment_line` and :func:`error_event` build what tierchain inserts.
 
-Line endings may be LF, CR or CRLF, and a chunk may end anywhere, including
-between the CR and the LF of one line ending.
+:class:`~tierchain.observer.Observer` applies them to one response.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
-    "EventTail",
-    "FirstChunk",
     "comment_line",
     "error_event",
     "error_json",
+    "has_data",
+    "has_data_value",
+    "has_finish_reason",
     "is_event_stream",
+    "last_boundary",
 ]
-
-_TERMINATORS = b"\r\n"
 
 
 def is_event_stream(headers: Iterable[tuple[bytes, bytes]]) -> bool:
@@ -39,96 +41,65 @@ def is_event_stream(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     return False
 
 
-class FirstChunk:
-    """Detects the start of the first SSE event that carries ``data``.
+_BOUNDARY = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r)")
+_DATA_LINE = re.compile(rb"(?:^|[\r\n])data(?::|\r|\n)")
+_FINISH_KEY = b'"finish_reason"'
 
-    ``feed(chunk)`` returns True once a line whose field name is ``data`` has
-    begun (``data:`` or a bare ``data`` line). It keeps at most five bytes of
-    the current line between calls.
+
+def last_boundary(buf: bytes, start: int = 0, *, line_start: bool = True) -> int:
+    """The index just past the last event boundary (a blank line) in ``buf``; 0 if none.
+
+    Only boundaries ending at or after ``start`` are looked for: pass the length of
+    what was already searched (less three bytes, since a line ending may straddle).
+    A buffer ending in a CR may end in a boundary that an LF still completes.
+    ``line_start`` says that ``buf`` begins where a line begins (after an event),
+    so that a line ending at its very start is a blank line too.
     """
-
-    __slots__ = ("_line", "found")
-
-    def __init__(self) -> None:
-        self._line = b""
-        self.found = False
-
-    def feed(self, chunk: bytes) -> bool:
-        """Look at the next chunk of the body; True once a data line has started."""
-        if self.found:
-            return True
-        if not self._line and chunk.startswith(b"data:"):
-            self.found = True  # the usual first event: a data line at a line start
-            return True
-        start, size = 0, len(chunk)
-        while True:
-            ends = [i for i in (chunk.find(b"\n", start), chunk.find(b"\r", start)) if i >= 0]
-            end = min(ends) if ends else -1
-            head = self._line + chunk[start : (end if end >= 0 else size)][:5]
-            if head.startswith(b"data:") or (end >= 0 and head == b"data"):
-                self.found = True
-                return True
-            if end < 0:
-                self._line = head[:5]
-                return False
-            self._line = b""
-            start = end + 1
-            if start >= size:
-                return False
+    if buf.endswith(b"\n\n") or buf.endswith(b"\r\n\r\n"):
+        return len(buf)  # the usual case: the buffer ends with an event
+    end = 0
+    for match in _BOUNDARY.finditer(buf, max(0, start)):
+        end = match.end()
+    if not end:
+        if not line_start:
+            return 0
+    elif buf[end - 1 : end] == b"\r" and buf[end : end + 1] == b"\n":
+        end += 1  # the CR of a blank line written as CRLF: keep its LF with it
+    size = len(buf)
+    while end < size:  # blank lines right after a boundary are boundaries too
+        if buf[end : end + 2] == b"\r\n":
+            end += 2
+        elif buf[end : end + 1] in (b"\n", b"\r"):
+            end += 1
+        else:
+            break
+    return end
 
 
-class EventTail:
-    """Tracks whether the bytes sent so far end exactly at an event boundary.
+def has_data(events: bytes) -> bool:
+    """True when ``events`` (whole events) hold a line whose field is ``data``."""
+    return (events.startswith(b"data") and events[4:5] in (b":", b"\r", b"\n")) or bool(
+        _DATA_LINE.search(events)
+    )
 
-    ``at_boundary`` is True at the start of the stream and after a blank line.
-    ``pending_cr`` is True when the stream ends in a CR that an LF may still
-    complete: nothing may be inserted there, or the LF would become a blank
-    line of its own.
-    """
 
-    __slots__ = ("_tail",)
-
-    def __init__(self) -> None:
-        # A virtual line ending stands for "stream start": a boundary.
-        self._tail = b"\n\n"
-
-    def feed(self, chunk: bytes) -> None:
-        """Note that ``chunk`` was sent."""
-        if len(chunk) >= 3:
-            # Keep the (immutable) chunk itself: its last three bytes are read
-            # only when asked, so a chunk costs no copy.
-            self._tail = chunk
-        elif chunk:
-            self._tail = self._tail[-3:] + chunk
-
-    @property
-    def pending_cr(self) -> bool:
-        """True when the last byte sent is a CR."""
-        return self._tail.endswith(b"\r")
-
-    @property
-    def at_boundary(self) -> bool:
-        """True when the last bytes sent end an event (a blank line)."""
-        t = self._tail
-        last = t[-1:]
-        if last == b"\n":
-            if t[-2:-1] == b"\r":  # CRLF: look before it
-                return t[-3:-2] in (b"\r", b"\n")
-            return t[-2:-1] == b"\n"
-        if last == b"\r":
-            return t[-2:-1] in (b"\r", b"\n")
+def has_data_value(events: bytes, value: bytes) -> bool:
+    """True when one of ``events`` has a data line whose value is exactly ``value``."""
+    if value not in events:
         return False
+    pattern = re.compile(rb"(?:^|[\r\n])data: ?" + re.escape(value) + rb"(?:\r\n|\n|\r)")
+    return bool(pattern.search(events))
 
-    @property
-    def at_line_start(self) -> bool:
-        """True when the last byte sent ends a line."""
-        return self._tail[-1:] in (b"\r", b"\n")
 
-    def closing_bytes(self) -> bytes:
-        """What to send so that the stream stands at an event boundary."""
-        if self.at_boundary:
-            return b""
-        return b"\n" if self.at_line_start else b"\n\n"
+def has_finish_reason(events: bytes) -> bool:
+    """True when one of ``events`` carries an OpenAI ``finish_reason`` that is not null."""
+    at = events.find(_FINISH_KEY)
+    while at >= 0:
+        after = at + len(_FINISH_KEY)
+        if events[after : after + 8].lstrip(b" \t:")[:1] == b'"':
+            return True  # a string value; null (every chunk but the last) is not
+        at = events.find(_FINISH_KEY, after)
+    return False
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)

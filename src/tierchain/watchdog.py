@@ -1,18 +1,21 @@
 """SaturationWatchdog: a backend that accepts work and goes quiet is saturated.
 
 It sits inside :class:`~tierchain.Failover` (one call per attempt), outside the
-host handler, and bounds only the *wait*: the time from the attempt's start to
-its first chunk.
+host handler, and bounds two waits, reading the attempt's
+:class:`~tierchain.observer.Observer` (Failover's; alone, its own):
 
-- For an event stream the first chunk is the first event carrying ``data:``;
-  comments and pings are not progress and never restart the window.
-- For anything else it is the first body bytes. A non-streaming completion
-  sends nothing until it is complete, so there the window bounds the whole
-  attempt, and ``slow_after`` must sit above the slowest legitimate completion
-  on that route.
-- Once the first chunk has been passed on, the watchdog stands down: a stream
-  that has started is never cut for being long, and after a byte has reached
-  the caller there is nothing left to fail over into.
+- the wait for the *first chunk*, ``slow_after`` (0: off). For an event stream
+  that is the first complete event carrying ``data:``; a partial line,
+  comments and pings are not progress and never restart the window. For
+  anything else it is the first body bytes. A non-streaming completion sends
+  nothing until it is complete, so there the window bounds the whole attempt,
+  and ``slow_after`` must sit above the slowest legitimate completion on that
+  route.
+- the gap between data events once the stream has started, ``stall_after``
+  (default 120 s; 0: off; a backend's own ``stall_after`` overrides it). A
+  stream that is long is never cut; one that goes quiet for that long is
+  ``stalled``: the attempt is cancelled (closing the upstream connection),
+  the caller gets an error event, and the backend is charged a failure.
 
 When the window expires on a tier that has a later tier behind it:
 
@@ -49,10 +52,11 @@ from opentelemetry import trace
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance
-from .errors import BackendSaturated
+from .errors import BackendSaturated, StreamError
+from .observer import Observer, whole_events
 from .probes import Reader, Status, auto_reader, fetch_status, judge
 from .request import UNROUTED_KEY, Attempt, TierRequest
-from .sse import EventTail, FirstChunk, error_event, is_event_stream
+from .sse import error_event
 from .telemetry import (
     ATTR_BACKEND,
     ATTR_ROUTE,
@@ -88,7 +92,8 @@ class SaturationWatchdog:
     ``slow_after`` is the window in seconds (0: off), or a callable
     ``(body) -> seconds`` such as :class:`~tierchain.Allowance`. ``ceiling`` is
     the absolute limit on one attempt's wait, never extended. ``probe_timeout``
-    bounds each status probe. ``readers`` maps a backend name to the reader of
+    bounds each status probe. ``stall_after`` ends a started stream that sent no
+    data event for that long (0: off). ``readers`` maps a backend name to the reader of
     its status URL (default: :func:`~tierchain.probes.auto_reader`, which
     recognises the built-in formats by shape). ``client`` supplies the
     ``httpx.AsyncClient`` for probes (then its owner closes it); otherwise one
@@ -102,6 +107,7 @@ class SaturationWatchdog:
         slow_after: SlowAfter = 0.0,
         ceiling: float | timedelta = 1800.0,
         probe_timeout: float | timedelta = 4.0,
+        stall_after: float | timedelta = 120.0,
         readers: Mapping[str, Reader] | None = None,
         client: httpx.AsyncClient | None = None,
     ) -> None:
@@ -114,6 +120,7 @@ class SaturationWatchdog:
             self.off = self.slow_after == 0
         self.ceiling = _seconds("ceiling", ceiling, zero_ok=False)
         self.probe_timeout = _seconds("probe_timeout", probe_timeout, zero_ok=False)
+        self.stall_after = _seconds("stall_after", stall_after, zero_ok=True)
         self.readers = dict(readers or {})
         for name, reader in self.readers.items():
             if not callable(reader):
@@ -160,13 +167,17 @@ class SaturationWatchdog:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             return await self.app(scope, receive, self._lifespan_send(send))
-        if scope["type"] != "http" or self.off or UNROUTED_KEY in scope:
+        if scope["type"] != "http" or UNROUTED_KEY in scope:
             return await self.app(scope, receive, send)
         req = TierRequest.find(scope)
-        window = self.window(req.body if req is not None else None)
-        if window <= 0:
+        window = 0.0 if self.off else self.window(req.body if req is not None else None)
+        attempt = req.attempt if req is not None else None
+        stall = self.stall_after
+        if attempt is not None and attempt.backend.stall_after is not None:
+            stall = attempt.backend.stall_after
+        if window <= 0 and stall <= 0:
             return await self.app(scope, receive, send)
-        await _Watch(self, scope, req, window).run(receive, send)
+        await _Watch(self, scope, req, window, stall).run(receive, send)
 
     def _lifespan_send(self, send: Send) -> Send:
         async def lifespan_send(message: Message) -> None:
@@ -178,39 +189,44 @@ class SaturationWatchdog:
 
 
 class _Watch:
-    """One attempt under the watchdog: the send wrapper and its timer.
+    """One attempt under the watchdog: its timer, reading the attempt's observer.
 
-    The window is a loop timer, not a task: an attempt that answers in time
-    costs one timer handle. A task exists only while a status probe is out.
+    The waits are one loop timer, not a task: an attempt that answers in time
+    costs one timer handle, and a streamed chunk costs the watchdog nothing. A
+    task exists only while a status probe is out.
     """
 
     __slots__ = (
         "_ceiling_at",
-        "_detector",
         "_handle",
         "_previous",
         "_prober",
         "_send",
         "_slow_logged",
-        "_tail",
         "_task",
         "_window_end",
         "attempt",
         "backend",
         "fired",
-        "first",
         "last",
+        "observer",
+        "own",
         "req",
         "route",
         "scope",
+        "stall",
         "start",
-        "started",
         "watchdog",
         "window",
     )
 
     def __init__(
-        self, watchdog: SaturationWatchdog, scope: Scope, req: TierRequest | None, window: float
+        self,
+        watchdog: SaturationWatchdog,
+        scope: Scope,
+        req: TierRequest | None,
+        window: float,
+        stall: float,
     ) -> None:
         self.watchdog = watchdog
         self.scope = scope
@@ -221,16 +237,16 @@ class _Watch:
         self.route = (attempt.route if attempt is not None else None) or ""
         self.last = attempt is None or attempt.is_last
         self.window = window
+        self.stall = stall
+        shared = req.observer if req is not None and req.in_chain else None
+        self.own = shared is None
+        self.observer = shared if shared is not None else Observer()
         self.start = time.monotonic()
-        self.first = False
-        self.started = False
         self.fired: str | None = None
         self._ceiling_at = self.start + watchdog.ceiling
-        self._window_end = self.start + window
+        self._window_end = self.start + window if window > 0 else math.inf
         self._previous: Hashable | None = None
         self._slow_logged = False
-        self._detector: FirstChunk | None = None
-        self._tail: EventTail | None = None
         self._send: Send | None = None
         self._task: asyncio.Task[object] | None = None
         self._handle: asyncio.TimerHandle | None = None
@@ -244,17 +260,16 @@ class _Watch:
         assert task is not None
         self._schedule()
         try:
-            await self.watchdog.app(self.scope, receive, self.send)
+            await self.watchdog.app(self.scope, receive, self.send if self.own else send)
         except asyncio.CancelledError:
             if self.fired is None or task.uncancel() > 0:
                 raise
-            await self._saturated(send)
+            await self._verdict(send)
         else:
             if self.fired is not None and task.cancelling():
                 # The inner app swallowed our cancellation and returned anyway.
                 task.uncancel()
-                if not self.first:
-                    await self._saturated(send)
+                await self._verdict(send)
         finally:
             if self._handle is not None:
                 self._handle.cancel()
@@ -265,39 +280,24 @@ class _Watch:
                 await asyncio.wait([prober])
 
     def send(self, message: Message) -> Awaitable[None]:
-        """Pass ``message`` on, watching for the first chunk until it has passed.
-
-        Returns the inner send's own awaitable: after the first chunk a message
-        costs this one check and no coroutine frame of ours.
-        """
-        if not self.first:
-            kind = message["type"]
-            if kind == "http.response.start":
-                self.started = True
-                if is_event_stream(message.get("headers", ())):
-                    self._detector = FirstChunk()
-                    self._tail = EventTail()
-            elif kind == "http.response.body":
-                chunk: bytes = message.get("body", b"")
-                if self._detector is not None:
-                    if self._detector.feed(chunk):
-                        self._first_chunk()
-                elif chunk or not message.get("more_body", False):
-                    self._first_chunk()
-                if self._tail is not None:
-                    self._tail.feed(chunk)
+        """Alone: feed the watchdog's own observer and pass on whole events."""
         assert self._send is not None
+        observer = self.observer
+        kind = message["type"]
+        if kind == "http.response.body":
+            if observer.sse:
+                out = whole_events(observer, message)
+                return self._send(out) if out is not None else _nothing()
+            observer.body(message.get("body", b""))
+            if not message.get("more_body", False):
+                observer.end()
+        elif kind == "http.response.start":
+            observer.start(int(message["status"]), list(message.get("headers", ())))
         return self._send(message)
 
     def answered(self) -> bool:
-        """True once the first chunk has been passed on."""
-        return self.first
-
-    def _first_chunk(self) -> None:
-        self.first = True
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+        """True once the first chunk has arrived."""
+        return self.observer.first_data_at is not None
 
     # -- the timer ---------------------------------------------------------
 
@@ -307,19 +307,36 @@ class _Watch:
         return self.req.deadline if self.req is not None else None
 
     def _schedule(self) -> None:
-        """Arm the timer for the next expiry (the window's end or the ceiling)."""
-        due = min(self._window_end, self._ceiling_at)
-        deadline = self._deadline()
-        if deadline is not None and due >= deadline:
-            return  # the budget ends this attempt first: a deadline, not a saturation
+        """Arm the timer for the next thing that may fall due."""
+        observer = self.observer
+        if observer.first_data_at is not None:
+            if self.stall <= 0 or observer.ended:
+                return
+            last = observer.last_event_at or observer.first_data_at
+            due = last + self.stall
+        else:
+            due = min(self._window_end, self._ceiling_at)
+            deadline = self._deadline()
+            if deadline is not None and due >= deadline:
+                return  # the budget ends this attempt first: a deadline, not a saturation
+        if due == math.inf:
+            return
         delay = max(0.0, due - time.monotonic())
         self._handle = asyncio.get_running_loop().call_later(delay, self._expired)
 
     def _expired(self) -> None:
         self._handle = None
-        if self.first or self.fired is not None:
+        if self.fired is not None:
             return
         now = time.monotonic()
+        observer = self.observer
+        if observer.first_data_at is not None:
+            last = observer.last_event_at or observer.first_data_at
+            if not observer.ended and now >= last + self.stall - _EARLY:
+                self._stalled(now - last)
+            else:
+                self._schedule()  # data arrived since: wait for the new gap
+            return
         if now >= self._ceiling_at - _EARLY:
             self._fire("ceiling")
             return
@@ -335,6 +352,20 @@ class _Watch:
             self._fire("no_first_chunk")
             return
         self._prober = asyncio.create_task(self._ask(now), name="tierchain-watchdog-probe")
+
+    def _stalled(self, gap: float) -> None:
+        log_event(
+            "dispatch.backend_stalled",
+            level=logging.WARNING,
+            route=self.route,
+            backend=self.backend,
+            idle_s=round(gap, 3),
+            stall_after_s=self.stall,
+        )
+        trace.get_current_span().add_event(
+            "tierchain.backend_stalled", {ATTR_BACKEND: self.backend or "", "idle_s": gap}
+        )
+        self._fire("stalled")
 
     async def _ask(self, now: float) -> None:
         """Ask the backend whether it is still working; extend, or call it saturated."""
@@ -409,6 +440,24 @@ class _Watch:
 
     # -- the verdict -------------------------------------------------------
 
+    async def _verdict(self, send: Send) -> None:
+        """Our cancellation landed: say why, as an exception or (alone) an answer."""
+        if self.fired == "stalled":
+            message = f"backend {self.backend!r} sent no data event for {self.stall:g}s"
+            if self.own and self.attempt is None and self.observer.sse:
+                self.observer.drop_pending()
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": error_event(message, "upstream_error", "stalled"),
+                        "more_body": False,
+                    }
+                )
+                return
+            raise StreamError(message, reason="stalled")
+        if self.observer.first_data_at is None:
+            await self._saturated(send)
+
     async def _saturated(self, send: Send) -> None:
         waited = time.monotonic() - self.start
         reason = self.fired or "no_first_chunk"
@@ -433,16 +482,21 @@ class _Watch:
         if self.attempt is not None:
             raise BackendSaturated(message, waited=waited)
         # Alone (no Failover): only the ceiling ends an attempt; answer it ourselves.
-        if not self.started:
+        observer = self.observer
+        if observer.status is None:
             await send_json_error(send, 504, message, "backend_saturated", reason)
-        elif self._tail is not None:
+        elif observer.sse:
+            observer.drop_pending()
             await send(
                 {
                     "type": "http.response.body",
-                    "body": self._tail.closing_bytes()
-                    + error_event(message, "backend_saturated", reason),
+                    "body": error_event(message, "backend_saturated", reason),
                     "more_body": False,
                 }
             )
         else:
             raise BackendSaturated(message, waited=waited)
+
+
+async def _nothing() -> None:
+    return None
