@@ -169,6 +169,18 @@ class Exchange:
         await self._writer.drain()
         self.finished = True
 
+    async def close(self) -> None:
+        """Close the connection cleanly (FIN) without ending the body: no final chunk."""
+        await self._writer.drain()
+        self._writer.close()
+        self.finished = True
+
+    async def trickle(self, data: bytes, *, step: int = 1) -> None:
+        """Send ``data`` ``step`` bytes at a time, each as its own chunk and TCP write."""
+        for i in range(0, len(data), step):
+            await self.write(data[i : i + step])
+            await asyncio.sleep(0)
+
     async def reset(self) -> None:
         """Abort the connection with a TCP reset."""
         sock = self._writer.get_extra_info("socket")
@@ -196,6 +208,56 @@ def streams(pieces: Iterable[str], *, model: str = "m") -> Script:
         for event in events:
             await ex.write(event)
         await ex.end()
+
+    return script
+
+
+def fault(kind: str, pieces: Iterable[str] = ("one", "two", "three"), *, after: int = 2) -> Script:
+    """A backend that fails in one of the ways a socket can, after ``after`` events.
+
+    ``kind``: ``reset`` (TCP RST), ``close`` (FIN with no final chunk), ``stall``
+    (silence until the gateway hangs up), ``no_done`` (a clean end without
+    ``[DONE]`` or a ``finish_reason``), ``garbage`` (an event stream of bytes with
+    no event in it), ``comments`` (pings only, then a clean end),
+    ``content_length`` (the whole valid stream framed by Content-Length),
+    ``trickle`` (the whole valid stream one byte per chunk), ``half_event``
+    (``after`` events, half of the next, then a reset).
+    """
+    events = openai_stream(list(pieces))
+    head = b"".join(events[:after])
+
+    async def script(ex: Exchange) -> None:
+        if kind == "content_length":
+            await ex.respond(200, b"".join(events), {"content-type": "text/event-stream"})
+            return
+        await ex.head()
+        if kind == "trickle":
+            await ex.trickle(b"".join(events))
+            await ex.end()
+            return
+        if kind == "garbage":
+            await ex.write(b"\x00\x9f<html>not an event stream at all")
+            await ex.end()
+            return
+        if kind == "comments":
+            await ex.write(b": ping\n\n: ping\n\n")
+            await ex.end()
+            return
+        await ex.write(head)
+        if kind == "reset":
+            await ex.reset()
+        elif kind == "half_event":
+            await ex.write(events[after][:30])
+            await ex.reset()
+        elif kind == "close":
+            await ex.close()
+        elif kind == "stall":
+            await ex.wait_closed_by_peer()
+            ex.finished = True
+        elif kind == "no_done":
+            await ex.end()
+        else:
+            raise ValueError(kind)
 
     return script
 
