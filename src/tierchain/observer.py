@@ -28,6 +28,7 @@ lines). tierchain's layers only ever add whole lines at event boundaries.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from ._types import Headers, Message
 from .errors import StreamError
@@ -62,6 +63,7 @@ class Observer:
         "headers",
         "last_event_at",
         "max_event",
+        "on_first_data",
         "pending",
         "pending_cr",
         "sse",
@@ -92,6 +94,8 @@ class Observer:
         self.pending_cr = False
         self.ended = False
         self._searched = 0
+        self.on_first_data: list[Callable[[], None]] = []
+        """Called once, when the first data event (or first body bytes) arrives."""
 
     def start(self, status: int, headers: Headers) -> None:
         """Note the response's status and headers."""
@@ -106,10 +110,10 @@ class Observer:
         """
         if not self.sse:
             if chunk:
-                now = time.monotonic()
+                now = self.last_event_at = time.monotonic()
                 if self.first_data_at is None:
                     self.first_data_at = now
-                self.last_event_at = now
+                    self._first()
             return chunk
         if not chunk:
             return b""
@@ -154,11 +158,11 @@ class Observer:
     def _note(self, events: bytes) -> None:
         if not has_data(events):
             return  # comments, pings, other fields: not progress
-        now = time.monotonic()
+        now = self.last_event_at = time.monotonic()
+        self.data_events += 1
         if self.first_data_at is None:
             self.first_data_at = now
-        self.last_event_at = now
-        self.data_events += 1
+            self._first()
         end = self._stream_end
         if end is None or self.terminated:
             return
@@ -169,6 +173,13 @@ class Observer:
                 self.finish_seen = True
         elif has_data_value(events, end):
             self.terminated = True
+
+    def _first(self) -> None:
+        for callback in self.on_first_data:
+            try:
+                callback()
+            except Exception:  # a watcher must never break the stream
+                pass
 
     def end(self) -> None:
         """Note the final body message."""

@@ -258,6 +258,7 @@ class _Watch:
         self._send = send
         self._task = task = asyncio.current_task()
         assert task is not None
+        self.observer.on_first_data.append(self._first_data)
         self._schedule()
         try:
             await self.watchdog.app(self.scope, receive, self.send if self.own else send)
@@ -294,6 +295,14 @@ class _Watch:
         elif kind == "http.response.start":
             observer.start(int(message["status"]), list(message.get("headers", ())))
         return self._send(message)
+
+    def _first_data(self) -> None:
+        """The first chunk arrived: the window is over; time the gaps from here."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if self.fired is None:
+            self._schedule()
 
     def answered(self) -> bool:
         """True once the first chunk has arrived."""
