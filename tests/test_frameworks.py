@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import httpx
@@ -11,7 +12,7 @@ from examples.fastapi_app import create_app as fastapi_app
 from examples.litestar_app import create_app as litestar_app
 from tierchain import Backend, Routes
 
-from .support import FakeBackend, chat_request, openai_stream, refused_url, serve, streams
+from .support import FakeBackend, answers, chat_request, openai_stream, refused_url, serve, streams
 
 FRAMEWORKS = [pytest.param(fastapi_app, id="fastapi"), pytest.param(litestar_app, id="litestar")]
 
@@ -93,3 +94,44 @@ async def test_the_whole_stack_routes_around_a_quiet_tower_and_then_skips_it(fac
     assert len(hosted.requests) == 3
     for body in bodies:
         assert body.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("status", [429, 500, 502])
+@pytest.mark.parametrize("factory", FRAMEWORKS)
+async def test_a_retryable_status_is_its_own_outcome_and_logs_nothing_at_error(
+    factory, status, caplog
+):
+    async with (
+        FakeBackend("tower", answers(status)) as tower,
+        FakeBackend("hosted", streams(["ok"])) as hosted,
+    ):
+        routes = Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
+        caplog.set_level(logging.DEBUG)
+        async with (
+            serve(factory(routes), lifespan="on") as url,
+            httpx.AsyncClient(timeout=5) as client,
+        ):
+            response = await client.post(url + "/v1/chat/completions", content=chat_request())
+    assert response.status_code == 200
+    assert response.headers["x-tierchain-attempts"] == (
+        f"tower;outcome=http_{status}, hosted;outcome=ok"
+    )
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
+
+
+@pytest.mark.parametrize("factory", FRAMEWORKS)
+async def test_an_unreachable_tier_fails_over_without_an_error_log(factory, caplog):
+    async with FakeBackend("hosted", streams(["ok"])) as hosted:
+        routes = Routes({"echo": [Backend("tower", refused_url()), Backend("hosted", hosted.url)]})
+        caplog.set_level(logging.DEBUG)
+        async with (
+            serve(factory(routes), lifespan="on") as url,
+            httpx.AsyncClient(timeout=5) as client,
+        ):
+            response = await client.post(
+                url + "/v1/chat/completions", content=chat_request(stream=False)
+            )
+    assert response.headers["x-tierchain-attempts"].startswith("tower;outcome=connect_refused")
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
