@@ -89,7 +89,7 @@ def make_handler(chunks: int) -> Callable[..., Any]:
         )
         for _ in range(chunks):
             await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     return handler
 

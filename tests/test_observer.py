@@ -93,7 +93,12 @@ def test_the_observer_passes_whole_events_only_however_the_stream_is_cut(data, c
     complete = events  # every event the reference closed with its blank line
     expect_data = any(_is_data(line) for event in complete for line in event)
     assert (observer.first_data_at is not None) == expect_data
-    done = any(line in (b"data: [DONE]", b"data:[DONE]") for event in complete for line in event)
+    observer.end()
+    data_events = [e for e in complete if any(_is_data(line) for line in e)]
+    done = bool(data_events) and [ln for ln in data_events[-1] if _is_data(ln)] in (
+        [b"data: [DONE]"],
+        [b"data:[DONE]"],
+    )
     assert observer.terminated == done
 
 

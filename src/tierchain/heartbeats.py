@@ -57,6 +57,7 @@ Heartbeats itself emits ``generating`` when the first data event passes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -78,6 +79,8 @@ from .telemetry import STREAM_HEARTBEATS, labelled, log_event
 
 __all__ = ["TASK_NAME", "Heartbeats"]
 
+_now = time.monotonic
+
 TASK_NAME = "tierchain-heartbeats"
 """The name of the keepalive side task (one per streaming request)."""
 
@@ -90,6 +93,7 @@ _OWN_HEADERS: Headers = [
     (b"x-accel-buffering", b"no"),
 ]
 _WAITING_STATE: StateEvent = {"state": "waiting"}
+_NO_LOCK: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 # Phases of one response.
 _WAITING = 0  # nothing sent yet
@@ -193,8 +197,9 @@ class _Stream:
         self.req = TierRequest.of(scope)
         self.accept = accept
         self.phase = _WAITING
-        self.lock = asyncio.Lock()
-        self.wake = asyncio.Event()
+        # Made when the ticker starts: until then no one else writes, and no one waits.
+        self.lock: asyncio.Lock | contextlib.nullcontext[None] = _NO_LOCK
+        self.wake: asyncio.Event | None = None
         self.queue: deque[StateEvent] = deque(maxlen=hb.max_queued)
         self.last = b""  # the last relayed chunk (whole events): is a CR pending?
         self.after_own = True  # the last bytes written are our own lines: a boundary
@@ -218,6 +223,10 @@ class _Stream:
         self.ticker: asyncio.Task[None] | None = None
         self.in_send = False  # a relayed chunk is being sent (without the lock)
         self.ticker_writing = False  # the ticker is sending its lines (under the lock)
+
+    def _wake(self) -> None:
+        if self.wake is not None:
+            self.wake.set()
 
     # -- the request ---------------------------------------------------------
 
@@ -246,10 +255,10 @@ class _Stream:
                         self.body_parts.append(chunk)
                 if not message.get("more_body", False):
                     self.body_done = True
-                    self.wake.set()
+                    self._wake()
         elif kind == "http.disconnect":
             self.gone = True
-            self.wake.set()
+            self._wake()
         return message
 
     def on_event(self, event: StateEvent) -> None:
@@ -260,7 +269,7 @@ class _Stream:
             queue[-1] = event  # a newer "still working" replaces the one not yet shown
         else:
             queue.append(event)
-        self.wake.set()
+        self._wake()
 
     # -- writing ---------------------------------------------------------------
 
@@ -279,7 +288,7 @@ class _Stream:
         """The queued state lines, or (none queued) the current state as a keepalive."""
         if self.keepalive_due:
             self.keepalive_due = False
-            self.wake.set()  # the ticker stopped timing while it waited for a boundary
+            self._wake()  # the ticker stopped timing while it waited for a boundary
         if self.queue:
             events = list(self.queue)
             self.queue.clear()
@@ -339,20 +348,19 @@ class _Stream:
                 # No lock: the ticker sees ``in_send`` and leaves its line for the next
                 # boundary, and a chunk arriving while the ticker writes takes the lock.
                 chunk: bytes = message.get("body", b"")
-                more = message.get("more_body", False)
                 if chunk:
                     self.last = chunk
                     self.after_own = False
-                elif more:
+                    if not message.get("more_body", False):
+                        self.phase = _DONE
+                elif message.get("more_body", False):
                     return
-                if not more:
+                else:
                     self.phase = _DONE
                 self.in_send = True
-                try:
-                    await self._send(message)
-                    self.last_output = time.monotonic()
-                finally:
-                    self._sent()
+                await self._send(message)  # (if it raises, the response is over anyway)
+                self.last_output = _now()
+                self._sent()
                 return
         elif phase == _PASS:
             await self._send(message)
@@ -369,7 +377,7 @@ class _Stream:
         """A relayed chunk's send is back."""
         self.in_send = False
         if self.keepalive_due:
-            self.wake.set()  # the ticker held a line back while this send was out
+            self._wake()  # the ticker held a line back while this send was out
 
     async def _on_start(self, message: Message) -> None:
         async with self.lock:
@@ -391,8 +399,14 @@ class _Stream:
                 else:
                     self.phase = _PASS
                     self.queue.clear()
-                self.wake.set()
-                await self._send(message)
+                self._wake()
+                # No lock may be held yet (no ticker): a ticker started meanwhile sees
+                # in_send and leaves its lines for later.
+                self.in_send = True
+                try:
+                    await self._send(message)
+                finally:
+                    self._sent()
             elif self.phase == _OWN and not sse:
                 self.late_status = status  # its body becomes one event
 
@@ -473,7 +487,9 @@ class _Stream:
 
     async def _step(self) -> bool:
         """Do what is due now, then wait for the next thing; False when done."""
-        self.wake.clear()
+        wake = self.wake
+        assert wake is not None
+        wake.clear()
         if self.gone or self.phase >= _PASS:
             return False
         now = time.monotonic()
@@ -509,11 +525,11 @@ class _Stream:
             if interval > 0 and not self.keepalive_due:
                 timeout = max(0.0, self.last_output + interval - time.monotonic())
         if timeout is None:
-            await self.wake.wait()
+            await wake.wait()
         elif timeout > 0:
             try:
                 async with asyncio.timeout(timeout):
-                    await self.wake.wait()
+                    await wake.wait()
             except TimeoutError:
                 pass
         return True
@@ -524,6 +540,8 @@ class _Stream:
         """Start the keepalive ticker: only once the response has been quiet a while."""
         self.handle = None
         if self.phase < _PASS and not self.gone:
+            self.lock = asyncio.Lock()
+            self.wake = asyncio.Event()
             self.ticker = asyncio.create_task(self.tick(), name=TASK_NAME)
 
     async def run(self) -> None:

@@ -9,8 +9,9 @@ the observer's facts instead of parsing the stream itself:
   (for any other body, its first bytes). A partial line, a comment or the
   headers are not progress;
 - ``last_event_at``: when the latest complete data event (or body bytes) arrived;
-- ``terminated``: the stream's terminator arrived (``data: [DONE]`` for OpenAI
-  shapes, or a ``finish_reason`` before a clean end);
+- ``terminated``: the last data event was the stream's terminator (``data:
+  [DONE]`` for OpenAI shapes; a ``finish_reason`` in one of the last two data
+  events also completes one), judged once, at the end;
 - ``pending``: the bytes of an event not yet complete, which never reach the
   caller until its blank line arrives;
 - ``ended``: the final body message passed.
@@ -32,7 +33,7 @@ from collections.abc import Callable
 
 from ._types import Headers, Message
 from .errors import StreamError
-from .sse import has_data, has_data_value, has_finish_reason, is_event_stream, last_boundary
+from .sse import data_values, has_data, has_finish_reason, is_event_stream, last_boundary
 
 __all__ = ["MAX_EVENT", "OPENAI", "Observer", "whole_events"]
 
@@ -43,6 +44,7 @@ OPENAI = "openai"
 """The default stream end: ``data: [DONE]``, or a ``finish_reason`` before a clean end."""
 
 _DONE = b"[DONE]"
+_now = time.monotonic
 
 
 class Observer:
@@ -54,6 +56,8 @@ class Observer:
     """
 
     __slots__ = (
+        "_last",
+        "_previous",
         "_searched",
         "_stream_end",
         "data_events",
@@ -94,6 +98,7 @@ class Observer:
         self.pending_cr = False
         self.ended = False
         self._searched = 0
+        self._last = self._previous = b""
         self.on_first_data: list[Callable[[], None]] = []
         """Called once, when the first data event (or first body bytes) arrives."""
 
@@ -108,6 +113,21 @@ class Observer:
 
         For a body that is not an event stream, ``chunk`` itself.
         """
+        if (
+            self.sse
+            and chunk.endswith(b"\n\n")
+            and chunk.startswith(b"data:")
+            and not self.pending
+            and not self.pending_cr
+        ):
+            # The usual case: whole events starting with data, nothing held.
+            self.last_event_at = _now()
+            self.data_events += 1
+            self._previous, self._last = self._last, chunk
+            if self.first_data_at is None:
+                self.first_data_at = self.last_event_at
+                self._first()
+            return chunk
         if not self.sse:
             if chunk:
                 now = self.last_event_at = time.monotonic()
@@ -156,23 +176,32 @@ class Observer:
         return events
 
     def _note(self, events: bytes) -> None:
-        if not has_data(events):
+        if not (events.startswith(b"data:") or has_data(events)):
             return  # comments, pings, other fields: not progress
         now = self.last_event_at = time.monotonic()
         self.data_events += 1
+        # Kept, not searched: the terminator is looked for once, at the end.
+        self._previous, self._last = self._last, events
         if self.first_data_at is None:
             self.first_data_at = now
             self._first()
+
+    def _terminate(self) -> None:
+        """At the end: did the last data event carry the stream's terminator?"""
         end = self._stream_end
-        if end is None or self.terminated:
+        if end is None or self.data_events == 0:
+            return
+        values = data_values(self._last)
+        if len(values) < 2:
+            values = data_values(self._previous) + values
+        if not values:
             return
         if end == b"openai":
-            if _DONE in events and has_data_value(events, _DONE):
-                self.terminated = True
-            elif not self.finish_seen and has_finish_reason(events):
-                self.finish_seen = True
-        elif has_data_value(events, end):
-            self.terminated = True
+            self.terminated = values[-1] == _DONE
+            # A finish_reason, perhaps followed by a usage chunk, then a clean end.
+            self.finish_seen = any(has_finish_reason(v) for v in values[-2:])
+        else:
+            self.terminated = values[-1] == end
 
     def _first(self) -> None:
         for callback in self.on_first_data:
@@ -183,7 +212,10 @@ class Observer:
 
     def end(self) -> None:
         """Note the final body message."""
-        self.ended = True
+        if not self.ended:
+            self.ended = True
+            if self.sse:
+                self._terminate()
 
     def drop_pending(self) -> bytes:
         """Forget the partial event held back (a failed attempt's); returns it."""

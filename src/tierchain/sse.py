@@ -6,7 +6,7 @@ The one SSE rule every layer relies on lives here:
   event ends with a blank line). Line endings may be LF, CR or CRLF, and a
   chunk may end anywhere, including between the CR and the LF of one line
   ending.
-- :func:`has_data`, :func:`has_data_value` and :func:`has_finish_reason` read
+- :func:`has_data`, :func:`data_values` and :func:`has_finish_reason` read
   whole events: progress is a complete event carrying ``data``; comments
   (``: ping``), other fields and blank lines are not.
 - :func:`comment_line` and :func:`error_event` build what tierchain inserts.
@@ -23,10 +23,10 @@ from typing import Any
 
 __all__ = [
     "comment_line",
+    "data_values",
     "error_event",
     "error_json",
     "has_data",
-    "has_data_value",
     "has_finish_reason",
     "is_event_stream",
     "last_boundary",
@@ -83,12 +83,24 @@ def has_data(events: bytes) -> bool:
     )
 
 
-def has_data_value(events: bytes, value: bytes) -> bool:
-    """True when one of ``events`` has a data line whose value is exactly ``value``."""
-    if value not in events:
-        return False
-    pattern = re.compile(rb"(?:^|[\r\n])data: ?" + re.escape(value) + rb"(?:\r\n|\n|\r)")
-    return bool(pattern.search(events))
+_EOL = re.compile(rb"\r\n|\r|\n")
+
+
+def data_values(events: bytes) -> list[bytes]:
+    """The data value of each event in ``events`` (whole events) that carries data."""
+    values: list[bytes] = []
+    lines: list[bytes] = []
+    for line in _EOL.split(events):
+        if not line:
+            if lines:
+                values.append(b"\n".join(lines))
+                lines = []
+        elif line == b"data":
+            lines.append(b"")
+        elif line.startswith(b"data:"):
+            value = line[5:]
+            lines.append(value[1:] if value.startswith(b" ") else value)
+    return values
 
 
 def has_finish_reason(events: bytes) -> bool:
@@ -111,9 +123,27 @@ def _one_line_json(obj: Any) -> bytes:
     return _ENCODER.encode(obj).encode()
 
 
+_LINES: dict[tuple[tuple[str, Any], ...], bytes] = {}
+_LINES_MAX = 4096
+
+
 def comment_line(event: dict[str, Any]) -> bytes:
-    """``: {json}\\n``: one SSE comment line carrying ``event``, no blank line."""
-    return b": " + _one_line_json(event) + b"\n"
+    """``: {json}\\n``: one SSE comment line carrying ``event``, no blank line.
+
+    The same state lines repeat for every request (``attempt`` 1 of 2 on the
+    tower, ``generating`` on hosted): each is encoded once and kept.
+    """
+    try:
+        key = tuple(event.items())
+        line = _LINES.get(key)
+    except TypeError:  # a value that cannot be a key: encode it every time
+        return b": " + _one_line_json(event) + b"\n"
+    if line is None:
+        line = b": " + _one_line_json(event) + b"\n"
+        if len(_LINES) >= _LINES_MAX:
+            _LINES.clear()
+        _LINES[key] = line
+    return line
 
 
 def error_json(message: str, type: str, code: str | None = None, **extra: Any) -> dict[str, Any]:

@@ -298,8 +298,16 @@ class _Watch:
 
     def _first_data(self) -> None:
         """The first chunk arrived: the window is over; time the gaps from here."""
-        if self._handle is not None:
-            self._handle.cancel()
+        handle = self._handle
+        if self.stall <= 0:
+            if handle is not None:
+                handle.cancel()
+                self._handle = None
+            return
+        if handle is not None and handle.when() <= asyncio.get_running_loop().time() + self.stall:
+            return  # the window's timer comes first; it times the gap from there
+        if handle is not None:
+            handle.cancel()
             self._handle = None
         if self.fired is None:
             self._schedule()
