@@ -151,10 +151,31 @@ def build(kind: str, tower: str, hosted: str) -> Any:
         inner.add_middleware(Budget, default=3600.0)
         inner.add_middleware(Heartbeats, interval=float(os.environ["WAITING_INTERVAL"]))
 
+    snapshots: list[Any] = []
+
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/_bench/metrics":
             return await metrics(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] == "/_bench/memory":
+            return await memory(send)
         return await inner(scope, receive, send)
+
+    async def memory(send: Any) -> None:
+        """With --trace-memory: the top allocations since the previous call."""
+        import tracemalloc
+
+        snap = tracemalloc.take_snapshot()
+        text = ""
+        if snapshots:
+            by = "traceback" if tracemalloc.get_traceback_limit() > 1 else "lineno"
+            stats = snap.compare_to(snapshots[-1], by)[:12]
+            text = "\n".join(
+                str(s) + "\n  " + "\n  ".join(s.traceback.format()[-12:]) for s in stats
+            )
+        snapshots.append(snap)
+        start = {"type": "http.response.start", "status": 200, "headers": []}
+        await send(start)
+        await send({"type": "http.response.body", "body": text.encode()})
 
     return app
 
@@ -164,6 +185,10 @@ def run_gateway(kind: str, port: int, tower: str, hosted: str, interval: float) 
 
     raise_fd_limit()
     os.environ["WAITING_INTERVAL"] = str(interval)
+    if os.environ.get("WAITING_TRACE_MEMORY"):
+        import tracemalloc
+
+        tracemalloc.start(int(os.environ["WAITING_TRACE_MEMORY"]))
     uvicorn.run(
         build(kind, tower, hosted),
         host="127.0.0.1",
@@ -226,9 +251,9 @@ class Caller(asyncio.Protocol):
         return not self.closed and not self.data and self.status in (None, 200)
 
 
-async def scrape(port: int) -> str:
+async def scrape(port: int, path: str = "/_bench/metrics") -> str:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /_bench/metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    writer.write(b"GET %s HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n" % path.encode())
     data = await reader.read()
     writer.close()
     return data.decode("latin-1")
@@ -261,6 +286,7 @@ async def measure(
     kind: str, k: int, batch: int, interval: float, window: float, counts: Any, ports: Any
 ) -> dict[str, Any]:
     tower_port, hosted_port = ports
+    tracing = bool(os.environ.get("WAITING_TRACE_MEMORY"))
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
     tower, hosted = f"http://127.0.0.1:{tower_port}", f"http://127.0.0.1:{hosted_port}"
@@ -273,6 +299,8 @@ async def measure(
         assert proc.pid is not None
         # Warm up: one stream answered by... nobody; then let it go.
         base = proc_stats(proc.pid)
+        if tracing:
+            await scrape(port, "/_bench/memory")
         tower_before, hosted_before = counts[0], counts[2]
         per_batch: list[float] = []
         t0 = time.monotonic()
@@ -301,6 +329,8 @@ async def measure(
         cpu1, t_1 = proc_stats(proc.pid)["cpu"], time.monotonic()
         lines = sum(c.lines for c in callers)
         metrics = await scrape(port)
+        if tracing:
+            print(await scrape(port, "/_bench/memory"))
         held = sum(1 for c in callers if c.held)
         result = {
             "kind": kind,
@@ -345,7 +375,12 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=20.0, help="keepalive CPU window (s)")
     parser.add_argument("--only", choices=["bare", "stack"], help="measure one gateway")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--trace-memory", type=int, default=0, help="frames: print the gateway top allocations"
+    )
     args = parser.parse_args()
+    if args.trace_memory:
+        os.environ["WAITING_TRACE_MEMORY"] = str(args.trace_memory)
     limit = raise_fd_limit()
     cap = (limit - 64) // 2
     ctx = multiprocessing.get_context("spawn")
