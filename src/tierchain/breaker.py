@@ -27,7 +27,9 @@ Breaker's own):
   stream with no data event, or any other exception;
 - saturation: ``BackendSaturated``;
 - neutral (counts nothing, clears nothing, frees a probe slot): a 4xx other
-  than 429, a cancelled attempt (the caller left), a spent budget.
+  than 429, a cancelled attempt (the caller left), a spent budget, and a
+  ``BackendUnavailable`` the gateway caused itself (``gateway_fault``: a wait
+  for a pooled connection, a connect timeout while its event loop ran late).
 
 So a tower that keeps breaking mid-stream is skipped after
 ``failure_threshold`` like any other failing backend.
@@ -47,6 +49,7 @@ from .errors import (
     AttemptError,
     BackendSaturated,
     BackendSkipped,
+    BackendUnavailable,
     RetryableStatus,
     TierchainError,
 )
@@ -294,6 +297,8 @@ def _classify(exc: BaseException) -> tuple[Outcome, float | None]:
         return "neutral", None
     if isinstance(exc, BackendSkipped):
         return "neutral", None  # an inner breaker's verdict, not this backend's
+    if isinstance(exc, BackendUnavailable) and exc.gateway_fault:
+        return "neutral", None  # the gateway's own slowness, not this backend's
     if isinstance(exc, AttemptError):
         return "failure", None
     if isinstance(exc, TierchainError):
