@@ -13,6 +13,7 @@ from tierchain.allowance import Allowance
 from tierchain.breaker import Breaker
 from tierchain.budget import Budget
 from tierchain.config import ConfigError, build_stack, from_env, load_routes
+from tierchain.endpoints import Endpoints
 from tierchain.failover import Failover
 from tierchain.forwarder import Forwarder
 from tierchain.heartbeats import Heartbeats
@@ -107,6 +108,7 @@ def test_the_stack_is_built_in_the_briefs_order_with_the_configured_options(rout
     layers.append(type(node))
     assert layers == [
         StartupIdentity,
+        Endpoints,
         Heartbeats,
         Budget,
         PreferBackend,
@@ -123,12 +125,15 @@ def test_the_stack_is_built_in_the_briefs_order_with_the_configured_options(rout
 
 def test_one_store_is_shared_by_every_piece_that_takes_one(routes_file):
     settings = from_env(env(routes_file, TIERCHAIN_STACK="PreferBackend,Failover,Breaker"))
-    app = build_stack(None, settings, identity=False)
+    endpoints = build_stack(None, settings, identity=False)
+    assert isinstance(endpoints, Endpoints)
+    app = endpoints.app
     assert isinstance(app, PreferBackend)
     breaker = app.app.app
     assert isinstance(breaker, Breaker)
     assert app.store is not None
     assert breaker.store is app.store
+    assert endpoints.store is app.store
 
 
 def test_a_bad_value_names_the_variable_the_value_and_what_was_expected(routes_file):

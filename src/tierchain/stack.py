@@ -9,8 +9,10 @@ what they describe::
     app = build_stack(None, from_env())   # the whole stack around a Forwarder
 
 Outermost first, :func:`build_stack` assembles: the identity line, the Admin
-mount (when a token is set), then Heartbeats, Budget, PreferBackend, Failover,
-Breaker, SaturationWatchdog (each that is enabled), then the handler.
+mount (when a token is set), the :class:`~tierchain.endpoints.Endpoints`
+(``/v1/models``, ``/healthz``, ``/readyz``, ``/metrics``), then Heartbeats,
+Budget, PreferBackend, Failover, Breaker, SaturationWatchdog (each that is
+enabled), then the handler.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from ._types import ASGIApp, Receive, Scope, Send
 from .config import MASK, ConfigError, Settings, find_layer, layer_class, mask_url, plain
+from .endpoints import Endpoints
 from .identity import StartupIdentity
 
 __all__ = ["Mount", "build_stack", "make_store"]
@@ -74,7 +77,8 @@ def build_stack(
     """Wrap ``app`` (default: a configured :class:`~tierchain.Forwarder`) in the stack.
 
     Outermost first: the identity line, the Admin mount (when a token is set),
-    then Heartbeats, Budget, PreferBackend, Failover, Breaker,
+    the :class:`~tierchain.endpoints.Endpoints` (answered here, never
+    forwarded), then Heartbeats, Budget, PreferBackend, Failover, Breaker,
     SaturationWatchdog: each that is enabled, with its configured options. One
     store (``store``, or one made from ``TIERCHAIN_STORE_URL``) is shared by
     every piece that takes one. A constructor that rejects its options raises
@@ -103,6 +107,11 @@ def build_stack(
         built = construct(name, inner)
         if built is not None:
             inner = built
+    inner = Endpoints(
+        inner,
+        routes=settings.routes,
+        store=store if "Breaker" in settings.stack else None,
+    )
     if settings.admin_enabled:
         admin = construct("Admin")
         if admin is not None:
