@@ -47,7 +47,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
 from ._body import CallerGone, read_body
 from ._disconnect import DisconnectGuard
@@ -79,6 +79,7 @@ from .telemetry import (
     labelled,
     log_event,
     start_span,
+    tracing_enabled,
 )
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "Failover", "ResolveError"]
@@ -309,15 +310,7 @@ class Failover:
         observer = req.observer = Observer(attempt.started, stream_end=backend.stream_end)
         req.emit("attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime)
         responder = _Responder(self, req, attempt, observer, send, guard)
-        attrs: dict[str, str | int] = {
-            ATTR_ROUTE: attempt.route or "",
-            ATTR_BACKEND: backend.name,
-            ATTR_ATTEMPT_N: attempt.n,
-            ATTR_ATTEMPT_OF: attempt.of,
-        }
-        if backend.regime:
-            attrs[ATTR_REGIME] = backend.regime
-        span = start_span("tierchain.attempt", attrs)
+        span = _attempt_span(attempt)
         outcome = "ok"
         recorded = len(req.attempts)
         try:
@@ -413,6 +406,21 @@ class Failover:
             outcome=outcome,
             failing_over=failing_over,
         )
+
+
+def _attempt_span(attempt: Attempt) -> Span:
+    if not tracing_enabled():
+        return INVALID_SPAN  # no SDK: not even the attributes are built
+    backend = attempt.backend
+    attrs: dict[str, str | int] = {
+        ATTR_ROUTE: attempt.route or "",
+        ATTR_BACKEND: backend.name,
+        ATTR_ATTEMPT_N: attempt.n,
+        ATTR_ATTEMPT_OF: attempt.of,
+    }
+    if backend.regime:
+        attrs[ATTR_REGIME] = backend.regime
+    return start_span("tierchain.attempt", attrs)
 
 
 def _own_abort(req: TierRequest) -> bool:
