@@ -52,6 +52,7 @@ from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 from ._body import CallerGone, read_body
 from ._disconnect import DisconnectGuard
 from ._responses import error_detail, retry_after, send_json_error
+from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .backend import Backend, Routes
 from .errors import (
@@ -121,7 +122,11 @@ class Failover:
 
     Only ``POST`` requests whose path starts with one of ``paths`` are routed;
     anything else (``GET /v1/models``, a health check, an admin page) passes
-    straight through to the inner app with no attempt.
+    straight through to the inner app with no attempt. Every HTTP request's
+    target is checked first: one that could steer the upstream URL (not a plain
+    path, a ``..`` segment, a backslash, a NUL, also percent-encoded) is answered
+    400 before any routing, and ``paths`` is matched against the normalised path
+    that the Forwarder sends upstream.
     """
 
     def __init__(
@@ -136,7 +141,8 @@ class Failover:
         hold_limit: int = 16 * 2**20,
     ) -> None:
         self.app = app
-        # Matched against the raw path: routers (a Litestar mount) rewrite scope["path"].
+        # Matched against the normalised raw path: routers (a Litestar mount) rewrite
+        # scope["path"], and the Forwarder sends the same normalised path upstream.
         self.paths = tuple(p.encode() for p in paths)
         self.routes = routes if isinstance(routes, Routes) else Routes(routes)
         if max_body < 0:
@@ -150,13 +156,14 @@ class Failover:
         self._known = ", ".join(sorted(self.routes))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or not (scope.get("raw_path") or scope["path"].encode()).startswith(self.paths)
-        ):
-            if scope["type"] == "http":
-                scope[UNROUTED_KEY] = True
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            target = request_target(scope)
+        except BadTarget as exc:
+            return await refuse(scope, send, exc)
+        if scope["method"] != "POST" or not target.path.startswith(self.paths):
+            scope[UNROUTED_KEY] = True
             return await self.app(scope, receive, send)
         req = TierRequest.of(scope)
         try:
