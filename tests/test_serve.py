@@ -16,11 +16,24 @@ from typing import Any
 
 import httpx
 import pytest
+from asgi_lifespan import LifespanManager
 
+from tierchain import Forwarder, identity
+from tierchain.config import from_env
 from tierchain.logs import JsonFormatter, TextFormatter
+from tierchain.serve import Drain
+from tierchain.stack import build_stack
 from tierchain.telemetry import log_event
 
-from .support import Exchange, FakeBackend, chat_request, chunk_event, openai_stream, parse_sse
+from .support import (
+    Exchange,
+    FakeBackend,
+    chat_request,
+    chunk_event,
+    completion_body,
+    openai_stream,
+    parse_sse,
+)
 
 START_TIMEOUT = 20.0  # a fresh interpreter importing everything, on a busy 2-core machine
 
@@ -292,3 +305,104 @@ async def test_the_documented_log_config_shows_the_identity_line_under_plain_uvi
         await served.exit_status(5.0)
     assert started["logger"] == "tierchain"
     assert started["routes"] == {"echo": [{"name": "tower", "url": "http://127.0.0.1:9"}]}
+
+
+# -- in process: Drain and the served stack's lifespan -------------------------------------
+
+
+def http_scope(path: str = "/v1/chat/completions") -> dict[str, Any]:
+    return {"type": "http", "method": "POST", "path": path, "headers": []}
+
+
+async def never_receive() -> dict[str, Any]:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+async def drained(app: Any, deadline: float) -> tuple[Drain, list[dict[str, Any]]]:
+    """Run one request through Drain(app), start the drain once it runs; return what was sent."""
+    drain = Drain(app)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    task = asyncio.create_task(drain(http_scope(), never_receive, send))
+    for _ in range(100):
+        if drain.in_flight:
+            break
+        await asyncio.sleep(0)
+    assert drain.in_flight == 1
+    drain.start(deadline)
+    async with asyncio.timeout(2):
+        await task
+    assert drain.in_flight == 0
+    return drain, sent
+
+
+async def test_drain_answers_503_for_a_request_not_yet_answered_at_the_deadline():
+    async def waits(scope, receive, send):
+        await asyncio.Event().wait()
+
+    _, sent = await drained(waits, 0.05)
+    start, body = sent
+    assert start["status"] == 503
+    assert (b"connection", b"close") in start["headers"]
+    assert json.loads(body["body"])["error"]["code"] == "shutting_down"
+
+
+async def test_drain_ends_a_started_stream_with_an_error_event_after_its_last_event():
+    event = chunk_event("one")
+
+    async def streams_then_waits(scope, receive, send):
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+        await asyncio.Event().wait()
+
+    _, sent = await drained(streams_then_waits, 0.05)
+    bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
+    assert bodies[0] == event
+    assert bodies[1].startswith(b'data: {"error":')
+    assert b'"code":"shutting_down"' in bodies[1]
+    assert sent[-1]["more_body"] is False
+
+
+async def test_drain_leaves_the_apps_own_timeout_alone_and_finished_requests_untouched():
+    async def times_out(scope, receive, send):
+        raise TimeoutError("the app's own")
+
+    drain = Drain(times_out)
+    drain.start(30)
+    with pytest.raises(TimeoutError, match="the app's own"):
+        await drain(http_scope(), never_receive, lambda m: asyncio.sleep(0))
+
+
+async def test_the_served_stack_starts_and_stops_through_drain(tmp_path, monkeypatch, caplog):
+    # Lifespan goes through Drain to the stack: the identity line at start-up, the
+    # Forwarder closing its upstream connections at shut-down.
+    caplog.set_level(logging.INFO, logger="tierchain")
+    monkeypatch.setattr(identity, "PROCESS_ONCE", identity.Once())
+
+    async def answer(ex: Exchange) -> None:
+        await ex.respond(200, completion_body("hello"))
+
+    async with FakeBackend("tower", answer) as tower:
+        settings = from_env({"TIERCHAIN_ROUTES_FILE": routes_file(tmp_path, tower.url)})
+        app = build_stack(None, settings)
+        forwarder = app
+        while not isinstance(forwarder, Forwarder):
+            forwarder = forwarder.app
+        async with LifespanManager(Drain(app)) as manager:
+            events = [getattr(r, "event", None) for r in caplog.records]
+            assert events.count("tierchain.started") == 1
+            transport = httpx.ASGITransport(app=manager.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+                response = await client.post(
+                    "/v1/chat/completions", content=chat_request(stream=False)
+                )
+            assert response.status_code == 200
+            assert forwarder._client is not None
+        assert forwarder._client is None
+        async with asyncio.timeout(1):
+            await tower.connection_closed.wait()
