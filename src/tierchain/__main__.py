@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from .endpoints import PATHS as ENDPOINT_PATHS
 from .telemetry import VERSION
 
 __all__ = ["main"]
@@ -208,6 +209,7 @@ def _stack_rows(settings: Any) -> list[dict[str, Any]]:
                 "sources": dict(settings.layers["Admin"].sources),
             }
         )
+    rows.append({"name": "Endpoints", "options": {"paths": list(ENDPOINT_PATHS)}, "sources": {}})
     for name in settings.stack:
         rows.append(
             {

@@ -42,7 +42,10 @@ from .backend import Routes
 from .store import Store
 from .telemetry import log_event
 
-__all__ = ["Endpoints"]
+__all__ = ["PATHS", "Endpoints"]
+
+PATHS = ("/v1/models", "/healthz", "/readyz", "/metrics")
+"""The paths answered (``/v1/models`` with its ``/{id}`` below it)."""
 
 _JSON = b"application/json"
 _NO_STORE = (b"cache-control", b"no-store")
