@@ -265,3 +265,21 @@ async def test_a_forwarder_with_nowhere_to_send_a_request_answers_404_json():
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "not_found"
     assert "/v1/chat/completions" in response.json()["error"]["message"]
+
+
+class BrokenCollector:
+    def collect(self):
+        raise RuntimeError("collector broke")
+
+
+async def test_a_broken_metrics_collector_is_a_503_json_answer_not_a_500(caplog):
+    registry = CollectorRegistry()
+    registry.register(BrokenCollector())
+    transport = httpx.ASGITransport(app=Endpoints(registry=registry))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        metrics = await client.get("/metrics")
+        health = await client.get("/healthz")
+    assert metrics.status_code == 503
+    assert metrics.json()["error"]["code"] == "endpoint_failed"
+    assert health.status_code == 200
+    assert "endpoints.failed" in [getattr(r, "event", None) for r in caplog.records]

@@ -118,7 +118,18 @@ class Endpoints:
                 "method_not_allowed",
                 headers=[(b"allow", _ALLOW), _NO_STORE],
             )
-        status, content_type, body, headers = await answer()
+        try:
+            status, content_type, body, headers = await answer()
+        except Exception as exc:  # a broken collector, say: an answer, never a 500
+            log_event("endpoints.failed", logging.ERROR, path=_shown(path), error=repr(exc))
+            return await send_json_error(
+                send,
+                503,
+                f"{_shown(path)} could not be answered: {type(exc).__name__}",
+                "server_error",
+                "endpoint_failed",
+                headers=[_NO_STORE],
+            )
         await send(
             {
                 "type": "http.response.start",
