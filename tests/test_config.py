@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from asgi_lifespan import LifespanManager
 
 from tierchain import config, stack
 from tierchain.allowance import Allowance
@@ -380,3 +381,26 @@ def test_the_old_import_path_of_build_stack_still_works_without_an_import_cycle(
     assert imported == {"backend", "masking"}
     with pytest.raises(AttributeError):
         _ = config.no_such_name
+
+
+@pytest.mark.redis
+async def test_the_redis_store_build_stack_made_is_closed_on_lifespan_shutdown(
+    routes_file, redis_server
+):
+    import redis.asyncio as redis_client
+
+    settings = from_env(env(routes_file, TIERCHAIN_STORE_URL=redis_server.url))
+    app = build_stack(None, settings, identity=False)
+    assert isinstance(app, stack.CloseOnShutdown)
+    store = app.app.store  # the Endpoints share it with every Breaker and PreferBackend
+    watcher = redis_client.Redis.from_url(redis_server.url)
+    try:
+        async with LifespanManager(app):
+            await store.set_pin("echo", "tower", 30)  # opens a connection to the server
+            assert len(await watcher.client_list()) == 2
+        assert len(await watcher.client_list()) == 1  # only the watcher's own
+    finally:
+        await watcher.aclose()
+    # A store given by the caller belongs to the caller: nothing wraps the stack to close it.
+    given = build_stack(None, settings, store=config.layer_class("MemoryStore")(), identity=False)
+    assert not isinstance(given, stack.CloseOnShutdown)
