@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -406,3 +407,15 @@ async def test_the_served_stack_starts_and_stops_through_drain(tmp_path, monkeyp
         assert forwarder._client is None
         async with asyncio.timeout(1):
             await tower.connection_closed.wait()
+
+
+async def test_a_port_already_taken_exits_1(tmp_path):
+    env = {"TIERCHAIN_ROUTES_FILE": routes_file(tmp_path, "http://127.0.0.1:9")}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        async with tierchain_serve(env, "--port", port) as served:  # the last --port wins
+            status = await served.exit_status(START_TIMEOUT)
+    assert status == 1, "\n".join(served.lines)
+    assert any("address already in use" in line.lower() for line in served.lines)

@@ -285,8 +285,8 @@ def run(
     server = _Server(config, drain=drain, drain_timeout=options.drain_timeout)
     try:
         server.run()
-    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind or start the app
-        return exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # uvicorn exits when it cannot bind, or the app fails to start
+        return 1 if exc.code else 0
     return 0 if server.started else 1
 
 
