@@ -42,6 +42,9 @@ class Backend:
     string (a data event whose value is exactly that), or None (any clean end).
     A stream that ends otherwise is truncated, an error. ``stall_after``
     overrides the SaturationWatchdog's ``stall_after`` for this backend.
+    ``forward_caller_auth`` lets the caller's own credentials (``Authorization``,
+    ``x-api-key``, ``api-key``, ``Cookie``) through to this backend; by default
+    the Forwarder drops them, so a tier never sees a secret meant for another.
     """
 
     name: str
@@ -52,6 +55,7 @@ class Backend:
     model: str | None = None
     stream_end: str | None = "openai"
     stall_after: float | None = None
+    forward_caller_auth: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -62,6 +66,11 @@ class Backend:
         if self.status_url is not None:
             _check_url(f"backend {self.name!r} status_url", self.status_url)
         object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
+        if not isinstance(self.forward_caller_auth, bool):
+            raise ValueError(
+                f"backend {self.name!r} forward_caller_auth must be True or False, "
+                f"got {self.forward_caller_auth!r}"
+            )
         if self.stream_end is not None and (
             not isinstance(self.stream_end, str) or not self.stream_end.strip()
         ):

@@ -400,7 +400,16 @@ LAYERS: tuple[Layer, ...] = (
 
 _BY_NAME = {layer.name: layer for layer in LAYERS}
 _BY_ENV = {opt.env: (layer, opt) for layer in LAYERS for opt in layer.options}
-_ROUTE_KEYS = ("name", "url", "regime", "status_url", "model", "headers", "api_key_env")
+_ROUTE_KEYS = (
+    "name",
+    "url",
+    "regime",
+    "status_url",
+    "model",
+    "headers",
+    "api_key_env",
+    "forward_caller_auth",
+)
 
 
 def _import(layer: Layer) -> tuple[Any | None, str | None]:
@@ -839,6 +848,15 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
             ok = False
             continue
         fields[key] = value
+    if "forward_caller_auth" in entry:
+        value = entry["forward_caller_auth"]
+        if not isinstance(value, bool):
+            problems.append(
+                f"{where}.forward_caller_auth={value!r}: expected true or false (no quotes)"
+            )
+            ok = False
+        else:
+            fields["forward_caller_auth"] = value
     headers: dict[str, str] = {}
     raw_headers = entry.get("headers", {})
     if not isinstance(raw_headers, Mapping):
