@@ -339,7 +339,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("PreferBackend", "tierchain.prefer", "middleware", (
         _o("header", "PREFER_HEADER", header_name, "an HTTP header name such as X-Prefer-Backend"),
         _o("pin_timeout", "PREFER_PIN_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
-    ), wired=frozenset({"store"})),
+    ), wired=frozenset({"store"}), code_only=frozenset({"allow"})),
     Layer("Failover", "tierchain.failover", "middleware", (
         _o("max_body", "FAILOVER_MAX_BODY", size, "a size in bytes such as 512k or 32MiB"),
         _o("retry_statuses", "FAILOVER_RETRY_STATUSES", status_list,
