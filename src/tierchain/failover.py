@@ -48,7 +48,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from opentelemetry.trace import Span, Status, StatusCode, use_span
+from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 
 from ._body import CallerGone, read_body
 from ._disconnect import DisconnectGuard
@@ -81,6 +81,7 @@ from .telemetry import (
     labelled,
     log_event,
     start_span,
+    tracing_enabled,
 )
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "Failover", "ResolveError"]
@@ -317,15 +318,7 @@ class Failover:
         observer = req.observer = Observer(attempt.started, stream_end=backend.stream_end)
         req.emit("attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime)
         responder = _Responder(self, req, attempt, observer, send, guard)
-        attrs: dict[str, str | int] = {
-            ATTR_ROUTE: attempt.route or "",
-            ATTR_BACKEND: backend.name,
-            ATTR_ATTEMPT_N: attempt.n,
-            ATTR_ATTEMPT_OF: attempt.of,
-        }
-        if backend.regime:
-            attrs[ATTR_REGIME] = backend.regime
-        span = start_span("tierchain.attempt", attrs)
+        span = _attempt_span(attempt)
         outcome = "ok"
         recorded = len(req.attempts)
         try:
@@ -431,6 +424,21 @@ def _current(span: Span) -> AbstractContextManager[object]:
     if not span.is_recording():
         return nullcontext()
     return use_span(span, record_exception=False, set_status_on_exception=False)
+
+
+def _attempt_span(attempt: Attempt) -> Span:
+    if not tracing_enabled():
+        return INVALID_SPAN  # no SDK: not even the attributes are built
+    backend = attempt.backend
+    attrs: dict[str, str | int] = {
+        ATTR_ROUTE: attempt.route or "",
+        ATTR_BACKEND: backend.name,
+        ATTR_ATTEMPT_N: attempt.n,
+        ATTR_ATTEMPT_OF: attempt.of,
+    }
+    if backend.regime:
+        attrs[ATTR_REGIME] = backend.regime
+    return start_span("tierchain.attempt", attrs)
 
 
 def _own_abort(req: TierRequest) -> bool:
