@@ -405,21 +405,24 @@ async def test_allow_keeps_anonymous_callers_off_the_paid_tier(caplog, metric):
         async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
             with caplog.at_level(logging.INFO, logger="tierchain"):
                 anonymous = await post(url, "hosted")
-            team = await client.post(
-                url + "/v1/chat/completions",
-                content=chat_request(),
-                headers={"X-Prefer-Backend": "hosted", "X-Team-Key": "team"},
-            )
+                team = await client.post(
+                    url + "/v1/chat/completions",
+                    content=chat_request(),
+                    headers={"X-Prefer-Backend": "hosted", "X-Team-Key": "team"},
+                )
         await fwd.aclose()
     assert anonymous.status_code == 200
     assert anonymous.headers["x-tierchain-backend"] == "tower"
     assert team.headers["x-tierchain-backend"] == "hosted"
     assert len(hosted.requests) == 1
     assert metric("tierchain_backend_preference_total", applied="false") == before + 1
-    [record] = [
-        r for r in caplog.records if getattr(r, "event", "") == "request.backend_preference"
-    ]
-    assert record.tierchain == {"requested": "hosted", "applied": False, "reason": "not_allowed"}
+    refused, applied = (
+        r.tierchain
+        for r in caplog.records
+        if getattr(r, "event", "") == "request.backend_preference"
+    )
+    assert refused == {"requested": "hosted", "applied": False, "reason": "not_allowed"}
+    assert applied["reason"] == "applied"
 
 
 async def test_an_allow_predicate_that_raises_refuses_and_never_fails_the_request(caplog):
