@@ -71,10 +71,12 @@ REFUSED = [
     ("/v1/.%2e/api/pull", "dot_segment"),
     ("/v1/..%2fapi/pull", "dot_segment"),
     ("/v1/../../tenant-b/v1/chat/completions", "dot_segment"),
+    ("/v1/..;p/api/pull", "dot_segment"),
+    ("/v1/%c0%ae%c0%ae/api/pull", "bad_percent_encoding"),
     ("/v1\\..\\api\\pull", "backslash"),
     ("/v1/%5c../api/pull", "backslash"),
     ("/v1/chat/completions%00", "control_character"),
-    ("/v1/chat/completions?x=%00", "control_character"),
+    ("/v1/chat/completions?key=sk-caller%00", "control_character"),
     ("/v1/chat/completions%0d%0aX-Injected:%201", "control_character"),
     ("/v1/chat/completions#frag", "fragment"),
     ("/v1/chat/%zzcompletions", "bad_percent_encoding"),
@@ -125,7 +127,7 @@ async def test_a_target_that_could_steer_the_upstream_is_a_400_and_no_backend_is
         assert untouched(tower, attacker)
     events = [r for r in caplog.records if getattr(r, "event", "") == "request.target_rejected"]
     assert len(events) == len(REFUSED)
-    assert all("x=" not in r.getMessage() for r in events)  # the path only, never the query
+    assert all("sk-caller" not in r.getMessage() for r in events)  # the path, never the query
 
 
 async def test_the_upstream_keeps_the_backends_base_path_and_query_and_merges_the_callers():

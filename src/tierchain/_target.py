@@ -8,10 +8,11 @@ that normalises paths:
 
 - not origin-form: an absolute URL (``http://other/...``), an authority or
   userinfo (``@host:port/...``), ``*``, or a path starting with ``//``;
-- a dot segment (``.`` or ``..``), also percent-encoded (``%2e%2e``, ``.%2E``)
-  or separated by an encoded slash (``..%2f``);
+- a dot segment (``.`` or ``..``), also percent-encoded (``%2e%2e``, ``.%2E``),
+  separated by an encoded slash (``..%2f``) or followed by parameters (``..;x``);
 - a backslash (also ``%5c``), a NUL or any other control character (also
-  percent-encoded), a fragment (``#``), or a ``%`` not followed by two hex digits.
+  percent-encoded), a fragment (``#``), a ``%`` not followed by two hex digits,
+  or a path that is not UTF-8 once decoded (an overlong ``%c0%ae``).
 
 The normalised path decodes percent-encoded unreserved characters (``%76`` is
 ``v``) and upper-cases every other escape, so a path check (Failover's
@@ -102,7 +103,16 @@ def check_target(raw_path: bytes, query: bytes = b"") -> Target:
             "(also not percent-encoded)",
             "control_character",
         )
-    if any(segment in (b".", b"..") for segment in decoded.split(b"/")):
+    try:
+        decoded.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadTarget(
+            "the request path is not UTF-8 once percent-decoded (an overlong '.' such as "
+            "%c0%ae is one)",
+            "bad_percent_encoding",
+        ) from None
+    # A segment's parameters (";...") are dropped by some servers before they resolve dots.
+    if any(segment.partition(b";")[0] in (b".", b"..") for segment in decoded.split(b"/")):
         raise BadTarget(
             "the request path must not contain '.' or '..' segments (also not percent-encoded)",
             "dot_segment",
