@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tierchain import Backend, Failover, Forwarder, Routes
+from tierchain._target import check_target, merge_query, upstream_url
 
 from .support import FakeBackend, chat_request, completion_body, serve
 
@@ -174,3 +175,43 @@ async def test_a_forwarder_alone_keeps_the_host_port_and_userinfo_of_its_backend
 
 async def _answer_json(ex: Any) -> None:
     await ex.respond(200, completion_body("ok"))
+
+
+@pytest.mark.parametrize(
+    ("raw", "normalised"),
+    [
+        (b"/v1/chat/completions", b"/v1/chat/completions"),
+        (b"/%76%31/chat%2dcompletions", b"/v1/chat-completions"),  # unreserved: decoded
+        (b"/v1/models/org%2fmodel", b"/v1/models/org%2Fmodel"),  # reserved: kept, upper-cased
+        (b"/v1//chat", b"/v1//chat"),  # an empty segment inside is passed on
+        (b"/v1/..foo/.well-known/x...", b"/v1/..foo/.well-known/x..."),  # not dot segments
+        (b"/v1/@me", b"/v1/@me"),  # '@' after the first '/' is only a path character
+        (b"/v1/caf\xc3\xa9", b"/v1/caf%C3%A9"),  # raw bytes beyond ASCII go on encoded
+    ],
+)
+def test_a_plain_path_is_accepted_and_normalised(raw, normalised):
+    assert check_target(raw).path == normalised
+
+
+@pytest.mark.parametrize(
+    ("base", "caller", "merged"),
+    [
+        (b"", b"a=1", b"a=1"),
+        (b"api-version=1", b"", b"api-version=1"),
+        (b"api-version=1&api_key=K", b"api_key=X&b=2&api%5Fkey=Y", b"api-version=1&api_key=K&b=2"),
+        (b"k=1", b"k&k=2&j=3", b"k=1&j=3"),  # a bare name counts as the same parameter
+    ],
+)
+def test_the_backends_query_comes_first_and_wins(base, caller, merged):
+    assert merge_query(base, caller) == merged
+
+
+def test_the_upstream_url_keeps_every_part_of_the_backend_but_the_path_tail_and_query():
+    url = upstream_url(
+        "https://u:p@hosted.example:8443/tenant-a/?api_key=K#frag",
+        check_target(b"/v1/chat/completions", b"stream=1"),
+    )
+    assert (
+        str(url)
+        == "https://u:p@hosted.example:8443/tenant-a/v1/chat/completions?api_key=K&stream=1"
+    )
