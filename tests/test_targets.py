@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 from typing import Any
 
 import pytest
 
 from tierchain import Backend, Failover, Forwarder, Routes
-from tierchain._target import check_target, merge_query, upstream_url
+from tierchain._target import BadTarget, Target, _checked, check_target, merge_query, upstream_url
 
 from .support import FakeBackend, chat_request, completion_body, serve
 
@@ -215,3 +216,26 @@ def test_the_upstream_url_keeps_every_part_of_the_backend_but_the_path_tail_and_
         str(url)
         == "https://u:p@hosted.example:8443/tenant-a/v1/chat/completions?api_key=K&stream=1"
     )
+
+
+def test_the_fast_path_for_plain_targets_agrees_with_the_full_check():
+    rng = random.Random(11)
+    alphabet = [b"/", b".", b"..", b"%", b"2e", b"2E", b"2f", b"5c", b"00", b"\\", b";", b"#"]
+    alphabet += [b"?", b"@", b":", b"v1", b"a", b"-", b"~", b"%41", b"\xc3\xa9", b"\x00", b"//"]
+
+    def outcome(check, raw: bytes, query: bytes) -> object:
+        try:
+            return check(raw, query)
+        except BadTarget as exc:
+            return exc.reason
+
+    fast_taken = 0
+    for _ in range(20000):
+        raw = b"/" + b"".join(rng.choices(alphabet, k=rng.randint(0, 8)))
+        query = b"".join(rng.choices(alphabet, k=rng.randint(0, 3)))
+        if b"?" in raw:
+            raw, _, rest = raw.partition(b"?")
+            query = rest + query
+        fast_taken += isinstance(outcome(check_target, raw, query), Target)
+        assert outcome(check_target, raw, query) == outcome(_checked, raw, query), (raw, query)
+    assert fast_taken > 1000  # the comparison covered accepted targets, not only refusals
