@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 
 from tierchain import Backend, Failover, Forwarder, Routes
-from tierchain._target import BadTarget, Target, _checked, check_target, merge_query, upstream_url
+from tierchain._target import (
+    BadTarget,
+    Target,
+    _checked,
+    check_target,
+    merge_query,
+    request_target,
+    upstream_url,
+)
 
 from .support import FakeBackend, chat_request, completion_body, serve
 
@@ -239,3 +247,12 @@ def test_the_fast_path_for_plain_targets_agrees_with_the_full_check():
         fast_taken += isinstance(outcome(check_target, raw, query), Target)
         assert outcome(check_target, raw, query) == outcome(_checked, raw, query), (raw, query)
     assert fast_taken > 1000  # the comparison covered accepted targets, not only refusals
+
+
+def test_a_server_that_gives_no_raw_path_or_leaves_the_query_on_it_is_handled():
+    decoded_only = {"type": "http", "path": "/v1/a b/caf\u00e9", "query_string": b"x=1"}
+    assert request_target(decoded_only) == Target(b"/v1/a%20b/caf%C3%A9", b"x=1")
+    with pytest.raises(BadTarget):
+        request_target({"type": "http", "path": "/v1/../api/pull", "query_string": b""})
+    with_query = {"type": "http", "path": "/v1/x", "raw_path": b"/v1/x?x=1", "query_string": b"x=1"}
+    assert request_target(with_query) == Target(b"/v1/x", b"x=1")

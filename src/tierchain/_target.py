@@ -137,6 +137,8 @@ def request_target(scope: Scope) -> Target:
     raw_path: bytes | None = scope.get("raw_path")
     if raw_path is None:  # a server that gives only the decoded path
         raw_path = quote(scope["path"], safe=_PCHAR_SAFE).encode("ascii")
+    elif b"?" in raw_path:  # some servers leave the query on raw_path; it is in query_string
+        raw_path = raw_path.partition(b"?")[0]
     return check_target(raw_path, scope.get("query_string", b""))
 
 
