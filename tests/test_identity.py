@@ -175,8 +175,8 @@ def test_no_secret_reaches_the_line(lines, tmp_path):
             assert secret not in text
     assert first.tierchain["settings"]["options"]["Admin"]["token"] == "***"
     assert first.tierchain["routes"]["echo"][0]["headers"] == ["Authorization"]
-    assert second.tierchain["routes"]["echo"][0]["url"] == "http://10.0.0.5:11434"
-    assert second.tierchain["routes"]["echo"][1]["url"] == "https://api.example.com/v1?***"
+    assert second.tierchain["routes"]["echo"][0]["url"] == "http://***@10.0.0.5:11434"
+    assert second.tierchain["routes"]["echo"][1]["url"] == "https://api.example.com/v1?api_key=***"
 
 
 def test_plain_mapping_settings_have_secret_sounding_keys_masked():

@@ -53,6 +53,7 @@ from ._responses import header, send_json_error
 from ._types import Headers, Message, Receive, Scope, Send
 from .backend import Backend, Routes
 from .errors import BodyTooLarge
+from .masking import mask_text
 from .store import Store
 from .telemetry import log_event
 
@@ -272,7 +273,7 @@ class _Call:
         try:
             return await op(*args)
         except Exception as exc:
-            raise _StoreDown(str(exc) or repr(exc)) from exc
+            raise _StoreDown(mask_text(str(exc) or repr(exc))) from exc
 
     async def _dispatch(self) -> None:
         path, method = self.path, self.method

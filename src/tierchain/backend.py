@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from urllib.parse import urlsplit
+
+from .masking import mask_text, mask_url
 
 __all__ = ["Backend", "Routes"]
 
@@ -18,10 +20,13 @@ def _check_url(what: str, url: str) -> str:
     try:
         parts = urlsplit(url)
     except ValueError as exc:
-        raise ValueError(f"{what} {url!r} is not a URL: {exc}") from None
+        raise ValueError(
+            f"{what} {mask_url(url)!r} is not a URL: {mask_text(str(exc), url)}"
+        ) from None
     if parts.scheme not in {"http", "https"} or not parts.hostname:
         raise ValueError(
-            f"{what} {url!r} needs an http or https scheme and a host, e.g. http://127.0.0.1:11434"
+            f"{what} {mask_url(url)!r} needs an http or https scheme and a host, "
+            "e.g. http://127.0.0.1:11434"
         )
     return url
 
@@ -56,6 +61,18 @@ class Backend:
     stream_end: str | None = "openai"
     stall_after: float | None = None
     forward_caller_auth: bool = False
+
+    def __repr__(self) -> str:
+        shown = []
+        for f in fields(self):
+            if f.repr:
+                value = getattr(self, f.name)
+                if f.name.endswith("url") and isinstance(value, str):
+                    value = mask_url(value)
+                shown.append(f"{f.name}={value!r}")
+        if self.headers:
+            shown.append(f"headers=<{', '.join(sorted(self.headers))}: values not shown>")
+        return f"Backend({', '.join(shown)})"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):

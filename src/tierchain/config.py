@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from .backend import Backend, Routes
+from .masking import MASK, mask_text, mask_url
 
 if TYPE_CHECKING:
     from .stack import build_stack
@@ -63,7 +64,6 @@ __all__ = [
 ]
 
 PREFIX = "TIERCHAIN_"
-MASK = "***"
 
 # Variables with this prefix that other tools read (the test harness), not the gateway.
 FOREIGN_VARIABLES = frozenset({"TIERCHAIN_CHROMIUM"})
@@ -472,6 +472,13 @@ class LayerSettings:
     sources: Mapping[str, str]
     defaults: Mapping[str, Any]
 
+    def __repr__(self) -> str:
+        options = {k: display_value(self.name, k, v) for k, v in self.options.items()}
+        return (
+            f"LayerSettings(name={self.name!r}, kind={self.kind!r}, enabled={self.enabled!r}, "
+            f"options={options!r})"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Settings:
@@ -513,6 +520,14 @@ class Settings:
         if name == "SaturationWatchdog" and kwargs.get("slow_after") == _ALLOWANCE:
             kwargs["slow_after"] = layer_class("Allowance")(**self.layers["Allowance"].options)
         return kwargs
+
+    def __repr__(self) -> str:
+        return (
+            f"Settings(stack={list(self.stack)!r}, routes={self.routes!r}, "
+            f"routes_file={self.routes_file!r}, store_url={mask_url(self.store_url)!r}, "
+            f"admin_path={self.admin_path!r}, identity={self.identity!r}, "
+            f"options={self.effective()['options']!r})"
+        )
 
     def make_store(self) -> Any:
         """A new store for ``store_url``: a MemoryStore, or a RedisStore."""
@@ -568,24 +583,10 @@ def plain(value: Any) -> Any:
     return repr(value)
 
 
-def mask_url(url: str) -> str:
-    """``url`` with any password (and a user name carrying one) replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None and parts.username is None:
-            return url
-        host = parts.hostname or ""
-        if parts.port is not None:
-            host = f"{host}:{parts.port}"
-        return urlunsplit(parts._replace(netloc=f"{MASK}@{host}"))
-    except ValueError:
-        return MASK
-
-
 def _shown(opt: Option, raw: str) -> str:
     if opt.secret:
         return f"<{len(raw)} characters, not shown>"
-    return repr(raw)
+    return repr(mask_text(raw, raw))
 
 
 def _defaults(cls: Any, layer: Layer) -> dict[str, Any]:
@@ -622,7 +623,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         try:
             value = opt.parse(raw)
         except ValueError as exc:
-            detail = f" ({exc})" if str(exc) else ""
+            detail = f" ({mask_text(str(exc), raw)})" if str(exc) else ""
             problems.append(f"{key}={_shown(opt, raw)}: expected {opt.expected}{detail}")
             continue
         parsed[layer.name][opt.name] = value
@@ -860,3 +861,13 @@ def __getattr__(name: str) -> Any:
 
         return build_stack
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def display_value(layer: str, name: str, value: Any) -> Any:
+    """``value`` for showing: a secret option's value masked, URLs masked."""
+    known = _BY_NAME.get(layer)
+    for opt in known.options if known is not None else ():
+        if opt.name == name and opt.secret:
+            return MASK
+    shown = plain(value)
+    return mask_url(shown) if isinstance(shown, str) and "://" in shown else shown

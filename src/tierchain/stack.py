@@ -18,8 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 from ._types import ASGIApp, Receive, Scope, Send
-from .config import MASK, ConfigError, Settings, find_layer, layer_class, mask_url, plain
+from .config import ConfigError, Settings, display_value, find_layer, layer_class, plain
 from .identity import StartupIdentity
+from .masking import mask_text, mask_url
 
 __all__ = ["Mount", "build_stack", "make_store"]
 
@@ -59,7 +60,7 @@ def make_store(settings: Settings) -> Any:
         raise ConfigError(
             [
                 f"RedisStore rejected TIERCHAIN_STORE_URL={mask_url(settings.store_url)!r}"
-                f"{', ' + given if given else ''}: {exc}"
+                f"{', ' + given if given else ''}: {mask_text(str(exc), settings.store_url)}"
             ]
         ) from None
 
@@ -92,7 +93,7 @@ def build_stack(
             return layer_class(name)(*args, **settings.middleware_kwargs(name, store=store))
         except (TypeError, ValueError) as exc:
             given = ", ".join(
-                f"{env}={_display(name, opt, settings.layers[name].options[opt])!r}"
+                f"{env}={display_value(name, opt, settings.layers[name].options[opt])!r}"
                 for opt, env in settings.layers[name].sources.items()
             )
             problems.append(f"{name} rejected its options ({given or 'defaults'}): {exc}")
@@ -112,8 +113,3 @@ def build_stack(
     if settings.identity if identity is None else identity:
         inner = StartupIdentity(inner, settings=settings)
     return inner
-
-
-def _display(layer: str, name: str, value: Any) -> Any:
-    secret = any(o.name == name and o.secret for o in find_layer(layer).options)
-    return MASK if secret else plain(value)
