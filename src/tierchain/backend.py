@@ -36,9 +36,11 @@ class Backend:
     """One upstream an attempt can go to.
 
     ``name`` identifies it in routes, headers, metrics and heartbeat lines
-    (``[A-Za-z0-9._-]{1,64}``). ``url`` is its base URL: the request's path and
-    query are appended to it. ``regime`` is operator-supplied state such as
-    ``local`` or ``hosted``. ``status_url``, when set, is asked whether the
+    (``[A-Za-z0-9._-]{1,64}``). ``url`` is its base URL: the request's checked
+    path is appended to its path, and its own query parameters come before the
+    caller's (and win over a caller's of the same name). ``regime`` is
+    operator-supplied state such as ``local`` or ``hosted``. ``status_url``, when
+    set, is asked whether the
     backend is still working before a slow attempt is abandoned. ``headers``
     are added to every request sent to it (an API key for a hosted tier), and
     ``model``, when set, replaces the JSON body's ``model`` for this backend.
