@@ -256,3 +256,38 @@ def test_a_server_that_gives_no_raw_path_or_leaves_the_query_on_it_is_handled():
         request_target({"type": "http", "path": "/v1/../api/pull", "query_string": b""})
     with_query = {"type": "http", "path": "/v1/x", "raw_path": b"/v1/x?x=1", "query_string": b"x=1"}
     assert request_target(with_query) == Target(b"/v1/x", b"x=1")
+
+
+def _build_stack_gateway(tower: FakeBackend, tmp_path: Any) -> Any:
+    from tierchain.config import from_env
+    from tierchain.stack import build_stack
+
+    routes = tmp_path / "routes.toml"
+    routes.write_text(f'[[routes.echo.backends]]\nname = "tower"\nurl = "{tower.url}"\n')
+    return build_stack(None, from_env({"TIERCHAIN_ROUTES_FILE": str(routes)}), identity=False)
+
+
+def _fastapi_example_gateway(tower: FakeBackend, tmp_path: Any) -> Any:
+    from examples.fastapi_app.app import create_app
+
+    return create_app(Routes({"echo": [Backend("tower", tower.url)]}))
+
+
+@pytest.mark.parametrize(
+    "build", [_build_stack_gateway, _fastapi_example_gateway], ids=lambda f: f.__name__
+)
+async def test_the_configured_and_the_example_gateways_refuse_a_steering_target(build, tmp_path):
+    async with FakeBackend("tower") as tower, FakeBackend("attacker") as attacker:
+        app = build(tower, tmp_path)
+        async with serve(app) as url:
+            answers = [
+                await raw_request(url, target, chat_request())
+                for target in (
+                    "/v1/../api/pull",
+                    "/v1/%2e%2e/api/pull",
+                    f"@127.0.0.1:{attacker.port}/v1/chat/completions",
+                    f"http://127.0.0.1:{attacker.port}/v1/chat/completions",
+                )
+            ]
+        assert [status for status, _, _ in answers] == [400, 400, 400, 400]
+        assert untouched(tower, attacker)
