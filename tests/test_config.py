@@ -404,3 +404,34 @@ async def test_the_redis_store_build_stack_made_is_closed_on_lifespan_shutdown(
     # A store given by the caller belongs to the caller: nothing wraps the stack to close it.
     given = build_stack(None, settings, store=config.layer_class("MemoryStore")(), identity=False)
     assert not isinstance(given, stack.CloseOnShutdown)
+
+
+def test_forward_caller_auth_is_a_boolean_per_backend_and_off_by_default(tmp_path):
+    path = write(
+        tmp_path,
+        """
+[[routes.echo.backends]]
+name = "tower"
+url = "http://127.0.0.1:11434"
+
+[[routes.echo.backends]]
+name = "gate"
+url = "http://127.0.0.1:8000"
+forward_caller_auth = true
+""",
+    )
+    tower, gate = load_routes(path, environ={})["echo"]
+    assert (tower.forward_caller_auth, gate.forward_caller_auth) == (False, True)
+    bad = write(
+        tmp_path,
+        """
+[[routes.echo.backends]]
+name = "gate"
+url = "http://127.0.0.1:8000"
+forward_caller_auth = "yes"
+""",
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_routes(bad, environ={})
+    (problem,) = caught.value.problems
+    assert problem.startswith("routes.echo.backends[0].forward_caller_auth='yes': expected true")

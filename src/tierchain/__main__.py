@@ -187,6 +187,8 @@ def check_config(
         print(f"  {route}:", file=out)
         for n, b in enumerate(chain, 1):
             extra = "".join(f"  {k}={b[k]}" for k in ("regime", "model", "status_url") if k in b)
+            if b.get("forward_caller_auth"):
+                extra += "  forward_caller_auth=true"
             hdrs = f"  headers={','.join(b['headers'])}" if "headers" in b else ""
             print(f"    {n}. {b['name']:<12} {b['url']}{extra}{hdrs}", file=out)
     store_opts = "".join(

@@ -36,9 +36,11 @@ class Backend:
     """One upstream an attempt can go to.
 
     ``name`` identifies it in routes, headers, metrics and heartbeat lines
-    (``[A-Za-z0-9._-]{1,64}``). ``url`` is its base URL: the request's path and
-    query are appended to it. ``regime`` is operator-supplied state such as
-    ``local`` or ``hosted``. ``status_url``, when set, is asked whether the
+    (``[A-Za-z0-9._-]{1,64}``). ``url`` is its base URL: the request's checked
+    path is appended to its path, and its own query parameters come before the
+    caller's (and win over a caller's of the same name). ``regime`` is
+    operator-supplied state such as ``local`` or ``hosted``. ``status_url``, when
+    set, is asked whether the
     backend is still working before a slow attempt is abandoned. ``headers``
     are added to every request sent to it (an API key for a hosted tier), and
     ``model``, when set, replaces the JSON body's ``model`` for this backend.
@@ -47,6 +49,9 @@ class Backend:
     string (a data event whose value is exactly that), or None (any clean end).
     A stream that ends otherwise is truncated, an error. ``stall_after``
     overrides the SaturationWatchdog's ``stall_after`` for this backend.
+    ``forward_caller_auth`` lets the caller's own credentials (``Authorization``,
+    ``x-api-key``, ``api-key``, ``Cookie``) through to this backend; by default
+    the Forwarder drops them, so a tier never sees a secret meant for another.
     """
 
     name: str
@@ -57,6 +62,7 @@ class Backend:
     model: str | None = None
     stream_end: str | None = "openai"
     stall_after: float | None = None
+    forward_caller_auth: bool = False
 
     def __repr__(self) -> str:
         shown = []
@@ -79,6 +85,11 @@ class Backend:
         if self.status_url is not None:
             _check_url(f"backend {self.name!r} status_url", self.status_url)
         object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
+        if not isinstance(self.forward_caller_auth, bool):
+            raise ValueError(
+                f"backend {self.name!r} forward_caller_auth must be True or False, "
+                f"got {self.forward_caller_auth!r}"
+            )
         if self.stream_end is not None and (
             not isinstance(self.stream_end, str) or not self.stream_end.strip()
         ):

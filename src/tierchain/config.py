@@ -356,7 +356,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("PreferBackend", "tierchain.prefer", "middleware", (
         _o("header", "PREFER_HEADER", header_name, "an HTTP header name such as X-Prefer-Backend"),
         _o("pin_timeout", "PREFER_PIN_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
-    ), wired=frozenset({"store"})),
+    ), wired=frozenset({"store"}), code_only=frozenset({"allow"})),
     Layer("Failover", "tierchain.failover", "middleware", (
         _o("max_body", "FAILOVER_MAX_BODY", size, "a size in bytes such as 512k or 32MiB"),
         _o("retry_statuses", "FAILOVER_RETRY_STATUSES", status_list,
@@ -417,7 +417,16 @@ LAYERS: tuple[Layer, ...] = (
 
 _BY_NAME = {layer.name: layer for layer in LAYERS}
 _BY_ENV = {opt.env: (layer, opt) for layer in LAYERS for opt in layer.options}
-_ROUTE_KEYS = ("name", "url", "regime", "status_url", "model", "headers", "api_key_env")
+_ROUTE_KEYS = (
+    "name",
+    "url",
+    "regime",
+    "status_url",
+    "model",
+    "headers",
+    "api_key_env",
+    "forward_caller_auth",
+)
 
 
 def find_layer(name: str) -> Layer:
@@ -804,6 +813,15 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
             ok = False
             continue
         fields[key] = value
+    if "forward_caller_auth" in entry:
+        value = entry["forward_caller_auth"]
+        if not isinstance(value, bool):
+            problems.append(
+                f"{where}.forward_caller_auth={value!r}: expected true or false (no quotes)"
+            )
+            ok = False
+        else:
+            fields["forward_caller_auth"] = value
     headers: dict[str, str] = {}
     raw_headers = entry.get("headers", {})
     if not isinstance(raw_headers, Mapping):

@@ -93,6 +93,8 @@ def _routes(routes: Routes | Mapping[str, Any]) -> dict[str, list[dict[str, Any]
                 entry["model"] = backend.model
             if backend.headers:
                 entry["headers"] = sorted(backend.headers)  # names only, never values
+            if backend.forward_caller_auth:
+                entry["forward_caller_auth"] = True  # this tier receives callers' credentials
             entries.append(entry)
         out[route] = entries
     return out
