@@ -52,6 +52,7 @@ def test_check_config_prints_the_stack_outermost_first_then_routes_and_settings(
     order = [
         "StartupIdentity",
         "Admin ",
+        "Endpoints",
         "Heartbeats",
         "Budget",
         "PreferBackend",
@@ -108,6 +109,7 @@ def test_check_config_json_is_machine_readable(routes_file):
     doc = json.loads(text)
     assert [row["name"] for row in doc["stack"]] == [
         "StartupIdentity",
+        "Endpoints",
         "Failover",
         "handler: Forwarder",
     ]

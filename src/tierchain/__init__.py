@@ -13,6 +13,7 @@ from .allowance import Allowance
 from .backend import Backend, Routes
 from .breaker import Breaker
 from .budget import Budget
+from .endpoints import Endpoints
 from .errors import (
     AttemptError,
     BackendSaturated,
@@ -47,6 +48,7 @@ __all__ = [
     "Breaker",
     "Budget",
     "BudgetExhausted",
+    "Endpoints",
     "Failover",
     "Forwarder",
     "Heartbeats",

@@ -331,6 +331,17 @@ LAYERS: tuple[Layer, ...] = (
         _o("identity", "IDENTITY", boolean, _BOOL,
            help="Write the tierchain.started identity line at start-up (default on)."),
     )),
+    Layer("serve", "tierchain.serve", "general", (
+        _o("host", "HOST", text, "an address to listen on, such as 127.0.0.1 or 0.0.0.0"),
+        _o("port", "PORT", integer(0, 65535), "a port number from 0 to 65535 (0: any free one)"),
+        _o("drain_timeout", "DRAIN_TIMEOUT", seconds(), _SECS_NONNEG,
+           help="On SIGTERM or SIGINT, how long requests in flight may take to finish."),
+        _o("log_format", "LOG_FORMAT", choice("text", "json"), "text or json"),
+        _o("log_level", "LOG_LEVEL", choice("debug", "info", "warning", "error"),
+           "debug, info, warning or error"),
+        _o("access_log", "ACCESS_LOG", boolean, _BOOL,
+           help="One uvicorn.access line per request (default off)."),
+    ), help="Read by tierchain serve only."),
     Layer("Heartbeats", "tierchain.heartbeats", "middleware", (
         _o("interval", "HEARTBEAT_INTERVAL", seconds(), f"{_SECS} (0: no keepalives)"),
         _o("commit_after", "HEARTBEAT_COMMIT_AFTER", seconds(), _SECS_NONNEG),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,7 +51,7 @@ from .errors import BackendUnavailable, StreamError
 from .observer import Observer
 from .request import TierRequest
 from .sse import error_event, is_event_stream
-from .telemetry import tracing_enabled
+from .telemetry import log_event, tracing_enabled
 
 __all__ = ["Forwarder"]
 
@@ -153,10 +154,8 @@ class Forwarder:
         attempt = req.attempt if req is not None else None
         backend = attempt.backend if attempt is not None else self.backend
         if backend is None:
-            raise RuntimeError(
-                "Forwarder has nowhere to send this request: put Failover(app, routes=...) "
-                "in front of it or construct it with Forwarder(backend=Backend(...))."
-            )
+            # Nothing routed it here (no Failover route, no backend of its own): not found.
+            return await _unrouted(scope, send)
         if req is not None and req.in_chain and req.body is not None:
             await self._forward(scope, target, req.body, backend, send, raise_errors=True)
             return
@@ -312,3 +311,16 @@ def _rewrite_model(body: bytes, model: str) -> bytes:
         return body
     data["model"] = model
     return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def _unrouted(scope: Scope, send: Send) -> None:
+    path: str = scope["path"]
+    shown = path if len(path) <= 200 else path[:200] + "..."
+    log_event("forwarder.unrouted", logging.DEBUG, method=scope["method"], path=shown)
+    await send_json_error(
+        send,
+        404,
+        f"nothing is served at {shown!r}: no route sends {scope['method']} requests here",
+        "invalid_request_error",
+        "not_found",
+    )
