@@ -16,7 +16,7 @@ from tierchain import config, identity, telemetry
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-SOURCES = sorted((ROOT / "src" / "tierchain").glob("*.py"))
+SOURCES = sorted((ROOT / "src" / "tierchain").rglob("*.py"))
 
 
 def source_names(pattern: str) -> set[str]:
