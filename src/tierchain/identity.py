@@ -34,15 +34,13 @@ import re
 import socket
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backend import Routes
+from .config import Settings
 from .masking import MASK, mask_url
 from .telemetry import VERSION, log_event
-
-if TYPE_CHECKING:
-    from .config import Settings
 
 __all__ = ["EVENT", "PROCESS_ONCE", "Once", "StartupIdentity", "identity_fields", "write_identity"]
 
