@@ -33,7 +33,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from .backend import Backend, Routes
+from .errors import ConfigError
 from .masking import MASK, mask_text, mask_url
 
 if TYPE_CHECKING:
@@ -68,15 +69,6 @@ PREFIX = "TIERCHAIN_"
 
 # Variables with this prefix that other tools read (the test harness), not the gateway.
 FOREIGN_VARIABLES = frozenset({"TIERCHAIN_CHROMIUM"})
-
-
-class ConfigError(ValueError):
-    """The configuration cannot be used; ``problems`` lists every reason, one sentence each."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = tuple(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"tierchain configuration has {len(self.problems)} problem(s):\n{lines}")
 
 
 # -- parsers -----------------------------------------------------------------------
