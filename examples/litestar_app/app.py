@@ -41,7 +41,7 @@ def create_app(
 ) -> Litestar:
     """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends.
 
-    The whole tierchain stack, in the brief's order (see the FastAPI example for
+    The whole tierchain stack, in its fixed order (see the FastAPI example for
     the options). Litestar builds the middleware stack once per route handler,
     so everything that must be shared is made here and passed in: one store for
     every Breaker and PreferBackend, one probe client for every watchdog.

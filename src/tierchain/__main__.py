@@ -3,7 +3,7 @@
 ::
 
     tierchain check-config [--json]      the effective stack, routes and settings, or every problem
-    tierchain burst-probe URL --model M  the admission-control probe of seed 001 (needs --yes)
+    tierchain burst-probe URL --model M  the admission-control probe (needs --yes)
     tierchain demo                       the README's demo
 
 Exit status: 0 success, 1 the probe measured nothing, 2 a usage or

@@ -1,4 +1,4 @@
-"""The burst probe (seed 001): does something queue or shed a burst of identical calls?
+"""The burst probe: does something queue or shed a burst of identical calls?
 
 The method: concurrency 1, 5, 10 and 30, three repeats each, the shortest
 identical prompt with ``max_tokens: 1``, against an OpenAI-compatible

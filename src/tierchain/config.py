@@ -212,7 +212,7 @@ def mount_path(raw: str) -> str:
 
 
 def stack_list(raw: str) -> tuple[str, ...]:
-    """Middleware names separated by commas, in the brief's order."""
+    """Middleware names separated by commas, in the fixed order (outermost first)."""
     names: list[str] = []
     by_lower = {n.lower(): n for n in STACK_ORDER}
     for part in (p.strip() for p in raw.split(",")):
