@@ -1,5 +1,10 @@
 """An LLM gateway on Litestar with the tierchain stack in front of its forwarder.
 
+Run it from the repository root (point the routes at your backends)::
+
+    TOWER_URL=http://127.0.0.1:11434 HOSTED_URL=https://api.example.com \\
+        uvicorn --factory examples.litestar_app.app:from_env
+
 Litestar lists middleware outermost first and builds the stack per route
 handler, so 404 and 405 are answered before any middleware runs, and
 middleware never sees the lifespan: the forwarder is closed in ``on_shutdown``.
