@@ -190,6 +190,50 @@ def test_a_fragment_marker_only_applies_to_the_block_right_below_it(tmp_path):
     assert not second.fragment
 
 
+# -- words that belong to how the project is run, not to its users --------------------
+
+INTERNAL = re.compile(
+    r"\bthe brief\b|\bbrief's\b|\bseeds?[ -]?0\d\d\b|\bissue #?\d+\b|\bthe issue (was|is) silent\b",
+    re.IGNORECASE,
+)
+USER_FACING = [
+    *DOC_FILES,
+    *sorted((ROOT / "src" / "tierchain").rglob("*.py")),
+    *sorted((ROOT / "examples").rglob("*.py")),
+]
+
+
+def test_no_project_internal_words_in_user_facing_text():
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in USER_FACING
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if INTERNAL.search(line)
+    ]
+    assert not found, "\n".join(found)
+    assert INTERNAL.search("as in seed 002's table")
+    assert INTERNAL.search("in the brief's order")
+
+
+def help_text(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "tierchain", *args, "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout + done.stderr
+
+
+def test_cli_help_has_no_project_internal_words():
+    top = help_text()
+    commands = re.findall(r"^    ([a-z][a-z-]+)", top, re.MULTILINE)
+    assert "check-config" in commands
+    for text in [top, *(help_text(command) for command in commands)]:
+        assert "usage:" in text
+        assert not INTERNAL.search(text), text
+
+
 # -- the examples' run commands ------------------------------------------------------
 
 EXAMPLES = sorted(p.parent.name for p in (ROOT / "examples").glob("*/app.py"))
