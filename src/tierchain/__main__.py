@@ -227,6 +227,7 @@ def burst_probe(
 ) -> int:
     """Refuse without ``yes`` (naming the call count); otherwise run and print the verdict."""
     from . import burst
+    from .masking import mask_text, mask_url
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -236,8 +237,9 @@ def burst_probe(
     try:
         endpoint = burst.chat_url(url)
     except ValueError as exc:
-        print(f"tierchain burst-probe: {exc}", file=err)
+        print(f"tierchain burst-probe: {mask_text(str(exc), url)}", file=err)
         return 2
+    shown = mask_url(endpoint)  # the URL may carry a key
     if not timeout > 0:
         print(f"tierchain burst-probe: --timeout must be > 0 seconds, got {timeout}", file=err)
         return 2
@@ -253,7 +255,7 @@ def burst_probe(
             return 2
     if not yes:
         print(
-            f"tierchain burst-probe would make {calls} calls to {endpoint} (model {model!r}): "
+            f"tierchain burst-probe would make {calls} calls to {shown} (model {model!r}): "
             f"concurrency {levels}, {burst.REPEATS} repeats each, max_tokens 1, each call "
             f"bounded at {timeout:g} s. Every call spends tokens and loads the backend; run it "
             "on an idle backend, outside an incident. Nothing was sent. Add --yes to run it.",
@@ -261,7 +263,7 @@ def burst_probe(
         )
         return 2
 
-    print(f"burst-probe: {calls} calls to {endpoint} (model {model!r})", file=err)
+    print(f"burst-probe: {calls} calls to {shown} (model {model!r})", file=err)
 
     def progress(line: str) -> None:
         print(line, file=err, flush=True)
