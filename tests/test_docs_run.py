@@ -28,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-DOC_FILES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+DOC_FILES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 FRAGMENT = "<!-- fragment -->"
 BLOCK_TIMEOUT = 20
 ROUTES_TOML = """\
