@@ -118,7 +118,7 @@ def run_blocks(blocks: list[Block], workdir: Path, *, timeout: int) -> dict[str,
     env.update(
         TIERCHAIN_ROUTES_FILE="routes.toml",
         HOSTED_API_KEY="sk-docs-example",
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
     )
     command = [sys.executable, "-c", RUNNER, str(spec), str(results), str(timeout)]
     try:
