@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from urllib.parse import urlsplit
 
-from .masking import mask_text, mask_url
+from .masking import MASK, SECRET_NAME, mask_text, mask_url
 
 __all__ = ["Backend", "Routes"]
 
@@ -71,6 +71,8 @@ class Backend:
                 value = getattr(self, f.name)
                 if f.name.endswith("url") and isinstance(value, str):
                     value = mask_url(value)
+                elif SECRET_NAME.search(f.name) and isinstance(value, str) and value:
+                    value = MASK
                 shown.append(f"{f.name}={value!r}")
         if self.headers:
             shown.append(f"headers=<{', '.join(sorted(self.headers))}: values not shown>")

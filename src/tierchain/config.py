@@ -33,7 +33,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from .backend import Backend, Routes
+from .errors import ConfigError
 from .masking import MASK, mask_text, mask_url
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ __all__ = [
     "Option",
     "Settings",
     "build_stack",
+    "display_value",
     "find_layer",
     "from_env",
     "layer_class",
@@ -67,15 +69,6 @@ PREFIX = "TIERCHAIN_"
 
 # Variables with this prefix that other tools read (the test harness), not the gateway.
 FOREIGN_VARIABLES = frozenset({"TIERCHAIN_CHROMIUM"})
-
-
-class ConfigError(ValueError):
-    """The configuration cannot be used; ``problems`` lists every reason, one sentence each."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = tuple(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"tierchain configuration has {len(self.problems)} problem(s):\n{lines}")
 
 
 # -- parsers -----------------------------------------------------------------------
@@ -219,7 +212,7 @@ def mount_path(raw: str) -> str:
 
 
 def stack_list(raw: str) -> tuple[str, ...]:
-    """Middleware names separated by commas, in the brief's order."""
+    """Middleware names separated by commas, in the fixed order (outermost first)."""
     names: list[str] = []
     by_lower = {n.lower(): n for n in STACK_ORDER}
     for part in (p.strip() for p in raw.split(",")):
@@ -579,6 +572,15 @@ class Settings:
         }
 
 
+def display_value(layer: str, name: str, value: Any) -> Any:
+    """Option ``name`` of ``layer`` for showing: a secret's value masked, URLs masked."""
+    known = _BY_NAME.get(layer)
+    if known is not None and any(o.name == name and o.secret for o in known.options):
+        return MASK
+    shown = plain(value)
+    return mask_url(shown) if isinstance(shown, str) and "://" in shown else shown
+
+
 def plain(value: Any) -> Any:
     """A JSON-friendly rendering of an option value."""
     if isinstance(value, timedelta):
@@ -872,13 +874,3 @@ def __getattr__(name: str) -> Any:
 
         return build_stack
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def display_value(layer: str, name: str, value: Any) -> Any:
-    """``value`` for showing: a secret option's value masked, URLs masked."""
-    known = _BY_NAME.get(layer)
-    for opt in known.options if known is not None else ():
-        if opt.name == name and opt.secret:
-            return MASK
-    shown = plain(value)
-    return mask_url(shown) if isinstance(shown, str) and "://" in shown else shown

@@ -63,6 +63,7 @@ from .errors import (
     BackendUnavailable,
     BodyTooLarge,
     BudgetExhausted,
+    ResolveError,
     RetryableStatus,
     StreamError,
 )
@@ -91,10 +92,6 @@ BACKEND_HEADER = b"x-tierchain-backend"
 _COMMENT_LIMIT = 64 * 1024  # comment bytes held before the first data event
 _REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its message
 _REFUSED = frozenset({429, 503})
-
-
-class ResolveError(ValueError):
-    """Raised by a resolver when the body cannot name a route: answered 400."""
 
 
 Resolver = Callable[[Scope, bytes], str]

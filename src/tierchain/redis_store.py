@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
+from .errors import StoreUnavailable
 from .masking import mask_text, mask_url
 from .store import (
     PROBE_BUSY_RETRY,
@@ -197,10 +198,6 @@ if st == 'open' then retry = tostring(ou - now) end
 return {st, retry, num(v[2]), num(v[3])}
 """
 )
-
-
-class StoreUnavailable(ConnectionError):
-    """Redis cannot be reached, and this operation (a pin write) has no safe fallback."""
 
 
 def _ms(seconds: float) -> str:
