@@ -15,6 +15,7 @@ from .breaker import Breaker
 from .budget import Budget
 from .errors import (
     AttemptError,
+    BackendBusy,
     BackendSaturated,
     BackendSkipped,
     BackendUnavailable,
@@ -40,6 +41,7 @@ __all__ = [
     "Attempt",
     "AttemptError",
     "Backend",
+    "BackendBusy",
     "BackendSaturated",
     "BackendSkipped",
     "BackendUnavailable",

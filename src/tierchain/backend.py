@@ -42,6 +42,9 @@ class Backend:
     string (a data event whose value is exactly that), or None (any clean end).
     A stream that ends otherwise is truncated, an error. ``stall_after``
     overrides the SaturationWatchdog's ``stall_after`` for this backend.
+    ``max_in_flight`` is how many attempts may be in flight at this backend at
+    once, counted across replicas through the store (None: unlimited); one
+    more is skipped at once as busy, unless the backend is the chain's last tier.
     """
 
     name: str
@@ -52,6 +55,7 @@ class Backend:
     model: str | None = None
     stream_end: str | None = "openai"
     stall_after: float | None = None
+    max_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -68,6 +72,14 @@ class Backend:
             raise ValueError(
                 f"backend {self.name!r} stream_end must be a non-empty string or None, "
                 f"got {self.stream_end!r}"
+            )
+        limit = self.max_in_flight
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ValueError(
+                f"backend {self.name!r} max_in_flight must be an integer >= 1 or None, "
+                f"got {limit!r}"
             )
         if self.stall_after is not None:
             stall = self.stall_after

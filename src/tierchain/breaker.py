@@ -27,7 +27,8 @@ Breaker's own):
   stream with no data event, or any other exception;
 - saturation: ``BackendSaturated``;
 - neutral (counts nothing, clears nothing, frees a probe slot): a 4xx other
-  than 429, a cancelled attempt (the caller left), a spent budget.
+  than 429, a cancelled attempt (the caller left), a spent budget, a backend
+  skipped as busy (``BackendBusy``: busy is not a failure).
 
 So a tower that keeps breaking mid-stream is skipped after
 ``failure_threshold`` like any other failing backend.
@@ -45,6 +46,7 @@ from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backend import Backend
 from .errors import (
     AttemptError,
+    BackendBusy,
     BackendSaturated,
     BackendSkipped,
     RetryableStatus,
@@ -292,8 +294,8 @@ def _classify(exc: BaseException) -> tuple[Outcome, float | None]:
         if exc.status >= 500 or exc.status == 429:
             return "failure", exc.retry_after if exc.status in (429, 503) else None
         return "neutral", None
-    if isinstance(exc, BackendSkipped):
-        return "neutral", None  # an inner breaker's verdict, not this backend's
+    if isinstance(exc, BackendSkipped | BackendBusy):
+        return "neutral", None  # an inner breaker's verdict, or no room: not a failure
     if isinstance(exc, AttemptError):
         return "failure", None
     if isinstance(exc, TierchainError):

@@ -8,7 +8,9 @@ Times come from Redis's own ``TIME`` inside the scripts, the one clock every
 replica shares (``clock=`` replaces it, for tests only). Keys live under
 ``prefix`` (``tierchain:``): ``tierchain:breaker:<route>:<backend>`` (a hash)
 and ``tierchain:pin:<route>`` (a string); route and backend names are
-percent-encoded. Every key carries a TTL, so nothing lingers forever.
+percent-encoded; in-flight leases are a sorted set per backend,
+``tierchain:inflight:<backend>`` (member: the lease token, score: its expiry).
+Every key carries a TTL, so nothing lingers forever.
 
 When Redis cannot be reached, the store logs ONE warning, serves breaker
 operations and pin reads from a local :class:`~tierchain.MemoryStore` for the
@@ -198,6 +200,46 @@ return {st, retry, num(v[2]), num(v[3])}
 )
 
 
+# KEYS[1] leases (a sorted set: token -> expiry ms); ARGV: now_ms|'' token limit ttl_ms force
+# -> {taken, live}
+_LEASE_ACQUIRE = (
+    _NOW
+    + """
+local key = KEYS[1]
+local now = now_ms(ARGV[1])
+local ttl = tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+local n = redis.call('ZCARD', key)
+if n >= tonumber(ARGV[3]) and ARGV[5] ~= '1' then return {0, n} end
+redis.call('ZADD', key, now + ttl, ARGV[2])
+if redis.call('PTTL', key) < ttl * 2 then redis.call('PEXPIRE', key, math.ceil(ttl * 2)) end
+return {1, redis.call('ZCARD', key)}
+"""
+)
+
+# KEYS[1] leases; ARGV: now_ms|'' ttl_ms token...
+_LEASE_RENEW = (
+    _NOW
+    + """
+local key = KEYS[1]
+local now = now_ms(ARGV[1])
+local ttl = tonumber(ARGV[2])
+for i = 3, #ARGV do redis.call('ZADD', key, 'XX', now + ttl, ARGV[i]) end
+if redis.call('PTTL', key) < ttl * 2 then redis.call('PEXPIRE', key, math.ceil(ttl * 2)) end
+return 1
+"""
+)
+
+# KEYS[1] leases; ARGV: now_ms|'' -> live
+_LEASE_COUNT = (
+    _NOW
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms(ARGV[1]))
+return redis.call('ZCARD', KEYS[1])
+"""
+)
+
+
 class StoreUnavailable(ConnectionError):
     """Redis cannot be reached, and this operation (a pin write) has no safe fallback."""
 
@@ -273,6 +315,9 @@ class RedisStore:
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._record = self._redis.register_script(_RECORD)
         self._snapshot = self._redis.register_script(_SNAPSHOT)
+        self._lease_acquire = self._redis.register_script(_LEASE_ACQUIRE)
+        self._lease_renew = self._redis.register_script(_LEASE_RENEW)
+        self._lease_count = self._redis.register_script(_LEASE_COUNT)
         self._fallback: MemoryStore | None = None
         self._retry_at = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -456,6 +501,62 @@ class RedisStore:
             return await self._went_away(exc).breaker_snapshot(route, backend)
         state, retry_ms, failures, saturations = raw
         return BreakerSnapshot(_text(state), _seconds(retry_ms), int(failures), int(saturations))
+
+    # -- in-flight leases -------------------------------------------------------
+
+    def _lease_key(self, backend: str) -> str:
+        return f"{self.prefix}inflight:{quote(backend, safe='')}"
+
+    async def lease_acquire(
+        self, backend: str, token: str, limit: int, ttl: float, *, force: bool = False
+    ) -> tuple[bool, int]:
+        local = self._local()
+        if local is not None:
+            return await local.lease_acquire(backend, token, limit, ttl, force=force)
+        key = self._lease_key(backend)
+        args = [self._args(), token, str(limit), _ms(ttl), "1" if force else "0"]
+
+        def orphan(raw: Any) -> None:
+            if int(raw[0]):  # the caller left holding a lease: give it back
+                self._spawn(self.lease_release(backend, token))
+
+        try:
+            raw = await self._shielded(lambda: self._lease_acquire(keys=[key], args=args), orphan)
+        except Exception as exc:
+            local = self._went_away(exc)
+            return await local.lease_acquire(backend, token, limit, ttl, force=force)
+        return bool(int(raw[0])), int(raw[1])
+
+    async def lease_renew(self, backend: str, tokens: list[str], ttl: float) -> None:
+        local = self._local()
+        if local is not None:
+            return await local.lease_renew(backend, tokens, ttl)
+        key = self._lease_key(backend)
+        args = [self._args(), _ms(ttl), *tokens]
+        try:
+            await self._call(lambda: self._lease_renew(keys=[key], args=args))
+        except Exception as exc:
+            await self._went_away(exc).lease_renew(backend, tokens, ttl)
+
+    async def lease_release(self, backend: str, token: str) -> None:
+        local = self._local()
+        if local is not None:
+            return await local.lease_release(backend, token)
+        key = self._lease_key(backend)
+        try:
+            await self._shielded(lambda: self._redis.zrem(key, token))
+        except Exception as exc:  # it runs out by itself
+            await self._went_away(exc).lease_release(backend, token)
+
+    async def lease_count(self, backend: str) -> int:
+        local = self._local()
+        if local is not None:
+            return await local.lease_count(backend)
+        key = self._lease_key(backend)
+        try:
+            return int(await self._call(lambda: self._lease_count(keys=[key], args=[self._args()])))
+        except Exception as exc:
+            return await self._went_away(exc).lease_count(backend)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

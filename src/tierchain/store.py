@@ -1,9 +1,11 @@
 """State shared between requests (and, with RedisStore, between replicas).
 
-A store holds two kinds of state: breaker ledgers per (route, backend), and
-operator pins per route. :class:`Store` is the protocol every store meets;
-:class:`MemoryStore` is the embedded default that needs no service, and
-:class:`~tierchain.RedisStore` shares the same semantics between replicas.
+A store holds three kinds of state: breaker ledgers per (route, backend),
+operator pins per route, and in-flight leases per backend (for
+``Backend(max_in_flight=N)``; see :mod:`tierchain.admission`). :class:`Store` is
+the protocol every store meets; :class:`MemoryStore` is the embedded default
+that needs no service, and :class:`~tierchain.RedisStore` shares the same
+semantics between replicas.
 
 The breaker's state machine lives here, in :func:`acquire` and :func:`record`,
 so that every store runs the same rules (RedisStore runs a Lua transcription of
@@ -30,6 +32,7 @@ __all__ = [
     "BreakerChange",
     "BreakerPolicy",
     "BreakerSnapshot",
+    "LeaseStore",
     "Ledger",
     "MemoryStore",
     "Outcome",
@@ -269,6 +272,37 @@ class Store(Protocol):
         ...
 
 
+@runtime_checkable
+class LeaseStore(Protocol):
+    """What in-flight admission needs from a store: leases that run out on their own.
+
+    A lease is one attempt in flight at a backend. It lasts ``ttl`` seconds
+    unless renewed, so the count held by a replica that died runs out by
+    itself. Times are seconds on the store's clock.
+    """
+
+    async def lease_acquire(
+        self, backend: str, token: str, limit: int, ttl: float, *, force: bool = False
+    ) -> tuple[bool, int]:
+        """Take a lease when fewer than ``limit`` are live (always, with ``force``).
+
+        Returns (taken, live leases after the call).
+        """
+        ...
+
+    async def lease_renew(self, backend: str, tokens: list[str], ttl: float) -> None:
+        """Extend the live leases ``tokens`` to ``ttl`` seconds from now."""
+        ...
+
+    async def lease_release(self, backend: str, token: str) -> None:
+        """Give a lease back (nothing happens when it already ran out)."""
+        ...
+
+    async def lease_count(self, backend: str) -> int:
+        """How many leases on ``backend`` are live."""
+        ...
+
+
 class MemoryStore:
     """The embedded default store: in this process only, no service needed.
 
@@ -280,6 +314,7 @@ class MemoryStore:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._pins: dict[str, tuple[str, float]] = {}
         self._ledgers: dict[tuple[str, str], Ledger] = {}
+        self._leases: dict[str, dict[str, float]] = {}
         self._clock = clock
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
@@ -339,6 +374,39 @@ class MemoryStore:
         return record(
             led, self._clock(), policy, outcome, gen=gen, probe=probe, retry_after=retry_after
         )
+
+    # -- in-flight leases ----------------------------------------------------
+
+    def _live(self, backend: str) -> dict[str, float]:
+        leases = self._leases.setdefault(backend, {})
+        now = self._clock()
+        for token in [t for t, until in leases.items() if until <= now]:
+            del leases[token]
+        return leases
+
+    async def lease_acquire(
+        self, backend: str, token: str, limit: int, ttl: float, *, force: bool = False
+    ) -> tuple[bool, int]:
+        leases = self._live(backend)
+        if len(leases) >= limit and not force:
+            return False, len(leases)
+        leases[token] = self._clock() + ttl
+        return True, len(leases)
+
+    async def lease_renew(self, backend: str, tokens: list[str], ttl: float) -> None:
+        leases = self._live(backend)
+        until = self._clock() + ttl
+        for token in tokens:
+            if token in leases:
+                leases[token] = until
+
+    async def lease_release(self, backend: str, token: str) -> None:
+        leases = self._leases.get(backend)
+        if leases is not None:
+            leases.pop(token, None)
+
+    async def lease_count(self, backend: str) -> int:
+        return len(self._live(backend))
 
 
 _CLOSED = Ticket(True, "closed", clean=True)
