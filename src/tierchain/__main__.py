@@ -106,7 +106,8 @@ def check_config(
     out: TextIO | None = None,
 ) -> int:
     """Print the effective configuration (exit 0) or every problem found (exit 2)."""
-    from .config import ConfigError, build_stack, from_env
+    from .config import ConfigError, from_env
+    from .stack import build_stack
 
     out = sys.stdout if out is None else out
     env = dict(os.environ) if environ is None else environ
@@ -137,7 +138,6 @@ def check_config(
             "stack": _stack_rows(settings),
             "routes": fields["routes"],
             "settings": fields["settings"],
-            "notes": list(settings.notes),
         }
         print(json.dumps(doc, indent=2), file=out)
         return 0
@@ -158,10 +158,6 @@ def check_config(
         f"  {k}={_val(v)}" for k, v in fields["settings"]["options"].get("RedisStore", {}).items()
     )
     print(f"\nstore: {fields['settings']['store_url']}{store_opts}", file=out)
-    if settings.notes:
-        print("\nnotes:", file=out)
-        for note in settings.notes:
-            print(f"  - {note}", file=out)
     return 0
 
 

@@ -2,10 +2,11 @@
 
 One function reads it all and fails at start-up, listing every problem::
 
-    from tierchain.config import from_env, build_stack
+    from tierchain.config import from_env
+    from tierchain.stack import build_stack
 
     settings = from_env()              # ConfigError(ValueError) naming each bad variable
-    app = build_stack(handler, settings)   # the whole stack, in the brief's order
+    app = build_stack(handler, settings)   # the whole stack, outermost first
 
 or, one middleware at a time (FastAPI: the last ``add_middleware`` is the
 outermost)::
@@ -14,12 +15,13 @@ outermost)::
 
 Every option of every middleware has a ``TIERCHAIN_*`` variable, declared in
 the tables below (one :class:`Option` line each). Options that are objects
-(clocks, clients, callables) are code-only and say so. A middleware whose
-module is not importable is reported, never crashed on: it is left out of the
-stack with a note, and setting one of its variables is a problem.
+(clocks, clients, callables) are code-only and say so.
 
 A problem message names the variable (or the TOML key path), the value (a
 secret's value is never shown) and what was expected.
+
+This module reads and checks; :mod:`tierchain.stack` builds. ``build_stack`` is
+still importable from here for code written against that path.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from ._types import ASGIApp, Receive, Scope, Send
 from .backend import Backend, Routes
+
+if TYPE_CHECKING:
+    from .stack import build_stack
 
 __all__ = [
     "LAYERS",
@@ -50,7 +54,9 @@ __all__ = [
     "Option",
     "Settings",
     "build_stack",
+    "find_layer",
     "from_env",
+    "layer_class",
     "load_routes",
     "mask_url",
     "uncovered_options",
@@ -315,7 +321,7 @@ STACK_ORDER = (
 LAYERS: tuple[Layer, ...] = (
     Layer("tierchain", "tierchain", "general", (
         _o("stack", "STACK", stack_list, "middleware names separated by commas, outermost first",
-           help="Which middlewares to stack (default: every one that is available)."),
+           help="Which middlewares to stack (default: every one)."),
         _o("routes_file", "ROUTES_FILE", text, "the path of a TOML file of [routes.<name>] tables",
            help="The routes file (see Routes file)."),
         _o("store_url", "STORE_URL", store_url, "memory:// or a redis URL (redis://host:6379/0)",
@@ -403,27 +409,18 @@ _BY_ENV = {opt.env: (layer, opt) for layer in LAYERS for opt in layer.options}
 _ROUTE_KEYS = ("name", "url", "regime", "status_url", "model", "headers", "api_key_env")
 
 
-def _import(layer: Layer) -> tuple[Any | None, str | None]:
-    """The layer's class, or None and why it is not available."""
-    try:
-        module = importlib.import_module(layer.module)
-    except ModuleNotFoundError as exc:
-        if exc.name == layer.module:
-            return None, f"{layer.module} is not part of this tierchain build"
-        return None, f"{layer.module} needs {exc.name!r}, which is not installed"
-    except Exception as exc:  # a broken module is reported, not crashed on
-        return None, f"{layer.module} failed to import: {type(exc).__name__}: {exc}"
-    cls = getattr(module, layer.name, None)
-    if cls is None:
-        return None, f"{layer.module} has no {layer.name}"
-    return cls, None
+def find_layer(name: str) -> Layer:
+    """The table entry of the piece called ``name``; KeyError for an unknown name."""
+    return _BY_NAME[name]
 
 
-def _require(name: str) -> Any:
-    cls, reason = _import(_BY_NAME[name])
-    if cls is None:
-        raise ConfigError([f"{name} is not available: {reason}"])
-    return cls
+def layer_class(name: str) -> Any:
+    """The class of the piece called ``name`` (``"Budget"``, ``"RedisStore"``, ...).
+
+    Imported on first use, so that reading the configuration imports no middleware.
+    """
+    layer = _BY_NAME[name]
+    return getattr(importlib.import_module(layer.module), layer.name)
 
 
 def _keyword_params(cls: Any) -> dict[str, inspect.Parameter]:
@@ -439,14 +436,12 @@ def _keyword_params(cls: Any) -> dict[str, inspect.Parameter]:
 
 
 def uncovered_options() -> dict[str, list[str]]:
-    """Constructor arguments of available layers that no table line covers (should be empty)."""
+    """Constructor arguments that no table line covers (should be empty)."""
     missing: dict[str, list[str]] = {}
     for layer in LAYERS:
         if layer.kind == "general":
             continue
-        cls, _ = _import(layer)
-        if cls is None:
-            continue
+        cls = layer_class(layer.name)
         known = {o.name for o in layer.options} | layer.wired | layer.code_only
         extra = [name for name in _keyword_params(cls) if name not in known]
         if extra:
@@ -464,8 +459,6 @@ class LayerSettings:
     name: str
     kind: Kind
     enabled: bool
-    available: bool
-    reason: str | None
     options: Mapping[str, Any]
     sources: Mapping[str, str]
     defaults: Mapping[str, Any]
@@ -481,7 +474,6 @@ class Settings:
     store_url: str
     admin_path: str
     identity: bool
-    notes: tuple[str, ...] = ()
     environ_keys: tuple[str, ...] = field(default=(), repr=False)
 
     @property
@@ -491,9 +483,8 @@ class Settings:
 
     @property
     def admin_enabled(self) -> bool:
-        """True when the Admin app will be mounted (a token is set and Admin is available)."""
-        admin = self.layers["Admin"]
-        return admin.available and "token" in admin.options
+        """True when the Admin app will be mounted (a token is set)."""
+        return "token" in self.layers["Admin"].options
 
     def middleware_kwargs(self, name: str, *, store: Any = None) -> dict[str, Any]:
         """Keyword arguments for ``name`` (``"Budget"``, ...): the options set by variables.
@@ -511,27 +502,14 @@ class Settings:
         if "store" in layer.wired and store is not None:
             kwargs["store"] = store
         if name == "SaturationWatchdog" and kwargs.get("slow_after") == _ALLOWANCE:
-            kwargs["slow_after"] = _require("Allowance")(**self.layers["Allowance"].options)
+            kwargs["slow_after"] = layer_class("Allowance")(**self.layers["Allowance"].options)
         return kwargs
 
     def make_store(self) -> Any:
         """A new store for ``store_url``: a MemoryStore, or a RedisStore."""
-        if self.store_url == "memory://":
-            return _require("MemoryStore")()
-        cls = _require("RedisStore")
-        layer = self.layers["RedisStore"]
-        try:
-            return cls(url=self.store_url, **layer.options)
-        except (ImportError, TypeError, ValueError) as exc:
-            given = ", ".join(
-                f"{env}={plain(layer.options[o])!r}" for o, env in layer.sources.items()
-            )
-            raise ConfigError(
-                [
-                    f"RedisStore rejected TIERCHAIN_STORE_URL={mask_url(self.store_url)!r}"
-                    f"{', ' + given if given else ''}: {exc}"
-                ]
-            ) from None
+        from .stack import make_store
+
+        return make_store(self)
 
     def effective(self) -> dict[str, Any]:
         """Everything in force, secrets masked: for logs, ``check-config`` and the identity line."""
@@ -619,7 +597,6 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     """
     env = os.environ if environ is None else environ
     problems: list[str] = []
-    notes: list[str] = []
     parsed: dict[str, dict[str, Any]] = {layer.name: {} for layer in LAYERS}
     sources: dict[str, dict[str, str]] = {layer.name: {} for layer in LAYERS}
 
@@ -649,42 +626,25 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     for layer in LAYERS:
         if layer.kind == "general":
             layers[layer.name] = LayerSettings(
-                layer.name, "general", True, True, None,
+                layer.name, "general", True,
                 MappingProxyType(dict(parsed[layer.name])),
                 MappingProxyType(sources[layer.name]), MappingProxyType({}),
             )  # fmt: skip
             continue
-        cls, reason = _import(layer)
-        enabled = False
-        if layer.kind == "middleware":
-            wanted = explicit_stack is None or layer.name in explicit_stack
-            enabled = wanted and cls is not None
-            if cls is None and explicit_stack is not None and wanted:
-                problems.append(f"TIERCHAIN_STACK lists {layer.name}, but {reason}")
-            elif cls is None:
-                notes.append(f"{layer.name} is left out of the stack: {reason}")
-        if cls is None:
-            for env_name in sources[layer.name].values():
-                problems.append(f"{env_name} is set, but {layer.name} is not available: {reason}")
+        enabled = layer.kind == "middleware" and (
+            explicit_stack is None or layer.name in explicit_stack
+        )
         layers[layer.name] = LayerSettings(
             name=layer.name,
             kind=layer.kind,
             enabled=enabled,
-            available=cls is not None,
-            reason=reason,
             options=MappingProxyType(dict(parsed[layer.name])),
             sources=MappingProxyType(dict(sources[layer.name])),
-            defaults=MappingProxyType(_defaults(cls, layer) if cls is not None else {}),
+            defaults=MappingProxyType(_defaults(layer_class(layer.name), layer)),
         )
 
     # Allowance variables only mean something with TIERCHAIN_SLOW_AFTER=allowance.
-    if parsed["SaturationWatchdog"].get("slow_after") == _ALLOWANCE:
-        if not layers["Allowance"].available:
-            problems.append(
-                "TIERCHAIN_SLOW_AFTER='allowance': expected seconds, because Allowance is "
-                f"not available: {layers['Allowance'].reason}"
-            )
-    else:
+    if parsed["SaturationWatchdog"].get("slow_after") != _ALLOWANCE:
         for env_name in sources["Allowance"].values():
             problems.append(
                 f"{env_name} is set but has no effect: set TIERCHAIN_SLOW_AFTER=allowance to use it"
@@ -706,12 +666,6 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         )
 
     store = general.get("store_url", "memory://")
-    if store != "memory://" and not layers["RedisStore"].available:
-        problems.append(
-            f"TIERCHAIN_STORE_URL={mask_url(store)!r} names a redis store, "
-            f"but RedisStore is not available: {layers['RedisStore'].reason}"
-        )
-
     if store == "memory://":
         for env_name in sources["RedisStore"].values():
             problems.append(
@@ -727,7 +681,6 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         store_url=store,
         admin_path=general.get("admin_path", "/admin/tierchain"),
         identity=general.get("identity", True),
-        notes=tuple(notes),
         environ_keys=tuple(sorted(k for k in env if k.startswith(PREFIX))),
     )
 
@@ -882,86 +835,10 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
         return None
 
 
-# -- building the stack ----------------------------------------------------------------
+def __getattr__(name: str) -> Any:
+    # build_stack lives in tierchain.stack (which imports this module); keep the old path.
+    if name == "build_stack":
+        from .stack import build_stack
 
-
-class _Mount:
-    """Send requests under ``path`` to ``mounted`` (with ``root_path`` set), the rest to ``app``."""
-
-    def __init__(self, app: ASGIApp, *, path: str, mounted: ASGIApp) -> None:
-        self.app = app
-        self.path = path
-        self.mounted = mounted
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            path: str = scope["path"]
-            if path == self.path or path.startswith(self.path + "/"):
-                child = dict(scope)
-                child["root_path"] = scope.get("root_path", "") + self.path
-                child["path"] = path[len(self.path) :] or "/"
-                return await self.mounted(child, receive, send)
-        await self.app(scope, receive, send)
-
-
-def build_stack(
-    app: ASGIApp | None,
-    settings: Settings,
-    *,
-    store: Any = None,
-    identity: bool | None = None,
-) -> ASGIApp:
-    """Wrap ``app`` (default: a configured :class:`~tierchain.Forwarder`) in the stack.
-
-    Outermost first: the identity line, the Admin mount (when a token is set),
-    then Heartbeats, Budget, PreferBackend, Failover, Breaker,
-    SaturationWatchdog: each that is enabled, with its configured options. One
-    store (``store``, or one made from ``TIERCHAIN_STORE_URL``) is shared by
-    every piece that takes one. A constructor that rejects its options raises
-    :class:`ConfigError` naming the variables it was given.
-    """
-    problems: list[str] = []
-    needs_store = (
-        any("store" in _BY_NAME[n].wired for n in settings.stack) or settings.admin_enabled
-    )
-    if store is None and needs_store:
-        store = settings.make_store()
-
-    def construct(name: str, *args: Any) -> Any:
-        cls, reason = _import(_BY_NAME[name])
-        if cls is None:
-            problems.append(f"{name} is not available: {reason}")
-            return None
-        try:
-            return cls(*args, **settings.middleware_kwargs(name, store=store))
-        except (TypeError, ValueError) as exc:
-            given = ", ".join(
-                f"{env}={_display(name, opt, settings.layers[name].options[opt])!r}"
-                for opt, env in settings.layers[name].sources.items()
-            )
-            problems.append(f"{name} rejected its options ({given or 'defaults'}): {exc}")
-            return None
-
-    inner = app if app is not None else construct("Forwarder")
-    for name in reversed(settings.stack):
-        built = construct(name, inner)
-        if built is not None:
-            inner = built
-    if settings.admin_enabled:
-        admin = construct("Admin")
-        if admin is not None:
-            inner = _Mount(inner, path=settings.admin_path, mounted=admin)
-    if problems:
-        raise ConfigError(problems)
-    if settings.identity if identity is None else identity:
-        from .identity import StartupIdentity
-
-        inner = StartupIdentity(inner, settings=settings)
-    return inner
-
-
-def _display(layer: str, name: str, value: Any) -> Any:
-    for opt in _BY_NAME[layer].options:
-        if opt.name == name and opt.secret:
-            return MASK
-    return plain(value)
+        return build_stack
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

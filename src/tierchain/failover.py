@@ -47,11 +47,12 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
 from ._body import CallerGone, read_body
 from ._disconnect import DisconnectGuard
 from ._responses import error_detail, retry_after, send_json_error
+from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .admission import Admission
 from .backend import Backend, Routes
@@ -82,6 +83,7 @@ from .telemetry import (
     labelled,
     log_event,
     start_span,
+    tracing_enabled,
 )
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "Failover", "ResolveError"]
@@ -129,7 +131,11 @@ class Failover:
 
     Only ``POST`` requests whose path starts with one of ``paths`` are routed;
     anything else (``GET /v1/models``, a health check, an admin page) passes
-    straight through to the inner app with no attempt.
+    straight through to the inner app with no attempt. Every HTTP request's
+    target is checked first: one that could steer the upstream URL (not a plain
+    path, a ``..`` segment, a backslash, a NUL, also percent-encoded) is answered
+    400 before any routing, and ``paths`` is matched against the normalised path
+    that the Forwarder sends upstream.
     """
 
     def __init__(
@@ -146,7 +152,8 @@ class Failover:
         lease: float = 30.0,
     ) -> None:
         self.app = app
-        # Matched against the raw path: routers (a Litestar mount) rewrite scope["path"].
+        # Matched against the normalised raw path: routers (a Litestar mount) rewrite
+        # scope["path"], and the Forwarder sends the same normalised path upstream.
         self.paths = tuple(p.encode() for p in paths)
         self.routes = routes if isinstance(routes, Routes) else Routes(routes)
         if max_body < 0:
@@ -163,13 +170,14 @@ class Failover:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             return await self.app(scope, receive, self._lifespan_send(send))
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or not (scope.get("raw_path") or scope["path"].encode()).startswith(self.paths)
-        ):
-            if scope["type"] == "http":
-                scope[UNROUTED_KEY] = True
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            target = request_target(scope)
+        except BadTarget as exc:
+            return await refuse(scope, send, exc)
+        if scope["method"] != "POST" or not target.path.startswith(self.paths):
+            scope[UNROUTED_KEY] = True
             return await self.app(scope, receive, send)
         req = TierRequest.of(scope)
         try:
@@ -333,15 +341,7 @@ class Failover:
         observer = req.observer = Observer(attempt.started, stream_end=backend.stream_end)
         req.emit("attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime)
         responder = _Responder(self, req, attempt, observer, send, guard)
-        attrs: dict[str, str | int] = {
-            ATTR_ROUTE: attempt.route or "",
-            ATTR_BACKEND: backend.name,
-            ATTR_ATTEMPT_N: attempt.n,
-            ATTR_ATTEMPT_OF: attempt.of,
-        }
-        if backend.regime:
-            attrs[ATTR_REGIME] = backend.regime
-        span = start_span("tierchain.attempt", attrs)
+        span = _attempt_span(attempt)
         outcome = "ok"
         recorded = len(req.attempts)
         lease = None
@@ -451,6 +451,21 @@ class Failover:
             outcome=outcome,
             failing_over=failing_over,
         )
+
+
+def _attempt_span(attempt: Attempt) -> Span:
+    if not tracing_enabled():
+        return INVALID_SPAN  # no SDK: not even the attributes are built
+    backend = attempt.backend
+    attrs: dict[str, str | int] = {
+        ATTR_ROUTE: attempt.route or "",
+        ATTR_BACKEND: backend.name,
+        ATTR_ATTEMPT_N: attempt.n,
+        ATTR_ATTEMPT_OF: attempt.of,
+    }
+    if backend.regime:
+        attrs[ATTR_REGIME] = backend.regime
+    return start_span("tierchain.attempt", attrs)
 
 
 def _own_abort(req: TierRequest) -> bool:

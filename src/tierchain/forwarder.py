@@ -31,6 +31,7 @@ import httpx
 from ._body import CallerGone, read_body
 from ._disconnect import DisconnectGuard
 from ._responses import send_json_error
+from ._target import BadTarget, Target, refuse, request_target, upstream_url
 from ._types import Headers, Receive, Scope, Send
 from .backend import Backend
 from .errors import BackendUnavailable, StreamError
@@ -127,6 +128,10 @@ class Forwarder:
             return await self._lifespan(receive, send)
         if scope["type"] != "http":
             raise RuntimeError(f"Forwarder serves http scopes only, not {scope['type']!r}")
+        try:
+            target = request_target(scope)
+        except BadTarget as exc:
+            return await refuse(scope, send, exc)
         req = TierRequest.find(scope)
         attempt = req.attempt if req is not None else None
         backend = attempt.backend if attempt is not None else self.backend
@@ -136,14 +141,14 @@ class Forwarder:
                 "in front of it or construct it with Forwarder(backend=Backend(...))."
             )
         if req is not None and req.in_chain and req.body is not None:
-            await self._forward(scope, req.body, backend, send, raise_errors=True)
+            await self._forward(scope, target, req.body, backend, send, raise_errors=True)
             return
         try:
             body = await read_body(scope, receive, 2**31)
         except CallerGone:
             return
         async with DisconnectGuard(receive) as guard:
-            await self._forward(scope, body, backend, send, raise_errors=False)
+            await self._forward(scope, target, body, backend, send, raise_errors=False)
             guard.done = True
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -156,7 +161,7 @@ class Forwarder:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    def _build(self, scope: Scope, body: bytes, backend: Backend) -> httpx.Request:
+    def _build(self, scope: Scope, target: Target, body: bytes, backend: Backend) -> httpx.Request:
         raw: Headers = scope.get("headers", [])
         dropped = _NOT_FORWARDED | _connection_tokens(raw)
         headers = [(k, v) for k, v in raw if k.lower() not in dropped]
@@ -167,19 +172,20 @@ class Forwarder:
             headers.append((lowered, value.encode()))
         if backend.model is not None and body:
             body = _rewrite_model(body, backend.model)
-        path = scope.get("raw_path") or scope["path"].encode()
-        url = backend.url.rstrip("/").encode() + path
-        query: bytes = scope.get("query_string", b"")
-        if query:
-            url += b"?" + query
-        return self.client.build_request(
-            scope["method"], url.decode("latin-1"), headers=headers, content=body
-        )
+        url = upstream_url(backend.url, target)
+        return self.client.build_request(scope["method"], url, headers=headers, content=body)
 
     async def _forward(
-        self, scope: Scope, body: bytes, backend: Backend, send: Send, *, raise_errors: bool
+        self,
+        scope: Scope,
+        target: Target,
+        body: bytes,
+        backend: Backend,
+        send: Send,
+        *,
+        raise_errors: bool,
     ) -> None:
-        request = self._build(scope, body, backend)
+        request = self._build(scope, target, body, backend)
         timer = asyncio.timeout(self.connect_timeout)
 
         async def trace(name: str, info: Mapping[str, Any]) -> None:

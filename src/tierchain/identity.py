@@ -33,15 +33,13 @@ import re
 import socket
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backend import Routes
+from .config import Settings, mask_url
 from .telemetry import VERSION, log_event
-
-if TYPE_CHECKING:
-    from .config import Settings
 
 __all__ = ["EVENT", "PROCESS_ONCE", "Once", "StartupIdentity", "identity_fields", "write_identity"]
 
@@ -122,8 +120,6 @@ def mask_mapping(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [mask_mapping(v) for v in value]
     if isinstance(value, str) and "://" in value and "@" in value:
-        from .config import mask_url
-
         return mask_url(value)
     return value
 

@@ -99,6 +99,11 @@ BACKEND_PREFERENCE = Counter(
     "Requests that carried a backend preference, by whether it applied.",
     ["applied"],
 )
+TARGET_REJECTED = Counter(
+    "tierchain_target_rejected",
+    "Requests answered 400 because their target could steer the upstream URL, by reason.",
+    ["reason"],
+)
 
 
 def labelled(metric: Any, *values: str) -> Any:
