@@ -263,3 +263,15 @@ def test_max_in_flight_is_validated():
     with pytest.raises(ValueError, match="lease"):
         Admission(lease=0)
     assert json.dumps(Backend("t", "http://127.0.0.1:1", max_in_flight=3).max_in_flight) == "3"
+
+
+def test_the_routes_file_sets_max_in_flight_and_names_a_bad_one():
+    from tierchain.config import ConfigError, routes_from_toml
+
+    def table(limit: Any) -> dict[str, Any]:
+        backend = {"name": "tower", "url": "http://127.0.0.1:1", "max_in_flight": limit}
+        return {"routes": {"echo": {"backends": [backend]}}}
+
+    assert routes_from_toml(table(2))["echo"][0].max_in_flight == 2
+    with pytest.raises(ConfigError, match=r"routes\.echo\.backends\[0\]\.max_in_flight=0"):
+        routes_from_toml(table(0))

@@ -352,7 +352,9 @@ LAYERS: tuple[Layer, ...] = (
            "HTTP statuses separated by commas, such as 429,500,502,503,504"),
         _o("paths", "FAILOVER_PATHS", path_list, "path prefixes separated by commas, such as /v1/"),
         _o("hold_limit", "FAILOVER_HOLD_LIMIT", size, "a size in bytes such as 16MiB"),
-    ), wired=frozenset({"routes"}), code_only=frozenset({"resolve"})),
+        _o("lease", "FAILOVER_LEASE", seconds(zero_ok=False), _SECS_POS,
+           help="How long an in-flight lease lives unless renewed (max_in_flight)."),
+    ), wired=frozenset({"routes", "store"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
         _o("failure_cooldown", "BREAKER_FAILURE_COOLDOWN", seconds(), _SECS_NONNEG),
@@ -406,7 +408,16 @@ LAYERS: tuple[Layer, ...] = (
 
 _BY_NAME = {layer.name: layer for layer in LAYERS}
 _BY_ENV = {opt.env: (layer, opt) for layer in LAYERS for opt in layer.options}
-_ROUTE_KEYS = ("name", "url", "regime", "status_url", "model", "headers", "api_key_env")
+_ROUTE_KEYS = (
+    "name",
+    "url",
+    "regime",
+    "status_url",
+    "model",
+    "headers",
+    "api_key_env",
+    "max_in_flight",
+)
 
 
 def find_layer(name: str) -> Layer:
@@ -700,6 +711,7 @@ def load_routes(
         url = "http://127.0.0.1:11434"
         regime = "local"
         status_url = "http://127.0.0.1:11434/_gate/status"
+        max_in_flight = 1                 # more at once: skipped as busy (never the last tier)
 
         [[routes.echo.backends]]
         name = "hosted"
@@ -819,6 +831,13 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
             ok = False
         else:
             headers["Authorization"] = f"Bearer {env[var]}"
+    if "max_in_flight" in entry:
+        limit = entry["max_in_flight"]
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            problems.append(f"{where}.max_in_flight={limit!r}: expected a whole number >= 1")
+            ok = False
+        else:
+            fields["max_in_flight"] = limit
     if not ok:
         return None
     try:
