@@ -360,6 +360,8 @@ LAYERS: tuple[Layer, ...] = (
         _o("failure_cooldown", "BREAKER_FAILURE_COOLDOWN", seconds(), _SECS_NONNEG),
         _o("saturation_threshold", "BREAKER_SATURATION_THRESHOLD", integer(1), _COUNT),
         _o("saturation_cooldown", "BREAKER_SATURATION_COOLDOWN", seconds(), _SECS_NONNEG),
+        _o("saturation_backoff", "BREAKER_SATURATION_BACKOFF", seconds(), _SECS_NONNEG,
+           help="First cooldown after a saturated half-open probe; doubles per re-open."),
         _o("retry_after_cap", "BREAKER_RETRY_AFTER_CAP", seconds(), _SECS_NONNEG),
         _o("probe_lease", "BREAKER_PROBE_LEASE", seconds(zero_ok=False), _SECS_POS),
         _o("when_all_open", "BREAKER_WHEN_ALL_OPEN", choice("reject", "try_soonest"),

@@ -57,7 +57,7 @@ local function keep(key, now, ou, pu, ttl)
 end
 """
 
-# KEYS[1] ledger; ARGV: now_ms|'' force lease_ms ttl_ms busy_ms
+# KEYS[1] ledger; ARGV: now_ms|'' force lease_ms ttl_ms busy_ms wake
 # -> {admitted, state, gen, probe, retry_in_ms|'', transitions, clean}
 _ACQUIRE = (
     _NOW
@@ -67,11 +67,15 @@ local now = now_ms(ARGV[1])
 local force = ARGV[2] == '1'
 local lease = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[4])
-local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g')
+local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r')
 if not v[1] then return {1, 'closed', 0, 0, '', '', 1} end
 local st, f, s, ou = v[1], num(v[2]), num(v[3]), num(v[4])
 local pu, pt, g = num(v[5]), num(v[6]), num(v[7])
 local trans = ''
+if ARGV[6] == '1' and st == 'open' and v[8] == 'saturation' and now < ou then
+  ou = now
+  redis.call('HSET', key, 'ou', tostring(ou))
+end
 if st == 'open' and now >= ou then
   st = 'half_open'
   trans = 'half_open'
@@ -97,7 +101,7 @@ return {0, st, g, 0, tostring(ou - now), trans, 0}
 )
 
 # KEYS[1] ledger; ARGV: now_ms|'' outcome gen probe retry_after_ms|'' f_threshold
-# f_cooldown_ms s_threshold s_cooldown_ms cap_ms ttl_ms
+# f_cooldown_ms s_threshold s_cooldown_ms cap_ms ttl_ms backoff_ms
 # -> {state, retry_in_ms|'', failures, saturations, transitions, reason}
 _RECORD = (
     _NOW
@@ -112,13 +116,15 @@ if ARGV[5] ~= '' then ra = tonumber(ARGV[5]) end
 local fth, fcd = tonumber(ARGV[6]), tonumber(ARGV[7])
 local sth, scd = tonumber(ARGV[8]), tonumber(ARGV[9])
 local cap, ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
-local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r')
+local backoff = tonumber(ARGV[12])
+local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r', 'ro')
 if not v[1] and (outcome == 'success' or outcome == 'neutral') then
   return {'closed', '', 0, 0, '', ''}
 end
 local st = v[1] or 'closed'
 local f, s, ou, pu, pt, g = num(v[2]), num(v[3]), num(v[4]), num(v[5]), num(v[6]), num(v[7])
 local r = v[8] or ''
+local ro = num(v[9])
 local trans = {}
 if st == 'open' and now >= ou then
   st = 'half_open'
@@ -135,6 +141,7 @@ if outcome == 'success' then
       ou = 0
       pu = 0
       r = ''
+      ro = 0
       table.insert(trans, 'closed')
     end
   end
@@ -152,15 +159,23 @@ elseif outcome == 'failure' or outcome == 'saturation' then
   local cd = 0
   if tripped then cd = kind end
   local reason = outcome
+  local hinted = 0
   if ra ~= nil then
-    local hinted = math.min(ra, cap)
+    hinted = math.min(ra, cap)
     if (not tripped) or hinted > cd then reason = 'retry_after' end
     tripped = true
     cd = math.max(cd, hinted)
   end
   if st ~= 'closed' then
     tripped = fresh
-    cd = math.max(cd, kind)
+    if outcome == 'saturation' then
+      local grown = scd
+      if backoff > 0 then grown = math.min(scd, backoff * (2 ^ math.min(ro, 60))) end
+      cd = math.max(hinted, grown)
+      if fresh then ro = ro + 1 end
+    else
+      cd = math.max(cd, kind)
+    end
   end
   if tripped then
     if st ~= 'open' then
@@ -176,7 +191,7 @@ elseif outcome == 'failure' or outcome == 'saturation' then
   end
 end
 redis.call('HSET', key, 'st', st, 'f', f, 's', s, 'ou', tostring(ou), 'pu', tostring(pu),
-  'pt', pt, 'g', g, 'r', r)
+  'pt', pt, 'g', g, 'r', r, 'ro', ro)
 keep(key, now, ou, pu, ttl)
 local retry = ''
 if st == 'open' then retry = tostring(ou - now) end
@@ -409,11 +424,17 @@ class RedisStore:
     # -- breaker -------------------------------------------------------------
 
     async def breaker_acquire(
-        self, route: str, backend: str, policy: BreakerPolicy, *, force: bool = False
+        self,
+        route: str,
+        backend: str,
+        policy: BreakerPolicy,
+        *,
+        force: bool = False,
+        wake: bool = False,
     ) -> Ticket:
         local = self._local()
         if local is not None:
-            return await local.breaker_acquire(route, backend, policy, force=force)
+            return await local.breaker_acquire(route, backend, policy, force=force, wake=wake)
         key = self._key(route, backend)
         args = [
             self._args(),
@@ -421,6 +442,7 @@ class RedisStore:
             _ms(policy.probe_lease),
             _ms(self.ttl),
             _ms(PROBE_BUSY_RETRY),
+            "1" if wake else "0",
         ]
 
         def orphan(ticket: Ticket) -> None:
@@ -431,7 +453,7 @@ class RedisStore:
             raw = await self._shielded(lambda: self._acquire(keys=[key], args=args), _wrap(orphan))
         except Exception as exc:
             local = self._went_away(exc)
-            return await local.breaker_acquire(route, backend, policy, force=force)
+            return await local.breaker_acquire(route, backend, policy, force=force, wake=wake)
         admitted, state, gen, probe, retry_ms, transitions, clean = raw
         return Ticket(
             bool(int(admitted)),
@@ -472,6 +494,7 @@ class RedisStore:
             _ms(policy.saturation_cooldown),
             _ms(policy.retry_after_cap),
             _ms(self.ttl),
+            _ms(policy.saturation_backoff),
         ]
         try:
             raw = await self._shielded(lambda: self._record(keys=[key], args=args))

@@ -76,6 +76,9 @@ class BreakerPolicy:
     saturation_cooldown: float = 900.0
     retry_after_cap: float = 900.0
     probe_lease: float = 300.0
+    saturation_backoff: float = 30.0
+    """The first cooldown after a half-open probe saturated; it doubles with each
+    further re-open, up to ``saturation_cooldown`` (0: always ``saturation_cooldown``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +125,14 @@ class Ledger:
     probe_token: int = 0
     gen: int = 0
     reason: str = ""
+    reopens: int = 0
+
+
+def reopen_cooldown(policy: BreakerPolicy, reopens: int) -> float:
+    """The cooldown of a breaker re-opened by a saturated probe, after ``reopens`` earlier ones."""
+    if policy.saturation_backoff <= 0:
+        return policy.saturation_cooldown
+    return min(policy.saturation_cooldown, policy.saturation_backoff * 2.0 ** min(reopens, 60))
 
 
 def _settle_time(led: Ledger, now: float, transitions: list[str]) -> None:
@@ -130,9 +141,17 @@ def _settle_time(led: Ledger, now: float, transitions: list[str]) -> None:
         transitions.append("half_open")
 
 
-def acquire(led: Ledger, now: float, policy: BreakerPolicy, *, force: bool = False) -> Ticket:
-    """May an attempt go now? Takes the probe slot when half-open and free."""
+def acquire(
+    led: Ledger, now: float, policy: BreakerPolicy, *, force: bool = False, wake: bool = False
+) -> Ticket:
+    """May an attempt go now? Takes the probe slot when half-open and free.
+
+    ``wake`` says the backend's status reports room: a breaker open for
+    saturation ends its cooldown now (and this attempt may be its probe).
+    """
     transitions: list[str] = []
+    if wake and led.state == "open" and led.reason == "saturation" and now < led.open_until:
+        led.open_until = now
     _settle_time(led, now, transitions)
     done = tuple(transitions)
     if led.state == "closed" or force:
@@ -170,6 +189,7 @@ def record(
                 led.state = "closed"
                 led.open_until = led.probe_until = 0.0
                 led.reason = ""
+                led.reopens = 0
                 transitions.append("closed")
     elif outcome == "failure" or outcome == "saturation":
         if outcome == "failure":
@@ -182,6 +202,7 @@ def record(
             tripped = led.saturations >= policy.saturation_threshold
         cooldown = kind_cooldown if tripped else 0.0
         reason: str = outcome
+        hinted = 0.0
         if retry_after is not None:
             hinted = min(retry_after, policy.retry_after_cap)
             if not tripped or hinted > cooldown:
@@ -192,7 +213,14 @@ def record(
             # The probe (or a forced attempt) failed: re-open. A verdict from an
             # attempt admitted before the breaker opened is counted, nothing more.
             tripped = fresh
-            cooldown = max(cooldown, kind_cooldown)
+            if outcome == "saturation":
+                # One slow probe after a hiccup must not cost the whole cooldown:
+                # re-opens grow from a short first value.
+                cooldown = max(hinted, reopen_cooldown(policy, led.reopens))
+                if fresh:
+                    led.reopens += 1
+            else:
+                cooldown = max(cooldown, kind_cooldown)
         if tripped:
             if led.state != "open":
                 led.gen += 1
@@ -252,9 +280,19 @@ class Store(Protocol):
         ...
 
     async def breaker_acquire(
-        self, route: str, backend: str, policy: BreakerPolicy, *, force: bool = False
+        self,
+        route: str,
+        backend: str,
+        policy: BreakerPolicy,
+        *,
+        force: bool = False,
+        wake: bool = False,
     ) -> Ticket:
-        """One atomic step before an attempt: may it go, and is it the probe?"""
+        """One atomic step before an attempt: may it go, and is it the probe?
+
+        ``wake``: the backend's status reports room, so a breaker open for
+        saturation may half-open now.
+        """
         ...
 
     async def breaker_record(
@@ -344,14 +382,20 @@ class MemoryStore:
         return snapshot(self._ledgers.get((route, backend)), self._clock())
 
     async def breaker_acquire(
-        self, route: str, backend: str, policy: BreakerPolicy, *, force: bool = False
+        self,
+        route: str,
+        backend: str,
+        policy: BreakerPolicy,
+        *,
+        force: bool = False,
+        wake: bool = False,
     ) -> Ticket:
         led = self._ledgers.get((route, backend))
         if led is None:
             if not force:
                 return _CLOSED  # the common case allocates nothing
             led = self._ledgers[route, backend] = Ledger()
-        return acquire(led, self._clock(), policy, force=force)
+        return acquire(led, self._clock(), policy, force=force, wake=wake)
 
     async def breaker_record(
         self,
