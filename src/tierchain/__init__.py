@@ -16,6 +16,7 @@ from .budget import Budget
 from .endpoints import Endpoints
 from .errors import (
     AttemptError,
+    BackendBusy,
     BackendSaturated,
     BackendSkipped,
     BackendUnavailable,
@@ -44,6 +45,7 @@ __all__ = [
     "Attempt",
     "AttemptError",
     "Backend",
+    "BackendBusy",
     "BackendSaturated",
     "BackendSkipped",
     "BackendUnavailable",

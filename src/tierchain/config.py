@@ -356,12 +356,16 @@ LAYERS: tuple[Layer, ...] = (
            "HTTP statuses separated by commas, such as 429,500,502,503,504"),
         _o("paths", "FAILOVER_PATHS", path_list, "path prefixes separated by commas, such as /v1/"),
         _o("hold_limit", "FAILOVER_HOLD_LIMIT", size, "a size in bytes such as 16MiB"),
-    ), wired=frozenset({"routes"}), code_only=frozenset({"resolve"})),
+        _o("lease", "FAILOVER_LEASE", seconds(zero_ok=False), _SECS_POS,
+           help="How long an in-flight lease lives unless renewed (max_in_flight)."),
+    ), wired=frozenset({"routes", "store"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
         _o("failure_cooldown", "BREAKER_FAILURE_COOLDOWN", seconds(), _SECS_NONNEG),
         _o("saturation_threshold", "BREAKER_SATURATION_THRESHOLD", integer(1), _COUNT),
         _o("saturation_cooldown", "BREAKER_SATURATION_COOLDOWN", seconds(), _SECS_NONNEG),
+        _o("saturation_backoff", "BREAKER_SATURATION_BACKOFF", seconds(), _SECS_NONNEG,
+           help="First cooldown after a saturated half-open probe; doubles per re-open."),
         _o("retry_after_cap", "BREAKER_RETRY_AFTER_CAP", seconds(), _SECS_NONNEG),
         _o("probe_lease", "BREAKER_PROBE_LEASE", seconds(zero_ok=False), _SECS_POS),
         _o("when_all_open", "BREAKER_WHEN_ALL_OPEN", choice("reject", "try_soonest"),
@@ -419,6 +423,7 @@ _ROUTE_KEYS = (
     "headers",
     "api_key_env",
     "forward_caller_auth",
+    "max_in_flight",
 )
 
 
@@ -723,6 +728,7 @@ def load_routes(
         url = "http://127.0.0.1:11434"
         regime = "local"
         status_url = "http://127.0.0.1:11434/_gate/status"
+        max_in_flight = 1                 # more at once: skipped as busy (never the last tier)
 
         [[routes.echo.backends]]
         name = "hosted"
@@ -851,6 +857,13 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
             ok = False
         else:
             headers["Authorization"] = f"Bearer {env[var]}"
+    if "max_in_flight" in entry:
+        limit = entry["max_in_flight"]
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            problems.append(f"{where}.max_in_flight={limit!r}: expected a whole number >= 1")
+            ok = False
+        else:
+            fields["max_in_flight"] = limit
     if not ok:
         return None
     try:

@@ -8,6 +8,8 @@ is a different fact and a different branch of the tree::
     TierchainError
     ├── AttemptError            this attempt is over; try the next tier
     │   ├── BackendSkipped      the breaker is open; the backend was not touched
+    │   ├── BackendBusy         the backend has no room now (in-flight limit or its
+    │   │                       status): skipped before sending, not a failure
     │   ├── BackendSaturated    no first chunk within the window (the watchdog)
     │   ├── BackendUnavailable  refused, reset, connect timeout, broken stream
     │   ├── StreamError         the stream went wrong: no_data, truncated, stalled,
@@ -73,6 +75,25 @@ class BackendSkipped(AttemptError):
     def __init__(self, message: str = "", *, retry_in: float | None = None) -> None:
         super().__init__(message)
         self.retry_in = retry_in
+
+
+class BackendBusy(AttemptError):
+    """The backend has no room now: skipped before anything was sent to it.
+
+    Busy is not a failure: no breaker ledger counts it. ``in_flight`` is the
+    number of attempts in flight at the backend when it was skipped (None when
+    its status said full), and ``why`` says which: ``max_in_flight`` or the
+    status reader's account (``"3 waiting"``, ``"kv_cache 0.85"``, ``"all slots busy"``).
+    """
+
+    reason = "busy"
+
+    def __init__(
+        self, message: str = "", *, in_flight: int | None = None, why: str = "max_in_flight"
+    ) -> None:
+        super().__init__(message)
+        self.in_flight = in_flight
+        self.why = why
 
 
 class BackendSaturated(AttemptError):
