@@ -371,39 +371,17 @@ def test_the_old_import_path_of_build_stack_still_works_without_an_import_cycle(
 
     assert old_path is stack.build_stack
     assert "build_stack" in config.__all__
-    # config imports nothing that imports it back: only the backend types and the masker.
+    # config imports nothing that imports it back: only the backend types, the exceptions
+    # and the URL masker (leaves: they import no other tierchain module), at module level.
     tree = ast.parse(Path(config.__file__).read_text())
     imported = {
         node.module
         for node in tree.body
         if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
     }
-    assert imported == {"backend", "masking"}
+    assert imported == {"backend", "errors", "masking"}
     with pytest.raises(AttributeError):
         _ = config.no_such_name
-
-
-@pytest.mark.redis
-async def test_the_redis_store_build_stack_made_is_closed_on_lifespan_shutdown(
-    routes_file, redis_server
-):
-    import redis.asyncio as redis_client
-
-    settings = from_env(env(routes_file, TIERCHAIN_STORE_URL=redis_server.url))
-    app = build_stack(None, settings, identity=False)
-    assert isinstance(app, stack.CloseOnShutdown)
-    store = app.app.store  # the Endpoints share it with every Breaker and PreferBackend
-    watcher = redis_client.Redis.from_url(redis_server.url)
-    try:
-        async with LifespanManager(app):
-            await store.set_pin("echo", "tower", 30)  # opens a connection to the server
-            assert len(await watcher.client_list()) == 2
-        assert len(await watcher.client_list()) == 1  # only the watcher's own
-    finally:
-        await watcher.aclose()
-    # A store given by the caller belongs to the caller: nothing wraps the stack to close it.
-    given = build_stack(None, settings, store=config.layer_class("MemoryStore")(), identity=False)
-    assert not isinstance(given, stack.CloseOnShutdown)
 
 
 def test_forward_caller_auth_is_a_boolean_per_backend_and_off_by_default(tmp_path):
@@ -435,3 +413,26 @@ forward_caller_auth = "yes"
         load_routes(bad, environ={})
     (problem,) = caught.value.problems
     assert problem.startswith("routes.echo.backends[0].forward_caller_auth='yes': expected true")
+
+
+@pytest.mark.redis
+async def test_the_redis_store_build_stack_made_is_closed_on_lifespan_shutdown(
+    routes_file, redis_server
+):
+    import redis.asyncio as redis_client
+
+    settings = from_env(env(routes_file, TIERCHAIN_STORE_URL=redis_server.url))
+    app = build_stack(None, settings, identity=False)
+    assert isinstance(app, stack.CloseOnShutdown)
+    store = app.app.store  # the Endpoints share it with every Breaker and PreferBackend
+    watcher = redis_client.Redis.from_url(redis_server.url)
+    try:
+        async with LifespanManager(app):
+            await store.set_pin("echo", "tower", 30)  # opens a connection to the server
+            assert len(await watcher.client_list()) == 2
+        assert len(await watcher.client_list()) == 1  # only the watcher's own
+    finally:
+        await watcher.aclose()
+    # A store given by the caller belongs to the caller: nothing wraps the stack to close it.
+    given = build_stack(None, settings, store=config.layer_class("MemoryStore")(), identity=False)
+    assert not isinstance(given, stack.CloseOnShutdown)

@@ -263,3 +263,16 @@ async def test_no_planted_secret_in_any_log_event_body_or_header_of_a_run(
         )
     for where, text in texts:
         assert_clean(where, text)
+
+
+def test_burst_probe_shows_no_secret_of_the_url_it_was_given():
+    from tierchain.__main__ import burst_probe
+
+    for url in (
+        f"http://user:{BACKEND_USERINFO}@127.0.0.1:9/v1?key={BACKEND_QUERY}",
+        f"ftp://user:{BACKEND_USERINFO}@127.0.0.1:9/v1?key={BACKEND_QUERY}",
+    ):
+        err = io.StringIO()
+        assert burst_probe(url, model="m", yes=False, err=err) == 2
+        assert "127.0.0.1:9" in err.getvalue()
+        assert_clean(f"burst-probe's refusal for {url!r}", err.getvalue())

@@ -153,7 +153,7 @@ def create_app(
 ) -> FastAPI:
     """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends.
 
-    The whole tierchain stack, in the brief's order. ``heartbeat_interval`` and
+    The whole tierchain stack, in its fixed order. ``heartbeat_interval`` and
     ``commit_after`` are Heartbeats' options (docs/heartbeats.md), ``slow_after``
     the SaturationWatchdog's window (0: off), ``budget`` Budget's default in
     seconds. One ``store`` (in memory unless given) holds the breakers and the

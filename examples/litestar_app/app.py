@@ -1,5 +1,10 @@
 """An LLM gateway on Litestar with the tierchain stack in front of its forwarder.
 
+Run it from the repository root (point the routes at your backends)::
+
+    TOWER_URL=http://127.0.0.1:11434 HOSTED_URL=https://api.example.com \\
+        uvicorn --factory examples.litestar_app.app:from_env
+
 Litestar lists middleware outermost first and builds the stack per route
 handler, so 404 and 405 are answered before any middleware runs, and
 middleware never sees the lifespan: the forwarder is closed in ``on_shutdown``.
@@ -45,7 +50,7 @@ def create_app(
 ) -> Endpoints:
     """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends.
 
-    The whole tierchain stack, in the brief's order (see the FastAPI example for
+    The whole tierchain stack, in its fixed order (see the FastAPI example for
     the options). Litestar builds the middleware stack once per route handler,
     so everything that must be shared is made here and passed in: one store for
     every Breaker and PreferBackend, one probe client for every watchdog.

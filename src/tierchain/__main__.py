@@ -4,7 +4,7 @@
 
     tierchain serve [--host H] [--port P] run the configured gateway under uvicorn
     tierchain check-config [--json]      the effective stack, routes and settings, or every problem
-    tierchain burst-probe URL --model M  the admission-control probe of seed 001 (needs --yes)
+    tierchain burst-probe URL --model M  the admission-control probe (needs --yes)
     tierchain demo                       the README's demo
 
 Exit status: 0 success, 1 the probe measured nothing, 2 a usage or
@@ -265,6 +265,7 @@ def burst_probe(
 ) -> int:
     """Refuse without ``yes`` (naming the call count); otherwise run and print the verdict."""
     from . import burst
+    from .masking import mask_text, mask_url
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -274,8 +275,9 @@ def burst_probe(
     try:
         endpoint = burst.chat_url(url)
     except ValueError as exc:
-        print(f"tierchain burst-probe: {exc}", file=err)
+        print(f"tierchain burst-probe: {mask_text(str(exc), url)}", file=err)
         return 2
+    shown = mask_url(endpoint)  # the URL may carry a key
     if not timeout > 0:
         print(f"tierchain burst-probe: --timeout must be > 0 seconds, got {timeout}", file=err)
         return 2
@@ -291,7 +293,7 @@ def burst_probe(
             return 2
     if not yes:
         print(
-            f"tierchain burst-probe would make {calls} calls to {endpoint} (model {model!r}): "
+            f"tierchain burst-probe would make {calls} calls to {shown} (model {model!r}): "
             f"concurrency {levels}, {burst.REPEATS} repeats each, max_tokens 1, each call "
             f"bounded at {timeout:g} s. Every call spends tokens and loads the backend; run it "
             "on an idle backend, outside an incident. Nothing was sent. Add --yes to run it.",
@@ -299,7 +301,7 @@ def burst_probe(
         )
         return 2
 
-    print(f"burst-probe: {calls} calls to {endpoint} (model {model!r})", file=err)
+    print(f"burst-probe: {calls} calls to {shown} (model {model!r})", file=err)
 
     def progress(line: str) -> None:
         print(line, file=err, flush=True)

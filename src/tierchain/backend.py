@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from urllib.parse import urlsplit
 
-from .masking import mask_text, mask_url
+from .masking import MASK, SECRET_NAME, mask_text, mask_url
 
 __all__ = ["Backend", "Routes"]
 
@@ -52,6 +52,9 @@ class Backend:
     ``forward_caller_auth`` lets the caller's own credentials (``Authorization``,
     ``x-api-key``, ``api-key``, ``Cookie``) through to this backend; by default
     the Forwarder drops them, so a tier never sees a secret meant for another.
+    ``max_in_flight`` is how many attempts may be in flight at this backend at
+    once, counted across replicas through the store (None: unlimited); one
+    more is skipped at once as busy, unless the backend is the chain's last tier.
     """
 
     name: str
@@ -63,6 +66,7 @@ class Backend:
     stream_end: str | None = "openai"
     stall_after: float | None = None
     forward_caller_auth: bool = False
+    max_in_flight: int | None = None
 
     def __repr__(self) -> str:
         shown = []
@@ -71,6 +75,8 @@ class Backend:
                 value = getattr(self, f.name)
                 if f.name.endswith("url") and isinstance(value, str):
                     value = mask_url(value)
+                elif SECRET_NAME.search(f.name) and isinstance(value, str) and value:
+                    value = MASK
                 shown.append(f"{f.name}={value!r}")
         if self.headers:
             shown.append(f"headers=<{', '.join(sorted(self.headers))}: values not shown>")
@@ -96,6 +102,14 @@ class Backend:
             raise ValueError(
                 f"backend {self.name!r} stream_end must be a non-empty string or None, "
                 f"got {self.stream_end!r}"
+            )
+        limit = self.max_in_flight
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ValueError(
+                f"backend {self.name!r} max_in_flight must be an integer >= 1 or None, "
+                f"got {limit!r}"
             )
         if self.stall_after is not None:
             stall = self.stall_after

@@ -33,7 +33,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from .backend import Backend, Routes
+from .errors import ConfigError
 from .masking import MASK, mask_text, mask_url
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ __all__ = [
     "Option",
     "Settings",
     "build_stack",
+    "display_value",
     "find_layer",
     "from_env",
     "layer_class",
@@ -67,15 +69,6 @@ PREFIX = "TIERCHAIN_"
 
 # Variables with this prefix that other tools read (the test harness), not the gateway.
 FOREIGN_VARIABLES = frozenset({"TIERCHAIN_CHROMIUM"})
-
-
-class ConfigError(ValueError):
-    """The configuration cannot be used; ``problems`` lists every reason, one sentence each."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = tuple(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"tierchain configuration has {len(self.problems)} problem(s):\n{lines}")
 
 
 # -- parsers -----------------------------------------------------------------------
@@ -219,7 +212,7 @@ def mount_path(raw: str) -> str:
 
 
 def stack_list(raw: str) -> tuple[str, ...]:
-    """Middleware names separated by commas, in the brief's order."""
+    """Middleware names separated by commas, in the fixed order (outermost first)."""
     names: list[str] = []
     by_lower = {n.lower(): n for n in STACK_ORDER}
     for part in (p.strip() for p in raw.split(",")):
@@ -363,12 +356,16 @@ LAYERS: tuple[Layer, ...] = (
            "HTTP statuses separated by commas, such as 429,500,502,503,504"),
         _o("paths", "FAILOVER_PATHS", path_list, "path prefixes separated by commas, such as /v1/"),
         _o("hold_limit", "FAILOVER_HOLD_LIMIT", size, "a size in bytes such as 16MiB"),
-    ), wired=frozenset({"routes"}), code_only=frozenset({"resolve"})),
+        _o("lease", "FAILOVER_LEASE", seconds(zero_ok=False), _SECS_POS,
+           help="How long an in-flight lease lives unless renewed (max_in_flight)."),
+    ), wired=frozenset({"routes", "store"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
         _o("failure_cooldown", "BREAKER_FAILURE_COOLDOWN", seconds(), _SECS_NONNEG),
         _o("saturation_threshold", "BREAKER_SATURATION_THRESHOLD", integer(1), _COUNT),
         _o("saturation_cooldown", "BREAKER_SATURATION_COOLDOWN", seconds(), _SECS_NONNEG),
+        _o("saturation_backoff", "BREAKER_SATURATION_BACKOFF", seconds(), _SECS_NONNEG,
+           help="First cooldown after a saturated half-open probe; doubles per re-open."),
         _o("retry_after_cap", "BREAKER_RETRY_AFTER_CAP", seconds(), _SECS_NONNEG),
         _o("probe_lease", "BREAKER_PROBE_LEASE", seconds(zero_ok=False), _SECS_POS),
         _o("when_all_open", "BREAKER_WHEN_ALL_OPEN", choice("reject", "try_soonest"),
@@ -426,6 +423,7 @@ _ROUTE_KEYS = (
     "headers",
     "api_key_env",
     "forward_caller_auth",
+    "max_in_flight",
 )
 
 
@@ -579,6 +577,15 @@ class Settings:
         }
 
 
+def display_value(layer: str, name: str, value: Any) -> Any:
+    """Option ``name`` of ``layer`` for showing: a secret's value masked, URLs masked."""
+    known = _BY_NAME.get(layer)
+    if known is not None and any(o.name == name and o.secret for o in known.options):
+        return MASK
+    shown = plain(value)
+    return mask_url(shown) if isinstance(shown, str) and "://" in shown else shown
+
+
 def plain(value: Any) -> Any:
     """A JSON-friendly rendering of an option value."""
     if isinstance(value, timedelta):
@@ -721,6 +728,7 @@ def load_routes(
         url = "http://127.0.0.1:11434"
         regime = "local"
         status_url = "http://127.0.0.1:11434/_gate/status"
+        max_in_flight = 1                 # more at once: skipped as busy (never the last tier)
 
         [[routes.echo.backends]]
         name = "hosted"
@@ -849,6 +857,13 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
             ok = False
         else:
             headers["Authorization"] = f"Bearer {env[var]}"
+    if "max_in_flight" in entry:
+        limit = entry["max_in_flight"]
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            problems.append(f"{where}.max_in_flight={limit!r}: expected a whole number >= 1")
+            ok = False
+        else:
+            fields["max_in_flight"] = limit
     if not ok:
         return None
     try:
@@ -872,13 +887,3 @@ def __getattr__(name: str) -> Any:
 
         return build_stack
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def display_value(layer: str, name: str, value: Any) -> Any:
-    """``value`` for showing: a secret option's value masked, URLs masked."""
-    known = _BY_NAME.get(layer)
-    for opt in known.options if known is not None else ():
-        if opt.name == name and opt.secret:
-            return MASK
-    shown = plain(value)
-    return mask_url(shown) if isinstance(shown, str) and "://" in shown else shown

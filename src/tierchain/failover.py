@@ -55,14 +55,17 @@ from ._disconnect import DisconnectGuard
 from ._responses import error_detail, retry_after, send_json_error
 from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
+from .admission import Admission
 from .backend import Backend, Routes
 from .errors import (
     AttemptError,
+    BackendBusy,
     BackendSaturated,
     BackendSkipped,
     BackendUnavailable,
     BodyTooLarge,
     BudgetExhausted,
+    ResolveError,
     RetryableStatus,
     StreamError,
 )
@@ -77,6 +80,7 @@ from .telemetry import (
     ATTR_OUTCOME,
     ATTR_REGIME,
     ATTR_ROUTE,
+    BACKEND_BUSY,
     TIME_TO_FIRST_CHUNK,
     labelled,
     log_event,
@@ -91,10 +95,6 @@ BACKEND_HEADER = b"x-tierchain-backend"
 _COMMENT_LIMIT = 64 * 1024  # comment bytes held before the first data event
 _REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its message
 _REFUSED = frozenset({429, 503})
-
-
-class ResolveError(ValueError):
-    """Raised by a resolver when the body cannot name a route: answered 400."""
 
 
 Resolver = Callable[[Scope, bytes], str]
@@ -121,6 +121,12 @@ class Failover:
     held until it is whole (larger ones stream on, and can no longer fail over).
     Every response carries ``x-tierchain-attempts``, the attempt trail.
 
+    ``store`` counts the attempts in flight at each backend that has a
+    ``max_in_flight`` (share one :class:`~tierchain.RedisStore` between
+    replicas to count across them; None counts in this process), with leases
+    that run out after ``lease`` seconds unless renewed. A backend that is full
+    is skipped at once as ``backend_busy`` (never the chain's last tier).
+
     Only ``POST`` requests whose path starts with one of ``paths`` are routed;
     anything else (``GET /v1/models``, a health check, an admin page) passes
     straight through to the inner app with no attempt. Every HTTP request's
@@ -140,6 +146,8 @@ class Failover:
         retry_statuses: Collection[int] = DEFAULT_RETRY_STATUSES,
         paths: Collection[str] = ("/",),
         hold_limit: int = 16 * 2**20,
+        store: Any = None,
+        lease: float = 30.0,
     ) -> None:
         self.app = app
         # Matched against the normalised raw path: routers (a Litestar mount) rewrite
@@ -155,8 +163,11 @@ class Failover:
         self.resolve = resolve
         self.retry_statuses = frozenset(retry_statuses)
         self._known = ", ".join(sorted(self.routes))
+        self.admission = Admission(store, lease=lease)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, self._lifespan_send(send))
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         try:
@@ -192,6 +203,14 @@ class Failover:
                 await self._run(scope, req, guard, send, span)
         finally:
             span.end()
+
+    def _lifespan_send(self, send: Send) -> Send:
+        async def lifespan_send(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.admission.aclose()
+            await send(message)
+
+        return lifespan_send
 
     async def _route(self, scope: Scope, req: TierRequest, body: bytes, send: Send) -> str | None:
         try:
@@ -276,7 +295,9 @@ class Failover:
             )
             return
         refused = [r for r in records if r.outcome in ("http_429", "http_503")]
-        if refused and all(r.outcome in ("http_429", "http_503", "skipped") for r in records):
+        if refused and all(
+            r.outcome in ("http_429", "http_503", "skipped", "busy") for r in records
+        ):
             # Every tier said "not now": that is the caller's answer, not a bad gateway.
             status = 429 if all(r.outcome == "http_429" for r in records) else 503
             given = [r.retry_after for r in records if r.retry_after is not None]
@@ -321,9 +342,12 @@ class Failover:
         span = _attempt_span(attempt)
         outcome = "ok"
         recorded = len(req.attempts)
+        lease = None
         try:
             error: BaseException | None = None
             try:
+                if backend.max_in_flight is not None:
+                    lease = await self.admission.enter(backend, last=attempt.is_last)
                 # A fresh copy per attempt: routers (Starlette's Mount, Litestar's) rewrite
                 # the scope as they dispatch, and a replay must start from the original.
                 # The attempt's span is current inside, so that the Forwarder (or the
@@ -368,6 +392,8 @@ class Failover:
                 self._record(req, attempt, outcome)
             raise
         finally:
+            if lease is not None:
+                await self.admission.leave(lease)
             span.set_attribute(ATTR_OUTCOME, outcome)
             if backend.regime is None and outcome == "saturated":
                 span.set_attribute(ATTR_REGIME, "saturated")
@@ -397,7 +423,16 @@ class Failover:
         self._record(req, attempt, outcome, retry, detail)
         backend = attempt.backend.name
         failing_over = not attempt.is_last
-        if isinstance(exc, BackendSkipped):
+        if isinstance(exc, BackendBusy):
+            why = "max_in_flight" if exc.why == "max_in_flight" else "status"
+            labelled(BACKEND_BUSY, attempt.route or "", backend, why).inc()
+            fields: dict[str, Any] = {"backend": backend}
+            if exc.in_flight is not None:
+                fields["in_flight"] = exc.in_flight
+            else:
+                fields["reason"] = exc.why
+            req.emit("backend_busy", **fields, failing_over=failing_over)
+        elif isinstance(exc, BackendSkipped):
             req.emit(
                 "backend_skipped",
                 backend=backend,

@@ -74,21 +74,16 @@ PROCESS_ONCE = Once()
 """The flag every :class:`StartupIdentity` shares unless given its own."""
 
 
-def public_url(url: str | None) -> str | None:
-    """``url`` masked for showing (see :func:`tierchain.masking.mask_url`)."""
-    return None if url is None else mask_url(url)
-
-
 def _routes(routes: Routes | Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     for route, chain in routes.items():
         entries = []
         for backend in chain:
-            entry: dict[str, Any] = {"name": backend.name, "url": public_url(backend.url)}
+            entry: dict[str, Any] = {"name": backend.name, "url": mask_url(backend.url)}
             if backend.regime is not None:
                 entry["regime"] = backend.regime
             if backend.status_url is not None:
-                entry["status_url"] = public_url(backend.status_url)
+                entry["status_url"] = mask_url(backend.status_url)
             if backend.model is not None:
                 entry["model"] = backend.model
             if backend.headers:

@@ -85,6 +85,17 @@ BACKEND_SKIPPED = Counter(
     "Attempts skipped because the backend's breaker was open.",
     ["route", "backend"],
 )
+BACKEND_IN_FLIGHT = Gauge(
+    "tierchain_backend_in_flight",
+    "Attempts this process has in flight at a backend with max_in_flight (sum over replicas).",
+    ["backend"],
+)
+BACKEND_BUSY = Counter(
+    "tierchain_backend_busy",
+    "Attempts skipped before sending because the backend had no room, by why "
+    "(max_in_flight, status).",
+    ["route", "backend", "why"],
+)
 BACKEND_PREFERENCE = Counter(
     "tierchain_backend_preference",
     "Requests that carried a backend preference, by whether it applied.",

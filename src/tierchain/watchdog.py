@@ -22,8 +22,9 @@ When the window expires on a tier that has a later tier behind it:
 1. with no ``status_url`` the backend is saturated (the plain stopwatch);
 2. with one, one GET asks it (bounded by ``probe_timeout`` and by the
    remaining budget): ``working`` extends the wait by one more window and
-   emits ``still_working``; ``idle`` or ``no_progress`` mean saturated;
-   ``unknown`` behaves exactly as the plain stopwatch.
+   emits ``still_working``; ``idle``, ``no_progress`` or ``queued`` (requests
+   are waiting at the backend, so the progress it reports is someone else's)
+   mean saturated; ``unknown`` behaves exactly as the plain stopwatch.
 
 Saturated means: the inner app is cancelled (so the upstream connection
 closes) and :class:`~tierchain.errors.BackendSaturated` is raised for Failover
@@ -394,7 +395,8 @@ class _Watch:
         if deadline is not None:
             limit = min(limit, deadline - now)
         status = await self._probe(backend.status_url, backend.name, limit)
-        verdict = judge(status, self._previous)
+        streaming = self.req is None or self.req.streaming is not False
+        verdict = judge(status, self._previous, streaming=streaming)
         labelled(PROBE_ANSWERS, backend.name, verdict).inc()
         if self.answered():
             return  # the first chunk arrived while we asked
