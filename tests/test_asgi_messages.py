@@ -176,13 +176,15 @@ async def test_every_message_of_the_whole_stack_is_on_the_spec(tmp_path: Path):
                 await client.put("/admin/tierchain/pins/echo", json={"ttl": 60}, headers=admin),
                 await client.get("/admin/tierchain/", headers=admin),
             ]
+            for path in ("/v1/models", "/v1/models/echo", "/healthz", "/readyz", "/metrics"):
+                answered.append(await client.get(path))
             hosted.script = fault("reset", after=1)
             answered.append(await client.post(url, content=chat_request(stream=True)))
             hosted.script = answers(503)
             answered.append(await client.post(url, content=chat_request(stream=False)))
             hosted.script = slow_then_streams(0.3)
             answered.append(await client.post(url, content=chat_request(stream=True)))
-    assert [r.status_code for r in answered] == [200, 200, 422, 200, 200, 502, 200]
+    assert [r.status_code for r in answered] == [200, 200, 422, 200, *[200] * 5, 200, 502, 200]
     assert b": {" in answered[-1].content  # Heartbeats committed before the backend answered
     assert app.wrong == []
     assert {

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
+import signal
 from pathlib import Path
 
 import httpx
@@ -276,3 +278,47 @@ def test_burst_probe_shows_no_secret_of_the_url_it_was_given():
         assert burst_probe(url, model="m", yes=False, err=err) == 2
         assert "127.0.0.1:9" in err.getvalue()
         assert_clean(f"burst-probe's refusal for {url!r}", err.getvalue())
+
+
+@pytest.mark.parametrize("log_format", ["json", "text"])
+async def test_tierchain_serve_writes_no_planted_secret_on_any_line(tmp_path, log_format):
+    """Every line ``tierchain serve`` writes (debug level, httpx's loggers included) is clean."""
+    from .test_serve import START_TIMEOUT, tierchain_serve
+
+    async with FakeBackend("hosted", streams(["Hel", "lo"])) as hosted:
+        routes = routes_toml(
+            tmp_path, with_userinfo_and_key(refused_url()), with_userinfo_and_key(hosted.url)
+        )
+        env = {
+            **environ(routes, redis_url(closed_port())),
+            "TIERCHAIN_LOG_FORMAT": log_format,
+            "TIERCHAIN_LOG_LEVEL": "debug",
+        }
+        async with tierchain_serve(env) as served, httpx.AsyncClient(timeout=5) as client:
+            listening = await served.until(
+                lambda: next((x for x in served.lines if "serve.listening" in x), None),
+                START_TIMEOUT,
+            )
+            address = re.search(r"127\.0\.0\.1:\d+", listening)
+            assert address is not None
+            base = f"http://{address[0]}"
+            admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+            replies = [
+                await client.post(f"{base}/v1/chat/completions", content=chat_request()),
+                await client.put(
+                    f"{base}/admin/tierchain/pins/echo",
+                    json={"backend": "tower", "ttl": 60},
+                    headers=admin,
+                ),
+            ]
+            served.proc.send_signal(signal.SIGTERM)
+            status = await served.exit_status(10.0)
+    assert status == 0, "\n".join(served.lines)
+    assert [r.status_code for r in replies] == [200, 503]
+    text = "\n".join(served.lines)
+    assert "tierchain.started" in text
+    assert "store.redis_unavailable" in text
+    assert "***@127.0.0.1" in text  # the URLs are there, masked
+    assert_clean(f"tierchain serve's {log_format} log", text)
+    for reply in replies:
+        assert_clean("a reply under serve", reply.text + json.dumps(list(reply.headers.items())))
