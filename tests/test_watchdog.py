@@ -44,6 +44,7 @@ class Gateway:
     def __init__(self, chain: list[Backend], **watchdog: Any) -> None:
         self.events: list[dict[str, Any]] = []
         self.forwarder = Forwarder()
+        watchdog.setdefault("status_interval", 0)  # probes only: exact GET counts below
         self.watchdog = SaturationWatchdog(self.forwarder, **watchdog)
         self.app = recording(Failover(self.watchdog, routes=Routes({"echo": chain})), self.events)
 

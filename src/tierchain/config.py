@@ -123,6 +123,14 @@ def integer(minimum: int, maximum: int | None = None) -> Parser:
     return parse
 
 
+def fraction(raw: str) -> float:
+    """A number in (0, 1], such as ``0.8``."""
+    value = float(raw.strip())
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise ValueError
+    return value
+
+
 def size(raw: str) -> int:
     """Bytes as ``33554432``, ``512k``, ``32MiB``, ``1g`` (binary multiples)."""
     match = _SIZE.fullmatch(raw.strip())
@@ -374,6 +382,16 @@ LAYERS: tuple[Layer, ...] = (
         _o("ceiling", "WATCHDOG_CEILING", seconds(zero_ok=False), _SECS_POS),
         _o("probe_timeout", "WATCHDOG_PROBE_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
         _o("stall_after", "WATCHDOG_STALL_AFTER", seconds(), f"{_SECS} (0: off)"),
+        _o("status_interval", "WATCHDOG_STATUS_INTERVAL", seconds(), f"{_SECS} (0: off)",
+           help="How often a status URL is polled while traffic flows."),
+        _o("status_stale", "WATCHDOG_STATUS_STALE", seconds(zero_ok=False), _SECS_POS,
+           help="A polled status older than this is unknown."),
+        _o("busy_waiting", "WATCHDOG_BUSY_WAITING", integer(1), _COUNT,
+           help="Waiting requests at which a backend is full."),
+        _o("busy_kv_cache", "WATCHDOG_BUSY_KV_CACHE", fraction, "a fraction such as 0.8",
+           help="KV-cache use at which a backend is full."),
+        _o("busy_all_slots", "WATCHDOG_BUSY_ALL_SLOTS", boolean, _BOOL,
+           help="Every /slots slot busy means full."),
     ), code_only=frozenset({"readers", "client"})),
     Layer("Allowance", "tierchain.allowance", "component", (
         _o("cold_start", "ALLOWANCE_COLD_START", seconds(), _SECS_NONNEG),

@@ -30,6 +30,16 @@ Saturated means: the inner app is cancelled (so the upstream connection
 closes) and :class:`~tierchain.errors.BackendSaturated` is raised for Failover
 to record and advance; a Breaker wrapping this layer sees it pass.
 
+Status-aware routing: a backend with a ``status_url`` is polled in the
+background while traffic flows (every ``status_interval`` seconds, one poller
+per status URL in the process, started on demand and stopped once idle; see
+:mod:`tierchain.status`). When its latest status (no older than
+``status_stale``) says it is full (``busy_waiting`` requests waiting, KV cache
+at ``busy_kv_cache``, every slot busy) the attempt is skipped before anything
+is sent, with :class:`~tierchain.errors.BackendBusy` and the reason. A stale,
+slow or failing status never blocks: unknown means try it. The last tier is
+never skipped.
+
 The last tier (or a request with no Failover) is never cut by the window: it
 is recorded as slow and only the budget or the ceiling ends it. The ceiling
 (``ceiling`` seconds after the attempt started, on the monotonic clock) is
@@ -53,11 +63,12 @@ from opentelemetry import trace
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance
-from .errors import BackendSaturated, StreamError
+from .errors import BackendBusy, BackendSaturated, StreamError
 from .observer import Observer, whole_events
 from .probes import Reader, Status, auto_reader, fetch_status, judge
 from .request import UNROUTED_KEY, Attempt, TierRequest
 from .sse import error_event
+from .status import Fullness, StatusBoard, full, shared_board
 from .telemetry import (
     ATTR_BACKEND,
     ATTR_ROUTE,
@@ -99,6 +110,11 @@ class SaturationWatchdog:
     recognises the built-in formats by shape). ``client`` supplies the
     ``httpx.AsyncClient`` for probes (then its owner closes it); otherwise one
     is created on first use and closed by :meth:`aclose` or lifespan shutdown.
+
+    ``status_interval`` is how often a backend's status URL is polled in the
+    background while traffic flows (0: no polling, no skipping); a status older
+    than ``status_stale`` is unknown. ``busy_waiting``, ``busy_kv_cache`` and
+    ``busy_all_slots`` are the thresholds past which a polled status says full.
     """
 
     def __init__(
@@ -111,6 +127,11 @@ class SaturationWatchdog:
         stall_after: float | timedelta = 120.0,
         readers: Mapping[str, Reader] | None = None,
         client: httpx.AsyncClient | None = None,
+        status_interval: float | timedelta = 0.05,
+        status_stale: float | timedelta = 0.2,
+        busy_waiting: int = 5,
+        busy_kv_cache: float = 0.8,
+        busy_all_slots: bool = True,
     ) -> None:
         self.app = app
         if callable(slow_after):
@@ -128,6 +149,21 @@ class SaturationWatchdog:
                 raise ValueError(f"the status reader for backend {name!r} is not callable")
         self._own_client = client is None
         self._client = client
+        interval = _seconds("status_interval", status_interval, zero_ok=True)
+        stale = _seconds("status_stale", status_stale, zero_ok=False)
+        if isinstance(busy_waiting, bool) or not isinstance(busy_waiting, int) or busy_waiting < 1:
+            raise ValueError(f"busy_waiting must be an integer >= 1, got {busy_waiting!r}")
+        if not (isinstance(busy_kv_cache, int | float) and 0 < busy_kv_cache <= 1):
+            raise ValueError(f"busy_kv_cache must be a fraction in (0, 1], got {busy_kv_cache!r}")
+        self.board: StatusBoard | None = None
+        if interval > 0:
+            self.board = StatusBoard(
+                interval=interval,
+                stale_after=stale,
+                timeout=min(self.probe_timeout, max(stale, interval)),
+                limits=Fullness(busy_waiting, float(busy_kv_cache), bool(busy_all_slots)),
+            )
+            shared_board(self.board)  # the Breaker reads it to recover by status
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -137,7 +173,9 @@ class SaturationWatchdog:
         return self._client
 
     async def aclose(self) -> None:
-        """Close the probe client (if this watchdog created it)."""
+        """Stop the status pollers; close the probe client (if this watchdog created it)."""
+        if self.board is not None:
+            await self.board.aclose()
         client, self._client = self._client, None
         if client is not None and self._own_client:
             await client.aclose()
@@ -171,14 +209,30 @@ class SaturationWatchdog:
         if scope["type"] != "http" or UNROUTED_KEY in scope:
             return await self.app(scope, receive, send)
         req = TierRequest.find(scope)
-        window = 0.0 if self.off else self.window(req.body if req is not None else None)
         attempt = req.attempt if req is not None else None
+        if (
+            self.board is not None
+            and attempt is not None
+            and attempt.backend.status_url is not None
+            and not attempt.is_last
+        ):
+            self._check_room(attempt.backend.name, attempt.backend.status_url)
+        window = 0.0 if self.off else self.window(req.body if req is not None else None)
         stall = self.stall_after
         if attempt is not None and attempt.backend.stall_after is not None:
             stall = attempt.backend.stall_after
         if window <= 0 and stall <= 0:
             return await self.app(scope, receive, send)
         await _Watch(self, scope, req, window, stall).run(receive, send)
+
+    def _check_room(self, name: str, url: str) -> None:
+        """Raise BackendBusy when the backend's polled status says it is full."""
+        board = self.board
+        assert board is not None
+        status = board.peek(url, self.reader_for(name))
+        why = full(status, board.limits)
+        if why is not None:
+            raise BackendBusy(f"backend {name!r} is full ({why})", why=why)
 
     def _lifespan_send(self, send: Send) -> Send:
         async def lifespan_send(message: Message) -> None:
