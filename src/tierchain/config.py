@@ -131,6 +131,14 @@ def fraction(raw: str) -> float:
     return value
 
 
+def number_above_zero(raw: str) -> float:
+    """A finite number > 0, such as ``2`` or ``1.5``."""
+    value = float(raw.strip())
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError
+    return value
+
+
 def size(raw: str) -> int:
     """Bytes as ``33554432``, ``512k``, ``32MiB``, ``1g`` (binary multiples)."""
     match = _SIZE.fullmatch(raw.strip())
@@ -259,12 +267,15 @@ def store_url(raw: str) -> str:
 
 
 _ALLOWANCE = "allowance"
+_AUTO = "auto"
 
 
 def slow_after(raw: str) -> float | str:
-    """Seconds (0: off), or the word ``allowance`` for the TIERCHAIN_ALLOWANCE_* formula."""
+    """Seconds (0: off), ``allowance`` (TIERCHAIN_ALLOWANCE_*) or ``auto`` (TIERCHAIN_LEARNED_*)."""
     if raw.strip().lower() == _ALLOWANCE:
         return _ALLOWANCE
+    if raw.strip().lower() == _AUTO:
+        return _AUTO
     value: float = seconds(zero_ok=True)(raw)
     return value
 
@@ -378,7 +389,8 @@ LAYERS: tuple[Layer, ...] = (
            "a backend name (A-Z a-z 0-9 . _ -, 1-64 characters), used when no Failover runs"),
     ), wired=frozenset({"store"})),
     Layer("SaturationWatchdog", "tierchain.watchdog", "middleware", (
-        _o("slow_after", "SLOW_AFTER", slow_after, f"{_SECS} (0: off), or the word allowance"),
+        _o("slow_after", "SLOW_AFTER", slow_after,
+           f"{_SECS} (0: off), or the word allowance, or the word auto"),
         _o("ceiling", "WATCHDOG_CEILING", seconds(zero_ok=False), _SECS_POS),
         _o("probe_timeout", "WATCHDOG_PROBE_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
         _o("stall_after", "WATCHDOG_STALL_AFTER", seconds(), f"{_SECS} (0: off)"),
@@ -399,6 +411,15 @@ LAYERS: tuple[Layer, ...] = (
         _o("per_1k_tokens", "ALLOWANCE_PER_1K_TOKENS", seconds(), _SECS_NONNEG),
         _o("ceiling", "ALLOWANCE_CEILING", seconds(zero_ok=False), _SECS_POS),
     ), code_only=frozenset({"tokenizer"}), help="Used when TIERCHAIN_SLOW_AFTER=allowance."),
+    Layer("Learned", "tierchain.learned", "component", (
+        _o("maximum", "LEARNED_MAXIMUM", seconds(zero_ok=False), _SECS_POS,
+           help="The window until enough samples, and its upper bound."),
+        _o("floor", "LEARNED_FLOOR", seconds(zero_ok=False), _SECS_POS),
+        _o("quantile", "LEARNED_QUANTILE", fraction, "a fraction such as 0.99"),
+        _o("margin", "LEARNED_MARGIN", number_above_zero, "a number > 0 such as 2"),
+        _o("min_samples", "LEARNED_MIN_SAMPLES", integer(1), _COUNT),
+        _o("half_life", "LEARNED_HALF_LIFE", number_above_zero, "a number of samples > 0"),
+    ), help="Used when TIERCHAIN_SLOW_AFTER=auto."),
     Layer("Forwarder", "tierchain.forwarder", "handler", (
         _o("connect_timeout", "FORWARDER_CONNECT_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
         _o("max_keepalive", "FORWARDER_MAX_KEEPALIVE", integer(0), "a whole number >= 0"),
@@ -534,6 +555,8 @@ class Settings:
             kwargs["store"] = store
         if name == "SaturationWatchdog" and kwargs.get("slow_after") == _ALLOWANCE:
             kwargs["slow_after"] = layer_class("Allowance")(**self.layers["Allowance"].options)
+        if name == "SaturationWatchdog" and kwargs.get("slow_after") == _AUTO:
+            kwargs["slow_after"] = layer_class("Learned")(**self.layers["Learned"].options)
         return kwargs
 
     def make_store(self) -> Any:
@@ -553,6 +576,11 @@ class Settings:
             if (
                 name == "Allowance"
                 and self.layers["SaturationWatchdog"].options.get("slow_after") != _ALLOWANCE
+            ):
+                continue
+            if (
+                name == "Learned"
+                and self.layers["SaturationWatchdog"].options.get("slow_after") != _AUTO
             ):
                 continue
             if name == "Admin" and not self.admin_enabled:
@@ -679,6 +707,12 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         for env_name in sources["Allowance"].values():
             problems.append(
                 f"{env_name} is set but has no effect: set TIERCHAIN_SLOW_AFTER=allowance to use it"
+            )
+
+    if parsed["SaturationWatchdog"].get("slow_after") != _AUTO:
+        for env_name in sources["Learned"].values():
+            problems.append(
+                f"{env_name} is set but has no effect: set TIERCHAIN_SLOW_AFTER=auto to use it"
             )
 
     # Routes.

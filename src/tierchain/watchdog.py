@@ -64,6 +64,7 @@ from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance
 from .errors import BackendBusy, BackendSaturated, StreamError
+from .learned import Learned
 from .observer import Observer, whole_events
 from .probes import Reader, Status, auto_reader, fetch_status, judge
 from .request import UNROUTED_KEY, Attempt, TierRequest
@@ -83,8 +84,9 @@ __all__ = ["SaturationWatchdog", "SlowAfter"]
 
 _EARLY = 1e-3  # a loop timer may fire a hair early; treat that as on time
 
-SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float]
-"""Seconds, or a callable computing seconds from the request body (an :class:`Allowance`)."""
+SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float] | Learned | str
+"""Seconds, a callable computing seconds from the request body (an :class:`Allowance`),
+``"auto"`` or a :class:`~tierchain.learned.Learned`: each backend's own learned normal."""
 
 
 def _seconds(name: str, value: float | timedelta, *, zero_ok: bool) -> float:
@@ -134,8 +136,19 @@ class SaturationWatchdog:
         busy_all_slots: bool = True,
     ) -> None:
         self.app = app
-        if callable(slow_after):
-            self.slow_after: float | Callable[[bytes], float] = slow_after
+        self.learned: Learned | None = None
+        if isinstance(slow_after, str):
+            if slow_after != "auto":
+                raise ValueError(
+                    f"slow_after must be seconds, a callable or 'auto', got {slow_after!r}"
+                )
+            slow_after = Learned()
+        if isinstance(slow_after, Learned):
+            self.learned = slow_after
+            self.slow_after: float | Callable[[bytes], float] = slow_after.maximum
+            self.off = False
+        elif callable(slow_after):
+            self.slow_after = slow_after
             self.off = False
         else:
             self.slow_after = _seconds("slow_after", slow_after, zero_ok=True)
@@ -217,13 +230,18 @@ class SaturationWatchdog:
             and not attempt.is_last
         ):
             self._check_room(attempt.backend.name, attempt.backend.status_url)
-        window = 0.0 if self.off else self.window(req.body if req is not None else None)
+        learned = False
+        if self.learned is not None and attempt is not None:
+            window, learned = self.learned.window(attempt.backend.name, req.body if req else None)
+            window = min(window, self.ceiling)
+        else:
+            window = 0.0 if self.off else self.window(req.body if req is not None else None)
         stall = self.stall_after
         if attempt is not None and attempt.backend.stall_after is not None:
             stall = attempt.backend.stall_after
         if window <= 0 and stall <= 0:
             return await self.app(scope, receive, send)
-        await _Watch(self, scope, req, window, stall).run(receive, send)
+        await _Watch(self, scope, req, window, stall, learned).run(receive, send)
 
     def _check_room(self, name: str, url: str) -> None:
         """Raise BackendBusy when the backend's polled status says it is full."""
@@ -264,6 +282,7 @@ class _Watch:
         "backend",
         "fired",
         "last",
+        "learned",
         "observer",
         "own",
         "req",
@@ -282,8 +301,10 @@ class _Watch:
         req: TierRequest | None,
         window: float,
         stall: float,
+        learned: bool = False,
     ) -> None:
         self.watchdog = watchdog
+        self.learned = learned
         self.scope = scope
         self.req = req
         self.attempt: Attempt | None = req.attempt if req is not None else None
@@ -326,6 +347,8 @@ class _Watch:
                 # The inner app swallowed our cancellation and returned anyway.
                 task.uncancel()
                 await self._verdict(send)
+            else:
+                self._learn()
         finally:
             if self._handle is not None:
                 self._handle.cancel()
@@ -334,6 +357,21 @@ class _Watch:
             if prober is not None:
                 prober.cancel()
                 await asyncio.wait([prober])
+
+    def _learn(self) -> None:
+        """A successful attempt teaches the learned normal its time to first data."""
+        learned = self.watchdog.learned
+        observer = self.observer
+        if (
+            learned is None
+            or self.backend is None
+            or observer.first_data_at is None
+            or (self.req is not None and self.req.attempt_error is not None)
+            or observer.verdict() != "ok"
+        ):
+            return
+        body = self.req.body if self.req is not None else None
+        learned.observe(self.backend, body, observer.first_data_at - self.start)
 
     def send(self, message: Message) -> Awaitable[None]:
         """Alone: feed the watchdog's own observer and pass on whole events."""
@@ -551,6 +589,9 @@ class _Watch:
             "tierchain.backend_saturated",
             {ATTR_BACKEND: backend, "reason": reason, "waited_s": round(waited, 3)},
         )
+        learned = self.watchdog.learned
+        if learned is not None and self.backend is not None:
+            learned.saturated(self.backend, self.req.body if self.req else None, self.learned)
         message = f"backend {backend!r} produced no first chunk in {waited:.1f}s ({reason})"
         if self.attempt is not None:
             raise BackendSaturated(message, waited=waited)
