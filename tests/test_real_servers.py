@@ -209,7 +209,7 @@ async def test_max_in_flight_sends_the_second_caller_to_hosted_at_hosteds_own_sp
 ):
     async with FakeBackend("hosted", streams(["from ", "hosted"])) as hosted:
         chain = [Backend("tower", llama_cpp_python, max_in_flight=1), Backend("hosted", hosted.url)]
-        gw = Gateway(chain, slow_after=2.0)
+        gw = Gateway(chain, slow_after=30.0)  # the competing load must stay on the tower
         async with serve(gw.app) as url, httpx.AsyncClient(timeout=60) as client:
             direct, _ = await first_token(client, hosted.url, chat("hi", 8))
             async with competing(url):  # the competing load goes through the gateway
