@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import json
 import re
@@ -706,3 +707,54 @@ async def test_a_keepalive_never_lands_inside_an_event_whose_send_is_still_in_fl
     assert before == b': {"state":"generating"}\n'  # the state line, in front of it
     # keepalives flowed after it, saying how long the stream has been quiet
     assert after.count(b': {"state":"generating","idle_s":') >= 1
+
+
+async def test_many_waiting_streams_share_one_timer_and_no_task_while_they_wait():
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await release.wait()
+
+    outputs: list[list[bytes]] = [[] for _ in range(200)]
+
+    def sender(out: list[bytes]) -> Any:
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                out.append(message["body"])
+
+        return send
+
+    async def receive() -> dict[str, Any]:
+        await release.wait()
+        return {"type": "http.disconnect"}
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/",
+        "headers": [(b"accept", b"text/event-stream")],
+    }
+    hb = Heartbeats(app, interval=TICK, commit_after=TICK)
+    loop = asyncio.get_running_loop()
+    timers_before = len(loop._scheduled)  # type: ignore[attr-defined]
+    requests = [asyncio.create_task(hb(dict(scope), receive, sender(out))) for out in outputs]
+    try:
+        async with asyncio.timeout(3):
+            while min(len(out) for out in outputs) < 4:  # the commit's lines, then keepalives
+                await asyncio.sleep(TICK / 5)
+                # One timer for them all; a write is a task that runs once and ends
+                # (none is left waiting between two lines).
+                assert len(loop._scheduled) <= timers_before + 2  # type: ignore[attr-defined]
+                parked = [
+                    t
+                    for t in tierchain_tasks()
+                    if inspect.getcoroutinestate(t.get_coro()) == inspect.CORO_SUSPENDED
+                ]
+                assert parked == []
+    finally:
+        release.set()
+        await asyncio.wait(requests)
+    for out in outputs:
+        assert out[0] == b': {"state":"waiting"}\n'
+        assert out[1:4] == [b': {"state":"waiting"}\n'] * 3
+    assert tierchain_tasks() == []

@@ -5,11 +5,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 from typing import Any
 
 import pytest
 
 from tierchain import Backend, Failover, Forwarder, Routes
+from tierchain._target import (
+    BadTarget,
+    Target,
+    _checked,
+    check_target,
+    merge_query,
+    request_target,
+    upstream_url,
+)
 
 from .support import FakeBackend, chat_request, completion_body, serve
 
@@ -71,10 +81,12 @@ REFUSED = [
     ("/v1/.%2e/api/pull", "dot_segment"),
     ("/v1/..%2fapi/pull", "dot_segment"),
     ("/v1/../../tenant-b/v1/chat/completions", "dot_segment"),
+    ("/v1/..;p/api/pull", "dot_segment"),
+    ("/v1/%c0%ae%c0%ae/api/pull", "bad_percent_encoding"),
     ("/v1\\..\\api\\pull", "backslash"),
     ("/v1/%5c../api/pull", "backslash"),
     ("/v1/chat/completions%00", "control_character"),
-    ("/v1/chat/completions?x=%00", "control_character"),
+    ("/v1/chat/completions?key=sk-caller%00", "control_character"),
     ("/v1/chat/completions%0d%0aX-Injected:%201", "control_character"),
     ("/v1/chat/completions#frag", "fragment"),
     ("/v1/chat/%zzcompletions", "bad_percent_encoding"),
@@ -125,7 +137,7 @@ async def test_a_target_that_could_steer_the_upstream_is_a_400_and_no_backend_is
         assert untouched(tower, attacker)
     events = [r for r in caplog.records if getattr(r, "event", "") == "request.target_rejected"]
     assert len(events) == len(REFUSED)
-    assert all("x=" not in r.getMessage() for r in events)  # the path only, never the query
+    assert all("sk-caller" not in r.getMessage() for r in events)  # the path, never the query
 
 
 async def test_the_upstream_keeps_the_backends_base_path_and_query_and_merges_the_callers():
@@ -172,3 +184,123 @@ async def test_a_forwarder_alone_keeps_the_host_port_and_userinfo_of_its_backend
 
 async def _answer_json(ex: Any) -> None:
     await ex.respond(200, completion_body("ok"))
+
+
+@pytest.mark.parametrize(
+    ("raw", "normalised"),
+    [
+        (b"/v1/chat/completions", b"/v1/chat/completions"),
+        (b"/%76%31/chat%2dcompletions", b"/v1/chat-completions"),  # unreserved: decoded
+        (b"/v1/models/org%2fmodel", b"/v1/models/org%2Fmodel"),  # reserved: kept, upper-cased
+        (b"/v1//chat", b"/v1//chat"),  # an empty segment inside is passed on
+        (b"/v1/..foo/.well-known/x...", b"/v1/..foo/.well-known/x..."),  # not dot segments
+        (b"/v1/@me", b"/v1/@me"),  # '@' after the first '/' is only a path character
+        (b"/v1/caf\xc3\xa9", b"/v1/caf%C3%A9"),  # raw bytes beyond ASCII go on encoded
+    ],
+)
+def test_a_plain_path_is_accepted_and_normalised(raw, normalised):
+    assert check_target(raw).path == normalised
+
+
+@pytest.mark.parametrize(
+    ("base", "caller", "merged"),
+    [
+        (b"", b"a=1", b"a=1"),
+        (b"api-version=1", b"", b"api-version=1"),
+        (b"api-version=1&api_key=K", b"api_key=X&b=2&api%5Fkey=Y", b"api-version=1&api_key=K&b=2"),
+        (b"k=1", b"k&k=2&j=3", b"k=1&j=3"),  # a bare name counts as the same parameter
+    ],
+)
+def test_the_backends_query_comes_first_and_wins(base, caller, merged):
+    assert merge_query(base, caller) == merged
+
+
+def test_the_upstream_url_keeps_every_part_of_the_backend_but_the_path_tail_and_query():
+    url = upstream_url(
+        "https://u:p@hosted.example:8443/tenant-a/?api_key=K#frag",
+        check_target(b"/v1/chat/completions", b"stream=1"),
+    )
+    assert (
+        str(url)
+        == "https://u:p@hosted.example:8443/tenant-a/v1/chat/completions?api_key=K&stream=1"
+    )
+
+
+def test_the_fast_path_for_plain_targets_agrees_with_the_full_check():
+    rng = random.Random(11)
+    alphabet = [b"/", b".", b"..", b"%", b"2e", b"2E", b"2f", b"5c", b"00", b"\\", b";", b"#"]
+    alphabet += [b"?", b"@", b":", b"v1", b"a", b"-", b"~", b"%41", b"\xc3\xa9", b"\x00", b"//"]
+
+    def outcome(check, raw: bytes, query: bytes) -> object:
+        try:
+            return check(raw, query)
+        except BadTarget as exc:
+            return exc.reason
+
+    fast_taken = 0
+    for _ in range(20000):
+        raw = b"/" + b"".join(rng.choices(alphabet, k=rng.randint(0, 8)))
+        query = b"".join(rng.choices(alphabet, k=rng.randint(0, 3)))
+        if b"?" in raw:
+            raw, _, rest = raw.partition(b"?")
+            query = rest + query
+        fast_taken += isinstance(outcome(check_target, raw, query), Target)
+        assert outcome(check_target, raw, query) == outcome(_checked, raw, query), (raw, query)
+    assert fast_taken > 1000  # the comparison covered accepted targets, not only refusals
+
+
+def test_a_server_that_gives_no_raw_path_or_leaves_the_query_on_it_is_handled():
+    decoded_only = {"type": "http", "path": "/v1/a b/caf\u00e9", "query_string": b"x=1"}
+    assert request_target(decoded_only) == Target(b"/v1/a%20b/caf%C3%A9", b"x=1")
+    with pytest.raises(BadTarget):
+        request_target({"type": "http", "path": "/v1/../api/pull", "query_string": b""})
+    with_query = {"type": "http", "path": "/v1/x", "raw_path": b"/v1/x?x=1", "query_string": b"x=1"}
+    assert request_target(with_query) == Target(b"/v1/x", b"x=1")
+
+
+def _build_stack_gateway(tower: FakeBackend, tmp_path: Any) -> Any:
+    from tierchain.config import from_env
+    from tierchain.stack import build_stack
+
+    routes = tmp_path / "routes.toml"
+    routes.write_text(f'[[routes.echo.backends]]\nname = "tower"\nurl = "{tower.url}"\n')
+    return build_stack(None, from_env({"TIERCHAIN_ROUTES_FILE": str(routes)}), identity=False)
+
+
+def _fastapi_example_gateway(tower: FakeBackend, tmp_path: Any) -> Any:
+    from examples.fastapi_app.app import create_app
+
+    return create_app(Routes({"echo": [Backend("tower", tower.url)]}))
+
+
+def _litestar_example_gateway(tower: FakeBackend, tmp_path: Any) -> Any:
+    from examples.litestar_app.app import create_app
+
+    return create_app(Routes({"echo": [Backend("tower", tower.url)]}))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [_build_stack_gateway, _fastapi_example_gateway, _litestar_example_gateway],
+    ids=lambda f: f.__name__,
+)
+async def test_the_configured_and_the_example_gateways_refuse_a_steering_target(build, tmp_path):
+    async with FakeBackend("tower") as tower, FakeBackend("attacker") as attacker:
+        app = build(tower, tmp_path)
+        async with serve(app) as url:
+            answers = [
+                await raw_request(url, target, chat_request())
+                for target in (
+                    "/v1/../api/pull",
+                    "/v1/%2e%2e/api/pull",
+                    f"@127.0.0.1:{attacker.port}/v1/chat/completions",
+                    f"http://127.0.0.1:{attacker.port}/v1/chat/completions",
+                )
+            ]
+        statuses = [status for status, _, _ in answers]
+        if build is _litestar_example_gateway:
+            # Litestar answers a path that matches no route itself, before any middleware.
+            assert statuses == [400, 400, 404, 404]
+        else:
+            assert statuses == [400, 400, 400, 400]
+        assert untouched(tower, attacker)

@@ -13,6 +13,7 @@ from .allowance import Allowance
 from .backend import Backend, Routes
 from .breaker import Breaker
 from .budget import Budget
+from .endpoints import Endpoints
 from .errors import (
     AttemptError,
     BackendBusy,
@@ -21,7 +22,10 @@ from .errors import (
     BackendUnavailable,
     BodyTooLarge,
     BudgetExhausted,
+    ConfigError,
+    ResolveError,
     RetryableStatus,
+    StoreUnavailable,
     TierchainError,
 )
 from .failover import Failover
@@ -49,16 +53,20 @@ __all__ = [
     "Breaker",
     "Budget",
     "BudgetExhausted",
+    "ConfigError",
+    "Endpoints",
     "Failover",
     "Forwarder",
     "Heartbeats",
     "MemoryStore",
     "PreferBackend",
     "RedisStore",
+    "ResolveError",
     "RetryableStatus",
     "Routes",
     "SaturationWatchdog",
     "StartupIdentity",
+    "StoreUnavailable",
     "TierRequest",
     "TierchainError",
     "__version__",

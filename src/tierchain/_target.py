@@ -8,10 +8,11 @@ that normalises paths:
 
 - not origin-form: an absolute URL (``http://other/...``), an authority or
   userinfo (``@host:port/...``), ``*``, or a path starting with ``//``;
-- a dot segment (``.`` or ``..``), also percent-encoded (``%2e%2e``, ``.%2E``)
-  or separated by an encoded slash (``..%2f``);
+- a dot segment (``.`` or ``..``), also percent-encoded (``%2e%2e``, ``.%2E``),
+  separated by an encoded slash (``..%2f``) or followed by parameters (``..;x``);
 - a backslash (also ``%5c``), a NUL or any other control character (also
-  percent-encoded), a fragment (``#``), or a ``%`` not followed by two hex digits.
+  percent-encoded), a fragment (``#``), a ``%`` not followed by two hex digits,
+  or a path that is not UTF-8 once decoded (an overlong ``%c0%ae``).
 
 The normalised path decodes percent-encoded unreserved characters (``%76`` is
 ``v``) and upper-cases every other escape, so a path check (Failover's
@@ -40,6 +41,9 @@ __all__ = ["BadTarget", "Target", "refuse", "request_target", "upstream_url"]
 _ESCAPE = re.compile(rb"%([0-9A-Fa-f]{2})")
 _BAD_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
 _HIGH = re.compile(rb"[\x80-\xff]")
+# A path with nothing to decode, no dot right after a slash, no backslash: accepted as is.
+_PLAIN = re.compile(rb"/(?![/.])(?:[A-Za-z0-9\-_~!$&'()*+,;=:@]|\.|/(?!\.))*")
+_PLAIN_QUERY = re.compile(rb"[A-Za-z0-9\-._~!$&'()*+,;=:@/?]*")
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _PCHAR_SAFE = "/:@!$&'()*+,;=-._~"
 _SHOWN = 120
@@ -78,6 +82,13 @@ def _has_control(data: bytes) -> bool:
 
 def check_target(raw_path: bytes, query: bytes = b"") -> Target:
     """``raw_path`` and ``query`` checked and normalised; :class:`BadTarget` if refused."""
+    if _PLAIN.fullmatch(raw_path) and _PLAIN_QUERY.fullmatch(query):
+        return Target(raw_path, query)  # the common case: nothing to decode or doubt
+    return _checked(raw_path, query)
+
+
+def _checked(raw_path: bytes, query: bytes) -> Target:
+    """:func:`check_target` the long way, for a target the fast path could not accept."""
     if not raw_path.startswith(b"/") or raw_path.startswith(b"//"):
         raise BadTarget(
             "the request target must be a path that starts with a single '/' "
@@ -102,7 +113,16 @@ def check_target(raw_path: bytes, query: bytes = b"") -> Target:
             "(also not percent-encoded)",
             "control_character",
         )
-    if any(segment in (b".", b"..") for segment in decoded.split(b"/")):
+    try:
+        decoded.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadTarget(
+            "the request path is not UTF-8 once percent-decoded (an overlong '.' such as "
+            "%c0%ae is one)",
+            "bad_percent_encoding",
+        ) from None
+    # A segment's parameters (";...") are dropped by some servers before they resolve dots.
+    if any(segment.partition(b";")[0] in (b".", b"..") for segment in decoded.split(b"/")):
         raise BadTarget(
             "the request path must not contain '.' or '..' segments (also not percent-encoded)",
             "dot_segment",
@@ -117,6 +137,8 @@ def request_target(scope: Scope) -> Target:
     raw_path: bytes | None = scope.get("raw_path")
     if raw_path is None:  # a server that gives only the decoded path
         raw_path = quote(scope["path"], safe=_PCHAR_SAFE).encode("ascii")
+    elif b"?" in raw_path:  # some servers leave the query on raw_path; it is in query_string
+        raw_path = raw_path.partition(b"?")[0]
     return check_target(raw_path, scope.get("query_string", b""))
 
 
@@ -134,19 +156,26 @@ def merge_query(base: bytes, caller: bytes) -> bytes:
 
 
 @lru_cache(maxsize=256)
-def _base(url: str) -> tuple[httpx.URL, bytes, bytes]:
-    """A backend URL parsed once: the URL, its base path (no trailing slash), its query."""
-    parsed = httpx.URL(url)
-    path = parsed.raw_path.partition(b"?")[0].rstrip(b"/")
-    return parsed.copy_with(fragment=None), path, parsed.query
+def _base(url: str) -> tuple[str, bytes]:
+    """A backend URL split once: everything up to its base path (no trailing slash), its query."""
+    parsed = httpx.URL(url)  # the same parser that will read the joined URL
+    if parsed.fragment:
+        url = url.partition("#")[0]
+    prefix = url.partition("?")[0]
+    return prefix.rstrip("/"), parsed.query
 
 
-def upstream_url(backend_url: str, target: Target) -> httpx.URL:
-    """``backend_url``'s scheme, userinfo, host, port and base path + ``target``."""
-    base, base_path, base_query = _base(backend_url)
+def upstream_url(backend_url: str, target: Target) -> str:
+    """``backend_url``'s scheme, userinfo, host, port and base path + ``target``.
+
+    A plain join is safe here, and only here: the target was checked (one leading
+    ``/``, no ``?``, ``#``, backslash or control character in the path, all ASCII),
+    so nothing in it can end the authority or the base path.
+    """
+    prefix, base_query = _base(backend_url)
     query = merge_query(base_query, target.query)
-    raw = base_path + target.path + (b"?" + query if query else b"")
-    return base.copy_with(raw_path=raw)
+    tail = target.path + b"?" + query if query else target.path
+    return prefix + tail.decode("ascii")
 
 
 def _shown_path(scope: Scope) -> str:

@@ -33,14 +33,16 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from .backend import Backend, Routes
+from .errors import ConfigError
+from .masking import MASK, mask_text, mask_url
 
 if TYPE_CHECKING:
     from .stack import build_stack
@@ -54,6 +56,7 @@ __all__ = [
     "Option",
     "Settings",
     "build_stack",
+    "display_value",
     "find_layer",
     "from_env",
     "layer_class",
@@ -63,19 +66,9 @@ __all__ = [
 ]
 
 PREFIX = "TIERCHAIN_"
-MASK = "***"
 
 # Variables with this prefix that other tools read (the test harness), not the gateway.
 FOREIGN_VARIABLES = frozenset({"TIERCHAIN_CHROMIUM"})
-
-
-class ConfigError(ValueError):
-    """The configuration cannot be used; ``problems`` lists every reason, one sentence each."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = tuple(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"tierchain configuration has {len(self.problems)} problem(s):\n{lines}")
 
 
 # -- parsers -----------------------------------------------------------------------
@@ -235,7 +228,7 @@ def mount_path(raw: str) -> str:
 
 
 def stack_list(raw: str) -> tuple[str, ...]:
-    """Middleware names separated by commas, in the brief's order."""
+    """Middleware names separated by commas, in the fixed order (outermost first)."""
     names: list[str] = []
     by_lower = {n.lower(): n for n in STACK_ORDER}
     for part in (p.strip() for p in raw.split(",")):
@@ -350,6 +343,17 @@ LAYERS: tuple[Layer, ...] = (
         _o("identity", "IDENTITY", boolean, _BOOL,
            help="Write the tierchain.started identity line at start-up (default on)."),
     )),
+    Layer("serve", "tierchain.serve", "general", (
+        _o("host", "HOST", text, "an address to listen on, such as 127.0.0.1 or 0.0.0.0"),
+        _o("port", "PORT", integer(0, 65535), "a port number from 0 to 65535 (0: any free one)"),
+        _o("drain_timeout", "DRAIN_TIMEOUT", seconds(), _SECS_NONNEG,
+           help="On SIGTERM or SIGINT, how long requests in flight may take to finish."),
+        _o("log_format", "LOG_FORMAT", choice("text", "json"), "text or json"),
+        _o("log_level", "LOG_LEVEL", choice("debug", "info", "warning", "error"),
+           "debug, info, warning or error"),
+        _o("access_log", "ACCESS_LOG", boolean, _BOOL,
+           help="One uvicorn.access line per request (default off)."),
+    ), help="Read by tierchain serve only."),
     Layer("Heartbeats", "tierchain.heartbeats", "middleware", (
         _o("interval", "HEARTBEAT_INTERVAL", seconds(), f"{_SECS} (0: no keepalives)"),
         _o("commit_after", "HEARTBEAT_COMMIT_AFTER", seconds(), _SECS_NONNEG),
@@ -364,7 +368,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("PreferBackend", "tierchain.prefer", "middleware", (
         _o("header", "PREFER_HEADER", header_name, "an HTTP header name such as X-Prefer-Backend"),
         _o("pin_timeout", "PREFER_PIN_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
-    ), wired=frozenset({"store"})),
+    ), wired=frozenset({"store"}), code_only=frozenset({"allow"})),
     Layer("Failover", "tierchain.failover", "middleware", (
         _o("max_body", "FAILOVER_MAX_BODY", size, "a size in bytes such as 512k or 32MiB"),
         _o("retry_statuses", "FAILOVER_RETRY_STATUSES", status_list,
@@ -457,6 +461,7 @@ _ROUTE_KEYS = (
     "model",
     "headers",
     "api_key_env",
+    "forward_caller_auth",
     "max_in_flight",
 )
 
@@ -515,6 +520,13 @@ class LayerSettings:
     sources: Mapping[str, str]
     defaults: Mapping[str, Any]
 
+    def __repr__(self) -> str:
+        options = {k: display_value(self.name, k, v) for k, v in self.options.items()}
+        return (
+            f"LayerSettings(name={self.name!r}, kind={self.kind!r}, enabled={self.enabled!r}, "
+            f"options={options!r})"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Settings:
@@ -558,6 +570,14 @@ class Settings:
         if name == "SaturationWatchdog" and kwargs.get("slow_after") == _AUTO:
             kwargs["slow_after"] = layer_class("Learned")(**self.layers["Learned"].options)
         return kwargs
+
+    def __repr__(self) -> str:
+        return (
+            f"Settings(stack={list(self.stack)!r}, routes={self.routes!r}, "
+            f"routes_file={self.routes_file!r}, store_url={mask_url(self.store_url)!r}, "
+            f"admin_path={self.admin_path!r}, identity={self.identity!r}, "
+            f"options={self.effective()['options']!r})"
+        )
 
     def make_store(self) -> Any:
         """A new store for ``store_url``: a MemoryStore, or a RedisStore."""
@@ -603,6 +623,15 @@ class Settings:
         }
 
 
+def display_value(layer: str, name: str, value: Any) -> Any:
+    """Option ``name`` of ``layer`` for showing: a secret's value masked, URLs masked."""
+    known = _BY_NAME.get(layer)
+    if known is not None and any(o.name == name and o.secret for o in known.options):
+        return MASK
+    shown = plain(value)
+    return mask_url(shown) if isinstance(shown, str) and "://" in shown else shown
+
+
 def plain(value: Any) -> Any:
     """A JSON-friendly rendering of an option value."""
     if isinstance(value, timedelta):
@@ -618,24 +647,10 @@ def plain(value: Any) -> Any:
     return repr(value)
 
 
-def mask_url(url: str) -> str:
-    """``url`` with any password (and a user name carrying one) replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None and parts.username is None:
-            return url
-        host = parts.hostname or ""
-        if parts.port is not None:
-            host = f"{host}:{parts.port}"
-        return urlunsplit(parts._replace(netloc=f"{MASK}@{host}"))
-    except ValueError:
-        return MASK
-
-
 def _shown(opt: Option, raw: str) -> str:
     if opt.secret:
         return f"<{len(raw)} characters, not shown>"
-    return repr(raw)
+    return repr(mask_text(raw, raw))
 
 
 def _defaults(cls: Any, layer: Layer) -> dict[str, Any]:
@@ -672,7 +687,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         try:
             value = opt.parse(raw)
         except ValueError as exc:
-            detail = f" ({exc})" if str(exc) else ""
+            detail = f" ({mask_text(str(exc), raw)})" if str(exc) else ""
             problems.append(f"{key}={_shown(opt, raw)}: expected {opt.expected}{detail}")
             continue
         parsed[layer.name][opt.name] = value
@@ -858,6 +873,15 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
             ok = False
             continue
         fields[key] = value
+    if "forward_caller_auth" in entry:
+        value = entry["forward_caller_auth"]
+        if not isinstance(value, bool):
+            problems.append(
+                f"{where}.forward_caller_auth={value!r}: expected true or false (no quotes)"
+            )
+            ok = False
+        else:
+            fields["forward_caller_auth"] = value
     headers: dict[str, str] = {}
     raw_headers = entry.get("headers", {})
     if not isinstance(raw_headers, Mapping):

@@ -176,7 +176,7 @@ FAST = Timing(
 
 
 def build_gateway(routes: Routes, forwarder: Forwarder, timing: Timing) -> Any:
-    """The whole tierchain stack in the brief's order, around the Forwarder."""
+    """The whole tierchain stack in its fixed order, around the Forwarder."""
     store = MemoryStore()
     app: Any = SaturationWatchdog(forwarder, slow_after=timing.slow_after)
     app = Breaker(app, store=store, saturation_cooldown=timing.saturation_cooldown)

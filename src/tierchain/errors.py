@@ -16,13 +16,40 @@ is a different fact and a different branch of the tree::
     │   │                       malformed_stream
     │   └── RetryableStatus     a retryable status arrived before anything was sent
     ├── BudgetExhausted         the request's deadline is spent: 504, never a failover
-    └── BodyTooLarge            the request body exceeds what can be replayed: 413
+    ├── BodyTooLarge            the request body exceeds what can be replayed: 413
+    ├── ResolveError            (also a ValueError) a resolver found no route in the
+    │                           body: 400
+    ├── StoreUnavailable        (also a ConnectionError) the shared store is away and
+    │                           the operation (a pin write) has no safe fallback: 503
+    └── ConfigError             (also a ValueError) the configuration cannot be used;
+                                ``problems`` lists every reason
 
 Every ``AttemptError`` carries ``reason``, the short outcome word used in the
-attempt trail, metrics and heartbeat lines.
+attempt trail, metrics and heartbeat lines. The last three are the ones
+application code catches: ``ResolveError`` from a custom resolver,
+``StoreUnavailable`` from :meth:`RedisStore.set_pin <tierchain.RedisStore.set_pin>`
+and friends, ``ConfigError`` from :func:`tierchain.config.from_env`. Each keeps
+its built-in base, so ``except ValueError`` still catches a ``ConfigError``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "AttemptError",
+    "BackendSaturated",
+    "BackendSkipped",
+    "BackendUnavailable",
+    "BodyTooLarge",
+    "BudgetExhausted",
+    "ConfigError",
+    "ResolveError",
+    "RetryableStatus",
+    "StoreUnavailable",
+    "StreamError",
+    "TierchainError",
+]
 
 
 class TierchainError(Exception):
@@ -127,3 +154,20 @@ class BodyTooLarge(TierchainError):
     def __init__(self, limit: int) -> None:
         super().__init__(f"request body exceeds the {limit}-byte limit")
         self.limit = limit
+
+
+class ResolveError(TierchainError, ValueError):
+    """Raised by a resolver when the body cannot name a route: answered 400."""
+
+
+class StoreUnavailable(TierchainError, ConnectionError):
+    """The shared store cannot be reached, and this operation (a pin write) has no safe fallback."""
+
+
+class ConfigError(TierchainError, ValueError):
+    """The configuration cannot be used; ``problems`` lists every reason, one sentence each."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = tuple(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"tierchain configuration has {len(self.problems)} problem(s):\n{lines}")

@@ -45,9 +45,10 @@ import json
 import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
+from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 
 from ._body import CallerGone, read_body
 from ._disconnect import DisconnectGuard
@@ -64,6 +65,7 @@ from .errors import (
     BackendUnavailable,
     BodyTooLarge,
     BudgetExhausted,
+    ResolveError,
     RetryableStatus,
     StreamError,
 )
@@ -93,10 +95,6 @@ BACKEND_HEADER = b"x-tierchain-backend"
 _COMMENT_LIMIT = 64 * 1024  # comment bytes held before the first data event
 _REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its message
 _REFUSED = frozenset({429, 503})
-
-
-class ResolveError(ValueError):
-    """Raised by a resolver when the body cannot name a route: answered 400."""
 
 
 Resolver = Callable[[Scope, bytes], str]
@@ -352,7 +350,10 @@ class Failover:
                     lease = await self.admission.enter(backend, last=attempt.is_last)
                 # A fresh copy per attempt: routers (Starlette's Mount, Litestar's) rewrite
                 # the scope as they dispatch, and a replay must start from the original.
-                await self.app(dict(scope), _replay(req.body or b"", guard), responder.send)
+                # The attempt's span is current inside, so that the Forwarder (or the
+                # host's own client instrumentation) sends its trace context upstream.
+                with _current(span):
+                    await self.app(dict(scope), _replay(req.body or b"", guard), responder.send)
             except asyncio.CancelledError:
                 if not _own_abort(req):
                     raise
@@ -451,6 +452,13 @@ class Failover:
             outcome=outcome,
             failing_over=failing_over,
         )
+
+
+def _current(span: Span) -> AbstractContextManager[object]:
+    """``span`` made the current span, when it records (else nothing to do)."""
+    if not span.is_recording():
+        return nullcontext()
+    return use_span(span, record_exception=False, set_status_on_exception=False)
 
 
 def _attempt_span(attempt: Attempt) -> Span:

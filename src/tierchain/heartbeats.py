@@ -41,12 +41,16 @@ Framing and safety
     event it cannot decode.
 
 Tasks and teardown (after sse-starlette)
-    The inner app runs in the request's own task; the keepalive ticker is one
-    side task (named ``tierchain-heartbeats``) that this layer cancels and
-    awaits when the response ends or the caller leaves. Writes are serialised
-    with a lock and nothing is written after the final chunk. ``receive`` is
-    only observed, never read on the app's behalf, so ``http.disconnect``
-    reaches the inner app (Failover's disconnect guard) untouched.
+    The inner app runs in the request's own task. No stream has a task or a
+    timer of its own while it waits: one process-wide keepalive timer (one
+    ``TimerHandle`` per event loop) holds every stream's next due time, and
+    when a commit or a keepalive falls due it starts one short-lived write
+    (a task named ``tierchain-heartbeats``) that ends once the line is
+    written. The request owns that write: it is cancelled and awaited when
+    the response ends or the caller leaves. Writes are serialised with a lock
+    and nothing is written after the final chunk. ``receive`` is only
+    observed, never read on the app's behalf, so ``http.disconnect`` reaches
+    the inner app (Failover's disconnect guard) untouched.
 
 Deliberate divergences: heartbeats are comments, never empty ``data:`` frames,
 data-less ``event:`` frames or empty-choices chunks; with no state event yet
@@ -58,9 +62,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import heapq
 import json
 import math
 import time
+import weakref
 from collections import deque
 from typing import Any
 
@@ -184,8 +191,112 @@ class Heartbeats:
         await _Stream(self, scope, receive, send, accept).run()
 
 
+class _Clock:
+    """The process-wide keepalive timer: one ``TimerHandle`` per event loop.
+
+    Every waiting stream's next due time (its commit, its next keepalive) is
+    an entry ``[due, seq, stream]`` here. A stream's first due time is always
+    its start plus the same delay, so those entries go into a FIFO per delay
+    (O(1), in due order); later ones go into a heap. An entry whose stream
+    has ended has ``None`` in place of the stream and is dropped when it
+    comes up. A stream whose output moved its due time later is simply given
+    a new entry when the old one comes up (nothing is done per chunk).
+    """
+
+    __slots__ = ("fifos", "handle", "heap", "loop", "seq", "when")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.fifos: dict[float, deque[list[Any]]] = {}
+        self.heap: list[list[Any]] = []
+        self.handle: asyncio.TimerHandle | None = None
+        self.when = math.inf
+        self.seq = 0
+
+    def first(self, stream: _Stream, delay: float) -> list[Any]:
+        """Schedule ``stream`` ``delay`` seconds from now (its first due time)."""
+        due = stream.started + delay
+        entry = [due, 0, stream]
+        fifo = self.fifos.get(delay)
+        if fifo is None:
+            fifo = self.fifos[delay] = deque()
+        fifo.append(entry)
+        if due < self.when:
+            self._arm(due)
+        return entry
+
+    def at(self, stream: _Stream, due: float) -> list[Any]:
+        """Schedule ``stream`` at ``due`` (monotonic seconds)."""
+        self.seq += 1
+        entry = [due, self.seq, stream]
+        heapq.heappush(self.heap, entry)
+        if due < self.when:
+            self._arm(due)
+        return entry
+
+    def _arm(self, due: float) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+        self.when = due
+        delay = max(due - _now(), _QUANTUM)
+        # An empty context: the timer belongs to no request.
+        self.handle = self.loop.call_later(delay, self._fire, context=_EMPTY_CONTEXT)
+
+    def _fire(self) -> None:
+        self.handle = None
+        self.when = math.inf
+        now = _now()
+        upto = now + _QUANTUM / 2  # what falls due before the next wake is due now
+        due: list[list[Any]] = []
+        for fifo in self.fifos.values():
+            while fifo and fifo[0][0] <= upto:
+                due.append(fifo.popleft())
+        heap = self.heap
+        while heap and heap[0][0] <= upto:
+            due.append(heapq.heappop(heap))
+        for entry in due:  # (what they schedule is for a later wake)
+            self._due(entry, upto)
+        nxt = heap[0][0] if heap else math.inf
+        for fifo in self.fifos.values():
+            if fifo and fifo[0][0] < nxt:
+                nxt = fifo[0][0]
+        if nxt < math.inf and nxt < self.when:
+            self._arm(max(nxt, now + _QUANTUM))
+
+    @staticmethod
+    def _due(entry: list[Any], now: float) -> None:
+        stream: _Stream | None = entry[2]
+        if stream is None:
+            return
+        entry[2] = None
+        stream.entry = None
+        try:
+            stream.due(now)
+        except Exception as exc:  # one stream's failure must not stop the others' keepalives
+            log_event("stream.heartbeat_failed", level=30, error=repr(exc))
+
+
+_QUANTUM = 0.002  # the timer wakes at most this often; a line may be this late
+_EMPTY_CONTEXT = contextvars.Context()
+_CLOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Clock] = weakref.WeakKeyDictionary()
+_last_clock: _Clock | None = None
+
+
+def _clock() -> _Clock:
+    """The running loop's keepalive timer."""
+    global _last_clock
+    loop = asyncio.get_running_loop()
+    clock = _last_clock
+    if clock is None or clock.loop is not loop:
+        clock = _CLOCKS.get(loop)
+        if clock is None:
+            clock = _CLOCKS[loop] = _Clock(loop)
+        _last_clock = clock
+    return clock
+
+
 class _Stream:
-    """One request's heartbeat state: phase, queued events, tail, ticker."""
+    """One request's heartbeat state: phase, queued events, tail, timer entry, writer."""
 
     def __init__(
         self, hb: Heartbeats, scope: Scope, receive: Receive, send: Send, accept: bool
@@ -197,9 +308,17 @@ class _Stream:
         self.req = TierRequest.of(scope)
         self.accept = accept
         self.phase = _WAITING
-        # Made when the ticker starts: until then no one else writes, and no one waits.
+        # Made when the stream goes live (its first due time): until then no one
+        # else writes, and no one waits.
         self.lock: asyncio.Lock | contextlib.nullcontext[None] = _NO_LOCK
-        self.wake: asyncio.Event | None = None
+        self.live = False
+        self.clock: _Clock | None = None
+        self.entry: list[Any] | None = None  # its place in the keepalive timer
+        self.writer: asyncio.Task[None] | None = None  # a timer-started write
+        self.context = contextvars.copy_context()  # the request's: for that write
+        self.awaiting_body = False  # the commit is due once the body says "stream"
+        self.rearm_after = False  # a held-back keepalive went out: time the next one
+        self.broken = False  # a timer-started write failed: no more of them
         self.queue: deque[StateEvent] = deque(maxlen=hb.max_queued)
         self.last = b""  # the last relayed chunk (whole events): is a CR pending?
         self.after_own = True  # the last bytes written are our own lines: a boundary
@@ -219,14 +338,8 @@ class _Stream:
         self.inner_started = False
         self.span = trace.get_current_span()
         self.recording = self.span.is_recording()
-        self.handle: asyncio.TimerHandle | None = None
-        self.ticker: asyncio.Task[None] | None = None
         self.in_send = False  # a relayed chunk is being sent (without the lock)
-        self.ticker_writing = False  # the ticker is sending its lines (under the lock)
-
-    def _wake(self) -> None:
-        if self.wake is not None:
-            self.wake.set()
+        self.ticker_writing = False  # the writer is sending its lines (under the lock)
 
     # -- the request ---------------------------------------------------------
 
@@ -255,10 +368,11 @@ class _Stream:
                         self.body_parts.append(chunk)
                 if not message.get("more_body", False):
                     self.body_done = True
-                    self._wake()
+                    if self.awaiting_body:
+                        self.awaiting_body = False
+                        self._kick()
         elif kind == "http.disconnect":
             self.gone = True
-            self._wake()
         return message
 
     def on_event(self, event: StateEvent) -> None:
@@ -269,7 +383,8 @@ class _Stream:
             queue[-1] = event  # a newer "still working" replaces the one not yet shown
         else:
             queue.append(event)
-        self._wake()
+        if self.live and self.phase != _WAITING:
+            self._kick()
 
     # -- writing ---------------------------------------------------------------
 
@@ -288,7 +403,7 @@ class _Stream:
         """The queued state lines, or (none queued) the current state as a keepalive."""
         if self.keepalive_due:
             self.keepalive_due = False
-            self._wake()  # the ticker stopped timing while it waited for a boundary
+            self.rearm_after = True  # the timer stopped while it waited for a boundary
         if self.queue:
             events = list(self.queue)
             self.queue.clear()
@@ -318,7 +433,9 @@ class _Stream:
         if not more:
             self.phase = _DONE
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
-        self.last_output = time.monotonic()
+        self.last_output = _now()
+        if self.rearm_after:
+            self._rearm()
 
     async def _commit_own(self) -> None:
         """Commit 200 text/event-stream ourselves and show every queued state line."""
@@ -376,8 +493,8 @@ class _Stream:
     def _sent(self) -> None:
         """A relayed chunk's send is back."""
         self.in_send = False
-        if self.keepalive_due:
-            self._wake()  # the ticker held a line back while this send was out
+        if self.live and (self.keepalive_due or self.queue):
+            self._kick()  # a line was held back while this send was out
 
     async def _on_start(self, message: Message) -> None:
         async with self.lock:
@@ -399,8 +516,12 @@ class _Stream:
                 else:
                     self.phase = _PASS
                     self.queue.clear()
-                self._wake()
-                # No lock may be held yet (no ticker): a ticker started meanwhile sees
+                if self.live:  # it waited for the commit: time its keepalives instead
+                    entry = self.entry
+                    if entry is not None:
+                        entry[2] = self.entry = None
+                    self._rearm()
+                # No lock may be held yet (not live): a writer started meanwhile sees
                 # in_send and leaves its lines for later.
                 self.in_send = True
                 try:
@@ -474,83 +595,110 @@ class _Stream:
             out += self._lines()  # a state line or keepalive that waited for this boundary
         await self._write(out, more=more)
 
-    # -- the keepalive ticker ------------------------------------------------------
+    # -- the keepalive timer ------------------------------------------------------
 
-    async def tick(self) -> None:
+    def due(self, now: float) -> None:
+        """The timer's call: this stream's commit or keepalive may be due at ``now``."""
+        if self.gone or self.phase >= _PASS:
+            return
+        if not self.live:
+            self.live = True
+            self.lock = asyncio.Lock()
+        hb = self.hb
+        if self.phase == _WAITING:
+            streaming = self.streaming()
+            if streaming is False:
+                return
+            commit_at = self.started + hb.commit_after
+            if now < commit_at:
+                self.entry = self.clock.at(self, commit_at)  # type: ignore[union-attr]
+            elif streaming is None:
+                self.awaiting_body = True  # receive() starts the commit
+            else:
+                self._kick()
+            return
+        interval = hb.interval
+        if interval <= 0 or self.keepalive_due:
+            return  # no keepalives, or one waits for the next event boundary
+        quiet_until = self.last_output + interval
+        if now < quiet_until:
+            self.entry = self.clock.at(self, quiet_until)  # type: ignore[union-attr]
+        elif self.writer is not None:
+            return  # a write is under way: it times the next keepalive when done
+        elif not self.in_send and self._at_boundary():
+            self._kick()
+        else:
+            self.keepalive_due = True  # written at the next event boundary
+
+    def _kick(self) -> None:
+        """Start a write of whatever is owed, unless one is under way."""
+        if self.writer is None and not self.gone and not self.broken and self.phase < _PASS:
+            self.writer = asyncio.get_running_loop().create_task(
+                self._write_owed(), name=TASK_NAME, context=self.context
+            )
+
+    def _rearm(self) -> None:
+        """Put the stream back in the timer for its next keepalive."""
+        self.rearm_after = False
+        interval = self.hb.interval
+        if (
+            self.entry is None
+            and interval > 0
+            and not self.keepalive_due
+            and not self.gone
+            and not self.broken
+            and self.phase in (_RELAY, _OWN)
+        ):
+            self.entry = self.clock.at(self, self.last_output + interval)  # type: ignore[union-attr]
+
+    async def _write_owed(self) -> None:
+        """Write what is due: our own commit, state lines, a keepalive."""
         try:
-            while await self._step():
-                pass
+            async with self.lock:
+                hb = self.hb
+                while not self.gone:
+                    phase = self.phase
+                    if phase == _WAITING:
+                        now = _now()
+                        if self.streaming() and now >= self.started + hb.commit_after:
+                            await self._commit_own()
+                        break
+                    if phase not in (_RELAY, _OWN):
+                        break
+                    quiet = _now() - self.last_output
+                    keepalive = hb.interval > 0 and quiet + _QUANTUM / 2 >= hb.interval
+                    owed = bool(self.queue) or keepalive or self.keepalive_due
+                    if not owed:
+                        break
+                    if self.in_send or not self._at_boundary():
+                        if keepalive:
+                            self.keepalive_due = True  # written at the next event boundary
+                        break
+                    self.ticker_writing = True
+                    try:
+                        await self._write(self._lines())
+                        self.after_own = True
+                    finally:
+                        self.ticker_writing = False
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a broken write must not break the request
             log_event("stream.heartbeat_failed", level=30, error=repr(exc))
-
-    async def _step(self) -> bool:
-        """Do what is due now, then wait for the next thing; False when done."""
-        wake = self.wake
-        assert wake is not None
-        wake.clear()
-        if self.gone or self.phase >= _PASS:
-            return False
-        now = time.monotonic()
-        timeout: float | None = None
-        if self.phase == _WAITING:
-            streaming = self.streaming()
-            if streaming is False:
-                return False
-            due = self.started + self.hb.commit_after
-            if streaming and now >= due:
-                async with self.lock:
-                    if self.phase == _WAITING and not self.gone:
-                        await self._commit_own()
-                return True
-            if now < due:
-                timeout = due - now
-        else:
-            interval = self.hb.interval
-            async with self.lock:
-                if self.phase in (_RELAY, _OWN) and not self.gone:
-                    quiet = time.monotonic() - self.last_output
-                    keepalive = interval > 0 and quiet >= interval
-                    owed = bool(self.queue) or keepalive or self.keepalive_due
-                    if owed and not self.in_send and self._at_boundary():
-                        self.ticker_writing = True
-                        try:
-                            await self._write(self._lines())
-                            self.after_own = True
-                        finally:
-                            self.ticker_writing = False
-                    elif keepalive:
-                        self.keepalive_due = True  # written at the next event boundary
-            if interval > 0 and not self.keepalive_due:
-                timeout = max(0.0, self.last_output + interval - time.monotonic())
-        if timeout is None:
-            await wake.wait()
-        elif timeout > 0:
-            try:
-                async with asyncio.timeout(timeout):
-                    await wake.wait()
-            except TimeoutError:
-                pass
-        return True
+            self.broken = True
+        finally:
+            self.writer = None
+        self._rearm()
 
     # -- the request's life ----------------------------------------------------------
 
-    def _spawn_ticker(self) -> None:
-        """Start the keepalive ticker: only once the response has been quiet a while."""
-        self.handle = None
-        if self.phase < _PASS and not self.gone:
-            self.lock = asyncio.Lock()
-            self.wake = asyncio.Event()
-            self.ticker = asyncio.create_task(self.tick(), name=TASK_NAME)
-
     async def run(self) -> None:
         unsubscribe = self.req.subscribe(self.on_event)
-        # No task for a request that is over before anything could be due: the
-        # ticker starts when the commit (or the first keepalive) could fall due.
+        # Nothing is timed for a request that is over before anything could be due:
+        # the stream goes live when the commit (or the first keepalive) could fall due.
         hb = self.hb
         first_due = min(hb.commit_after, hb.interval) if hb.interval > 0 else hb.commit_after
-        self.handle = asyncio.get_running_loop().call_later(first_due, self._spawn_ticker)
+        clock = self.clock = _clock()
+        self.entry = clock.first(self, first_due)
         try:
             try:
                 await self.hb.app(self.scope, self.receive, self.send)
@@ -568,18 +716,21 @@ class _Stream:
                             )
                         )
                 raise
-            # Only the ticker commits our own response or holds the lock here:
-            # without one there is nothing to finish.
-            if self.ticker is not None:
+            # Only a live stream can have committed our own response or hold the
+            # lock here: otherwise there is nothing to finish.
+            if self.live:
                 await self._finish()
         finally:
             unsubscribe()
-            if self.handle is not None:
-                self.handle.cancel()
-            ticker = self.ticker
-            if ticker is not None:
-                ticker.cancel()
-                await asyncio.wait([ticker])
+            self.gone = True  # nothing more is due
+            entry = self.entry
+            if entry is not None:
+                entry[2] = None
+                self.entry = None
+            writer = self.writer
+            if writer is not None:
+                writer.cancel()
+                await asyncio.wait([writer])
 
     async def _finish(self) -> None:
         """The inner app returned: end our own response if we committed one."""

@@ -12,7 +12,7 @@ verdicts:
 ``working``     busy, and progress moved since the previous probe (or there
                 is no previous probe, or the format has no progress value)
 ``no_progress`` busy, but the progress value is the same as last time:
-                starved, not working (the seed-000 outage)
+                starved, not working (the starved-GPU outage)
 ``idle``        the backend says it is doing nothing: our request is not
                 being worked on
 ``queued``      busy, and the backend says requests are waiting for room

@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
+from .errors import StoreUnavailable
+from .masking import mask_text, mask_url
 from .store import (
     PROBE_BUSY_RETRY,
     BreakerChange,
@@ -255,10 +257,6 @@ return redis.call('ZCARD', KEYS[1])
 )
 
 
-class StoreUnavailable(ConnectionError):
-    """Redis cannot be reached, and this operation (a pin write) has no safe fallback."""
-
-
 def _ms(seconds: float) -> str:
     return repr(seconds * 1000.0)
 
@@ -337,6 +335,9 @@ class RedisStore:
         self._retry_at = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
 
+    def __repr__(self) -> str:
+        return f"RedisStore(url={mask_url(self.url)!r}, prefix={self.prefix!r})"
+
     # -- lifecycle ------------------------------------------------------------
 
     async def aclose(self) -> None:
@@ -376,8 +377,8 @@ class RedisStore:
             log_event(
                 "store.redis_unavailable",
                 level=30,
-                url=_redacted(self.url),
-                error=repr(exc),
+                url=mask_url(self.url),
+                error=mask_text(repr(exc), self.url),
                 fallback="local memory",
                 reconnect_every_s=self.reconnect_every,
             )
@@ -386,7 +387,7 @@ class RedisStore:
     def _came_back(self) -> None:
         if self._fallback is not None:
             self._fallback = None
-            log_event("store.redis_reconnected", url=_redacted(self.url))
+            log_event("store.redis_reconnected", url=mask_url(self.url))
 
     async def _call(self, make: Callable[[], Awaitable[T]]) -> T:
         async with asyncio.timeout(self.timeout * 4):
@@ -588,6 +589,12 @@ class RedisStore:
 
     # -- pins --------------------------------------------------------------------
 
+    def _unreachable(self, what: str, exc: BaseException) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"{what}: Redis at {mask_url(self.url)} is unreachable "
+            f"({mask_text(repr(exc), self.url)})"
+        )
+
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
         if not (math.isfinite(ttl) and ttl > 0):
             raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
@@ -596,9 +603,7 @@ class RedisStore:
             await self._call(lambda: self._redis.set(key, backend, px=max(1, round(ttl * 1000))))
         except Exception as exc:
             self._went_away(exc)
-            raise StoreUnavailable(
-                f"the pin was not set: Redis at {_redacted(self.url)} is unreachable ({exc!r})"
-            ) from exc
+            raise self._unreachable("the pin was not set", exc) from exc
         return time.time() + ttl
 
     async def delete_pin(self, route: str) -> bool:
@@ -607,9 +612,7 @@ class RedisStore:
             removed = await self._call(lambda: self._redis.delete(key))
         except Exception as exc:
             self._went_away(exc)
-            raise StoreUnavailable(
-                f"the pin was not removed: Redis at {_redacted(self.url)} is unreachable ({exc!r})"
-            ) from exc
+            raise self._unreachable("the pin was not removed", exc) from exc
         return bool(removed)
 
     async def get_pin(self, route: str) -> str | None:
@@ -659,13 +662,3 @@ def _wrap(orphan: Callable[[Ticket], None]) -> Callable[[Any], None]:
         orphan(ticket)
 
     return on_raw
-
-
-def _redacted(url: str) -> str:
-    """The URL without its password, for logs."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user + ':***' if user else '***'}@{host}"

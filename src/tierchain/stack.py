@@ -9,19 +9,24 @@ what they describe::
     app = build_stack(None, from_env())   # the whole stack around a Forwarder
 
 Outermost first, :func:`build_stack` assembles: the identity line, the Admin
-mount (when a token is set), then Heartbeats, Budget, PreferBackend, Failover,
-Breaker, SaturationWatchdog (each that is enabled), then the handler.
+mount (when a token is set), the :class:`~tierchain.endpoints.Endpoints`
+(``/v1/models``, ``/healthz``, ``/readyz``, ``/metrics``), then Heartbeats,
+Budget, PreferBackend, Failover, Breaker, SaturationWatchdog (each that is
+enabled), then the handler.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ._types import ASGIApp, Receive, Scope, Send
-from .config import MASK, ConfigError, Settings, find_layer, layer_class, mask_url, plain
+from ._types import ASGIApp, Message, Receive, Scope, Send
+from .config import ConfigError, Settings, display_value, find_layer, layer_class, plain
+from .endpoints import Endpoints
 from .identity import StartupIdentity
+from .masking import mask_text, mask_url
 
-__all__ = ["Mount", "build_stack", "make_store"]
+__all__ = ["CloseOnShutdown", "Mount", "build_stack", "make_store"]
 
 
 class Mount:
@@ -43,6 +48,29 @@ class Mount:
         await self.app(scope, receive, send)
 
 
+class CloseOnShutdown:
+    """Pass everything to ``app``; when its lifespan shut-down completes, await ``close()`` first.
+
+    :func:`build_stack` uses it for the store it made itself (a RedisStore's
+    connection pool and pending writes), so that the store's owner closes it.
+    """
+
+    def __init__(self, app: ASGIApp, *, close: Callable[[], Awaitable[None]]) -> None:
+        self.app = app
+        self.close = close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def closing_send(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.close()
+            await send(message)
+
+        await self.app(scope, receive, closing_send)
+
+
 def make_store(settings: Settings) -> Any:
     """A new store for ``settings.store_url``: a MemoryStore, or a RedisStore.
 
@@ -59,7 +87,7 @@ def make_store(settings: Settings) -> Any:
         raise ConfigError(
             [
                 f"RedisStore rejected TIERCHAIN_STORE_URL={mask_url(settings.store_url)!r}"
-                f"{', ' + given if given else ''}: {exc}"
+                f"{', ' + given if given else ''}: {mask_text(str(exc), settings.store_url)}"
             ]
         ) from None
 
@@ -74,17 +102,20 @@ def build_stack(
     """Wrap ``app`` (default: a configured :class:`~tierchain.Forwarder`) in the stack.
 
     Outermost first: the identity line, the Admin mount (when a token is set),
-    then Heartbeats, Budget, PreferBackend, Failover, Breaker,
+    the :class:`~tierchain.endpoints.Endpoints` (answered here, never
+    forwarded), then Heartbeats, Budget, PreferBackend, Failover, Breaker,
     SaturationWatchdog: each that is enabled, with its configured options. One
     store (``store``, or one made from ``TIERCHAIN_STORE_URL``) is shared by
-    every piece that takes one. A constructor that rejects its options raises
+    every piece that takes one; a store made here is closed on lifespan
+    shut-down. A constructor that rejects its options raises
     :class:`~tierchain.config.ConfigError` naming the variables it was given.
     """
     problems: list[str] = []
     needs_store = settings.admin_enabled or any(
         "store" in find_layer(n).wired for n in settings.stack
     )
-    if store is None and needs_store:
+    made_store = store is None and needs_store
+    if made_store:
         store = make_store(settings)
 
     def construct(name: str, *args: Any) -> Any:
@@ -92,7 +123,7 @@ def build_stack(
             return layer_class(name)(*args, **settings.middleware_kwargs(name, store=store))
         except (TypeError, ValueError) as exc:
             given = ", ".join(
-                f"{env}={_display(name, opt, settings.layers[name].options[opt])!r}"
+                f"{env}={display_value(name, opt, settings.layers[name].options[opt])!r}"
                 for opt, env in settings.layers[name].sources.items()
             )
             problems.append(f"{name} rejected its options ({given or 'defaults'}): {exc}")
@@ -103,17 +134,19 @@ def build_stack(
         built = construct(name, inner)
         if built is not None:
             inner = built
+    inner = Endpoints(
+        inner,
+        routes=settings.routes,
+        store=store if "Breaker" in settings.stack else None,
+    )
     if settings.admin_enabled:
         admin = construct("Admin")
         if admin is not None:
             inner = Mount(inner, path=settings.admin_path, mounted=admin)
     if problems:
         raise ConfigError(problems)
+    if made_store and hasattr(store, "aclose"):
+        inner = CloseOnShutdown(inner, close=store.aclose)
     if settings.identity if identity is None else identity:
         inner = StartupIdentity(inner, settings=settings)
     return inner
-
-
-def _display(layer: str, name: str, value: Any) -> Any:
-    secret = any(o.name == name and o.secret for o in find_layer(layer).options)
-    return MASK if secret else plain(value)

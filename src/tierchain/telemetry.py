@@ -20,6 +20,8 @@ from typing import Any
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
+from .masking import mask_text
+
 try:
     VERSION = version("tierchain")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
@@ -140,11 +142,15 @@ def start_span(name: str, attributes: dict[str, Any] | None = None) -> trace.Spa
 def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
     """Log one structured event: ``event key=value ...``.
 
+    A URL in a string field is masked (:func:`tierchain.masking.mask_text`).
     The fields are also attached as ``record.tierchain`` (a dict) and the event
     name as ``record.event``, for JSON formatters.
     """
     if not logger.isEnabledFor(level):
         return
+    for key, value in fields.items():
+        if isinstance(value, str) and "://" in value:
+            fields[key] = mask_text(value)
     text = " ".join(
         f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
         for key, value in fields.items()
