@@ -68,7 +68,9 @@ class Learned:
     margin: float = 2.0
     min_samples: int = 20
     half_life: float = 200.0
-    _normals: dict[tuple[str, str], _Normal] = field(default_factory=dict, init=False, repr=False)
+    _normals: dict[tuple[str, str], _Normal] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         for name in ("maximum", "floor", "margin", "half_life"):
