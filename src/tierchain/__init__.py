@@ -32,6 +32,7 @@ from .failover import Failover
 from .forwarder import Forwarder
 from .heartbeats import Heartbeats
 from .identity import StartupIdentity
+from .learned import Learned
 from .prefer import PreferBackend
 from .redis_store import RedisStore
 from .request import Attempt, TierRequest, current_attempt
@@ -58,6 +59,7 @@ __all__ = [
     "Failover",
     "Forwarder",
     "Heartbeats",
+    "Learned",
     "MemoryStore",
     "PreferBackend",
     "RedisStore",

@@ -116,6 +116,22 @@ def integer(minimum: int, maximum: int | None = None) -> Parser:
     return parse
 
 
+def fraction(raw: str) -> float:
+    """A number in (0, 1], such as ``0.8``."""
+    value = float(raw.strip())
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise ValueError
+    return value
+
+
+def number_above_zero(raw: str) -> float:
+    """A finite number > 0, such as ``2`` or ``1.5``."""
+    value = float(raw.strip())
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError
+    return value
+
+
 def size(raw: str) -> int:
     """Bytes as ``33554432``, ``512k``, ``32MiB``, ``1g`` (binary multiples)."""
     match = _SIZE.fullmatch(raw.strip())
@@ -244,12 +260,15 @@ def store_url(raw: str) -> str:
 
 
 _ALLOWANCE = "allowance"
+_AUTO = "auto"
 
 
 def slow_after(raw: str) -> float | str:
-    """Seconds (0: off), or the word ``allowance`` for the TIERCHAIN_ALLOWANCE_* formula."""
+    """Seconds (0: off), ``allowance`` (TIERCHAIN_ALLOWANCE_*) or ``auto`` (TIERCHAIN_LEARNED_*)."""
     if raw.strip().lower() == _ALLOWANCE:
         return _ALLOWANCE
+    if raw.strip().lower() == _AUTO:
+        return _AUTO
     value: float = seconds(zero_ok=True)(raw)
     return value
 
@@ -374,10 +393,21 @@ LAYERS: tuple[Layer, ...] = (
            "a backend name (A-Z a-z 0-9 . _ -, 1-64 characters), used when no Failover runs"),
     ), wired=frozenset({"store"})),
     Layer("SaturationWatchdog", "tierchain.watchdog", "middleware", (
-        _o("slow_after", "SLOW_AFTER", slow_after, f"{_SECS} (0: off), or the word allowance"),
+        _o("slow_after", "SLOW_AFTER", slow_after,
+           f"{_SECS} (0: off), or the word allowance, or the word auto"),
         _o("ceiling", "WATCHDOG_CEILING", seconds(zero_ok=False), _SECS_POS),
         _o("probe_timeout", "WATCHDOG_PROBE_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
         _o("stall_after", "WATCHDOG_STALL_AFTER", seconds(), f"{_SECS} (0: off)"),
+        _o("status_interval", "WATCHDOG_STATUS_INTERVAL", seconds(), f"{_SECS} (0: off)",
+           help="How often a status URL is polled while traffic flows."),
+        _o("status_stale", "WATCHDOG_STATUS_STALE", seconds(zero_ok=False), _SECS_POS,
+           help="A polled status older than this is unknown."),
+        _o("busy_waiting", "WATCHDOG_BUSY_WAITING", integer(1), _COUNT,
+           help="Waiting requests at which a backend is full."),
+        _o("busy_kv_cache", "WATCHDOG_BUSY_KV_CACHE", fraction, "a fraction such as 0.8",
+           help="KV-cache use at which a backend is full."),
+        _o("busy_all_slots", "WATCHDOG_BUSY_ALL_SLOTS", boolean, _BOOL,
+           help="Every /slots slot busy means full."),
     ), code_only=frozenset({"readers", "client"})),
     Layer("Allowance", "tierchain.allowance", "component", (
         _o("cold_start", "ALLOWANCE_COLD_START", seconds(), _SECS_NONNEG),
@@ -385,6 +415,15 @@ LAYERS: tuple[Layer, ...] = (
         _o("per_1k_tokens", "ALLOWANCE_PER_1K_TOKENS", seconds(), _SECS_NONNEG),
         _o("ceiling", "ALLOWANCE_CEILING", seconds(zero_ok=False), _SECS_POS),
     ), code_only=frozenset({"tokenizer"}), help="Used when TIERCHAIN_SLOW_AFTER=allowance."),
+    Layer("Learned", "tierchain.learned", "component", (
+        _o("maximum", "LEARNED_MAXIMUM", seconds(zero_ok=False), _SECS_POS,
+           help="The window until enough samples, and its upper bound."),
+        _o("floor", "LEARNED_FLOOR", seconds(zero_ok=False), _SECS_POS),
+        _o("quantile", "LEARNED_QUANTILE", fraction, "a fraction such as 0.99"),
+        _o("margin", "LEARNED_MARGIN", number_above_zero, "a number > 0 such as 2"),
+        _o("min_samples", "LEARNED_MIN_SAMPLES", integer(1), _COUNT),
+        _o("half_life", "LEARNED_HALF_LIFE", number_above_zero, "a number of samples > 0"),
+    ), help="Used when TIERCHAIN_SLOW_AFTER=auto."),
     Layer("Forwarder", "tierchain.forwarder", "handler", (
         _o("connect_timeout", "FORWARDER_CONNECT_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
         _o("max_keepalive", "FORWARDER_MAX_KEEPALIVE", integer(0), "a whole number >= 0"),
@@ -528,6 +567,8 @@ class Settings:
             kwargs["store"] = store
         if name == "SaturationWatchdog" and kwargs.get("slow_after") == _ALLOWANCE:
             kwargs["slow_after"] = layer_class("Allowance")(**self.layers["Allowance"].options)
+        if name == "SaturationWatchdog" and kwargs.get("slow_after") == _AUTO:
+            kwargs["slow_after"] = layer_class("Learned")(**self.layers["Learned"].options)
         return kwargs
 
     def __repr__(self) -> str:
@@ -555,6 +596,11 @@ class Settings:
             if (
                 name == "Allowance"
                 and self.layers["SaturationWatchdog"].options.get("slow_after") != _ALLOWANCE
+            ):
+                continue
+            if (
+                name == "Learned"
+                and self.layers["SaturationWatchdog"].options.get("slow_after") != _AUTO
             ):
                 continue
             if name == "Admin" and not self.admin_enabled:
@@ -676,6 +722,12 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         for env_name in sources["Allowance"].values():
             problems.append(
                 f"{env_name} is set but has no effect: set TIERCHAIN_SLOW_AFTER=allowance to use it"
+            )
+
+    if parsed["SaturationWatchdog"].get("slow_after") != _AUTO:
+        for env_name in sources["Learned"].values():
+            problems.append(
+                f"{env_name} is set but has no effect: set TIERCHAIN_SLOW_AFTER=auto to use it"
             )
 
     # Routes.

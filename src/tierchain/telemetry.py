@@ -96,6 +96,11 @@ BACKEND_BUSY = Counter(
     "(max_in_flight, status).",
     ["route", "backend", "why"],
 )
+LEARNED_SLOW_AFTER = Gauge(
+    "tierchain_learned_slow_after_seconds",
+    "The learned first-chunk window in force (slow_after=auto), by backend and prompt size.",
+    ["backend", "bucket"],
+)
 BACKEND_PREFERENCE = Counter(
     "tierchain_backend_preference",
     "Requests that carried a backend preference, by whether it applied.",
