@@ -128,6 +128,7 @@ async def test_a_route_whose_name_has_a_slash_can_be_pinned(admin_url):
         ("/pins/echo", {"backend": "hosted", "ttl": 8 * 86400}, "ttl must be between"),
         ("/pins/echo", {"backend": "hosted", "ttl": "forever"}, "not a duration"),
         ("/pins/echo", {"backend": "hosted", "ttl": True}, "ttl is required"),
+        ("/pins/echo", {"backend": "hosted", "ttl": "9" * 400}, "ttl must be between"),
     ],
 )
 async def test_an_unknown_route_backend_or_a_bad_ttl_is_422_naming_it(
@@ -138,6 +139,18 @@ async def test_an_unknown_route_backend_or_a_bad_ttl_is_422_naming_it(
         listed = await client.get(f"{admin_url}/pins", headers=auth())
     assert response.status_code == 422
     assert needle in response.json()["error"]["message"]
+    assert listed.json() == {"pins": []}
+
+
+@pytest.mark.parametrize("digits", ["9" * 400, "1" + "0" * 399, "-" + "9" * 400])
+async def test_a_ttl_number_too_large_for_a_float_is_422_not_500(admin_url, digits):
+    body = b'{"backend": "hosted", "ttl": ' + digits.encode() + b"}"
+    async with httpx.AsyncClient(timeout=5) as client:
+        response = await client.put(f"{admin_url}/pins/echo", content=body, headers=auth())
+        listed = await client.get(f"{admin_url}/pins", headers=auth())
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "invalid_pin"
+    assert "ttl must be between 1s and 7d" in response.json()["error"]["message"]
     assert listed.json() == {"pins": []}
 
 
@@ -294,6 +307,44 @@ async def test_a_store_that_cannot_write_is_503_saying_nothing_changed(caplog):
     assert "unreachable" in put.json()["error"]["message"]
     assert len(events(caplog, "admin.store_unavailable")) == 2
     assert events(caplog, "admin.pin_set") == []
+
+
+async def test_every_error_answer_says_no_store():
+    routes, pin = PLACEHOLDER, {"backend": "hosted", "ttl": 60}
+    app, fwd, _ = host_app(routes, MemoryStore(), token=TOKEN, max_body=1024)
+    down_app, down_fwd, _ = host_app(routes, DownStore(), token=TOKEN)
+    off_app, off_fwd, _ = host_app(routes, MemoryStore())
+    async with (
+        serve(app) as url,
+        serve(down_app) as down_url,
+        serve(off_app) as off_url,
+        httpx.AsyncClient(timeout=5) as client,
+    ):
+        base, down, off = url + MOUNT, down_url + MOUNT, off_url + MOUNT
+        answers = {
+            400: await client.put(f"{base}/pins/echo", content=b"{not json", headers=auth()),
+            401: await client.put(f"{base}/pins/echo", json=pin),
+            "401 page": await client.get(f"{base}/"),
+            403: await client.post(
+                f"{base}/login", data={"token": TOKEN}, headers={"origin": "https://evil.example"}
+            ),
+            404: await client.get(f"{base}/nothing-here", headers=auth()),
+            "404 off": await client.get(f"{off}/pins", headers=auth()),
+            405: await client.patch(f"{base}/pins/echo", headers=auth()),
+            413: await client.put(f"{base}/pins/echo", content=b" " * 2048, headers=auth()),
+            422: await client.put(f"{base}/pins/nope", json=pin, headers=auth()),
+            "422 ttl": await client.put(
+                f"{base}/pins/echo",
+                content=b'{"backend":"hosted","ttl":' + b"9" * 400 + b"}",
+                headers=auth(),
+            ),
+            503: await client.put(f"{down}/pins/echo", json=pin, headers=auth()),
+        }
+    for fwd_ in (fwd, down_fwd, off_fwd):
+        await fwd_.aclose()
+    for expected, response in answers.items():
+        assert response.status_code == int(str(expected)[:3]), (expected, response.text)
+        assert response.headers.get("cache-control") == "no-store", expected
 
 
 @pytest.mark.redis

@@ -331,7 +331,7 @@ async def test_a_slow_page_render_does_not_block_the_api():
         async def breaker_snapshot(self, route: str, backend: str) -> Any:
             await asyncio.sleep(10)
 
-    import tierchain.admin as admin_module
+    import tierchain.admin.app as admin_module
 
     app, fwd, _ = host_app(_routes(), SlowBreakers(), token=TOKEN)
     old = admin_module._SNAPSHOT_TIMEOUT

@@ -64,6 +64,7 @@ class Reference:
         self.failures = 0
         self.saturations = 0
         self.reopen_at = 0.0
+        self.reopens = 0  # saturated probes since it last closed
         self.era = 0  # how many times it has opened
         self.holder: int | None = None  # the probe holding the gate
         self.holder_until = 0.0
@@ -107,6 +108,7 @@ class Reference:
                 if state != "closed":
                     self.state = "closed"
                     self.reopen_at = 0.0
+                    self.reopens = 0
                     self.holder = None
             return
         if outcome == "neutral":
@@ -122,6 +124,10 @@ class Reference:
         if state != "closed":
             if current:  # the probe (or a forced attempt) failed: re-open
                 hinted = 0.0 if retry_after is None else min(retry_after, POLICY.retry_after_cap)
+                if outcome == "saturation":
+                    # re-opens grow from 30 s, doubling, up to the saturation cooldown
+                    own = min(POLICY.saturation_cooldown, 30.0 * 2**self.reopens)
+                    self.reopens += 1
                 self.open_for(now, max(own, hinted))
             return  # an old verdict is counted, nothing more
         seconds = own if over else 0.0

@@ -52,6 +52,7 @@ def test_check_config_prints_the_stack_outermost_first_then_routes_and_settings(
     order = [
         "StartupIdentity",
         "Admin ",
+        "Endpoints",
         "Heartbeats",
         "Budget",
         "PreferBackend",
@@ -108,6 +109,7 @@ def test_check_config_json_is_machine_readable(routes_file):
     doc = json.loads(text)
     assert [row["name"] for row in doc["stack"]] == [
         "StartupIdentity",
+        "Endpoints",
         "Failover",
         "handler: Forwarder",
     ]
@@ -203,3 +205,22 @@ def test_no_command_prints_usage_and_exits_2(capsys):
     assert main([]) == 2
     assert "check-config" in capsys.readouterr().err
     assert main(["no-such-command"]) == 2
+
+
+def test_check_config_shows_which_backends_receive_the_callers_credentials(tmp_path):
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n\n'
+        '[[routes.echo.backends]]\nname = "gate"\nurl = "http://127.0.0.1:8000"\n'
+        "forward_caller_auth = true\n"
+    )
+    code, text = run_check({"TIERCHAIN_ROUTES_FILE": str(path)})
+    assert code == 0
+    [tower] = [line for line in text.splitlines() if "1. tower" in line]
+    [gate] = [line for line in text.splitlines() if "2. gate" in line]
+    assert "forward_caller_auth" not in tower
+    assert gate.endswith("forward_caller_auth=true")
+    code, text = run_check({"TIERCHAIN_ROUTES_FILE": str(path)}, as_json=True)
+    tower_json, gate_json = json.loads(text)["routes"]["echo"]
+    assert "forward_caller_auth" not in tower_json
+    assert gate_json["forward_caller_auth"] is True

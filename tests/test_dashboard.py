@@ -138,3 +138,19 @@ def test_the_check_catches_a_metric_that_is_not_exported():
         "up",
         "process_cpu_seconds_total",
     }
+
+
+def test_every_variable_the_dashboard_uses_is_defined_and_the_docs_say_how_it_is_chosen():
+    text = DASHBOARD.read_text()
+    board = json.loads(text)
+    variables = {v["name"] for v in board["templating"]["list"]}
+    inputs = {i["name"] for i in board.get("__inputs", [])}
+    used = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", text))
+    assert used
+    assert used <= variables | inputs, used - variables - inputs
+    reference = (DASHBOARD.parent / "reference.md").read_text()
+    note = reference[reference.index("grafana-dashboard.json") :][:600]
+    if not inputs:
+        # No __inputs: Grafana's import asks nothing; the note must not promise a prompt.
+        assert "nothing is asked on import" in note
+        assert "DS_PROMETHEUS" in variables

@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+from asgi_lifespan import LifespanManager
 
 from tierchain import Backend, Failover, Forwarder, Routes
 
@@ -127,8 +128,10 @@ async def test_a_forwarder_alone_streams_and_ends_a_broken_stream_with_an_error_
 async def test_the_forwarder_closes_its_client_on_lifespan_shutdown():
     async with FakeBackend("tower") as tower:
         forwarder = Forwarder(backend=Backend("tower", tower.url))
-        async with serve(forwarder, lifespan="on") as url, httpx.AsyncClient() as client:
-            await client.post(url + "/", content=b"{}")
+        async with LifespanManager(forwarder) as manager:
+            transport = httpx.ASGITransport(app=manager.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+                await client.post("/", content=b"{}")
             assert forwarder._client is not None
         assert forwarder._client is None
         await asyncio.wait_for(tower.connection_closed.wait(), 1)

@@ -9,11 +9,12 @@ from datetime import UTC, datetime
 
 import httpx
 import pytest
+from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from litestar import Litestar, get
 from litestar.middleware import DefineMiddleware
 
-from tierchain import Backend, Routes, identity
+from tierchain import Backend, Forwarder, Routes, identity
 from tierchain.config import from_env
 from tierchain.identity import EVENT, Once, StartupIdentity, identity_fields
 from tierchain.telemetry import VERSION
@@ -54,24 +55,15 @@ async def hello(scope, receive, send):
     await send({"type": "http.response.body", "body": b"hi"})
 
 
-async def lifespan_app(scope, receive, send):
-    if scope["type"] == "lifespan":
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-    await hello(scope, receive, send)
-
-
 async def test_the_line_is_written_once_at_lifespan_startup_before_any_request(lines):
-    app = StartupIdentity(lifespan_app, routes=ROUTES, once=Once())
-    async with serve(app, lifespan="on") as url, httpx.AsyncClient() as client:
+    # A Forwarder answers lifespan (and closes on shut-down); with no route, requests get 404.
+    app = StartupIdentity(Forwarder(), routes=ROUTES, once=Once())
+    async with LifespanManager(app) as manager:
         assert len(lines()) == 1
-        for _ in range(3):
-            assert (await client.get(url)).status_code == 200
+        transport = httpx.ASGITransport(app=manager.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            for _ in range(3):
+                assert (await client.get("/")).status_code == 404
     assert len(lines()) == 1
 
 
@@ -175,8 +167,8 @@ def test_no_secret_reaches_the_line(lines, tmp_path):
             assert secret not in text
     assert first.tierchain["settings"]["options"]["Admin"]["token"] == "***"
     assert first.tierchain["routes"]["echo"][0]["headers"] == ["Authorization"]
-    assert second.tierchain["routes"]["echo"][0]["url"] == "http://10.0.0.5:11434"
-    assert second.tierchain["routes"]["echo"][1]["url"] == "https://api.example.com/v1?***"
+    assert second.tierchain["routes"]["echo"][0]["url"] == "http://***@10.0.0.5:11434"
+    assert second.tierchain["routes"]["echo"][1]["url"] == "https://api.example.com/v1?api_key=***"
 
 
 def test_plain_mapping_settings_have_secret_sounding_keys_masked():

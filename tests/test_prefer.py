@@ -382,3 +382,96 @@ async def test_prefer_backend_inside_failover_says_so_once_and_breaks_nothing(ca
 def test_a_bad_header_name_is_refused_at_start_up(header):
     with pytest.raises(ValueError, match="header must be"):
         PreferBackend(Recorder(), header=header)
+
+
+# -- allow=: who may steer ------------------------------------------------------------
+
+
+def _signed_in(scope: dict[str, Any]) -> bool:
+    """Only callers that carry the gateway's team key may steer (a stand-in for real auth)."""
+    return (b"x-team-key", b"team") in scope["headers"]
+
+
+async def test_allow_keeps_anonymous_callers_off_the_paid_tier(caplog, metric):
+    async with (
+        FakeBackend("tower", streams(["local"])) as tower,
+        FakeBackend("hosted", streams(["paid"])) as hosted,
+    ):
+        app, fwd = gateway(
+            {"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]},
+            allow=_signed_in,
+        )
+        before = metric("tierchain_backend_preference_total", applied="false")
+        async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+            with caplog.at_level(logging.INFO, logger="tierchain"):
+                anonymous = await post(url, "hosted")
+                team = await client.post(
+                    url + "/v1/chat/completions",
+                    content=chat_request(),
+                    headers={"X-Prefer-Backend": "hosted", "X-Team-Key": "team"},
+                )
+        await fwd.aclose()
+    assert anonymous.status_code == 200
+    assert anonymous.headers["x-tierchain-backend"] == "tower"
+    assert team.headers["x-tierchain-backend"] == "hosted"
+    assert len(hosted.requests) == 1
+    assert metric("tierchain_backend_preference_total", applied="false") == before + 1
+    refused, applied = (
+        r.tierchain
+        for r in caplog.records
+        if getattr(r, "event", "") == "request.backend_preference"
+    )
+    assert refused == {"requested": "hosted", "applied": False, "reason": "not_allowed"}
+    assert applied["reason"] == "applied"
+
+
+async def test_an_allow_predicate_that_raises_refuses_and_never_fails_the_request(caplog):
+    def broken(scope: dict[str, Any]) -> bool:
+        raise KeyError("user")
+
+    async with (
+        FakeBackend("tower", streams(["local"])) as tower,
+        FakeBackend("hosted", streams(["paid"])) as hosted,
+    ):
+        app, fwd = gateway(
+            {"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]},
+            allow=broken,
+        )
+        async with serve(app) as url:
+            with caplog.at_level(logging.INFO, logger="tierchain"):
+                response = await post(url, "hosted")
+        await fwd.aclose()
+    assert response.status_code == 200
+    assert response.headers["x-tierchain-backend"] == "tower"
+    assert not hosted.requests
+    [failed] = [
+        r for r in caplog.records if getattr(r, "event", "") == "request.prefer_allow_failed"
+    ]
+    assert failed.levelno == logging.WARNING
+    assert "KeyError" in failed.tierchain["error"]
+
+
+async def test_a_caller_that_may_not_steer_still_gets_the_operators_pin():
+    store = MemoryStore()
+    await store.set_pin("echo", "hosted", ttl=60)
+    async with (
+        FakeBackend("tower", streams(["local"])) as tower,
+        FakeBackend("mid", streams(["mid"])) as mid,
+        FakeBackend("hosted", streams(["paid"])) as hosted,
+    ):
+        app, fwd = gateway(
+            {
+                "echo": [
+                    Backend("tower", tower.url),
+                    Backend("mid", mid.url),
+                    Backend("hosted", hosted.url),
+                ]
+            },
+            store=store,
+            allow=lambda scope: False,
+        )
+        async with serve(app) as url:
+            response = await post(url, "mid")
+        await fwd.aclose()
+    assert response.headers["x-tierchain-backend"] == "hosted"
+    assert not mid.requests

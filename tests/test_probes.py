@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +21,13 @@ from tierchain.probes import (
 )
 
 from .support import FakeBackend
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def fixture(name: str) -> bytes:
+    return (FIXTURES / name).read_bytes()
+
 
 VLLM = b"""\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -125,8 +133,9 @@ def test_vllm_metrics_read_running_and_waiting_and_progress():
 def test_vllm_progress_moves_when_only_the_kv_cache_grows_during_a_prefill():
     # vLLM counts a prompt's tokens only once its prefill has finished; a long
     # chunked prefill moves only the KV-cache usage. That is progress.
-    earlier = vllm_metrics(VLLM)
-    later = vllm_metrics(VLLM.replace(b"} 0.4375", b"} 0.5"))
+    alone = VLLM.replace(b"} 2.0\n", b"} 0.0\n", 1)  # nothing waiting: it may be ours
+    earlier = vllm_metrics(alone)
+    later = vllm_metrics(alone.replace(b"} 0.4375", b"} 0.5"))
     assert earlier is not None
     assert later is not None
     assert judge(later, earlier.progress) == "working"
@@ -170,7 +179,7 @@ def test_llamacpp_slots_still_processing_a_prompt_report_no_progress_value():
 
 def test_llamacpp_slots_all_idle_and_the_older_state_field():
     assert llamacpp_slots(json.dumps([slot(0, False), slot(1, False)]).encode()) == Status(
-        busy=False, progress=None, detail="0/2 busy"
+        busy=False, progress=None, detail="0/2 busy", slots=2, slots_busy=0, prefilling=0
     )
     old = [{"id": 0, "state": 1, "next_token": {"n_decoded": 3}}, {"id": 1, "state": 0}]
     status = llamacpp_slots(json.dumps(old).encode())
@@ -234,3 +243,110 @@ async def test_fetch_status_answers_unknown_for_errors_and_odd_bodies():
     assert hang is None
     assert raised is None
     assert spent is None
+
+
+# -- bodies in today's shapes (tests/fixtures) ------------------------------------------
+
+
+def test_llamacpp_metrics_with_a_deferred_request_mean_ours_is_queued():
+    status = llamacpp_metrics(fixture("llamacpp_metrics_deferred.txt"))
+    assert status is not None
+    assert status.busy
+    assert status.waiting == 1
+    assert status.queued
+    assert status.detail == "1 running, 1 waiting"
+    # The counters move (another request is generating): still not ours.
+    moved = llamacpp_metrics(
+        fixture("llamacpp_metrics_deferred.txt").replace(
+            b"n_decode_total 1874", b"n_decode_total 1900"
+        )
+    )
+    assert judge(moved, status.progress) == "queued"
+    assert judge(status, None) == "queued"
+
+
+def test_llamacpp_metrics_idle():
+    status = llamacpp_metrics(fixture("llamacpp_metrics_idle.txt"))
+    assert status is not None
+    assert not status.busy
+    assert status.waiting == 0
+    assert judge(status, None) == "idle"
+
+
+def test_a_request_that_does_not_stream_is_not_judged_by_the_queue():
+    # It sends nothing until complete, so it may be the one generating.
+    status = llamacpp_metrics(fixture("llamacpp_metrics_deferred.txt"))
+    assert judge(status, None, streaming=False) == "working"
+    assert judge(status, status.progress if status else None, streaming=False) == "no_progress"
+
+
+def test_llamacpp_slots_list_form_reads_n_decoded():
+    status = llamacpp_slots(fixture("llamacpp_slots_list_generating.json"))
+    assert status is not None
+    assert status.busy
+    assert status.progress == (("0", 1873),)
+    assert (status.slots, status.slots_busy, status.prefilling) == (1, 1, 0)
+    assert status.detail == "1/1 busy, all generating"
+
+
+def test_every_slot_busy_generating_for_others_means_ours_is_queued():
+    status = llamacpp_slots(fixture("llamacpp_slots_list_generating.json"))
+    assert status is not None
+    assert status.queued
+    assert judge(status, None) == "queued"
+    body = json.loads(fixture("llamacpp_slots_list_generating.json"))
+    body[0]["next_token"][0]["n_decoded"] = 1999
+    later = llamacpp_slots(json.dumps(body).encode())
+    assert judge(later, status.progress) == "queued"  # progress, but someone else's
+
+
+def test_llamacpp_slots_list_form_idle():
+    status = llamacpp_slots(fixture("llamacpp_slots_list_idle.json"))
+    assert status is not None
+    assert not status.busy
+    assert judge(status, None) == "idle"
+
+
+def test_a_slot_still_processing_a_prompt_may_be_ours_so_it_is_working():
+    status = llamacpp_slots(fixture("llamacpp_slots_object_prefilling.json"))
+    assert status is not None
+    assert status.busy
+    assert (status.slots, status.slots_busy, status.prefilling) == (2, 2, 1)
+    assert not status.queued
+    assert status.progress is None  # a prefilling slot shows no counter yet
+    assert judge(status, None) == "working"
+
+
+def test_vllm_metrics_with_requests_waiting_mean_ours_is_queued():
+    status = vllm_metrics(fixture("vllm_metrics_waiting.txt"))
+    assert status is not None
+    assert status.busy
+    assert status.waiting == 3
+    assert status.kv_cache == pytest.approx(0.8421, abs=1e-4)
+    assert status.queued
+    assert judge(status, None) == "queued"
+
+
+def test_the_gate_shape_says_nothing_about_a_queue():
+    status = gate_status(fixture("gate_busy.json"))
+    assert status is not None
+    assert status.busy
+    assert status.waiting is None
+    assert not status.queued
+    assert judge(status, None) == "working"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llamacpp_metrics_deferred.txt",
+        "llamacpp_metrics_idle.txt",
+        "llamacpp_slots_list_generating.json",
+        "llamacpp_slots_list_idle.json",
+        "llamacpp_slots_object_prefilling.json",
+        "vllm_metrics_waiting.txt",
+        "gate_busy.json",
+    ],
+)
+def test_auto_reader_knows_every_fixture(name):
+    assert auto_reader(fixture(name)) is not None

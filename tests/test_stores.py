@@ -109,7 +109,8 @@ async def test_a_failed_probe_reopens_for_its_own_ledger_cooldown(store, clock):
     )
     assert change.state == "open"
     assert change.transitions == ("open",)
-    assert change.retry_in == pytest.approx(900.0, abs=0.01)
+    # a saturated probe re-opens for saturation_backoff first (then doubling), not 900 s
+    assert change.retry_in == pytest.approx(30.0, abs=0.01)
 
 
 async def test_a_repeated_trip_never_shortens_a_cooldown_in_force(store, clock):
@@ -205,3 +206,73 @@ async def test_a_pin_expires_by_itself(store):
     await asyncio.sleep(0.08)
     assert await store.get_pin("odd:route/name") is None
     assert await store.list_pins() == {}
+
+
+# -- recovery: growing re-open cooldowns, and waking on a status that reports room -------
+
+
+async def probe(store: Store, outcome: str, **kw) -> object:
+    ticket = await store.breaker_acquire(R, B, POLICY)
+    assert ticket.admitted
+    assert ticket.probe
+    return await store.breaker_record(
+        R, B, POLICY, outcome, gen=ticket.gen, probe=ticket.probe, **kw
+    )
+
+
+async def test_one_slow_probe_after_a_hiccup_costs_30_seconds_not_15_minutes(store, clock):
+    await fail(store, "failure", retry_after=1.0)  # one 503 with Retry-After: 1
+    assert (await store.breaker_snapshot(R, B)).retry_in == pytest.approx(1.0, abs=0.01)
+    clock.advance(1.5)
+    change = await probe(store, "saturation")  # a single slow first token in half-open
+    assert change.state == "open"
+    assert change.retry_in == pytest.approx(30.0, abs=0.01)
+
+
+async def test_re_open_cooldowns_double_up_to_the_saturation_cooldown_and_reset_on_close(
+    store, clock
+):
+    await fail(store, "saturation", times=2)  # opened by the threshold: the full cooldown
+    assert (await store.breaker_snapshot(R, B)).retry_in == pytest.approx(900.0, abs=0.01)
+    seen = []
+    for _ in range(7):
+        clock.advance(901)
+        seen.append(round((await probe(store, "saturation")).retry_in))
+    assert seen == [30, 60, 120, 240, 480, 900, 900]
+    clock.advance(901)
+    assert (await probe(store, "success")).state == "closed"
+    await fail(store, "saturation", times=2)
+    clock.advance(901)
+    assert round((await probe(store, "saturation")).retry_in) == 30  # the streak starts over
+
+
+async def test_a_backoff_of_zero_keeps_the_full_cooldown(store, clock):
+    policy = BreakerPolicy(saturation_backoff=0.0)
+    for _ in range(2):
+        t = await store.breaker_acquire(R, B, policy)
+        await store.breaker_record(R, B, policy, "saturation", gen=t.gen)
+    clock.advance(901)
+    t = await store.breaker_acquire(R, B, policy)
+    change = await store.breaker_record(R, B, policy, "saturation", gen=t.gen, probe=t.probe)
+    assert change.retry_in == pytest.approx(900.0, abs=0.01)
+
+
+async def test_wake_half_opens_a_breaker_open_for_saturation_and_takes_one_probe(store, clock):
+    await fail(store, "saturation", times=2)
+    clock.advance(5)
+    assert not (await store.breaker_acquire(R, B, POLICY)).admitted
+    woken = await store.breaker_acquire(R, B, POLICY, wake=True)
+    assert woken.admitted
+    assert woken.probe
+    assert woken.transitions == ("half_open",)
+    other = await store.breaker_acquire(R, B, POLICY, wake=True)
+    assert not other.admitted  # one probe, not a herd
+    await store.breaker_record(R, B, POLICY, "success", gen=woken.gen, probe=woken.probe)
+    assert (await store.breaker_snapshot(R, B)).state == "closed"
+
+
+async def test_wake_does_not_shorten_a_failure_or_retry_after_cooldown(store, clock):
+    await fail(store, "failure", times=5)
+    assert not (await store.breaker_acquire(R, B, POLICY, wake=True)).admitted
+    await store.breaker_record(R, "other", POLICY, "failure", gen=0, retry_after=60.0)
+    assert not (await store.breaker_acquire(R, "other", POLICY, wake=True)).admitted

@@ -44,6 +44,7 @@ class Gateway:
     def __init__(self, chain: list[Backend], **watchdog: Any) -> None:
         self.events: list[dict[str, Any]] = []
         self.forwarder = Forwarder()
+        watchdog.setdefault("status_interval", 0)  # probes only: exact GET counts below
         self.watchdog = SaturationWatchdog(self.forwarder, **watchdog)
         self.app = recording(Failover(self.watchdog, routes=Routes({"echo": chain})), self.events)
 
@@ -558,3 +559,40 @@ async def test_a_saturation_is_visible_in_the_sse_heartbeat_channel():
     states = [e["state"] for e in gw.events]
     assert states == ["attempt", "backend_saturated", "attempt", "generating"]
     assert parse_sse(response.content)[0]["data"] is not None
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    ["llamacpp_metrics_deferred.txt", "llamacpp_slots_list_generating.json"],
+)
+async def test_another_requests_progress_never_holds_a_queued_caller(metric, fixture):
+    # A one-slot llama.cpp server generating someone else's long answer: its
+    # counters move at every probe, but ours is the deferred one.
+    from pathlib import Path
+
+    body = (Path(__file__).parent / "fixtures" / fixture).read_bytes()
+    moved = iter(range(2000, 100_000, 50))
+
+    def status() -> tuple[int, bytes]:
+        n = str(next(moved)).encode()
+        return 200, body.replace(b"1874", n).replace(b"1873", n)
+
+    before = metric("tierchain_probe_answers_total", backend="tower", verdict="queued")
+    async with (
+        FakeBackend("tower", with_status(quiet, status)) as tower,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        gw = Gateway(
+            [
+                Backend("tower", tower.url, status_url=tower.url + "/status"),
+                Backend("hosted", hosted.url),
+            ],
+            slow_after=0.12,
+        )
+        async with serve(gw.app) as url:
+            response, took = await post(url, chat_request())
+        await gw.aclose()
+    assert response.content == b"".join(HOSTED)
+    assert gw.states("still_working") == []  # saturated at the first expiry
+    assert 0.12 <= took < 1.5
+    assert metric("tierchain_probe_answers_total", backend="tower", verdict="queued") == before + 1

@@ -30,6 +30,7 @@ from tierchain import (
     Backend,
     Breaker,
     Budget,
+    Endpoints,
     Failover,
     Forwarder,
     Heartbeats,
@@ -152,7 +153,7 @@ def create_app(
 ) -> FastAPI:
     """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends.
 
-    The whole tierchain stack, in the brief's order. ``heartbeat_interval`` and
+    The whole tierchain stack, in its fixed order. ``heartbeat_interval`` and
     ``commit_after`` are Heartbeats' options (docs/heartbeats.md), ``slow_after``
     the SaturationWatchdog's window (0: off), ``budget`` Budget's default in
     seconds. One ``store`` (in memory unless given) holds the breakers and the
@@ -167,14 +168,6 @@ def create_app(
             yield
 
     app = FastAPI(title="tierchain example gateway", lifespan=lifespan)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, object]:
-        return {"object": "list", "data": [{"id": name, "object": "model"} for name in routes]}
 
     @app.get("/demo/events", response_class=HTMLResponse)
     async def demo_events() -> str:
@@ -193,8 +186,10 @@ def create_app(
     app.add_middleware(StreamQuery)  # GET /v1/stream -> streaming POST, for EventSource
     app.add_middleware(PreferBackend, store=store)
     app.add_middleware(Budget, default=budget)
-    # Outermost: turns the state events of every layer inside into SSE comment lines.
+    # Turns the state events of every layer inside into SSE comment lines.
     app.add_middleware(Heartbeats, interval=heartbeat_interval, commit_after=commit_after)
+    # Outermost, in front of the router: /v1/models, /healthz, /readyz and /metrics.
+    app.add_middleware(Endpoints, routes=routes, store=store)
     return app
 
 

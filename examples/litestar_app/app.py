@@ -1,8 +1,16 @@
 """An LLM gateway on Litestar with the tierchain stack in front of its forwarder.
 
+Run it from the repository root (point the routes at your backends)::
+
+    TOWER_URL=http://127.0.0.1:11434 HOSTED_URL=https://api.example.com \\
+        uvicorn --factory examples.litestar_app.app:from_env
+
 Litestar lists middleware outermost first and builds the stack per route
 handler, so 404 and 405 are answered before any middleware runs, and
 middleware never sees the lifespan: the forwarder is closed in ``on_shutdown``.
+For the same reason :class:`~tierchain.Endpoints` (``/v1/models``, ``/healthz``,
+``/readyz``, ``/metrics``) wraps the Litestar app from outside: Litestar would
+answer 404 to those paths before any middleware of its own ran.
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ from __future__ import annotations
 import os
 
 import httpx
-from litestar import Litestar, asgi, get
+from litestar import Litestar, asgi
 from litestar.middleware import DefineMiddleware
 from litestar.types import Receive, Scope, Send
 
@@ -18,6 +26,7 @@ from tierchain import (
     Backend,
     Breaker,
     Budget,
+    Endpoints,
     Failover,
     Forwarder,
     Heartbeats,
@@ -38,10 +47,10 @@ def create_app(
     slow_after: float = 0.0,
     budget: float | None = None,
     store: MemoryStore | RedisStore | None = None,
-) -> Litestar:
+) -> Endpoints:
     """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends.
 
-    The whole tierchain stack, in the brief's order (see the FastAPI example for
+    The whole tierchain stack, in its fixed order (see the FastAPI example for
     the options). Litestar builds the middleware stack once per route handler,
     so everything that must be shared is made here and passed in: one store for
     every Breaker and PreferBackend, one probe client for every watchdog.
@@ -54,12 +63,8 @@ def create_app(
     async def forward(scope: Scope, receive: Receive, send: Send) -> None:
         await forwarder(scope, receive, send)  # type: ignore[arg-type]
 
-    @get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    return Litestar(
-        route_handlers=[forward, healthz],
+    app = Litestar(
+        route_handlers=[forward],
         # Outermost first.
         middleware=[
             DefineMiddleware(Heartbeats, interval=heartbeat_interval, commit_after=commit_after),
@@ -72,9 +77,11 @@ def create_app(
         # Middleware never sees Litestar's lifespan: close what it shares here.
         on_shutdown=[forwarder.aclose, probe_client.aclose],
     )
+    # In front of Litestar's router; everything else (and the lifespan) goes on to it.
+    return Endpoints(app, routes=routes, store=store)
 
 
-def from_env() -> Litestar:
+def from_env() -> Endpoints:
     """Two tiers from TOWER_URL and HOSTED_URL, both serving the logical model 'echo'."""
     tower = os.environ.get("TOWER_URL", "http://127.0.0.1:11434")
     hosted = os.environ.get("HOSTED_URL", "http://127.0.0.1:8001")

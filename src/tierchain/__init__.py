@@ -13,20 +13,26 @@ from .allowance import Allowance
 from .backend import Backend, Routes
 from .breaker import Breaker
 from .budget import Budget
+from .endpoints import Endpoints
 from .errors import (
     AttemptError,
+    BackendBusy,
     BackendSaturated,
     BackendSkipped,
     BackendUnavailable,
     BodyTooLarge,
     BudgetExhausted,
+    ConfigError,
+    ResolveError,
     RetryableStatus,
+    StoreUnavailable,
     TierchainError,
 )
 from .failover import Failover
 from .forwarder import Forwarder
 from .heartbeats import Heartbeats
 from .identity import StartupIdentity
+from .learned import Learned
 from .prefer import PreferBackend
 from .redis_store import RedisStore
 from .request import Attempt, TierRequest, current_attempt
@@ -40,6 +46,7 @@ __all__ = [
     "Attempt",
     "AttemptError",
     "Backend",
+    "BackendBusy",
     "BackendSaturated",
     "BackendSkipped",
     "BackendUnavailable",
@@ -47,16 +54,21 @@ __all__ = [
     "Breaker",
     "Budget",
     "BudgetExhausted",
+    "ConfigError",
+    "Endpoints",
     "Failover",
     "Forwarder",
     "Heartbeats",
+    "Learned",
     "MemoryStore",
     "PreferBackend",
     "RedisStore",
+    "ResolveError",
     "RetryableStatus",
     "Routes",
     "SaturationWatchdog",
     "StartupIdentity",
+    "StoreUnavailable",
     "TierRequest",
     "TierchainError",
     "__version__",

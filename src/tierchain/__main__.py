@@ -2,8 +2,9 @@
 
 ::
 
+    tierchain serve [--host H] [--port P] run the configured gateway under uvicorn
     tierchain check-config [--json]      the effective stack, routes and settings, or every problem
-    tierchain burst-probe URL --model M  the admission-control probe of seed 001 (needs --yes)
+    tierchain burst-probe URL --model M  the admission-control probe (needs --yes)
     tierchain demo                       the README's demo
 
 Exit status: 0 success, 1 the probe measured nothing, 2 a usage or
@@ -20,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from .endpoints import PATHS as ENDPOINT_PATHS
 from .telemetry import VERSION
 
 __all__ = ["main"]
@@ -28,10 +30,25 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierchain",
-        description="Operate a tierchain gateway: check its configuration, probe a backend.",
+        description="Operate a tierchain gateway: serve it, check its configuration, probe a backend.",
     )
     parser.add_argument("--version", action="version", version=f"tierchain {VERSION}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the gateway the TIERCHAIN_* variables describe, under uvicorn",
+        description="Serve the whole stack from the TIERCHAIN_* variables and the routes file "
+        "under uvicorn (the 'serve' extra). Logs one line per event on stderr "
+        "(TIERCHAIN_LOG_FORMAT=text|json). On SIGTERM or SIGINT, stops accepting, lets requests "
+        "in flight finish for up to TIERCHAIN_DRAIN_TIMEOUT seconds, then exits 0.",
+    )
+    serve.add_argument("--host", help="address to listen on (default: TIERCHAIN_HOST, 127.0.0.1)")
+    serve.add_argument(
+        "--port",
+        type=int,
+        help="port to listen on, 0 for any free one (default: TIERCHAIN_PORT, 8080)",
+    )
 
     check = sub.add_parser(
         "check-config",
@@ -82,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(args_list)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
+    if args.command == "serve":
+        return serve(host=args.host, port=args.port)
     if args.command == "check-config":
         return check_config(as_json=args.json)
     if args.command == "burst-probe":
@@ -96,6 +115,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+# -- serve --------------------------------------------------------------------------
+
+
+def serve(*, host: str | None = None, port: int | None = None) -> int:
+    """Run ``tierchain serve`` (see :mod:`tierchain.serve`); returns the exit status."""
+    try:
+        from .serve import run
+    except ImportError as exc:
+        print(
+            f"tierchain serve needs uvicorn ({exc}): pip install 'tierchain[serve]'",
+            file=sys.stderr,
+        )
+        return 2
+    return run(host=host, port=port)
+
+
 # -- check-config -------------------------------------------------------------------
 
 
@@ -106,7 +141,8 @@ def check_config(
     out: TextIO | None = None,
 ) -> int:
     """Print the effective configuration (exit 0) or every problem found (exit 2)."""
-    from .config import ConfigError, build_stack, from_env
+    from .config import ConfigError, from_env
+    from .stack import build_stack
 
     out = sys.stdout if out is None else out
     env = dict(os.environ) if environ is None else environ
@@ -137,7 +173,6 @@ def check_config(
             "stack": _stack_rows(settings),
             "routes": fields["routes"],
             "settings": fields["settings"],
-            "notes": list(settings.notes),
         }
         print(json.dumps(doc, indent=2), file=out)
         return 0
@@ -152,16 +187,14 @@ def check_config(
         print(f"  {route}:", file=out)
         for n, b in enumerate(chain, 1):
             extra = "".join(f"  {k}={b[k]}" for k in ("regime", "model", "status_url") if k in b)
+            if b.get("forward_caller_auth"):
+                extra += "  forward_caller_auth=true"
             hdrs = f"  headers={','.join(b['headers'])}" if "headers" in b else ""
             print(f"    {n}. {b['name']:<12} {b['url']}{extra}{hdrs}", file=out)
     store_opts = "".join(
         f"  {k}={_val(v)}" for k, v in fields["settings"]["options"].get("RedisStore", {}).items()
     )
     print(f"\nstore: {fields['settings']['store_url']}{store_opts}", file=out)
-    if settings.notes:
-        print("\nnotes:", file=out)
-        for note in settings.notes:
-            print(f"  - {note}", file=out)
     return 0
 
 
@@ -178,6 +211,7 @@ def _stack_rows(settings: Any) -> list[dict[str, Any]]:
                 "sources": dict(settings.layers["Admin"].sources),
             }
         )
+    rows.append({"name": "Endpoints", "options": {"paths": list(ENDPOINT_PATHS)}, "sources": {}})
     for name in settings.stack:
         rows.append(
             {
@@ -231,6 +265,7 @@ def burst_probe(
 ) -> int:
     """Refuse without ``yes`` (naming the call count); otherwise run and print the verdict."""
     from . import burst
+    from .masking import mask_text, mask_url
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -240,8 +275,9 @@ def burst_probe(
     try:
         endpoint = burst.chat_url(url)
     except ValueError as exc:
-        print(f"tierchain burst-probe: {exc}", file=err)
+        print(f"tierchain burst-probe: {mask_text(str(exc), url)}", file=err)
         return 2
+    shown = mask_url(endpoint)  # the URL may carry a key
     if not timeout > 0:
         print(f"tierchain burst-probe: --timeout must be > 0 seconds, got {timeout}", file=err)
         return 2
@@ -257,7 +293,7 @@ def burst_probe(
             return 2
     if not yes:
         print(
-            f"tierchain burst-probe would make {calls} calls to {endpoint} (model {model!r}): "
+            f"tierchain burst-probe would make {calls} calls to {shown} (model {model!r}): "
             f"concurrency {levels}, {burst.REPEATS} repeats each, max_tokens 1, each call "
             f"bounded at {timeout:g} s. Every call spends tokens and loads the backend; run it "
             "on an idle backend, outside an incident. Nothing was sent. Add --yes to run it.",
@@ -265,7 +301,7 @@ def burst_probe(
         )
         return 2
 
-    print(f"burst-probe: {calls} calls to {endpoint} (model {model!r})", file=err)
+    print(f"burst-probe: {calls} calls to {shown} (model {model!r})", file=err)
 
     def progress(line: str) -> None:
         print(line, file=err, flush=True)

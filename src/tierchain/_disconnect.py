@@ -9,17 +9,63 @@ disconnect when it happens.
 
 The watcher starts only after ``WATCH_AFTER`` seconds: a request answered
 sooner (most refusals, most fast answers) never pays for a task, and a caller
-that leaves is still noticed within a fraction of a second.
+that leaves is still noticed within a fraction of a second. Rather than a loop
+timer per request, the guards of one event loop wait in a queue in the order
+they started, and one timer per loop, armed only while the queue is not empty,
+starts the watchers of those that are still running ``WATCH_AFTER`` later.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from types import TracebackType
 
 from ._types import Message, Receive
 
 WATCH_AFTER = 0.02
+
+
+class _Starter:
+    """One event loop's queue of guards waiting for their watcher to be due."""
+
+    __slots__ = ("armed", "loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: deque[tuple[float, DisconnectGuard]] = deque()
+        self.armed = False
+
+    def add(self, guard: DisconnectGuard) -> None:
+        self.queue.append((self.loop.time() + WATCH_AFTER, guard))
+        if not self.armed:
+            self.armed = True
+            self.loop.call_at(self.queue[0][0], self._tick)
+
+    def _tick(self) -> None:
+        queue, now = self.queue, self.loop.time()
+        while queue and queue[0][0] <= now:
+            guard = queue.popleft()[1]
+            if not guard.done:
+                guard.start_watching()
+        if queue:
+            self.loop.call_at(queue[0][0], self._tick)
+        else:
+            self.armed = False
+
+
+_starters: dict[asyncio.AbstractEventLoop, _Starter] = {}
+
+
+def _starter() -> _Starter:
+    loop = asyncio.get_running_loop()
+    starter = _starters.get(loop)
+    if starter is None:
+        if len(_starters) > 8:  # loops of finished tests or asyncio.run() calls
+            for old in [lp for lp in _starters if lp.is_closed()]:
+                del _starters[old]
+        starter = _starters[loop] = _Starter(loop)
+    return starter
 
 
 class DisconnectGuard:
@@ -31,13 +77,12 @@ class DisconnectGuard:
     (uvicorn reports one when the response ends) cancels nothing.
     """
 
-    __slots__ = ("_cancelled", "_gone", "_handle", "_receive", "_task", "_watcher", "done")
+    __slots__ = ("_cancelled", "_gone", "_receive", "_task", "_watcher", "done")
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
         self._task: asyncio.Task[object] | None = None
         self._watcher: asyncio.Task[None] | None = None
-        self._handle: asyncio.TimerHandle | None = None
         self._cancelled = False
         self.done = False
         self._gone: asyncio.Event | None = None  # made when first needed
@@ -51,12 +96,12 @@ class DisconnectGuard:
 
     async def __aenter__(self) -> DisconnectGuard:
         self._task = asyncio.current_task()
-        self._handle = asyncio.get_running_loop().call_later(WATCH_AFTER, self._start)
+        _starter().add(self)
         return self
 
-    def _start(self) -> None:
-        self._handle = None
-        if not self.done:
+    def start_watching(self) -> None:
+        """Start the watcher task (once the request has run ``WATCH_AFTER`` seconds)."""
+        if self._watcher is None and not self.done:
             self._watcher = asyncio.create_task(self._watch(), name="tierchain-disconnect-watch")
 
     async def _watch(self) -> None:
@@ -81,8 +126,6 @@ class DisconnectGuard:
         tb: TracebackType | None,
     ) -> bool:
         self.done = True
-        if self._handle is not None:
-            self._handle.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
         # Swallow only the cancellation this guard caused, and only when no

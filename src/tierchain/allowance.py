@@ -4,9 +4,9 @@
 
     allowance = cold_start + base + per_1k_tokens * tokens / 1000, at most ceiling
 
-The defaults reproduce seed 002's table (10k tokens: 400 s; 50k: 560 s; 90.7k:
+The defaults reproduce the measured prefill table (10k tokens: 400 s; 50k: 560 s; 90.7k:
 about 723 s; 131,072: about 884 s) and are never narrower than a cold model
-load plus prefill: seed 002 measured a cold load at 138.5 s for a 4-token
+load plus prefill: a cold load was measured at 138.5 s for a 4-token
 prompt, and the smallest allowance (an empty prompt) is 360 s.
 
 The prompt size is estimated from the JSON request body by
@@ -101,11 +101,11 @@ class Allowance:
     """
 
     cold_start: float = 180.0
-    """Loading the model from cold (seed 002 measured 138.5 s), with headroom."""
+    """Loading the model from cold (measured at 138.5 s), with headroom."""
     base: float = 180.0
     """Everything that does not grow with the prompt: queueing, first decode, network."""
     per_1k_tokens: float = 4.0
-    """Prefill seconds per thousand prompt tokens (uncached; seed 002's rate)."""
+    """Prefill seconds per thousand prompt tokens (uncached, as measured)."""
     ceiling: float = 1800.0
     """No allowance is longer than this."""
     tokenizer: Tokenizer | None = None

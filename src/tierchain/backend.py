@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from urllib.parse import urlsplit
+
+from .masking import MASK, SECRET_NAME, mask_text, mask_url
 
 __all__ = ["Backend", "Routes"]
 
@@ -18,10 +20,13 @@ def _check_url(what: str, url: str) -> str:
     try:
         parts = urlsplit(url)
     except ValueError as exc:
-        raise ValueError(f"{what} {url!r} is not a URL: {exc}") from None
+        raise ValueError(
+            f"{what} {mask_url(url)!r} is not a URL: {mask_text(str(exc), url)}"
+        ) from None
     if parts.scheme not in {"http", "https"} or not parts.hostname:
         raise ValueError(
-            f"{what} {url!r} needs an http or https scheme and a host, e.g. http://127.0.0.1:11434"
+            f"{what} {mask_url(url)!r} needs an http or https scheme and a host, "
+            "e.g. http://127.0.0.1:11434"
         )
     return url
 
@@ -31,9 +36,11 @@ class Backend:
     """One upstream an attempt can go to.
 
     ``name`` identifies it in routes, headers, metrics and heartbeat lines
-    (``[A-Za-z0-9._-]{1,64}``). ``url`` is its base URL: the request's path and
-    query are appended to it. ``regime`` is operator-supplied state such as
-    ``local`` or ``hosted``. ``status_url``, when set, is asked whether the
+    (``[A-Za-z0-9._-]{1,64}``). ``url`` is its base URL: the request's checked
+    path is appended to its path, and its own query parameters come before the
+    caller's (and win over a caller's of the same name). ``regime`` is
+    operator-supplied state such as ``local`` or ``hosted``. ``status_url``, when
+    set, is asked whether the
     backend is still working before a slow attempt is abandoned. ``headers``
     are added to every request sent to it (an API key for a hosted tier), and
     ``model``, when set, replaces the JSON body's ``model`` for this backend.
@@ -42,6 +49,12 @@ class Backend:
     string (a data event whose value is exactly that), or None (any clean end).
     A stream that ends otherwise is truncated, an error. ``stall_after``
     overrides the SaturationWatchdog's ``stall_after`` for this backend.
+    ``forward_caller_auth`` lets the caller's own credentials (``Authorization``,
+    ``x-api-key``, ``api-key``, ``Cookie``) through to this backend; by default
+    the Forwarder drops them, so a tier never sees a secret meant for another.
+    ``max_in_flight`` is how many attempts may be in flight at this backend at
+    once, counted across replicas through the store (None: unlimited); one
+    more is skipped at once as busy, unless the backend is the chain's last tier.
     """
 
     name: str
@@ -52,6 +65,22 @@ class Backend:
     model: str | None = None
     stream_end: str | None = "openai"
     stall_after: float | None = None
+    forward_caller_auth: bool = False
+    max_in_flight: int | None = None
+
+    def __repr__(self) -> str:
+        shown = []
+        for f in fields(self):
+            if f.repr:
+                value = getattr(self, f.name)
+                if f.name.endswith("url") and isinstance(value, str):
+                    value = mask_url(value)
+                elif SECRET_NAME.search(f.name) and isinstance(value, str) and value:
+                    value = MASK
+                shown.append(f"{f.name}={value!r}")
+        if self.headers:
+            shown.append(f"headers=<{', '.join(sorted(self.headers))}: values not shown>")
+        return f"Backend({', '.join(shown)})"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -62,12 +91,25 @@ class Backend:
         if self.status_url is not None:
             _check_url(f"backend {self.name!r} status_url", self.status_url)
         object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
+        if not isinstance(self.forward_caller_auth, bool):
+            raise ValueError(
+                f"backend {self.name!r} forward_caller_auth must be True or False, "
+                f"got {self.forward_caller_auth!r}"
+            )
         if self.stream_end is not None and (
             not isinstance(self.stream_end, str) or not self.stream_end.strip()
         ):
             raise ValueError(
                 f"backend {self.name!r} stream_end must be a non-empty string or None, "
                 f"got {self.stream_end!r}"
+            )
+        limit = self.max_in_flight
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ValueError(
+                f"backend {self.name!r} max_in_flight must be an integer >= 1 or None, "
+                f"got {limit!r}"
             )
         if self.stall_after is not None:
             stall = self.stall_after

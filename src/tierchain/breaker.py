@@ -7,6 +7,13 @@ timeout, broken stream, 5xx, 429) and *saturations* (the watchdog's
 consecutive saturations open it for 15 minutes, five consecutive failures for
 30 seconds. One good attempt clears both counts.
 
+A breaker re-opened because its half-open probe saturated cools down for
+``saturation_backoff`` seconds (30 s), doubling with each further re-open up
+to ``saturation_cooldown``: one slow request after a hiccup never costs the
+whole cooldown. A breaker open for saturation on a backend whose status is
+polled (a SaturationWatchdog with ``status_interval``) half-opens as soon as
+that status reports room, without waiting out its cooldown.
+
 Inside a :class:`~tierchain.Failover` the Breaker runs once per attempt. While
 open it raises :class:`~tierchain.errors.BackendSkipped` without calling the
 inner app, and Failover advances at once. When the cooldown ends, exactly one
@@ -27,7 +34,8 @@ Breaker's own):
   stream with no data event, or any other exception;
 - saturation: ``BackendSaturated``;
 - neutral (counts nothing, clears nothing, frees a probe slot): a 4xx other
-  than 429, a cancelled attempt (the caller left), a spent budget, and a
+  than 429, a cancelled attempt (the caller left), a spent budget, a backend
+  skipped as busy (``BackendBusy``: busy is not a failure), and a
   ``BackendUnavailable`` the gateway caused itself (``gateway_fault``: a wait
   for a pooled connection, a connect timeout while its event loop ran late).
 
@@ -47,6 +55,7 @@ from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backend import Backend
 from .errors import (
     AttemptError,
+    BackendBusy,
     BackendSaturated,
     BackendSkipped,
     BackendUnavailable,
@@ -54,7 +63,9 @@ from .errors import (
     TierchainError,
 )
 from .observer import Observer
+from .probes import auto_reader
 from .request import UNROUTED_KEY, TierRequest
+from .status import has_room, shared_board
 from .store import (
     BreakerChange,
     BreakerPolicy,
@@ -89,6 +100,8 @@ class Breaker:
     when None; pass one :class:`~tierchain.RedisStore` to every replica to share
     them). ``failure_threshold``/``failure_cooldown`` and
     ``saturation_threshold``/``saturation_cooldown`` are the two ledgers.
+    ``saturation_backoff`` is the first cooldown after a saturated half-open
+    probe (doubling up to ``saturation_cooldown``; 0: always the full cooldown).
     ``retry_after_cap`` bounds how long a ``Retry-After`` may open a breaker.
     ``probe_lease`` is how long a half-open probe may hold its slot before
     another request may probe (a safety net for a replica that died mid-probe).
@@ -107,6 +120,7 @@ class Breaker:
         failure_cooldown: float = 30.0,
         saturation_threshold: int = 2,
         saturation_cooldown: float = 900.0,
+        saturation_backoff: float = 30.0,
         retry_after_cap: float = 900.0,
         probe_lease: float = 300.0,
         when_all_open: Literal["reject", "try_soonest"] = "reject",
@@ -121,6 +135,7 @@ class Breaker:
         for name, seconds in (
             ("failure_cooldown", failure_cooldown),
             ("saturation_cooldown", saturation_cooldown),
+            ("saturation_backoff", saturation_backoff),
             ("retry_after_cap", retry_after_cap),
             ("probe_lease", probe_lease),
         ):
@@ -141,6 +156,7 @@ class Breaker:
             saturation_cooldown=float(saturation_cooldown),
             retry_after_cap=float(retry_after_cap),
             probe_lease=float(probe_lease),
+            saturation_backoff=float(saturation_backoff),
         )
         self.when_all_open = when_all_open
         self.backend = backend.name if isinstance(backend, Backend) else str(backend)
@@ -159,6 +175,8 @@ class Breaker:
         if self.when_all_open == "try_soonest":
             req.try_soonest = True
         ticket = await self._acquire(route, name, attempt.force)
+        if not ticket.admitted and ticket.state == "open" and _reports_room(attempt.backend):
+            ticket = await self._acquire(route, name, attempt.force, wake=True)
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
             raise BackendSkipped(_skip_message(name, ticket), retry_in=ticket.retry_in)
@@ -210,9 +228,19 @@ class Breaker:
 
     # -- the store, guarded -------------------------------------------------
 
-    async def _acquire(self, route: str, name: str, force: bool) -> Ticket:
+    async def _acquire(self, route: str, name: str, force: bool, wake: bool = False) -> Ticket:
         try:
-            ticket = await self.store.breaker_acquire(route, name, self.policy, force=force)
+            if wake:
+                ticket = await self.store.breaker_acquire(
+                    route, name, self.policy, force=force, wake=True
+                )
+            else:
+                ticket = await self.store.breaker_acquire(route, name, self.policy, force=force)
+        except TypeError as exc:
+            if wake:  # a custom store without wake: wait out the cooldown
+                return await self._acquire(route, name, force)
+            self._store_failed(exc)
+            return _ADMIT
         except Exception as exc:  # a store must never fail a request
             self._store_failed(exc)
             return _ADMIT
@@ -278,6 +306,17 @@ class Breaker:
             log_event(_TRANSITION_EVENT[to], level=30 if to == "open" else 20, **fields)
 
 
+def _reports_room(backend: Backend) -> bool:
+    """True when the backend's polled status (if any) says it can take a request now."""
+    url = backend.status_url
+    if url is None:
+        return False
+    board = shared_board()
+    if board is None:
+        return False
+    return has_room(board.peek(url, auto_reader), board.limits)
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
@@ -295,8 +334,8 @@ def _classify(exc: BaseException) -> tuple[Outcome, float | None]:
         if exc.status >= 500 or exc.status == 429:
             return "failure", exc.retry_after if exc.status in (429, 503) else None
         return "neutral", None
-    if isinstance(exc, BackendSkipped):
-        return "neutral", None  # an inner breaker's verdict, not this backend's
+    if isinstance(exc, BackendSkipped | BackendBusy):
+        return "neutral", None  # an inner breaker's verdict, or no room: not a failure
     if isinstance(exc, BackendUnavailable) and exc.gateway_fault:
         return "neutral", None  # the gateway's own slowness, not this backend's
     if isinstance(exc, AttemptError):

@@ -1,4 +1,4 @@
-"""The burst probe (seed 001): does something queue or shed a burst of identical calls?
+"""The burst probe: does something queue or shed a burst of identical calls?
 
 The method: concurrency 1, 5, 10 and 30, three repeats each, the shortest
 identical prompt with ``max_tokens: 1``, against an OpenAI-compatible
@@ -33,6 +33,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from .masking import mask_url
+
 __all__ = [
     "LEVELS",
     "REPEATS",
@@ -65,7 +67,7 @@ def chat_url(url: str) -> str:
     """The chat completions endpoint for a base URL (``http://h:8000``, ``.../v1`` or itself)."""
     parts = urlsplit(url)
     if parts.scheme not in {"http", "https"} or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http or https URL")
+        raise ValueError(f"{mask_url(url)!r} is not an http or https URL")
     path = parts.path.rstrip("/")
     if path.endswith("/chat/completions"):
         return url

@@ -2,10 +2,11 @@
 
 One function reads it all and fails at start-up, listing every problem::
 
-    from tierchain.config import from_env, build_stack
+    from tierchain.config import from_env
+    from tierchain.stack import build_stack
 
     settings = from_env()              # ConfigError(ValueError) naming each bad variable
-    app = build_stack(handler, settings)   # the whole stack, in the brief's order
+    app = build_stack(handler, settings)   # the whole stack, outermost first
 
 or, one middleware at a time (FastAPI: the last ``add_middleware`` is the
 outermost)::
@@ -14,12 +15,13 @@ outermost)::
 
 Every option of every middleware has a ``TIERCHAIN_*`` variable, declared in
 the tables below (one :class:`Option` line each). Options that are objects
-(clocks, clients, callables) are code-only and say so. A middleware whose
-module is not importable is reported, never crashed on: it is left out of the
-stack with a note, and setting one of its variables is a problem.
+(clocks, clients, callables) are code-only and say so.
 
 A problem message names the variable (or the TOML key path), the value (a
 secret's value is never shown) and what was expected.
+
+This module reads and checks; :mod:`tierchain.stack` builds. ``build_stack`` is
+still importable from here for code written against that path.
 """
 
 from __future__ import annotations
@@ -31,15 +33,19 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
-from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit
 
-from ._types import ASGIApp, Receive, Scope, Send
 from .backend import Backend, Routes
+from .errors import ConfigError
+from .masking import MASK, mask_text, mask_url
+
+if TYPE_CHECKING:
+    from .stack import build_stack
 
 __all__ = [
     "LAYERS",
@@ -50,26 +56,19 @@ __all__ = [
     "Option",
     "Settings",
     "build_stack",
+    "display_value",
+    "find_layer",
     "from_env",
+    "layer_class",
     "load_routes",
     "mask_url",
     "uncovered_options",
 ]
 
 PREFIX = "TIERCHAIN_"
-MASK = "***"
 
 # Variables with this prefix that other tools read (the test harness), not the gateway.
 FOREIGN_VARIABLES = frozenset({"TIERCHAIN_CHROMIUM"})
-
-
-class ConfigError(ValueError):
-    """The configuration cannot be used; ``problems`` lists every reason, one sentence each."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = tuple(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"tierchain configuration has {len(self.problems)} problem(s):\n{lines}")
 
 
 # -- parsers -----------------------------------------------------------------------
@@ -115,6 +114,22 @@ def integer(minimum: int, maximum: int | None = None) -> Parser:
         return value
 
     return parse
+
+
+def fraction(raw: str) -> float:
+    """A number in (0, 1], such as ``0.8``."""
+    value = float(raw.strip())
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise ValueError
+    return value
+
+
+def number_above_zero(raw: str) -> float:
+    """A finite number > 0, such as ``2`` or ``1.5``."""
+    value = float(raw.strip())
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError
+    return value
 
 
 def size(raw: str) -> int:
@@ -213,7 +228,7 @@ def mount_path(raw: str) -> str:
 
 
 def stack_list(raw: str) -> tuple[str, ...]:
-    """Middleware names separated by commas, in the brief's order."""
+    """Middleware names separated by commas, in the fixed order (outermost first)."""
     names: list[str] = []
     by_lower = {n.lower(): n for n in STACK_ORDER}
     for part in (p.strip() for p in raw.split(",")):
@@ -245,12 +260,15 @@ def store_url(raw: str) -> str:
 
 
 _ALLOWANCE = "allowance"
+_AUTO = "auto"
 
 
 def slow_after(raw: str) -> float | str:
-    """Seconds (0: off), or the word ``allowance`` for the TIERCHAIN_ALLOWANCE_* formula."""
+    """Seconds (0: off), ``allowance`` (TIERCHAIN_ALLOWANCE_*) or ``auto`` (TIERCHAIN_LEARNED_*)."""
     if raw.strip().lower() == _ALLOWANCE:
         return _ALLOWANCE
+    if raw.strip().lower() == _AUTO:
+        return _AUTO
     value: float = seconds(zero_ok=True)(raw)
     return value
 
@@ -315,7 +333,7 @@ STACK_ORDER = (
 LAYERS: tuple[Layer, ...] = (
     Layer("tierchain", "tierchain", "general", (
         _o("stack", "STACK", stack_list, "middleware names separated by commas, outermost first",
-           help="Which middlewares to stack (default: every one that is available)."),
+           help="Which middlewares to stack (default: every one)."),
         _o("routes_file", "ROUTES_FILE", text, "the path of a TOML file of [routes.<name>] tables",
            help="The routes file (see Routes file)."),
         _o("store_url", "STORE_URL", store_url, "memory:// or a redis URL (redis://host:6379/0)",
@@ -325,6 +343,17 @@ LAYERS: tuple[Layer, ...] = (
         _o("identity", "IDENTITY", boolean, _BOOL,
            help="Write the tierchain.started identity line at start-up (default on)."),
     )),
+    Layer("serve", "tierchain.serve", "general", (
+        _o("host", "HOST", text, "an address to listen on, such as 127.0.0.1 or 0.0.0.0"),
+        _o("port", "PORT", integer(0, 65535), "a port number from 0 to 65535 (0: any free one)"),
+        _o("drain_timeout", "DRAIN_TIMEOUT", seconds(), _SECS_NONNEG,
+           help="On SIGTERM or SIGINT, how long requests in flight may take to finish."),
+        _o("log_format", "LOG_FORMAT", choice("text", "json"), "text or json"),
+        _o("log_level", "LOG_LEVEL", choice("debug", "info", "warning", "error"),
+           "debug, info, warning or error"),
+        _o("access_log", "ACCESS_LOG", boolean, _BOOL,
+           help="One uvicorn.access line per request (default off)."),
+    ), help="Read by tierchain serve only."),
     Layer("Heartbeats", "tierchain.heartbeats", "middleware", (
         _o("interval", "HEARTBEAT_INTERVAL", seconds(), f"{_SECS} (0: no keepalives)"),
         _o("commit_after", "HEARTBEAT_COMMIT_AFTER", seconds(), _SECS_NONNEG),
@@ -339,19 +368,23 @@ LAYERS: tuple[Layer, ...] = (
     Layer("PreferBackend", "tierchain.prefer", "middleware", (
         _o("header", "PREFER_HEADER", header_name, "an HTTP header name such as X-Prefer-Backend"),
         _o("pin_timeout", "PREFER_PIN_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
-    ), wired=frozenset({"store"})),
+    ), wired=frozenset({"store"}), code_only=frozenset({"allow"})),
     Layer("Failover", "tierchain.failover", "middleware", (
         _o("max_body", "FAILOVER_MAX_BODY", size, "a size in bytes such as 512k or 32MiB"),
         _o("retry_statuses", "FAILOVER_RETRY_STATUSES", status_list,
            "HTTP statuses separated by commas, such as 429,500,502,503,504"),
         _o("paths", "FAILOVER_PATHS", path_list, "path prefixes separated by commas, such as /v1/"),
         _o("hold_limit", "FAILOVER_HOLD_LIMIT", size, "a size in bytes such as 16MiB"),
-    ), wired=frozenset({"routes"}), code_only=frozenset({"resolve"})),
+        _o("lease", "FAILOVER_LEASE", seconds(zero_ok=False), _SECS_POS,
+           help="How long an in-flight lease lives unless renewed (max_in_flight)."),
+    ), wired=frozenset({"routes", "store"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
         _o("failure_cooldown", "BREAKER_FAILURE_COOLDOWN", seconds(), _SECS_NONNEG),
         _o("saturation_threshold", "BREAKER_SATURATION_THRESHOLD", integer(1), _COUNT),
         _o("saturation_cooldown", "BREAKER_SATURATION_COOLDOWN", seconds(), _SECS_NONNEG),
+        _o("saturation_backoff", "BREAKER_SATURATION_BACKOFF", seconds(), _SECS_NONNEG,
+           help="First cooldown after a saturated half-open probe; doubles per re-open."),
         _o("retry_after_cap", "BREAKER_RETRY_AFTER_CAP", seconds(), _SECS_NONNEG),
         _o("probe_lease", "BREAKER_PROBE_LEASE", seconds(zero_ok=False), _SECS_POS),
         _o("when_all_open", "BREAKER_WHEN_ALL_OPEN", choice("reject", "try_soonest"),
@@ -360,10 +393,21 @@ LAYERS: tuple[Layer, ...] = (
            "a backend name (A-Z a-z 0-9 . _ -, 1-64 characters), used when no Failover runs"),
     ), wired=frozenset({"store"})),
     Layer("SaturationWatchdog", "tierchain.watchdog", "middleware", (
-        _o("slow_after", "SLOW_AFTER", slow_after, f"{_SECS} (0: off), or the word allowance"),
+        _o("slow_after", "SLOW_AFTER", slow_after,
+           f"{_SECS} (0: off), or the word allowance, or the word auto"),
         _o("ceiling", "WATCHDOG_CEILING", seconds(zero_ok=False), _SECS_POS),
         _o("probe_timeout", "WATCHDOG_PROBE_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
         _o("stall_after", "WATCHDOG_STALL_AFTER", seconds(), f"{_SECS} (0: off)"),
+        _o("status_interval", "WATCHDOG_STATUS_INTERVAL", seconds(), f"{_SECS} (0: off)",
+           help="How often a status URL is polled while traffic flows."),
+        _o("status_stale", "WATCHDOG_STATUS_STALE", seconds(zero_ok=False), _SECS_POS,
+           help="A polled status older than this is unknown."),
+        _o("busy_waiting", "WATCHDOG_BUSY_WAITING", integer(1), _COUNT,
+           help="Waiting requests at which a backend is full."),
+        _o("busy_kv_cache", "WATCHDOG_BUSY_KV_CACHE", fraction, "a fraction such as 0.8",
+           help="KV-cache use at which a backend is full."),
+        _o("busy_all_slots", "WATCHDOG_BUSY_ALL_SLOTS", boolean, _BOOL,
+           help="Every /slots slot busy means full."),
     ), code_only=frozenset({"readers", "client"})),
     Layer("Allowance", "tierchain.allowance", "component", (
         _o("cold_start", "ALLOWANCE_COLD_START", seconds(), _SECS_NONNEG),
@@ -371,6 +415,15 @@ LAYERS: tuple[Layer, ...] = (
         _o("per_1k_tokens", "ALLOWANCE_PER_1K_TOKENS", seconds(), _SECS_NONNEG),
         _o("ceiling", "ALLOWANCE_CEILING", seconds(zero_ok=False), _SECS_POS),
     ), code_only=frozenset({"tokenizer"}), help="Used when TIERCHAIN_SLOW_AFTER=allowance."),
+    Layer("Learned", "tierchain.learned", "component", (
+        _o("maximum", "LEARNED_MAXIMUM", seconds(zero_ok=False), _SECS_POS,
+           help="The window until enough samples, and its upper bound."),
+        _o("floor", "LEARNED_FLOOR", seconds(zero_ok=False), _SECS_POS),
+        _o("quantile", "LEARNED_QUANTILE", fraction, "a fraction such as 0.99"),
+        _o("margin", "LEARNED_MARGIN", number_above_zero, "a number > 0 such as 2"),
+        _o("min_samples", "LEARNED_MIN_SAMPLES", integer(1), _COUNT),
+        _o("half_life", "LEARNED_HALF_LIFE", number_above_zero, "a number of samples > 0"),
+    ), help="Used when TIERCHAIN_SLOW_AFTER=auto."),
     Layer("Forwarder", "tierchain.forwarder", "handler", (
         _o("connect_timeout", "FORWARDER_CONNECT_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
         _o("max_keepalive", "FORWARDER_MAX_KEEPALIVE", integer(0), "a whole number >= 0"),
@@ -400,30 +453,31 @@ LAYERS: tuple[Layer, ...] = (
 
 _BY_NAME = {layer.name: layer for layer in LAYERS}
 _BY_ENV = {opt.env: (layer, opt) for layer in LAYERS for opt in layer.options}
-_ROUTE_KEYS = ("name", "url", "regime", "status_url", "model", "headers", "api_key_env")
+_ROUTE_KEYS = (
+    "name",
+    "url",
+    "regime",
+    "status_url",
+    "model",
+    "headers",
+    "api_key_env",
+    "forward_caller_auth",
+    "max_in_flight",
+)
 
 
-def _import(layer: Layer) -> tuple[Any | None, str | None]:
-    """The layer's class, or None and why it is not available."""
-    try:
-        module = importlib.import_module(layer.module)
-    except ModuleNotFoundError as exc:
-        if exc.name == layer.module:
-            return None, f"{layer.module} is not part of this tierchain build"
-        return None, f"{layer.module} needs {exc.name!r}, which is not installed"
-    except Exception as exc:  # a broken module is reported, not crashed on
-        return None, f"{layer.module} failed to import: {type(exc).__name__}: {exc}"
-    cls = getattr(module, layer.name, None)
-    if cls is None:
-        return None, f"{layer.module} has no {layer.name}"
-    return cls, None
+def find_layer(name: str) -> Layer:
+    """The table entry of the piece called ``name``; KeyError for an unknown name."""
+    return _BY_NAME[name]
 
 
-def _require(name: str) -> Any:
-    cls, reason = _import(_BY_NAME[name])
-    if cls is None:
-        raise ConfigError([f"{name} is not available: {reason}"])
-    return cls
+def layer_class(name: str) -> Any:
+    """The class of the piece called ``name`` (``"Budget"``, ``"RedisStore"``, ...).
+
+    Imported on first use, so that reading the configuration imports no middleware.
+    """
+    layer = _BY_NAME[name]
+    return getattr(importlib.import_module(layer.module), layer.name)
 
 
 def _keyword_params(cls: Any) -> dict[str, inspect.Parameter]:
@@ -439,14 +493,12 @@ def _keyword_params(cls: Any) -> dict[str, inspect.Parameter]:
 
 
 def uncovered_options() -> dict[str, list[str]]:
-    """Constructor arguments of available layers that no table line covers (should be empty)."""
+    """Constructor arguments that no table line covers (should be empty)."""
     missing: dict[str, list[str]] = {}
     for layer in LAYERS:
         if layer.kind == "general":
             continue
-        cls, _ = _import(layer)
-        if cls is None:
-            continue
+        cls = layer_class(layer.name)
         known = {o.name for o in layer.options} | layer.wired | layer.code_only
         extra = [name for name in _keyword_params(cls) if name not in known]
         if extra:
@@ -464,11 +516,16 @@ class LayerSettings:
     name: str
     kind: Kind
     enabled: bool
-    available: bool
-    reason: str | None
     options: Mapping[str, Any]
     sources: Mapping[str, str]
     defaults: Mapping[str, Any]
+
+    def __repr__(self) -> str:
+        options = {k: display_value(self.name, k, v) for k, v in self.options.items()}
+        return (
+            f"LayerSettings(name={self.name!r}, kind={self.kind!r}, enabled={self.enabled!r}, "
+            f"options={options!r})"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -481,7 +538,6 @@ class Settings:
     store_url: str
     admin_path: str
     identity: bool
-    notes: tuple[str, ...] = ()
     environ_keys: tuple[str, ...] = field(default=(), repr=False)
 
     @property
@@ -491,9 +547,8 @@ class Settings:
 
     @property
     def admin_enabled(self) -> bool:
-        """True when the Admin app will be mounted (a token is set and Admin is available)."""
-        admin = self.layers["Admin"]
-        return admin.available and "token" in admin.options
+        """True when the Admin app will be mounted (a token is set)."""
+        return "token" in self.layers["Admin"].options
 
     def middleware_kwargs(self, name: str, *, store: Any = None) -> dict[str, Any]:
         """Keyword arguments for ``name`` (``"Budget"``, ...): the options set by variables.
@@ -511,27 +566,24 @@ class Settings:
         if "store" in layer.wired and store is not None:
             kwargs["store"] = store
         if name == "SaturationWatchdog" and kwargs.get("slow_after") == _ALLOWANCE:
-            kwargs["slow_after"] = _require("Allowance")(**self.layers["Allowance"].options)
+            kwargs["slow_after"] = layer_class("Allowance")(**self.layers["Allowance"].options)
+        if name == "SaturationWatchdog" and kwargs.get("slow_after") == _AUTO:
+            kwargs["slow_after"] = layer_class("Learned")(**self.layers["Learned"].options)
         return kwargs
+
+    def __repr__(self) -> str:
+        return (
+            f"Settings(stack={list(self.stack)!r}, routes={self.routes!r}, "
+            f"routes_file={self.routes_file!r}, store_url={mask_url(self.store_url)!r}, "
+            f"admin_path={self.admin_path!r}, identity={self.identity!r}, "
+            f"options={self.effective()['options']!r})"
+        )
 
     def make_store(self) -> Any:
         """A new store for ``store_url``: a MemoryStore, or a RedisStore."""
-        if self.store_url == "memory://":
-            return _require("MemoryStore")()
-        cls = _require("RedisStore")
-        layer = self.layers["RedisStore"]
-        try:
-            return cls(url=self.store_url, **layer.options)
-        except (ImportError, TypeError, ValueError) as exc:
-            given = ", ".join(
-                f"{env}={plain(layer.options[o])!r}" for o, env in layer.sources.items()
-            )
-            raise ConfigError(
-                [
-                    f"RedisStore rejected TIERCHAIN_STORE_URL={mask_url(self.store_url)!r}"
-                    f"{', ' + given if given else ''}: {exc}"
-                ]
-            ) from None
+        from .stack import make_store
+
+        return make_store(self)
 
     def effective(self) -> dict[str, Any]:
         """Everything in force, secrets masked: for logs, ``check-config`` and the identity line."""
@@ -544,6 +596,11 @@ class Settings:
             if (
                 name == "Allowance"
                 and self.layers["SaturationWatchdog"].options.get("slow_after") != _ALLOWANCE
+            ):
+                continue
+            if (
+                name == "Learned"
+                and self.layers["SaturationWatchdog"].options.get("slow_after") != _AUTO
             ):
                 continue
             if name == "Admin" and not self.admin_enabled:
@@ -566,6 +623,15 @@ class Settings:
         }
 
 
+def display_value(layer: str, name: str, value: Any) -> Any:
+    """Option ``name`` of ``layer`` for showing: a secret's value masked, URLs masked."""
+    known = _BY_NAME.get(layer)
+    if known is not None and any(o.name == name and o.secret for o in known.options):
+        return MASK
+    shown = plain(value)
+    return mask_url(shown) if isinstance(shown, str) and "://" in shown else shown
+
+
 def plain(value: Any) -> Any:
     """A JSON-friendly rendering of an option value."""
     if isinstance(value, timedelta):
@@ -581,24 +647,10 @@ def plain(value: Any) -> Any:
     return repr(value)
 
 
-def mask_url(url: str) -> str:
-    """``url`` with any password (and a user name carrying one) replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None and parts.username is None:
-            return url
-        host = parts.hostname or ""
-        if parts.port is not None:
-            host = f"{host}:{parts.port}"
-        return urlunsplit(parts._replace(netloc=f"{MASK}@{host}"))
-    except ValueError:
-        return MASK
-
-
 def _shown(opt: Option, raw: str) -> str:
     if opt.secret:
         return f"<{len(raw)} characters, not shown>"
-    return repr(raw)
+    return repr(mask_text(raw, raw))
 
 
 def _defaults(cls: Any, layer: Layer) -> dict[str, Any]:
@@ -619,7 +671,6 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     """
     env = os.environ if environ is None else environ
     problems: list[str] = []
-    notes: list[str] = []
     parsed: dict[str, dict[str, Any]] = {layer.name: {} for layer in LAYERS}
     sources: dict[str, dict[str, str]] = {layer.name: {} for layer in LAYERS}
 
@@ -636,7 +687,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         try:
             value = opt.parse(raw)
         except ValueError as exc:
-            detail = f" ({exc})" if str(exc) else ""
+            detail = f" ({mask_text(str(exc), raw)})" if str(exc) else ""
             problems.append(f"{key}={_shown(opt, raw)}: expected {opt.expected}{detail}")
             continue
         parsed[layer.name][opt.name] = value
@@ -649,45 +700,34 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     for layer in LAYERS:
         if layer.kind == "general":
             layers[layer.name] = LayerSettings(
-                layer.name, "general", True, True, None,
+                layer.name, "general", True,
                 MappingProxyType(dict(parsed[layer.name])),
                 MappingProxyType(sources[layer.name]), MappingProxyType({}),
             )  # fmt: skip
             continue
-        cls, reason = _import(layer)
-        enabled = False
-        if layer.kind == "middleware":
-            wanted = explicit_stack is None or layer.name in explicit_stack
-            enabled = wanted and cls is not None
-            if cls is None and explicit_stack is not None and wanted:
-                problems.append(f"TIERCHAIN_STACK lists {layer.name}, but {reason}")
-            elif cls is None:
-                notes.append(f"{layer.name} is left out of the stack: {reason}")
-        if cls is None:
-            for env_name in sources[layer.name].values():
-                problems.append(f"{env_name} is set, but {layer.name} is not available: {reason}")
+        enabled = layer.kind == "middleware" and (
+            explicit_stack is None or layer.name in explicit_stack
+        )
         layers[layer.name] = LayerSettings(
             name=layer.name,
             kind=layer.kind,
             enabled=enabled,
-            available=cls is not None,
-            reason=reason,
             options=MappingProxyType(dict(parsed[layer.name])),
             sources=MappingProxyType(dict(sources[layer.name])),
-            defaults=MappingProxyType(_defaults(cls, layer) if cls is not None else {}),
+            defaults=MappingProxyType(_defaults(layer_class(layer.name), layer)),
         )
 
     # Allowance variables only mean something with TIERCHAIN_SLOW_AFTER=allowance.
-    if parsed["SaturationWatchdog"].get("slow_after") == _ALLOWANCE:
-        if not layers["Allowance"].available:
-            problems.append(
-                "TIERCHAIN_SLOW_AFTER='allowance': expected seconds, because Allowance is "
-                f"not available: {layers['Allowance'].reason}"
-            )
-    else:
+    if parsed["SaturationWatchdog"].get("slow_after") != _ALLOWANCE:
         for env_name in sources["Allowance"].values():
             problems.append(
                 f"{env_name} is set but has no effect: set TIERCHAIN_SLOW_AFTER=allowance to use it"
+            )
+
+    if parsed["SaturationWatchdog"].get("slow_after") != _AUTO:
+        for env_name in sources["Learned"].values():
+            problems.append(
+                f"{env_name} is set but has no effect: set TIERCHAIN_SLOW_AFTER=auto to use it"
             )
 
     # Routes.
@@ -706,12 +746,6 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         )
 
     store = general.get("store_url", "memory://")
-    if store != "memory://" and not layers["RedisStore"].available:
-        problems.append(
-            f"TIERCHAIN_STORE_URL={mask_url(store)!r} names a redis store, "
-            f"but RedisStore is not available: {layers['RedisStore'].reason}"
-        )
-
     if store == "memory://":
         for env_name in sources["RedisStore"].values():
             problems.append(
@@ -727,7 +761,6 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         store_url=store,
         admin_path=general.get("admin_path", "/admin/tierchain"),
         identity=general.get("identity", True),
-        notes=tuple(notes),
         environ_keys=tuple(sorted(k for k in env if k.startswith(PREFIX))),
     )
 
@@ -747,6 +780,7 @@ def load_routes(
         url = "http://127.0.0.1:11434"
         regime = "local"
         status_url = "http://127.0.0.1:11434/_gate/status"
+        max_in_flight = 1                 # more at once: skipped as busy (never the last tier)
 
         [[routes.echo.backends]]
         name = "hosted"
@@ -839,6 +873,15 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
             ok = False
             continue
         fields[key] = value
+    if "forward_caller_auth" in entry:
+        value = entry["forward_caller_auth"]
+        if not isinstance(value, bool):
+            problems.append(
+                f"{where}.forward_caller_auth={value!r}: expected true or false (no quotes)"
+            )
+            ok = False
+        else:
+            fields["forward_caller_auth"] = value
     headers: dict[str, str] = {}
     raw_headers = entry.get("headers", {})
     if not isinstance(raw_headers, Mapping):
@@ -866,6 +909,13 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
             ok = False
         else:
             headers["Authorization"] = f"Bearer {env[var]}"
+    if "max_in_flight" in entry:
+        limit = entry["max_in_flight"]
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            problems.append(f"{where}.max_in_flight={limit!r}: expected a whole number >= 1")
+            ok = False
+        else:
+            fields["max_in_flight"] = limit
     if not ok:
         return None
     try:
@@ -882,86 +932,10 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
         return None
 
 
-# -- building the stack ----------------------------------------------------------------
+def __getattr__(name: str) -> Any:
+    # build_stack lives in tierchain.stack (which imports this module); keep the old path.
+    if name == "build_stack":
+        from .stack import build_stack
 
-
-class _Mount:
-    """Send requests under ``path`` to ``mounted`` (with ``root_path`` set), the rest to ``app``."""
-
-    def __init__(self, app: ASGIApp, *, path: str, mounted: ASGIApp) -> None:
-        self.app = app
-        self.path = path
-        self.mounted = mounted
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            path: str = scope["path"]
-            if path == self.path or path.startswith(self.path + "/"):
-                child = dict(scope)
-                child["root_path"] = scope.get("root_path", "") + self.path
-                child["path"] = path[len(self.path) :] or "/"
-                return await self.mounted(child, receive, send)
-        await self.app(scope, receive, send)
-
-
-def build_stack(
-    app: ASGIApp | None,
-    settings: Settings,
-    *,
-    store: Any = None,
-    identity: bool | None = None,
-) -> ASGIApp:
-    """Wrap ``app`` (default: a configured :class:`~tierchain.Forwarder`) in the stack.
-
-    Outermost first: the identity line, the Admin mount (when a token is set),
-    then Heartbeats, Budget, PreferBackend, Failover, Breaker,
-    SaturationWatchdog: each that is enabled, with its configured options. One
-    store (``store``, or one made from ``TIERCHAIN_STORE_URL``) is shared by
-    every piece that takes one. A constructor that rejects its options raises
-    :class:`ConfigError` naming the variables it was given.
-    """
-    problems: list[str] = []
-    needs_store = (
-        any("store" in _BY_NAME[n].wired for n in settings.stack) or settings.admin_enabled
-    )
-    if store is None and needs_store:
-        store = settings.make_store()
-
-    def construct(name: str, *args: Any) -> Any:
-        cls, reason = _import(_BY_NAME[name])
-        if cls is None:
-            problems.append(f"{name} is not available: {reason}")
-            return None
-        try:
-            return cls(*args, **settings.middleware_kwargs(name, store=store))
-        except (TypeError, ValueError) as exc:
-            given = ", ".join(
-                f"{env}={_display(name, opt, settings.layers[name].options[opt])!r}"
-                for opt, env in settings.layers[name].sources.items()
-            )
-            problems.append(f"{name} rejected its options ({given or 'defaults'}): {exc}")
-            return None
-
-    inner = app if app is not None else construct("Forwarder")
-    for name in reversed(settings.stack):
-        built = construct(name, inner)
-        if built is not None:
-            inner = built
-    if settings.admin_enabled:
-        admin = construct("Admin")
-        if admin is not None:
-            inner = _Mount(inner, path=settings.admin_path, mounted=admin)
-    if problems:
-        raise ConfigError(problems)
-    if settings.identity if identity is None else identity:
-        from .identity import StartupIdentity
-
-        inner = StartupIdentity(inner, settings=settings)
-    return inner
-
-
-def _display(layer: str, name: str, value: Any) -> Any:
-    for opt in _BY_NAME[layer].options:
-        if opt.name == name and opt.secret:
-            return MASK
-    return plain(value)
+        return build_stack
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

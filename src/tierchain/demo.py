@@ -44,13 +44,20 @@ __all__ = ["main", "run_demo"]
 
 @dataclass
 class FakeUpstream:
-    """A fake LLM server. ``mode``: ``ok``, ``quiet`` (accepts, never answers), ``error``."""
+    """A fake LLM server. ``mode``: ``ok``, ``quiet`` (accepts, never answers), ``error``.
+
+    ``GET /metrics`` answers in vLLM's shape: ``running`` are requests being
+    answered, ``waiting`` the quiet ones (queued behind the other workload).
+    """
 
     name: str
     mode: str = "ok"
     words: tuple[str, ...] = ("Hello", " from", " the", " {name}", " tier.")
     delay: float = 0.02
     requests: int = 0
+    running: int = 0
+    waiting: int = 0
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
     _release: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -58,7 +65,22 @@ class FakeUpstream:
             return
         while (await receive()).get("more_body"):
             pass
+        if scope["method"] == "GET" and scope["path"] == "/metrics":
+            body = (
+                f'vllm:num_requests_running{{model_name="{self.name}"}} {self.running}\n'
+                f'vllm:num_requests_waiting{{model_name="{self.name}"}} {self.waiting}\n'
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/plain; version=0.0.4")],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
         self.requests += 1
+        self.arrived.set()
         if self.mode == "error":
             body = b'{"error":{"message":"internal error","type":"server_error"}}'
             await send(
@@ -81,7 +103,11 @@ class FakeUpstream:
                 }
             )
             await send({"type": "http.response.body", "body": b": ping\n\n", "more_body": True})
-            await self._release.wait()
+            self.waiting += 1
+            try:
+                await self._release.wait()
+            finally:
+                self.waiting -= 1
             return
         await send(
             {
@@ -90,6 +116,13 @@ class FakeUpstream:
                 "headers": [(b"content-type", b"text/event-stream")],
             }
         )
+        self.running += 1
+        try:
+            await self._generate(send)
+        finally:
+            self.running -= 1
+
+    async def _generate(self, send: Send) -> None:
         for word in self.words:
             await asyncio.sleep(self.delay)
             chunk = {
@@ -168,15 +201,29 @@ class Timing:
 
 
 NORMAL = Timing(
-    slow_after=1.0, saturation_cooldown=2.0, heartbeat_interval=0.3, commit_after=0.2, budget=20.0
+    slow_after=1.0, saturation_cooldown=60.0, heartbeat_interval=0.3, commit_after=0.2, budget=20.0
 )
 FAST = Timing(
-    slow_after=0.25, saturation_cooldown=0.6, heartbeat_interval=0.1, commit_after=0.05, budget=10.0
+    slow_after=0.25,
+    saturation_cooldown=60.0,
+    heartbeat_interval=0.1,
+    commit_after=0.05,
+    budget=10.0,
 )
+
+
+async def _aclose_all(app: Any) -> None:
+    """Close what the stack's layers own (status pollers, lease renewal)."""
+    while app is not None:
+        if isinstance(app, SaturationWatchdog):
+            await app.aclose()
+        elif isinstance(app, Failover):
+            await app.admission.aclose()
+        app = getattr(app, "app", None)
 
 
 def build_gateway(routes: Routes, forwarder: Forwarder, timing: Timing) -> Any:
-    """The whole tierchain stack in the brief's order, around the Forwarder."""
+    """The whole tierchain stack in its fixed order, around the Forwarder."""
     store = MemoryStore()
     app: Any = SaturationWatchdog(forwarder, slow_after=timing.slow_after)
     app = Breaker(app, store=store, saturation_cooldown=timing.saturation_cooldown)
@@ -258,13 +305,22 @@ def trail_of(outcome: Outcome) -> list[tuple[str, str]]:
             for name, _, result in (p.partition(";outcome=") for p in outcome.trail.split(", "))
         ]
     trail: list[tuple[str, str]] = []
-    ends = {"backend_failed": None, "backend_saturated": "saturated", "backend_skipped": "skipped"}
+    ends = {
+        "backend_failed": None,
+        "backend_saturated": "saturated",
+        "backend_skipped": "skipped",
+        "backend_busy": "busy",
+    }
+    previous: dict[str, Any] | None = None
     for beat in outcome.heartbeats:
+        if beat == previous:
+            continue  # a keepalive repeats the current state line
+        previous = beat
         state = beat.get("state")
         if state in ends:
             trail.append((str(beat.get("backend")), ends[state] or str(beat.get("reason"))))
-        elif state == "generating":
-            trail.append((str(beat.get("backend")), "ok"))
+        elif state == "generating" and trail[-1:] != [(str(beat.get("backend")), "ok")]:
+            trail.append((str(beat.get("backend")), "ok"))  # keepalives repeat it
     return trail
 
 
@@ -310,19 +366,27 @@ async def _world(timing: Timing, fast: bool) -> AsyncIterator[tuple[FakeUpstream
     routes = Routes(
         {
             "echo": [
-                Backend(name="tower", url=tower_server.url, regime="local"),
+                Backend(
+                    name="tower",
+                    url=tower_server.url,
+                    regime="local",
+                    status_url=tower_server.url + "/metrics",
+                    max_in_flight=1,
+                ),
                 Backend(name="hosted", url=hosted_server.url, regime="hosted"),
             ]
         }
     )
     forwarder = Forwarder(connect_timeout=2.0)
-    gateway = _Server(build_gateway(routes, forwarder, timing))
+    stack = build_gateway(routes, forwarder, timing)
+    gateway = _Server(stack)
     await gateway.start()
     try:
         yield tower, tower_server, gateway.url
     finally:
         tower.release()
         await gateway.stop()
+        await _aclose_all(stack)
         await forwarder.aclose()
         await tower_server.stop()
         await hosted_server.stop()
@@ -386,6 +450,8 @@ async def _story(
             f"gateway on {url}; route echo -> tower (local), hosted (hosted)\n"
             f"stack: Heartbeats > Budget > PreferBackend > Failover > Breaker > "
             f"SaturationWatchdog(slow_after={timing.slow_after}s) > Forwarder\n"
+            f"tower: max_in_flight=1, status_url=/metrics (vLLM shape), polled while traffic "
+            f"flows\n"
         )
         await step("the tower is healthy")
         await tower_server.stop()
@@ -408,8 +474,22 @@ async def _story(
         await step("the breaker is open: the tower is skipped without a wait")
         tower.mode = "ok"
         tower.release()
-        await asyncio.sleep(timing.saturation_cooldown)
-        await step("the game ended and the cooldown passed: one probe goes to the tower")
+        await asyncio.sleep(0.3)  # a few status polls see the tower idle
+        await step(
+            f"the game ended: the tower's status says idle, so the breaker half-opens now "
+            f"(not after its {timing.saturation_cooldown:.0f}s cooldown) and one probe goes"
+        )
+        tower.words = ("A", " long", " answer", " from", " the", " {name}", " tier.")
+        tower.delay = 0.1 if fast else 0.3
+        tower.arrived.clear()
+        first = asyncio.create_task(ask(client, url, "a long one"))
+        await asyncio.wait_for(tower.arrived.wait(), 5)
+        await step(
+            "a long answer is streaming from the tower (max_in_flight=1): the next caller "
+            "skips it at once as busy"
+        )
+        outcomes.append(await first)
+        out("    (the long answer: " + repr(outcomes[-1].text) + ", from the tower)\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,19 +8,48 @@ is a different fact and a different branch of the tree::
     TierchainError
     ├── AttemptError            this attempt is over; try the next tier
     │   ├── BackendSkipped      the breaker is open; the backend was not touched
+    │   ├── BackendBusy         the backend has no room now (in-flight limit or its
+    │   │                       status): skipped before sending, not a failure
     │   ├── BackendSaturated    no first chunk within the window (the watchdog)
     │   ├── BackendUnavailable  refused, reset, connect timeout, broken stream
     │   ├── StreamError         the stream went wrong: no_data, truncated, stalled,
     │   │                       malformed_stream
     │   └── RetryableStatus     a retryable status arrived before anything was sent
     ├── BudgetExhausted         the request's deadline is spent: 504, never a failover
-    └── BodyTooLarge            the request body exceeds what can be replayed: 413
+    ├── BodyTooLarge            the request body exceeds what can be replayed: 413
+    ├── ResolveError            (also a ValueError) a resolver found no route in the
+    │                           body: 400
+    ├── StoreUnavailable        (also a ConnectionError) the shared store is away and
+    │                           the operation (a pin write) has no safe fallback: 503
+    └── ConfigError             (also a ValueError) the configuration cannot be used;
+                                ``problems`` lists every reason
 
 Every ``AttemptError`` carries ``reason``, the short outcome word used in the
-attempt trail, metrics and heartbeat lines.
+attempt trail, metrics and heartbeat lines. The last three are the ones
+application code catches: ``ResolveError`` from a custom resolver,
+``StoreUnavailable`` from :meth:`RedisStore.set_pin <tierchain.RedisStore.set_pin>`
+and friends, ``ConfigError`` from :func:`tierchain.config.from_env`. Each keeps
+its built-in base, so ``except ValueError`` still catches a ``ConfigError``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "AttemptError",
+    "BackendSaturated",
+    "BackendSkipped",
+    "BackendUnavailable",
+    "BodyTooLarge",
+    "BudgetExhausted",
+    "ConfigError",
+    "ResolveError",
+    "RetryableStatus",
+    "StoreUnavailable",
+    "StreamError",
+    "TierchainError",
+]
 
 
 class TierchainError(Exception):
@@ -46,6 +75,25 @@ class BackendSkipped(AttemptError):
     def __init__(self, message: str = "", *, retry_in: float | None = None) -> None:
         super().__init__(message)
         self.retry_in = retry_in
+
+
+class BackendBusy(AttemptError):
+    """The backend has no room now: skipped before anything was sent to it.
+
+    Busy is not a failure: no breaker ledger counts it. ``in_flight`` is the
+    number of attempts in flight at the backend when it was skipped (None when
+    its status said full), and ``why`` says which: ``max_in_flight`` or the
+    status reader's account (``"3 waiting"``, ``"kv_cache 0.85"``, ``"all slots busy"``).
+    """
+
+    reason = "busy"
+
+    def __init__(
+        self, message: str = "", *, in_flight: int | None = None, why: str = "max_in_flight"
+    ) -> None:
+        super().__init__(message)
+        self.in_flight = in_flight
+        self.why = why
 
 
 class BackendSaturated(AttemptError):
@@ -116,3 +164,20 @@ class BodyTooLarge(TierchainError):
     def __init__(self, limit: int) -> None:
         super().__init__(f"request body exceeds the {limit}-byte limit")
         self.limit = limit
+
+
+class ResolveError(TierchainError, ValueError):
+    """Raised by a resolver when the body cannot name a route: answered 400."""
+
+
+class StoreUnavailable(TierchainError, ConnectionError):
+    """The shared store cannot be reached, and this operation (a pin write) has no safe fallback."""
+
+
+class ConfigError(TierchainError, ValueError):
+    """The configuration cannot be used; ``problems`` lists every reason, one sentence each."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = tuple(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"tierchain configuration has {len(self.problems)} problem(s):\n{lines}")

@@ -45,22 +45,27 @@ import json
 import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 
 from ._body import CallerGone, read_body
 from ._disconnect import DisconnectGuard
 from ._responses import error_detail, retry_after, send_json_error
+from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
+from .admission import Admission
 from .backend import Backend, Routes
 from .errors import (
     AttemptError,
+    BackendBusy,
     BackendSaturated,
     BackendSkipped,
     BackendUnavailable,
     BodyTooLarge,
     BudgetExhausted,
+    ResolveError,
     RetryableStatus,
     StreamError,
 )
@@ -75,10 +80,12 @@ from .telemetry import (
     ATTR_OUTCOME,
     ATTR_REGIME,
     ATTR_ROUTE,
+    BACKEND_BUSY,
     TIME_TO_FIRST_CHUNK,
     labelled,
     log_event,
     start_span,
+    tracing_enabled,
 )
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "Failover", "ResolveError"]
@@ -88,10 +95,6 @@ BACKEND_HEADER = b"x-tierchain-backend"
 _COMMENT_LIMIT = 64 * 1024  # comment bytes held before the first data event
 _REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its message
 _REFUSED = frozenset({429, 503})
-
-
-class ResolveError(ValueError):
-    """Raised by a resolver when the body cannot name a route: answered 400."""
 
 
 Resolver = Callable[[Scope, bytes], str]
@@ -118,9 +121,19 @@ class Failover:
     held until it is whole (larger ones stream on, and can no longer fail over).
     Every response carries ``x-tierchain-attempts``, the attempt trail.
 
+    ``store`` counts the attempts in flight at each backend that has a
+    ``max_in_flight`` (share one :class:`~tierchain.RedisStore` between
+    replicas to count across them; None counts in this process), with leases
+    that run out after ``lease`` seconds unless renewed. A backend that is full
+    is skipped at once as ``backend_busy`` (never the chain's last tier).
+
     Only ``POST`` requests whose path starts with one of ``paths`` are routed;
     anything else (``GET /v1/models``, a health check, an admin page) passes
-    straight through to the inner app with no attempt.
+    straight through to the inner app with no attempt. Every HTTP request's
+    target is checked first: one that could steer the upstream URL (not a plain
+    path, a ``..`` segment, a backslash, a NUL, also percent-encoded) is answered
+    400 before any routing, and ``paths`` is matched against the normalised path
+    that the Forwarder sends upstream.
     """
 
     def __init__(
@@ -133,9 +146,12 @@ class Failover:
         retry_statuses: Collection[int] = DEFAULT_RETRY_STATUSES,
         paths: Collection[str] = ("/",),
         hold_limit: int = 16 * 2**20,
+        store: Any = None,
+        lease: float = 30.0,
     ) -> None:
         self.app = app
-        # Matched against the raw path: routers (a Litestar mount) rewrite scope["path"].
+        # Matched against the normalised raw path: routers (a Litestar mount) rewrite
+        # scope["path"], and the Forwarder sends the same normalised path upstream.
         self.paths = tuple(p.encode() for p in paths)
         self.routes = routes if isinstance(routes, Routes) else Routes(routes)
         if max_body < 0:
@@ -147,15 +163,19 @@ class Failover:
         self.resolve = resolve
         self.retry_statuses = frozenset(retry_statuses)
         self._known = ", ".join(sorted(self.routes))
+        self.admission = Admission(store, lease=lease)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or not (scope.get("raw_path") or scope["path"].encode()).startswith(self.paths)
-        ):
-            if scope["type"] == "http":
-                scope[UNROUTED_KEY] = True
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, self._lifespan_send(send))
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            target = request_target(scope)
+        except BadTarget as exc:
+            return await refuse(scope, send, exc)
+        if scope["method"] != "POST" or not target.path.startswith(self.paths):
+            scope[UNROUTED_KEY] = True
             return await self.app(scope, receive, send)
         req = TierRequest.of(scope)
         try:
@@ -183,6 +203,14 @@ class Failover:
                 await self._run(scope, req, guard, send, span)
         finally:
             span.end()
+
+    def _lifespan_send(self, send: Send) -> Send:
+        async def lifespan_send(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.admission.aclose()
+            await send(message)
+
+        return lifespan_send
 
     async def _route(self, scope: Scope, req: TierRequest, body: bytes, send: Send) -> str | None:
         try:
@@ -267,7 +295,9 @@ class Failover:
             )
             return
         refused = [r for r in records if r.outcome in ("http_429", "http_503")]
-        if refused and all(r.outcome in ("http_429", "http_503", "skipped") for r in records):
+        if refused and all(
+            r.outcome in ("http_429", "http_503", "skipped", "busy") for r in records
+        ):
             # Every tier said "not now": that is the caller's answer, not a bad gateway.
             status = 429 if all(r.outcome == "http_429" for r in records) else 503
             given = [r.retry_after for r in records if r.retry_after is not None]
@@ -309,23 +339,21 @@ class Failover:
         observer = req.observer = Observer(attempt.started, stream_end=backend.stream_end)
         req.emit("attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime)
         responder = _Responder(self, req, attempt, observer, send, guard)
-        attrs: dict[str, str | int] = {
-            ATTR_ROUTE: attempt.route or "",
-            ATTR_BACKEND: backend.name,
-            ATTR_ATTEMPT_N: attempt.n,
-            ATTR_ATTEMPT_OF: attempt.of,
-        }
-        if backend.regime:
-            attrs[ATTR_REGIME] = backend.regime
-        span = start_span("tierchain.attempt", attrs)
+        span = _attempt_span(attempt)
         outcome = "ok"
         recorded = len(req.attempts)
+        lease = None
         try:
             error: BaseException | None = None
             try:
+                if backend.max_in_flight is not None:
+                    lease = await self.admission.enter(backend, last=attempt.is_last)
                 # A fresh copy per attempt: routers (Starlette's Mount, Litestar's) rewrite
                 # the scope as they dispatch, and a replay must start from the original.
-                await self.app(dict(scope), _replay(req.body or b"", guard), responder.send)
+                # The attempt's span is current inside, so that the Forwarder (or the
+                # host's own client instrumentation) sends its trace context upstream.
+                with _current(span):
+                    await self.app(dict(scope), _replay(req.body or b"", guard), responder.send)
             except asyncio.CancelledError:
                 if not _own_abort(req):
                     raise
@@ -364,6 +392,8 @@ class Failover:
                 self._record(req, attempt, outcome)
             raise
         finally:
+            if lease is not None:
+                await self.admission.leave(lease)
             span.set_attribute(ATTR_OUTCOME, outcome)
             if backend.regime is None and outcome == "saturated":
                 span.set_attribute(ATTR_REGIME, "saturated")
@@ -393,7 +423,16 @@ class Failover:
         self._record(req, attempt, outcome, retry, detail)
         backend = attempt.backend.name
         failing_over = not attempt.is_last
-        if isinstance(exc, BackendSkipped):
+        if isinstance(exc, BackendBusy):
+            why = "max_in_flight" if exc.why == "max_in_flight" else "status"
+            labelled(BACKEND_BUSY, attempt.route or "", backend, why).inc()
+            fields: dict[str, Any] = {"backend": backend}
+            if exc.in_flight is not None:
+                fields["in_flight"] = exc.in_flight
+            else:
+                fields["reason"] = exc.why
+            req.emit("backend_busy", **fields, failing_over=failing_over)
+        elif isinstance(exc, BackendSkipped):
             req.emit(
                 "backend_skipped",
                 backend=backend,
@@ -413,6 +452,28 @@ class Failover:
             outcome=outcome,
             failing_over=failing_over,
         )
+
+
+def _current(span: Span) -> AbstractContextManager[object]:
+    """``span`` made the current span, when it records (else nothing to do)."""
+    if not span.is_recording():
+        return nullcontext()
+    return use_span(span, record_exception=False, set_status_on_exception=False)
+
+
+def _attempt_span(attempt: Attempt) -> Span:
+    if not tracing_enabled():
+        return INVALID_SPAN  # no SDK: not even the attributes are built
+    backend = attempt.backend
+    attrs: dict[str, str | int] = {
+        ATTR_ROUTE: attempt.route or "",
+        ATTR_BACKEND: backend.name,
+        ATTR_ATTEMPT_N: attempt.n,
+        ATTR_ATTEMPT_OF: attempt.of,
+    }
+    if backend.regime:
+        attrs[ATTR_REGIME] = backend.regime
+    return start_span("tierchain.attempt", attrs)
 
 
 def _own_abort(req: TierRequest) -> bool:

@@ -17,17 +17,30 @@ error event after the last whole event.
 
 The request's ``accept-encoding`` is replaced by ``identity``: the stream is
 passed through byte for byte and heartbeats need to see event boundaries.
+
+Headers: hop-by-hop and ``proxy-*`` headers go neither way. The caller's
+credentials (``authorization``, ``x-api-key``, ``api-key``, ``cookie``) reach a
+backend only with ``Backend(forward_caller_auth=True)``; the backend's own
+``headers`` replace any of the caller's. The caller's ``traceparent`` and
+``tracestate`` are never passed on verbatim: with a tracer configured, the
+current span's (the attempt's, inside a Failover) are injected instead. The
+upstream's ``set-cookie``, ``date`` and ``server`` do not come back: the server
+in front writes its own ``date`` and ``server``, once.
+
+The upstream URL and the request-target check: see :mod:`tierchain._target`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import httpx
+from opentelemetry import propagate
 
 from ._body import CallerGone, read_body
 from ._disconnect import DisconnectGuard
@@ -35,13 +48,14 @@ from ._lag import lag_since
 from ._lag import watch as watch_lag
 from ._pool import FlatTransport
 from ._responses import send_json_error
+from ._target import BadTarget, Target, refuse, request_target, upstream_url
 from ._types import Headers, Receive, Scope, Send
 from .backend import Backend
 from .errors import BackendUnavailable, StreamError
 from .observer import Observer
 from .request import TierRequest
 from .sse import error_event, is_event_stream
-from .telemetry import log_event
+from .telemetry import log_event, tracing_enabled
 
 __all__ = ["Forwarder"]
 
@@ -49,9 +63,6 @@ _HOP_BY_HOP = frozenset(
     {
         b"connection",
         b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
         b"te",
         b"trailer",
         b"trailers",
@@ -59,7 +70,14 @@ _HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-_NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding"}
+"""Hop-by-hop headers (and every ``proxy-*`` header): never passed on, either way."""
+_CALLER_AUTH = frozenset({b"authorization", b"x-api-key", b"api-key", b"cookie"})
+"""The caller's credentials: passed on only to a backend with ``forward_caller_auth``."""
+_TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
+"""The caller's trace context: replaced by the attempt's (or dropped without a tracer)."""
+_NOT_FORWARDED = _HOP_BY_HOP | _TRACE_CONTEXT | {b"host", b"content-length", b"accept-encoding"}
+_NOT_RETURNED = _HOP_BY_HOP | {b"set-cookie", b"date", b"server"}
+"""``date`` and ``server`` come from the server in front (uvicorn adds its own)."""
 # A connect timeout counts as the gateway's own when its event loop ran this share of
 # the connect timeout late while it waited.
 _LAG_SHARE = 0.25
@@ -138,23 +156,25 @@ class Forwarder:
             return await self._lifespan(receive, send)
         if scope["type"] != "http":
             raise RuntimeError(f"Forwarder serves http scopes only, not {scope['type']!r}")
+        try:
+            target = request_target(scope)
+        except BadTarget as exc:
+            return await refuse(scope, send, exc)
         req = TierRequest.find(scope)
         attempt = req.attempt if req is not None else None
         backend = attempt.backend if attempt is not None else self.backend
         if backend is None:
-            raise RuntimeError(
-                "Forwarder has nowhere to send this request: put Failover(app, routes=...) "
-                "in front of it or construct it with Forwarder(backend=Backend(...))."
-            )
+            # Nothing routed it here (no Failover route, no backend of its own): not found.
+            return await _unrouted(scope, send)
         if req is not None and req.in_chain and req.body is not None:
-            await self._forward(scope, req.body, backend, send, raise_errors=True)
+            await self._forward(scope, target, req.body, backend, send, raise_errors=True)
             return
         try:
             body = await read_body(scope, receive, 2**31)
         except CallerGone:
             return
         async with DisconnectGuard(receive) as guard:
-            await self._forward(scope, body, backend, send, raise_errors=False)
+            await self._forward(scope, target, body, backend, send, raise_errors=False)
             guard.done = True
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -167,30 +187,39 @@ class Forwarder:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    def _build(self, scope: Scope, body: bytes, backend: Backend) -> httpx.Request:
+    def _build(self, scope: Scope, target: Target, body: bytes, backend: Backend) -> httpx.Request:
         raw: Headers = scope.get("headers", [])
         dropped = _NOT_FORWARDED | _connection_tokens(raw)
-        headers = [(k, v) for k, v in raw if k.lower() not in dropped]
+        if not backend.forward_caller_auth:
+            dropped |= _CALLER_AUTH
+        headers = [(k, v) for k, v in raw if not _dropped(k, dropped)]
         headers.append((b"accept-encoding", b"identity"))
-        for key, value in backend.headers.items():
-            lowered = key.lower().encode()
-            headers = [(k, v) for k, v in headers if k.lower() != lowered]
-            headers.append((lowered, value.encode()))
+        own = {key.lower().encode(): value.encode() for key, value in backend.headers.items()}
+        if tracing_enabled():
+            # The current span is the attempt's (Failover makes it current for its app).
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            for key, value in carrier.items():
+                own.setdefault(key.lower().encode(), value.encode())
+        if own:
+            headers = [(k, v) for k, v in headers if k.lower() not in own]
+            headers.extend(own.items())
         if backend.model is not None and body:
             body = _rewrite_model(body, backend.model)
-        path = scope.get("raw_path") or scope["path"].encode()
-        url = backend.url.rstrip("/").encode() + path
-        query: bytes = scope.get("query_string", b"")
-        if query:
-            url += b"?" + query
-        return self.client.build_request(
-            scope["method"], url.decode("latin-1"), headers=headers, content=body
-        )
+        url = upstream_url(backend.url, target)
+        return self.client.build_request(scope["method"], url, headers=headers, content=body)
 
     async def _forward(
-        self, scope: Scope, body: bytes, backend: Backend, send: Send, *, raise_errors: bool
+        self,
+        scope: Scope,
+        target: Target,
+        body: bytes,
+        backend: Backend,
+        send: Send,
+        *,
+        raise_errors: bool,
     ) -> None:
-        request = self._build(scope, body, backend)
+        request = self._build(scope, target, body, backend)
         timer = asyncio.timeout(self.connect_timeout)
         connecting = False  # a connection attempt started (not a wait for a pooled one)
 
@@ -312,10 +341,15 @@ def _leave_cause(scope: Scope, error: BackendUnavailable) -> None:
         req.attempt_error = error
 
 
+def _dropped(key: bytes, dropped: frozenset[bytes]) -> bool:
+    key = key.lower()
+    return key in dropped or key.startswith(b"proxy-")
+
+
 def _response_headers(response: httpx.Response) -> Headers:
     raw = response.headers.raw
-    dropped = _HOP_BY_HOP | _connection_tokens(list(raw))
-    return [(k.lower(), v) for k, v in raw if k.lower() not in dropped]
+    dropped = _NOT_RETURNED | _connection_tokens(list(raw))
+    return [(k.lower(), v) for k, v in raw if not _dropped(k, dropped)]
 
 
 def _rewrite_model(body: bytes, model: str) -> bytes:
@@ -327,3 +361,16 @@ def _rewrite_model(body: bytes, model: str) -> bytes:
         return body
     data["model"] = model
     return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def _unrouted(scope: Scope, send: Send) -> None:
+    path: str = scope["path"]
+    shown = path if len(path) <= 200 else path[:200] + "..."
+    log_event("forwarder.unrouted", logging.DEBUG, method=scope["method"], path=shown)
+    await send_json_error(
+        send,
+        404,
+        f"nothing is served at {shown!r}: no route sends {scope['method']} requests here",
+        "invalid_request_error",
+        "not_found",
+    )

@@ -9,8 +9,9 @@ implementation and version, which process, which routes, which settings. One
         routes={"echo": [{"name": "tower", "url": "http://10.0.0.5:11434", ...}]}
         settings={"stack": [...], "options": {...}}
 
-Secrets never appear: option values declared secret, header values, and the
-credentials or query of a URL are masked.
+Secrets never appear: option values declared secret, header values, and a
+URL's credentials and secret query parameters are masked
+(:mod:`tierchain.masking`).
 
 :class:`StartupIdentity` writes it on ``lifespan.startup``, or, where the
 framework never shows lifespan to middleware (Litestar builds its middleware
@@ -33,20 +34,17 @@ import re
 import socket
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any
 
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backend import Routes
+from .config import Settings
+from .masking import MASK, mask_url
 from .telemetry import VERSION, log_event
-
-if TYPE_CHECKING:
-    from .config import Settings
 
 __all__ = ["EVENT", "PROCESS_ONCE", "Once", "StartupIdentity", "identity_fields", "write_identity"]
 
 EVENT = "tierchain.started"
-MASK = "***"
 _SECRET_KEY = re.compile(
     r"token|secret|passw(or)?d|api[_-]?key|authori[sz]ation|credential|cookie", re.IGNORECASE
 )
@@ -76,37 +74,22 @@ PROCESS_ONCE = Once()
 """The flag every :class:`StartupIdentity` shares unless given its own."""
 
 
-def public_url(url: str | None) -> str | None:
-    """``url`` without credentials, and with any query masked (it may carry a key)."""
-    if url is None:
-        return None
-    try:
-        parts = urlsplit(url)
-        netloc = parts.hostname or ""
-        if ":" in netloc:
-            netloc = f"[{netloc}]"
-        if parts.port is not None:
-            netloc = f"{netloc}:{parts.port}"
-        query = MASK if parts.query else ""
-        return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
-    except ValueError:
-        return MASK
-
-
 def _routes(routes: Routes | Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     for route, chain in routes.items():
         entries = []
         for backend in chain:
-            entry: dict[str, Any] = {"name": backend.name, "url": public_url(backend.url)}
+            entry: dict[str, Any] = {"name": backend.name, "url": mask_url(backend.url)}
             if backend.regime is not None:
                 entry["regime"] = backend.regime
             if backend.status_url is not None:
-                entry["status_url"] = public_url(backend.status_url)
+                entry["status_url"] = mask_url(backend.status_url)
             if backend.model is not None:
                 entry["model"] = backend.model
             if backend.headers:
                 entry["headers"] = sorted(backend.headers)  # names only, never values
+            if backend.forward_caller_auth:
+                entry["forward_caller_auth"] = True  # this tier receives callers' credentials
             entries.append(entry)
         out[route] = entries
     return out
@@ -121,9 +104,7 @@ def mask_mapping(value: Any) -> Any:
         }
     if isinstance(value, list | tuple):
         return [mask_mapping(v) for v in value]
-    if isinstance(value, str) and "://" in value and "@" in value:
-        from .config import mask_url
-
+    if isinstance(value, str) and "://" in value:
         return mask_url(value)
     return value
 

@@ -15,6 +15,10 @@ With a ``store``, an operator's pin (see :class:`~tierchain.Admin`) applies to
 every request on its route first; the header of an individual request is
 applied after it, so the header wins and the pinned backend comes second.
 
+``allow(scope) -> bool`` decides who may steer: a request it refuses keeps its
+chain order (pins still apply), as if it carried no header. A predicate that
+raises refuses, and is logged as ``request.prefer_allow_failed``.
+
 Every request carrying the header logs ``request.backend_preference`` (the
 requested name, sanitised and truncated, and whether it applied), counts
 ``tierchain_backend_preference_total{applied}``, and sets the same on the
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -100,7 +105,9 @@ class PreferBackend:
     :class:`~tierchain.Admin` app and the breaker use); without one, only the
     header applies. ``pin_timeout`` bounds each pin lookup: a store that does
     not answer in time is treated as "no pin" rather than delaying the request.
-    PreferBackend sits outside :class:`~tierchain.Failover`.
+    ``allow(scope) -> bool``, when given, decides whether this request may steer
+    at all (default: every caller may); keep anonymous callers off a paid tier
+    with it. PreferBackend sits outside :class:`~tierchain.Failover`.
     """
 
     def __init__(
@@ -110,6 +117,7 @@ class PreferBackend:
         header: str = "X-Prefer-Backend",
         store: Store | None = None,
         pin_timeout: float = 0.5,
+        allow: Callable[[Scope], bool] | None = None,
     ) -> None:
         if not isinstance(header, str) or not _HEADER_NAME.fullmatch(header.encode()):
             raise ValueError(
@@ -122,6 +130,9 @@ class PreferBackend:
         self._header = header.lower().encode("ascii")
         self.store = store
         self.pin_timeout = float(pin_timeout)
+        if allow is not None and not callable(allow):
+            raise ValueError(f"allow must be a callable taking the ASGI scope, got {allow!r}")
+        self.allow = allow
         self._warned_inside = False
         self._warned_unrouted = False
 
@@ -136,6 +147,8 @@ class PreferBackend:
             self._warn_inside()
             return await self.app(scope, receive, send)
         preference = parse_preference(values) if values else None
+        if preference is not None and preference.name is not None and not self._allowed(scope):
+            preference = _Preference(None, preference.shown, "not_allowed")
         if preference is not None and preference.name is None:
             self._report(req, preference, applied=False, route=None)
             if self.store is None:
@@ -176,6 +189,15 @@ class PreferBackend:
                     route=None,
                 )
                 self._warn_unrouted()
+
+    def _allowed(self, scope: Scope) -> bool:
+        if self.allow is None:
+            return True
+        try:
+            return bool(self.allow(scope))
+        except Exception as exc:  # a broken predicate refuses; it never fails a request
+            log_event("request.prefer_allow_failed", logging.WARNING, error=repr(exc))
+            return False
 
     async def _pin(self, route: str) -> str | None:
         assert self.store is not None

@@ -12,14 +12,29 @@ verdicts:
 ``working``     busy, and progress moved since the previous probe (or there
                 is no previous probe, or the format has no progress value)
 ``no_progress`` busy, but the progress value is the same as last time:
-                starved, not working (the seed-000 outage)
+                starved, not working (the starved-GPU outage)
 ``idle``        the backend says it is doing nothing: our request is not
                 being worked on
+``queued``      busy, and the backend says requests are waiting for room
+                (or every slot is busy generating for others): the progress
+                it reports is someone else's, so ours is saturated
 ``unknown``     any error, timeout, non-200 answer or body no reader knows
 =============== ===========================================================
 
 ``unknown`` is never treated as working: the caller falls back to the plain
 stopwatch.
+
+Someone else's progress is not ours. A request that has sent no first chunk
+while the backend reports a queue (llama.cpp ``requests_deferred``, vLLM
+``num_requests_waiting``, every ``/slots`` slot busy and already generating)
+is waiting behind other work, however fast the counters move: ``queued``.
+"Working" needs evidence that our request may be the one in progress: a slot
+still processing a prompt (it could be ours), or no queue at all. A request
+that does not stream sends nothing until it is complete, so for it a queue
+proves nothing: :func:`judge` takes ``streaming=False`` and then ignores it.
+
+A status also carries the capacity facts the status-aware routing reads:
+``waiting`` (requests queued), ``kv_cache`` (0..1) and ``slots``/``slots_busy``.
 
 Built-in readers (see ``docs/watchdog.md`` for the formats):
 
@@ -38,7 +53,8 @@ Built-in readers (see ``docs/watchdog.md`` for the formats):
   call, prompt batches included) with the token counters.
 - :func:`llamacpp_slots`: llama.cpp server's ``/slots``. Busy when a slot has
   ``is_processing: true`` (older builds: ``state != 0``). Progress is each
-  busy slot's ``next_token.n_decoded``, but only once every busy slot has
+  busy slot's ``next_token.n_decoded`` (``next_token`` is an object in older
+  builds and a list of objects in current ones), but only once every busy slot has
   started generating: a slot still processing its prompt shows no counter
   there, and reading a flat ``0`` as "starved" would kill a healthy prefill.
 - :func:`auto_reader` (the default) tries the above by shape.
@@ -69,7 +85,7 @@ __all__ = [
     "vllm_metrics",
 ]
 
-Verdict = Literal["working", "idle", "unknown", "no_progress"]
+Verdict = Literal["working", "idle", "unknown", "no_progress", "queued"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,17 +100,45 @@ class Status:
     busy: bool
     progress: Hashable | None = None
     detail: str | None = None
+    waiting: int | None = None
+    """Requests the backend says are waiting for room (None: the format does not say)."""
+    kv_cache: float | None = None
+    """KV-cache use, 0..1 (None: the format does not say)."""
+    slots: int | None = None
+    """How many slots the backend has (``/slots`` only)."""
+    slots_busy: int | None = None
+    """How many of them are busy."""
+    prefilling: int | None = None
+    """Busy slots still processing a prompt: one of them may be a request of ours."""
+
+    @property
+    def queued(self) -> bool:
+        """True when work is waiting for room and nothing reported can be a new request."""
+        if self.waiting is not None and self.waiting > 0:
+            return True
+        return (
+            self.slots is not None
+            and self.slots > 0
+            and self.slots_busy == self.slots
+            and self.prefilling == 0
+        )
 
 
 Reader = Callable[[bytes], "Status | None"]
 
 
-def judge(status: Status | None, previous: Hashable | None) -> Verdict:
-    """The verdict for ``status`` given the previous probe's progress value."""
+def judge(status: Status | None, previous: Hashable | None, *, streaming: bool = True) -> Verdict:
+    """The verdict for ``status`` given the previous probe's progress value.
+
+    ``streaming`` says the request would have sent a first chunk by now had it
+    been admitted; then a queue at the backend means ours is in it (``queued``).
+    """
     if status is None:
         return "unknown"
     if not status.busy:
         return "idle"
+    if streaming and status.queued:
+        return "queued"
     if status.progress is not None and previous is not None and status.progress == previous:
         return "no_progress"
     return "working"
@@ -162,17 +206,36 @@ def llamacpp_slots(body: bytes) -> Status | None:
         if busy is None:
             return None
         if busy:
-            token = slot.get("next_token")
-            decoded = _count(token.get("n_decoded")) if isinstance(token, dict) else None
-            if decoded is None:
-                decoded = _count(slot.get("n_decoded"))
-            busy_slots.append((slot.get("id"), decoded))
+            busy_slots.append((slot.get("id"), _decoded(slot)))
     progress: Hashable | None = None
     if busy_slots and all(d is not None and d > 0 for _, d in busy_slots):
         progress = tuple(sorted((str(i), d) for i, d in busy_slots))
+    prefilling = sum(1 for _, d in busy_slots if not d)
+    detail = f"{len(busy_slots)}/{len(data)} busy"
+    if busy_slots and prefilling == 0 and len(busy_slots) == len(data):
+        detail += ", all generating"
     return Status(
-        busy=bool(busy_slots), progress=progress, detail=f"{len(busy_slots)}/{len(data)} busy"
+        busy=bool(busy_slots),
+        progress=progress,
+        detail=detail,
+        slots=len(data),
+        slots_busy=len(busy_slots),
+        prefilling=prefilling,
     )
+
+
+def _decoded(slot: dict[str, Any]) -> int | None:
+    """A busy slot's generated-token count: ``next_token`` as an object or a list of them."""
+    token = slot.get("next_token")
+    if isinstance(token, list):
+        counts = [_count(t.get("n_decoded")) for t in token if isinstance(t, dict)]
+        known = [c for c in counts if c is not None]
+        decoded = max(known) if known else None
+    elif isinstance(token, dict):
+        decoded = _count(token.get("n_decoded"))
+    else:
+        decoded = None
+    return decoded if decoded is not None else _count(slot.get("n_decoded"))
 
 
 # -- Prometheus text -------------------------------------------------------------
@@ -220,7 +283,11 @@ def _text(body: bytes) -> str | None:
 
 
 def _metrics_status(
-    body: bytes, busy_names: Iterable[str], progress_names: Iterable[str]
+    body: bytes,
+    busy_names: Iterable[str],
+    progress_names: Iterable[str],
+    waiting_name: str,
+    kv_names: Iterable[str],
 ) -> Status | None:
     text = _text(body)
     if text is None:
@@ -232,7 +299,10 @@ def _metrics_status(
     active = sum(values.get(name, 0.0) for name in busy_names)
     present = [name for name in progress_names if name in values]
     progress = tuple(round(values[name], 6) for name in present) if present else None
-    return Status(busy=active > 0, progress=progress, detail=f"{active:g} active")
+    waiting = int(values[waiting_name]) if waiting_name in values else None
+    kv = next((values[name] for name in kv_names if name in values), None)
+    detail = f"{active - waiting:g} running, {waiting} waiting" if waiting else f"{active:g} active"
+    return Status(busy=active > 0, progress=progress, detail=detail, waiting=waiting, kv_cache=kv)
 
 
 def vllm_metrics(body: bytes) -> Status | None:
@@ -246,6 +316,8 @@ def vllm_metrics(body: bytes) -> Status | None:
             "vllm:kv_cache_usage_perc",
             "vllm:gpu_cache_usage_perc",
         ),
+        "vllm:num_requests_waiting",
+        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     )
 
 
@@ -259,6 +331,8 @@ def llamacpp_metrics(body: bytes) -> Status | None:
             "llamacpp:prompt_tokens_total",
             "llamacpp:tokens_predicted_total",
         ),
+        "llamacpp:requests_deferred",
+        ("llamacpp:kv_cache_usage_ratio",),
     )
 
 

@@ -8,7 +8,9 @@ Times come from Redis's own ``TIME`` inside the scripts, the one clock every
 replica shares (``clock=`` replaces it, for tests only). Keys live under
 ``prefix`` (``tierchain:``): ``tierchain:breaker:<route>:<backend>`` (a hash)
 and ``tierchain:pin:<route>`` (a string); route and backend names are
-percent-encoded. Every key carries a TTL, so nothing lingers forever.
+percent-encoded; in-flight leases are a sorted set per backend,
+``tierchain:inflight:<backend>`` (member: the lease token, score: its expiry).
+Every key carries a TTL, so nothing lingers forever.
 
 When Redis cannot be reached, the store logs ONE warning, serves breaker
 operations and pin reads from a local :class:`~tierchain.MemoryStore` for the
@@ -27,6 +29,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
+from .errors import StoreUnavailable
+from .masking import mask_text, mask_url
 from .store import (
     PROBE_BUSY_RETRY,
     BreakerChange,
@@ -55,7 +59,7 @@ local function keep(key, now, ou, pu, ttl)
 end
 """
 
-# KEYS[1] ledger; ARGV: now_ms|'' force lease_ms ttl_ms busy_ms
+# KEYS[1] ledger; ARGV: now_ms|'' force lease_ms ttl_ms busy_ms wake
 # -> {admitted, state, gen, probe, retry_in_ms|'', transitions, clean}
 _ACQUIRE = (
     _NOW
@@ -65,11 +69,15 @@ local now = now_ms(ARGV[1])
 local force = ARGV[2] == '1'
 local lease = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[4])
-local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g')
+local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r')
 if not v[1] then return {1, 'closed', 0, 0, '', '', 1} end
 local st, f, s, ou = v[1], num(v[2]), num(v[3]), num(v[4])
 local pu, pt, g = num(v[5]), num(v[6]), num(v[7])
 local trans = ''
+if ARGV[6] == '1' and st == 'open' and v[8] == 'saturation' and now < ou then
+  ou = now
+  redis.call('HSET', key, 'ou', tostring(ou))
+end
 if st == 'open' and now >= ou then
   st = 'half_open'
   trans = 'half_open'
@@ -95,7 +103,7 @@ return {0, st, g, 0, tostring(ou - now), trans, 0}
 )
 
 # KEYS[1] ledger; ARGV: now_ms|'' outcome gen probe retry_after_ms|'' f_threshold
-# f_cooldown_ms s_threshold s_cooldown_ms cap_ms ttl_ms
+# f_cooldown_ms s_threshold s_cooldown_ms cap_ms ttl_ms backoff_ms
 # -> {state, retry_in_ms|'', failures, saturations, transitions, reason}
 _RECORD = (
     _NOW
@@ -110,13 +118,15 @@ if ARGV[5] ~= '' then ra = tonumber(ARGV[5]) end
 local fth, fcd = tonumber(ARGV[6]), tonumber(ARGV[7])
 local sth, scd = tonumber(ARGV[8]), tonumber(ARGV[9])
 local cap, ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
-local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r')
+local backoff = tonumber(ARGV[12])
+local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r', 'ro')
 if not v[1] and (outcome == 'success' or outcome == 'neutral') then
   return {'closed', '', 0, 0, '', ''}
 end
 local st = v[1] or 'closed'
 local f, s, ou, pu, pt, g = num(v[2]), num(v[3]), num(v[4]), num(v[5]), num(v[6]), num(v[7])
 local r = v[8] or ''
+local ro = num(v[9])
 local trans = {}
 if st == 'open' and now >= ou then
   st = 'half_open'
@@ -133,6 +143,7 @@ if outcome == 'success' then
       ou = 0
       pu = 0
       r = ''
+      ro = 0
       table.insert(trans, 'closed')
     end
   end
@@ -150,15 +161,23 @@ elseif outcome == 'failure' or outcome == 'saturation' then
   local cd = 0
   if tripped then cd = kind end
   local reason = outcome
+  local hinted = 0
   if ra ~= nil then
-    local hinted = math.min(ra, cap)
+    hinted = math.min(ra, cap)
     if (not tripped) or hinted > cd then reason = 'retry_after' end
     tripped = true
     cd = math.max(cd, hinted)
   end
   if st ~= 'closed' then
     tripped = fresh
-    cd = math.max(cd, kind)
+    if outcome == 'saturation' then
+      local grown = scd
+      if backoff > 0 then grown = math.min(scd, backoff * (2 ^ math.min(ro, 60))) end
+      cd = math.max(hinted, grown)
+      if fresh then ro = ro + 1 end
+    else
+      cd = math.max(cd, kind)
+    end
   end
   if tripped then
     if st ~= 'open' then
@@ -174,7 +193,7 @@ elseif outcome == 'failure' or outcome == 'saturation' then
   end
 end
 redis.call('HSET', key, 'st', st, 'f', f, 's', s, 'ou', tostring(ou), 'pu', tostring(pu),
-  'pt', pt, 'g', g, 'r', r)
+  'pt', pt, 'g', g, 'r', r, 'ro', ro)
 keep(key, now, ou, pu, ttl)
 local retry = ''
 if st == 'open' then retry = tostring(ou - now) end
@@ -198,8 +217,44 @@ return {st, retry, num(v[2]), num(v[3])}
 )
 
 
-class StoreUnavailable(ConnectionError):
-    """Redis cannot be reached, and this operation (a pin write) has no safe fallback."""
+# KEYS[1] leases (a sorted set: token -> expiry ms); ARGV: now_ms|'' token limit ttl_ms force
+# -> {taken, live}
+_LEASE_ACQUIRE = (
+    _NOW
+    + """
+local key = KEYS[1]
+local now = now_ms(ARGV[1])
+local ttl = tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+local n = redis.call('ZCARD', key)
+if n >= tonumber(ARGV[3]) and ARGV[5] ~= '1' then return {0, n} end
+redis.call('ZADD', key, now + ttl, ARGV[2])
+if redis.call('PTTL', key) < ttl * 2 then redis.call('PEXPIRE', key, math.ceil(ttl * 2)) end
+return {1, redis.call('ZCARD', key)}
+"""
+)
+
+# KEYS[1] leases; ARGV: now_ms|'' ttl_ms token...
+_LEASE_RENEW = (
+    _NOW
+    + """
+local key = KEYS[1]
+local now = now_ms(ARGV[1])
+local ttl = tonumber(ARGV[2])
+for i = 3, #ARGV do redis.call('ZADD', key, 'XX', now + ttl, ARGV[i]) end
+if redis.call('PTTL', key) < ttl * 2 then redis.call('PEXPIRE', key, math.ceil(ttl * 2)) end
+return 1
+"""
+)
+
+# KEYS[1] leases; ARGV: now_ms|'' -> live
+_LEASE_COUNT = (
+    _NOW
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms(ARGV[1]))
+return redis.call('ZCARD', KEYS[1])
+"""
+)
 
 
 def _ms(seconds: float) -> str:
@@ -273,9 +328,15 @@ class RedisStore:
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._record = self._redis.register_script(_RECORD)
         self._snapshot = self._redis.register_script(_SNAPSHOT)
+        self._lease_acquire = self._redis.register_script(_LEASE_ACQUIRE)
+        self._lease_renew = self._redis.register_script(_LEASE_RENEW)
+        self._lease_count = self._redis.register_script(_LEASE_COUNT)
         self._fallback: MemoryStore | None = None
         self._retry_at = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __repr__(self) -> str:
+        return f"RedisStore(url={mask_url(self.url)!r}, prefix={self.prefix!r})"
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -316,8 +377,8 @@ class RedisStore:
             log_event(
                 "store.redis_unavailable",
                 level=30,
-                url=_redacted(self.url),
-                error=repr(exc),
+                url=mask_url(self.url),
+                error=mask_text(repr(exc), self.url),
                 fallback="local memory",
                 reconnect_every_s=self.reconnect_every,
             )
@@ -326,7 +387,7 @@ class RedisStore:
     def _came_back(self) -> None:
         if self._fallback is not None:
             self._fallback = None
-            log_event("store.redis_reconnected", url=_redacted(self.url))
+            log_event("store.redis_reconnected", url=mask_url(self.url))
 
     async def _call(self, make: Callable[[], Awaitable[T]]) -> T:
         async with asyncio.timeout(self.timeout * 4):
@@ -364,11 +425,17 @@ class RedisStore:
     # -- breaker -------------------------------------------------------------
 
     async def breaker_acquire(
-        self, route: str, backend: str, policy: BreakerPolicy, *, force: bool = False
+        self,
+        route: str,
+        backend: str,
+        policy: BreakerPolicy,
+        *,
+        force: bool = False,
+        wake: bool = False,
     ) -> Ticket:
         local = self._local()
         if local is not None:
-            return await local.breaker_acquire(route, backend, policy, force=force)
+            return await local.breaker_acquire(route, backend, policy, force=force, wake=wake)
         key = self._key(route, backend)
         args = [
             self._args(),
@@ -376,6 +443,7 @@ class RedisStore:
             _ms(policy.probe_lease),
             _ms(self.ttl),
             _ms(PROBE_BUSY_RETRY),
+            "1" if wake else "0",
         ]
 
         def orphan(ticket: Ticket) -> None:
@@ -386,7 +454,7 @@ class RedisStore:
             raw = await self._shielded(lambda: self._acquire(keys=[key], args=args), _wrap(orphan))
         except Exception as exc:
             local = self._went_away(exc)
-            return await local.breaker_acquire(route, backend, policy, force=force)
+            return await local.breaker_acquire(route, backend, policy, force=force, wake=wake)
         admitted, state, gen, probe, retry_ms, transitions, clean = raw
         return Ticket(
             bool(int(admitted)),
@@ -427,6 +495,7 @@ class RedisStore:
             _ms(policy.saturation_cooldown),
             _ms(policy.retry_after_cap),
             _ms(self.ttl),
+            _ms(policy.saturation_backoff),
         ]
         try:
             raw = await self._shielded(lambda: self._record(keys=[key], args=args))
@@ -457,12 +526,74 @@ class RedisStore:
         state, retry_ms, failures, saturations = raw
         return BreakerSnapshot(_text(state), _seconds(retry_ms), int(failures), int(saturations))
 
+    # -- in-flight leases -------------------------------------------------------
+
+    def _lease_key(self, backend: str) -> str:
+        return f"{self.prefix}inflight:{quote(backend, safe='')}"
+
+    async def lease_acquire(
+        self, backend: str, token: str, limit: int, ttl: float, *, force: bool = False
+    ) -> tuple[bool, int]:
+        local = self._local()
+        if local is not None:
+            return await local.lease_acquire(backend, token, limit, ttl, force=force)
+        key = self._lease_key(backend)
+        args = [self._args(), token, str(limit), _ms(ttl), "1" if force else "0"]
+
+        def orphan(raw: Any) -> None:
+            if int(raw[0]):  # the caller left holding a lease: give it back
+                self._spawn(self.lease_release(backend, token))
+
+        try:
+            raw = await self._shielded(lambda: self._lease_acquire(keys=[key], args=args), orphan)
+        except Exception as exc:
+            local = self._went_away(exc)
+            return await local.lease_acquire(backend, token, limit, ttl, force=force)
+        return bool(int(raw[0])), int(raw[1])
+
+    async def lease_renew(self, backend: str, tokens: list[str], ttl: float) -> None:
+        local = self._local()
+        if local is not None:
+            return await local.lease_renew(backend, tokens, ttl)
+        key = self._lease_key(backend)
+        args = [self._args(), _ms(ttl), *tokens]
+        try:
+            await self._call(lambda: self._lease_renew(keys=[key], args=args))
+        except Exception as exc:
+            await self._went_away(exc).lease_renew(backend, tokens, ttl)
+
+    async def lease_release(self, backend: str, token: str) -> None:
+        local = self._local()
+        if local is not None:
+            return await local.lease_release(backend, token)
+        key = self._lease_key(backend)
+        try:
+            await self._shielded(lambda: self._redis.zrem(key, token))
+        except Exception as exc:  # it runs out by itself
+            await self._went_away(exc).lease_release(backend, token)
+
+    async def lease_count(self, backend: str) -> int:
+        local = self._local()
+        if local is not None:
+            return await local.lease_count(backend)
+        key = self._lease_key(backend)
+        try:
+            return int(await self._call(lambda: self._lease_count(keys=[key], args=[self._args()])))
+        except Exception as exc:
+            return await self._went_away(exc).lease_count(backend)
+
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     # -- pins --------------------------------------------------------------------
+
+    def _unreachable(self, what: str, exc: BaseException) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"{what}: Redis at {mask_url(self.url)} is unreachable "
+            f"({mask_text(repr(exc), self.url)})"
+        )
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
         if not (math.isfinite(ttl) and ttl > 0):
@@ -472,9 +603,7 @@ class RedisStore:
             await self._call(lambda: self._redis.set(key, backend, px=max(1, round(ttl * 1000))))
         except Exception as exc:
             self._went_away(exc)
-            raise StoreUnavailable(
-                f"the pin was not set: Redis at {_redacted(self.url)} is unreachable ({exc!r})"
-            ) from exc
+            raise self._unreachable("the pin was not set", exc) from exc
         return time.time() + ttl
 
     async def delete_pin(self, route: str) -> bool:
@@ -483,9 +612,7 @@ class RedisStore:
             removed = await self._call(lambda: self._redis.delete(key))
         except Exception as exc:
             self._went_away(exc)
-            raise StoreUnavailable(
-                f"the pin was not removed: Redis at {_redacted(self.url)} is unreachable ({exc!r})"
-            ) from exc
+            raise self._unreachable("the pin was not removed", exc) from exc
         return bool(removed)
 
     async def get_pin(self, route: str) -> str | None:
@@ -535,13 +662,3 @@ def _wrap(orphan: Callable[[Ticket], None]) -> Callable[[Any], None]:
         orphan(ticket)
 
     return on_raw
-
-
-def _redacted(url: str) -> str:
-    """The URL without its password, for logs."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user + ':***' if user else '***'}@{host}"

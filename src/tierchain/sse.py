@@ -21,6 +21,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from .masking import mask_text
+
 __all__ = [
     "comment_line",
     "data_values",
@@ -147,7 +149,9 @@ def comment_line(event: dict[str, Any]) -> bytes:
 
 
 def error_json(message: str, type: str, code: str | None = None, **extra: Any) -> dict[str, Any]:
-    """The OpenAI-compatible error object ``{"error": {...}}``."""
+    """The OpenAI-compatible error object ``{"error": {...}}``; a URL in ``message`` is masked."""
+    if "://" in message:
+        message = mask_text(message)
     error: dict[str, Any] = {"message": message, "type": type, "code": code}
     error.update(extra)
     return {"error": error}

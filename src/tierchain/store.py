@@ -1,9 +1,11 @@
 """State shared between requests (and, with RedisStore, between replicas).
 
-A store holds two kinds of state: breaker ledgers per (route, backend), and
-operator pins per route. :class:`Store` is the protocol every store meets;
-:class:`MemoryStore` is the embedded default that needs no service, and
-:class:`~tierchain.RedisStore` shares the same semantics between replicas.
+A store holds three kinds of state: breaker ledgers per (route, backend),
+operator pins per route, and in-flight leases per backend (for
+``Backend(max_in_flight=N)``; see :mod:`tierchain.admission`). :class:`Store` is
+the protocol every store meets; :class:`MemoryStore` is the embedded default
+that needs no service, and :class:`~tierchain.RedisStore` shares the same
+semantics between replicas.
 
 The breaker's state machine lives here, in :func:`acquire` and :func:`record`,
 so that every store runs the same rules (RedisStore runs a Lua transcription of
@@ -30,6 +32,7 @@ __all__ = [
     "BreakerChange",
     "BreakerPolicy",
     "BreakerSnapshot",
+    "LeaseStore",
     "Ledger",
     "MemoryStore",
     "Outcome",
@@ -73,6 +76,9 @@ class BreakerPolicy:
     saturation_cooldown: float = 900.0
     retry_after_cap: float = 900.0
     probe_lease: float = 300.0
+    saturation_backoff: float = 30.0
+    """The first cooldown after a half-open probe saturated; it doubles with each
+    further re-open, up to ``saturation_cooldown`` (0: always ``saturation_cooldown``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +125,14 @@ class Ledger:
     probe_token: int = 0
     gen: int = 0
     reason: str = ""
+    reopens: int = 0
+
+
+def reopen_cooldown(policy: BreakerPolicy, reopens: int) -> float:
+    """The cooldown of a breaker re-opened by a saturated probe, after ``reopens`` earlier ones."""
+    if policy.saturation_backoff <= 0:
+        return policy.saturation_cooldown
+    return min(policy.saturation_cooldown, policy.saturation_backoff * 2.0 ** min(reopens, 60))
 
 
 def _settle_time(led: Ledger, now: float, transitions: list[str]) -> None:
@@ -127,9 +141,17 @@ def _settle_time(led: Ledger, now: float, transitions: list[str]) -> None:
         transitions.append("half_open")
 
 
-def acquire(led: Ledger, now: float, policy: BreakerPolicy, *, force: bool = False) -> Ticket:
-    """May an attempt go now? Takes the probe slot when half-open and free."""
+def acquire(
+    led: Ledger, now: float, policy: BreakerPolicy, *, force: bool = False, wake: bool = False
+) -> Ticket:
+    """May an attempt go now? Takes the probe slot when half-open and free.
+
+    ``wake`` says the backend's status reports room: a breaker open for
+    saturation ends its cooldown now (and this attempt may be its probe).
+    """
     transitions: list[str] = []
+    if wake and led.state == "open" and led.reason == "saturation" and now < led.open_until:
+        led.open_until = now
     _settle_time(led, now, transitions)
     done = tuple(transitions)
     if led.state == "closed" or force:
@@ -167,6 +189,7 @@ def record(
                 led.state = "closed"
                 led.open_until = led.probe_until = 0.0
                 led.reason = ""
+                led.reopens = 0
                 transitions.append("closed")
     elif outcome == "failure" or outcome == "saturation":
         if outcome == "failure":
@@ -179,6 +202,7 @@ def record(
             tripped = led.saturations >= policy.saturation_threshold
         cooldown = kind_cooldown if tripped else 0.0
         reason: str = outcome
+        hinted = 0.0
         if retry_after is not None:
             hinted = min(retry_after, policy.retry_after_cap)
             if not tripped or hinted > cooldown:
@@ -189,7 +213,14 @@ def record(
             # The probe (or a forced attempt) failed: re-open. A verdict from an
             # attempt admitted before the breaker opened is counted, nothing more.
             tripped = fresh
-            cooldown = max(cooldown, kind_cooldown)
+            if outcome == "saturation":
+                # One slow probe after a hiccup must not cost the whole cooldown:
+                # re-opens grow from a short first value.
+                cooldown = max(hinted, reopen_cooldown(policy, led.reopens))
+                if fresh:
+                    led.reopens += 1
+            else:
+                cooldown = max(cooldown, kind_cooldown)
         if tripped:
             if led.state != "open":
                 led.gen += 1
@@ -249,9 +280,19 @@ class Store(Protocol):
         ...
 
     async def breaker_acquire(
-        self, route: str, backend: str, policy: BreakerPolicy, *, force: bool = False
+        self,
+        route: str,
+        backend: str,
+        policy: BreakerPolicy,
+        *,
+        force: bool = False,
+        wake: bool = False,
     ) -> Ticket:
-        """One atomic step before an attempt: may it go, and is it the probe?"""
+        """One atomic step before an attempt: may it go, and is it the probe?
+
+        ``wake``: the backend's status reports room, so a breaker open for
+        saturation may half-open now.
+        """
         ...
 
     async def breaker_record(
@@ -269,6 +310,37 @@ class Store(Protocol):
         ...
 
 
+@runtime_checkable
+class LeaseStore(Protocol):
+    """What in-flight admission needs from a store: leases that run out on their own.
+
+    A lease is one attempt in flight at a backend. It lasts ``ttl`` seconds
+    unless renewed, so the count held by a replica that died runs out by
+    itself. Times are seconds on the store's clock.
+    """
+
+    async def lease_acquire(
+        self, backend: str, token: str, limit: int, ttl: float, *, force: bool = False
+    ) -> tuple[bool, int]:
+        """Take a lease when fewer than ``limit`` are live (always, with ``force``).
+
+        Returns (taken, live leases after the call).
+        """
+        ...
+
+    async def lease_renew(self, backend: str, tokens: list[str], ttl: float) -> None:
+        """Extend the live leases ``tokens`` to ``ttl`` seconds from now."""
+        ...
+
+    async def lease_release(self, backend: str, token: str) -> None:
+        """Give a lease back (nothing happens when it already ran out)."""
+        ...
+
+    async def lease_count(self, backend: str) -> int:
+        """How many leases on ``backend`` are live."""
+        ...
+
+
 class MemoryStore:
     """The embedded default store: in this process only, no service needed.
 
@@ -280,6 +352,7 @@ class MemoryStore:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._pins: dict[str, tuple[str, float]] = {}
         self._ledgers: dict[tuple[str, str], Ledger] = {}
+        self._leases: dict[str, dict[str, float]] = {}
         self._clock = clock
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
@@ -309,14 +382,20 @@ class MemoryStore:
         return snapshot(self._ledgers.get((route, backend)), self._clock())
 
     async def breaker_acquire(
-        self, route: str, backend: str, policy: BreakerPolicy, *, force: bool = False
+        self,
+        route: str,
+        backend: str,
+        policy: BreakerPolicy,
+        *,
+        force: bool = False,
+        wake: bool = False,
     ) -> Ticket:
         led = self._ledgers.get((route, backend))
         if led is None:
             if not force:
                 return _CLOSED  # the common case allocates nothing
             led = self._ledgers[route, backend] = Ledger()
-        return acquire(led, self._clock(), policy, force=force)
+        return acquire(led, self._clock(), policy, force=force, wake=wake)
 
     async def breaker_record(
         self,
@@ -339,6 +418,39 @@ class MemoryStore:
         return record(
             led, self._clock(), policy, outcome, gen=gen, probe=probe, retry_after=retry_after
         )
+
+    # -- in-flight leases ----------------------------------------------------
+
+    def _live(self, backend: str) -> dict[str, float]:
+        leases = self._leases.setdefault(backend, {})
+        now = self._clock()
+        for token in [t for t, until in leases.items() if until <= now]:
+            del leases[token]
+        return leases
+
+    async def lease_acquire(
+        self, backend: str, token: str, limit: int, ttl: float, *, force: bool = False
+    ) -> tuple[bool, int]:
+        leases = self._live(backend)
+        if len(leases) >= limit and not force:
+            return False, len(leases)
+        leases[token] = self._clock() + ttl
+        return True, len(leases)
+
+    async def lease_renew(self, backend: str, tokens: list[str], ttl: float) -> None:
+        leases = self._live(backend)
+        until = self._clock() + ttl
+        for token in tokens:
+            if token in leases:
+                leases[token] = until
+
+    async def lease_release(self, backend: str, token: str) -> None:
+        leases = self._leases.get(backend)
+        if leases is not None:
+            leases.pop(token, None)
+
+    async def lease_count(self, backend: str) -> int:
+        return len(self._live(backend))
 
 
 _CLOSED = Ticket(True, "closed", clean=True)

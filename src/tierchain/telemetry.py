@@ -20,6 +20,8 @@ from typing import Any
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
+from .masking import mask_text
+
 try:
     VERSION = version("tierchain")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
@@ -83,10 +85,31 @@ BACKEND_SKIPPED = Counter(
     "Attempts skipped because the backend's breaker was open.",
     ["route", "backend"],
 )
+BACKEND_IN_FLIGHT = Gauge(
+    "tierchain_backend_in_flight",
+    "Attempts this process has in flight at a backend with max_in_flight (sum over replicas).",
+    ["backend"],
+)
+BACKEND_BUSY = Counter(
+    "tierchain_backend_busy",
+    "Attempts skipped before sending because the backend had no room, by why "
+    "(max_in_flight, status).",
+    ["route", "backend", "why"],
+)
+LEARNED_SLOW_AFTER = Gauge(
+    "tierchain_learned_slow_after_seconds",
+    "The learned first-chunk window in force (slow_after=auto), by backend and prompt size.",
+    ["backend", "bucket"],
+)
 BACKEND_PREFERENCE = Counter(
     "tierchain_backend_preference",
     "Requests that carried a backend preference, by whether it applied.",
     ["applied"],
+)
+TARGET_REJECTED = Counter(
+    "tierchain_target_rejected",
+    "Requests answered 400 because their target could steer the upstream URL, by reason.",
+    ["reason"],
 )
 
 
@@ -119,11 +142,15 @@ def start_span(name: str, attributes: dict[str, Any] | None = None) -> trace.Spa
 def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
     """Log one structured event: ``event key=value ...``.
 
+    A URL in a string field is masked (:func:`tierchain.masking.mask_text`).
     The fields are also attached as ``record.tierchain`` (a dict) and the event
     name as ``record.event``, for JSON formatters.
     """
     if not logger.isEnabledFor(level):
         return
+    for key, value in fields.items():
+        if isinstance(value, str) and "://" in value:
+            fields[key] = mask_text(value)
     text = " ".join(
         f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
         for key, value in fields.items()

@@ -22,12 +22,23 @@ When the window expires on a tier that has a later tier behind it:
 1. with no ``status_url`` the backend is saturated (the plain stopwatch);
 2. with one, one GET asks it (bounded by ``probe_timeout`` and by the
    remaining budget): ``working`` extends the wait by one more window and
-   emits ``still_working``; ``idle`` or ``no_progress`` mean saturated;
-   ``unknown`` behaves exactly as the plain stopwatch.
+   emits ``still_working``; ``idle``, ``no_progress`` or ``queued`` (requests
+   are waiting at the backend, so the progress it reports is someone else's)
+   mean saturated; ``unknown`` behaves exactly as the plain stopwatch.
 
 Saturated means: the inner app is cancelled (so the upstream connection
 closes) and :class:`~tierchain.errors.BackendSaturated` is raised for Failover
 to record and advance; a Breaker wrapping this layer sees it pass.
+
+Status-aware routing: a backend with a ``status_url`` is polled in the
+background while traffic flows (every ``status_interval`` seconds, one poller
+per status URL in the process, started on demand and stopped once idle; see
+:mod:`tierchain.status`). When its latest status (no older than
+``status_stale``) says it is full (``busy_waiting`` requests waiting, KV cache
+at ``busy_kv_cache``, every slot busy) the attempt is skipped before anything
+is sent, with :class:`~tierchain.errors.BackendBusy` and the reason. A stale,
+slow or failing status never blocks: unknown means try it. The last tier is
+never skipped.
 
 The last tier (or a request with no Failover) is never cut by the window: it
 is recorded as slow and only the budget or the ceiling ends it. The ceiling
@@ -52,11 +63,13 @@ from opentelemetry import trace
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance
-from .errors import BackendSaturated, StreamError
+from .errors import BackendBusy, BackendSaturated, StreamError
+from .learned import Learned
 from .observer import Observer, whole_events
 from .probes import Reader, Status, auto_reader, fetch_status, judge
 from .request import UNROUTED_KEY, Attempt, TierRequest
 from .sse import error_event
+from .status import Fullness, StatusBoard, full, shared_board
 from .telemetry import (
     ATTR_BACKEND,
     ATTR_ROUTE,
@@ -71,8 +84,9 @@ __all__ = ["SaturationWatchdog", "SlowAfter"]
 
 _EARLY = 1e-3  # a loop timer may fire a hair early; treat that as on time
 
-SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float]
-"""Seconds, or a callable computing seconds from the request body (an :class:`Allowance`)."""
+SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float] | Learned | str
+"""Seconds, a callable computing seconds from the request body (an :class:`Allowance`),
+``"auto"`` or a :class:`~tierchain.learned.Learned`: each backend's own learned normal."""
 
 
 def _seconds(name: str, value: float | timedelta, *, zero_ok: bool) -> float:
@@ -98,6 +112,11 @@ class SaturationWatchdog:
     recognises the built-in formats by shape). ``client`` supplies the
     ``httpx.AsyncClient`` for probes (then its owner closes it); otherwise one
     is created on first use and closed by :meth:`aclose` or lifespan shutdown.
+
+    ``status_interval`` is how often a backend's status URL is polled in the
+    background while traffic flows (0: no polling, no skipping); a status older
+    than ``status_stale`` is unknown. ``busy_waiting``, ``busy_kv_cache`` and
+    ``busy_all_slots`` are the thresholds past which a polled status says full.
     """
 
     def __init__(
@@ -110,10 +129,26 @@ class SaturationWatchdog:
         stall_after: float | timedelta = 120.0,
         readers: Mapping[str, Reader] | None = None,
         client: httpx.AsyncClient | None = None,
+        status_interval: float | timedelta = 0.05,
+        status_stale: float | timedelta = 0.2,
+        busy_waiting: int = 5,
+        busy_kv_cache: float = 0.8,
+        busy_all_slots: bool = True,
     ) -> None:
         self.app = app
-        if callable(slow_after):
-            self.slow_after: float | Callable[[bytes], float] = slow_after
+        self.learned: Learned | None = None
+        if isinstance(slow_after, str):
+            if slow_after != "auto":
+                raise ValueError(
+                    f"slow_after must be seconds, a callable or 'auto', got {slow_after!r}"
+                )
+            slow_after = Learned()
+        if isinstance(slow_after, Learned):
+            self.learned = slow_after
+            self.slow_after: float | Callable[[bytes], float] = slow_after.maximum
+            self.off = False
+        elif callable(slow_after):
+            self.slow_after = slow_after
             self.off = False
         else:
             self.slow_after = _seconds("slow_after", slow_after, zero_ok=True)
@@ -127,6 +162,21 @@ class SaturationWatchdog:
                 raise ValueError(f"the status reader for backend {name!r} is not callable")
         self._own_client = client is None
         self._client = client
+        interval = _seconds("status_interval", status_interval, zero_ok=True)
+        stale = _seconds("status_stale", status_stale, zero_ok=False)
+        if isinstance(busy_waiting, bool) or not isinstance(busy_waiting, int) or busy_waiting < 1:
+            raise ValueError(f"busy_waiting must be an integer >= 1, got {busy_waiting!r}")
+        if not (isinstance(busy_kv_cache, int | float) and 0 < busy_kv_cache <= 1):
+            raise ValueError(f"busy_kv_cache must be a fraction in (0, 1], got {busy_kv_cache!r}")
+        self.board: StatusBoard | None = None
+        if interval > 0:
+            self.board = StatusBoard(
+                interval=interval,
+                stale_after=stale,
+                timeout=min(self.probe_timeout, max(stale, interval)),
+                limits=Fullness(busy_waiting, float(busy_kv_cache), bool(busy_all_slots)),
+            )
+            shared_board(self.board)  # the Breaker reads it to recover by status
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -136,7 +186,9 @@ class SaturationWatchdog:
         return self._client
 
     async def aclose(self) -> None:
-        """Close the probe client (if this watchdog created it)."""
+        """Stop the status pollers; close the probe client (if this watchdog created it)."""
+        if self.board is not None:
+            await self.board.aclose()
         client, self._client = self._client, None
         if client is not None and self._own_client:
             await client.aclose()
@@ -170,14 +222,35 @@ class SaturationWatchdog:
         if scope["type"] != "http" or UNROUTED_KEY in scope:
             return await self.app(scope, receive, send)
         req = TierRequest.find(scope)
-        window = 0.0 if self.off else self.window(req.body if req is not None else None)
         attempt = req.attempt if req is not None else None
+        if (
+            self.board is not None
+            and attempt is not None
+            and attempt.backend.status_url is not None
+            and not attempt.is_last
+        ):
+            self._check_room(attempt.backend.name, attempt.backend.status_url)
+        learned = False
+        if self.learned is not None and attempt is not None:
+            window, learned = self.learned.window(attempt.backend.name, req.body if req else None)
+            window = min(window, self.ceiling)
+        else:
+            window = 0.0 if self.off else self.window(req.body if req is not None else None)
         stall = self.stall_after
         if attempt is not None and attempt.backend.stall_after is not None:
             stall = attempt.backend.stall_after
         if window <= 0 and stall <= 0:
             return await self.app(scope, receive, send)
-        await _Watch(self, scope, req, window, stall).run(receive, send)
+        await _Watch(self, scope, req, window, stall, learned).run(receive, send)
+
+    def _check_room(self, name: str, url: str) -> None:
+        """Raise BackendBusy when the backend's polled status says it is full."""
+        board = self.board
+        assert board is not None
+        status = board.peek(url, self.reader_for(name))
+        why = full(status, board.limits)
+        if why is not None:
+            raise BackendBusy(f"backend {name!r} is full ({why})", why=why)
 
     def _lifespan_send(self, send: Send) -> Send:
         async def lifespan_send(message: Message) -> None:
@@ -209,6 +282,7 @@ class _Watch:
         "backend",
         "fired",
         "last",
+        "learned",
         "observer",
         "own",
         "req",
@@ -227,8 +301,10 @@ class _Watch:
         req: TierRequest | None,
         window: float,
         stall: float,
+        learned: bool = False,
     ) -> None:
         self.watchdog = watchdog
+        self.learned = learned
         self.scope = scope
         self.req = req
         self.attempt: Attempt | None = req.attempt if req is not None else None
@@ -271,6 +347,8 @@ class _Watch:
                 # The inner app swallowed our cancellation and returned anyway.
                 task.uncancel()
                 await self._verdict(send)
+            else:
+                self._learn()
         finally:
             if self._handle is not None:
                 self._handle.cancel()
@@ -279,6 +357,21 @@ class _Watch:
             if prober is not None:
                 prober.cancel()
                 await asyncio.wait([prober])
+
+    def _learn(self) -> None:
+        """A successful attempt teaches the learned normal its time to first data."""
+        learned = self.watchdog.learned
+        observer = self.observer
+        if (
+            learned is None
+            or self.backend is None
+            or observer.first_data_at is None
+            or (self.req is not None and self.req.attempt_error is not None)
+            or observer.verdict() != "ok"
+        ):
+            return
+        body = self.req.body if self.req is not None else None
+        learned.observe(self.backend, body, observer.first_data_at - self.start)
 
     def send(self, message: Message) -> Awaitable[None]:
         """Alone: feed the watchdog's own observer and pass on whole events."""
@@ -394,7 +487,8 @@ class _Watch:
         if deadline is not None:
             limit = min(limit, deadline - now)
         status = await self._probe(backend.status_url, backend.name, limit)
-        verdict = judge(status, self._previous)
+        streaming = self.req is None or self.req.streaming is not False
+        verdict = judge(status, self._previous, streaming=streaming)
         labelled(PROBE_ANSWERS, backend.name, verdict).inc()
         if self.answered():
             return  # the first chunk arrived while we asked
@@ -495,6 +589,9 @@ class _Watch:
             "tierchain.backend_saturated",
             {ATTR_BACKEND: backend, "reason": reason, "waited_s": round(waited, 3)},
         )
+        learned = self.watchdog.learned
+        if learned is not None and self.backend is not None:
+            learned.saturated(self.backend, self.req.body if self.req else None, self.learned)
         message = f"backend {backend!r} produced no first chunk in {waited:.1f}s ({reason})"
         if self.attempt is not None:
             raise BackendSaturated(message, waited=waited)

@@ -1,71 +1,42 @@
-"""Admin: the operator's ASGI app for pins, with one server-rendered page.
+"""The Admin ASGI app: dispatch, the JSON pin API and the page's forms.
 
-Mount it where you like (``app.mount("/admin/tierchain", admin)`` in FastAPI
-or Starlette); every link and form action is built from ``scope["root_path"]``.
-It is off unless a token is configured: without one it answers 404 to
-everything and says so once in the log when it is built.
-
-Paths, relative to the mount::
-
-    GET    /                 the operator page (session cookie or bearer token)
-    POST   /login            form: token -> session cookie, redirect to the page
-    POST   /logout           form: clear the session cookie
-    POST   /pin              form: route, backend, ttl (CSRF-protected)
-    POST   /unpin            form: route (CSRF-protected)
-    GET    /pins             JSON: every live pin with its remaining time
-    GET    /pins/{route}     JSON: one route's pin (backend null when none)
-    PUT    /pins/{route}     JSON body {"backend": "...", "ttl": seconds}: pin
-    POST   /pins/{route}     the same as PUT
-    DELETE /pins/{route}     JSON: remove the pin
-
-The JSON API takes ``Authorization: Bearer <token>`` only, compared in constant
-time; a missing or wrong token gets 401 with ``WWW-Authenticate: Bearer
-realm="tierchain"``. A browser cannot send that header from a plain form, so
-the page has a login form: it posts the token once and gets back a session
-cookie (``HttpOnly``, ``SameSite=Strict``, scoped to the mount's path,
-``Secure`` over https) whose value is an expiring nonce signed with a key
-derived from the token, never the token itself. Every form that changes
-something carries a CSRF token derived from the session (checked with
-``hmac.compare_digest``) and must come from this origin (``Origin`` or
-``Sec-Fetch-Site``). The token never appears in a log line.
+Who may call it is decided in :mod:`.session`; what the page looks like in
+:mod:`.page`. Every answer, success or error, carries ``Cache-Control:
+no-store``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
-import hmac
-import html
 import json
 import logging
 import math
 import re
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from datetime import UTC, datetime
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
-from ._body import CallerGone, read_body
-from ._responses import header, send_json_error
-from ._types import Headers, Message, Receive, Scope, Send
-from .backend import Backend, Routes
-from .errors import BodyTooLarge
-from .store import Store
-from .telemetry import log_event
+from .._body import CallerGone, read_body
+from .._responses import header, send_json_error
+from .._types import Headers, Message, Receive, Scope, Send
+from ..backend import Routes
+from ..errors import BodyTooLarge
+from ..masking import mask_text
+from ..store import Store
+from ..telemetry import log_event
+from . import page
+from .session import TOKEN_PATTERN, Sessions, cookie, presented_bearer, same_origin
 
-__all__ = ["Admin"]
+__all__ = ["MIN_TTL", "Admin", "parse_ttl"]
 
 T = TypeVar("T")
 
 MIN_TTL = 1.0
 """The shortest pin, in seconds."""
 
-COOKIE = "tierchain_admin"
 _REALM = b'Bearer realm="tierchain"'
-_TOKEN = re.compile(r"[\x21-\x7e]{16,512}")
+_NO_STORE = (b"cache-control", b"no-store")
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", re.IGNORECASE)
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SNAPSHOT_TIMEOUT = 1.0
@@ -84,11 +55,18 @@ class _Invalid(ValueError):
 
 
 def parse_ttl(value: object, max_ttl: float) -> float:
-    """A pin's lifetime in seconds, from a number or a duration like ``90s``, ``30m``, ``4h``."""
+    """A pin's lifetime in seconds, from a number or a duration like ``90s``, ``30m``, ``4h``.
+
+    Raises ``ValueError`` (answered 422) for anything else, including a number
+    too large to be a float.
+    """
     if isinstance(value, bool) or value is None:
         raise _Invalid("ttl is required: seconds as a number, or a duration such as 30m, 4h, 2d")
     if isinstance(value, int | float):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:
+            seconds = math.inf
     elif isinstance(value, str):
         match = _DURATION.fullmatch(value)
         if match is None:
@@ -98,26 +76,11 @@ def parse_ttl(value: object, max_ttl: float) -> float:
     else:
         raise _Invalid("ttl must be seconds as a number, or a duration such as 30m, 4h, 2d")
     if not math.isfinite(seconds) or not MIN_TTL <= seconds <= max_ttl:
+        got = f"{seconds:g} seconds" if math.isfinite(seconds) else "a number out of that range"
         raise _Invalid(
-            f"ttl must be between {_duration(MIN_TTL)} and {_duration(max_ttl)}, "
-            f"got {seconds:g} seconds"
+            f"ttl must be between {page.duration(MIN_TTL)} and {page.duration(max_ttl)}, got {got}"
         )
     return seconds
-
-
-def _duration(seconds: float) -> str:
-    """``3h 59m``, ``45s``, ``2d 3h``: a remaining time as an operator reads it."""
-    s = max(0, math.ceil(seconds))
-    days, s = divmod(s, 86400)
-    hours, s = divmod(s, 3600)
-    minutes, s = divmod(s, 60)
-    parts = [(days, "d"), (hours, "h"), (minutes, "m"), (s, "s")]
-    shown = [f"{n}{unit}" for n, unit in parts if n][:2]
-    return " ".join(shown) or "0s"
-
-
-def _iso(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _shown(value: str, limit: int = 80) -> str:
@@ -165,8 +128,7 @@ class Admin:
         self.allowed_origins = frozenset(o.rstrip("/").lower() for o in allowed_origins)
         self.max_body = int(max_body)
         self.clock = clock
-        self._token: bytes | None = None
-        self._session_key = b""
+        self._sessions: Sessions | None = None
         if token is None or token == "":
             log_event(
                 "admin.disabled",
@@ -174,22 +136,19 @@ class Admin:
                 message="tierchain Admin is off because no token is configured: "
                 "it answers 404 to every request.",
             )
-        elif not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        elif not isinstance(token, str) or not TOKEN_PATTERN.fullmatch(token):
             length = len(token) if isinstance(token, str) else 0
             raise ValueError(
                 "token must be 16 to 512 printable ASCII characters without spaces "
                 f"(got {length} characters)"
             )
         else:
-            self._token = token.encode("ascii")
-            self._session_key = hmac.new(
-                self._token, b"tierchain-admin-session-v1", hashlib.sha256
-            ).digest()
+            self._sessions = Sessions(token, ttl=self.session_ttl, clock=lambda: self.clock())
 
     @property
     def enabled(self) -> bool:
         """True when a token is configured."""
-        return self._token is not None
+        return self._sessions is not None
 
     def __repr__(self) -> str:
         return f"Admin(routes={self.routes!r}, enabled={self.enabled})"
@@ -199,44 +158,19 @@ class Admin:
             return await _lifespan(receive, send)
         if scope["type"] != "http":
             return
-        if self._token is None:
+        if self._sessions is None:
             return await _text(send, 404, "Not Found")
-        await _Call(self, scope, receive, send).run()
-
-    # -- sessions ------------------------------------------------------------
-
-    def _new_session(self) -> str:
-        payload = f"{int(self.clock())}.{secrets.token_urlsafe(18)}"
-        return f"{payload}.{self._sign(b'session:' + payload.encode())}"
-
-    def _valid_session(self, value: str) -> bool:
-        payload, _, mac = value.rpartition(".")
-        issued, _, nonce = payload.partition(".")
-        if not (issued.isdigit() and nonce and mac):
-            return False
-        expected = self._sign(b"session:" + payload.encode()).encode()
-        if not hmac.compare_digest(mac.encode("utf-8", "replace"), expected):
-            return False
-        age = self.clock() - int(issued)
-        return -60 <= age < self.session_ttl
-
-    def _csrf(self, session: str) -> str:
-        return self._sign(b"csrf:" + session.encode())
-
-    def _sign(self, message: bytes) -> str:
-        mac = hmac.new(self._session_key, message, hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
-
-    def _token_ok(self, presented: bytes) -> bool:
-        assert self._token is not None
-        return hmac.compare_digest(presented, self._token)
+        await _Call(self, self._sessions, scope, receive, send).run()
 
 
 class _Call:
     """One request to the admin app."""
 
-    def __init__(self, admin: Admin, scope: Scope, receive: Receive, send: Send) -> None:
+    def __init__(
+        self, admin: Admin, sessions: Sessions, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         self.admin = admin
+        self.sessions = sessions
         self.scope = scope
         self.receive = receive
         self._send = send
@@ -261,9 +195,7 @@ class _Call:
             )
             message = f"the pin store is unavailable, nothing was changed: {exc}"
             if self.path.startswith("/pins"):
-                await send_json_error(
-                    self._send, 503, message, "store_unavailable", "service_unavailable"
-                )
+                await self._json_error(503, message, "store_unavailable", "service_unavailable")
             else:
                 await _text(self._send, 503, message)
 
@@ -272,7 +204,7 @@ class _Call:
         try:
             return await op(*args)
         except Exception as exc:
-            raise _StoreDown(str(exc) or repr(exc)) from exc
+            raise _StoreDown(mask_text(str(exc) or repr(exc))) from exc
 
     async def _dispatch(self) -> None:
         path, method = self.path, self.method
@@ -302,33 +234,29 @@ class _Call:
     async def _not_allowed(self, allow: str) -> None:
         await _text(self._send, 405, "Method Not Allowed", [(b"allow", allow.encode())])
 
-    # -- authentication ------------------------------------------------------
+    async def _json_error(
+        self, status: int, message: str, type: str, code: str, extra: Headers | None = None
+    ) -> None:
+        headers = [*(extra or ()), _NO_STORE]
+        await send_json_error(self._send, status, message, type, code, headers=headers)
 
-    def _presented_bearer(self) -> bytes | None:
-        value = header(self.headers, b"authorization")
-        if value is None:
-            return None
-        scheme, _, credentials = value.strip().partition(b" ")
-        if scheme.lower() != b"bearer":
-            return b""
-        return credentials.strip()
+    # -- authentication ------------------------------------------------------
 
     async def _bearer(self) -> bool:
         """True when the bearer token is right; otherwise answers 401 and says why in the log."""
-        presented = self._presented_bearer()
-        if presented and self.admin._token_ok(presented):
+        presented = presented_bearer(self.headers)
+        if presented and self.sessions.token_ok(presented):
             return True
         reason = "missing" if presented is None else "wrong"
         self._auth_failed(reason)
-        await send_json_error(
-            self._send,
+        await self._json_error(
             401,
             "a bearer token is required: Authorization: Bearer <token>"
             if reason == "missing"
             else "the bearer token is not the configured token",
             "authentication_error",
             "unauthorized",
-            headers=[(b"www-authenticate", _REALM), (b"cache-control", b"no-store")],
+            [(b"www-authenticate", _REALM)],
         )
         return False
 
@@ -341,32 +269,6 @@ class _Call:
             path=_shown(self.path),
             client=self.client,
         )
-
-    def _session(self) -> str | None:
-        """The request's valid session value, or None."""
-        for key, value in self.headers:
-            if key.lower() != b"cookie":
-                continue
-            for part in value.decode("latin-1").split(";"):
-                name, _, content = part.strip().partition("=")
-                if name == COOKIE and self.admin._valid_session(content):
-                    return content
-        return None
-
-    def _same_origin(self) -> bool:
-        origin = header(self.headers, b"origin")
-        if origin is not None:
-            text = origin.decode("latin-1").strip().rstrip("/").lower()
-            if text in self.admin.allowed_origins:
-                return True
-            host = header(self.headers, b"host")
-            try:
-                netloc = urlsplit(text).netloc
-            except ValueError:
-                return False
-            return host is not None and bool(netloc) and netloc == host.decode("latin-1").lower()
-        site = header(self.headers, b"sec-fetch-site")
-        return site is None or site in (b"same-origin", b"none")
 
     # -- the JSON API --------------------------------------------------------------
 
@@ -382,7 +284,7 @@ class _Call:
                         "route": route,
                         "backend": backend,
                         "remaining_s": round(remaining, 3),
-                        "until": _iso(now + remaining),
+                        "until": page.iso(now + remaining),
                     }
                     for route, (backend, remaining) in sorted(pins.items())
                 ]
@@ -400,7 +302,7 @@ class _Call:
             body: dict[str, Any] = {"route": route, "backend": backend}
             if backend is not None:
                 body["remaining_s"] = round(remaining, 3)
-                body["until"] = _iso(self.admin.clock() + remaining)
+                body["until"] = page.iso(self.admin.clock() + remaining)
             return await _json(self._send, 200, body)
         if self.method == "DELETE":
             removed, previous = await self._unpin(route, via="api")
@@ -430,12 +332,11 @@ class _Call:
         await _json(
             self._send,
             200,
-            {"route": route, "backend": backend, "ttl_s": ttl, "until": _iso(until)},
+            {"route": route, "backend": backend, "ttl_s": ttl, "until": page.iso(until)},
         )
 
     async def _api_invalid(self, exc: _Invalid) -> None:
-        await send_json_error(
-            self._send,
+        await self._json_error(
             exc.status,
             str(exc),
             "invalid_request_error",
@@ -472,7 +373,7 @@ class _Call:
             "admin.pin_set",
             route=route,
             backend=backend,
-            until=_iso(until),
+            until=page.iso(until),
             ttl_s=ttl,
             via=via,
             client=self.client,
@@ -488,7 +389,7 @@ class _Call:
                 "admin.pin_removed",
                 route=route,
                 backend=previous,
-                until=_iso(self.admin.clock()),
+                until=page.iso(self.admin.clock()),
                 via=via,
                 client=self.client,
             )
@@ -497,10 +398,10 @@ class _Call:
     # -- the page and its forms ------------------------------------------------
 
     async def _page(self) -> None:
-        session = self._session()
+        session = self.sessions.from_cookies(self.headers)
         if session is None:
-            presented = self._presented_bearer()
-            if presented and self.admin._token_ok(presented):
+            presented = presented_bearer(self.headers)
+            if presented and self.sessions.token_ok(presented):
                 session = ""  # a bearer client can read the page; forms need a login
             else:
                 if presented is not None:
@@ -509,22 +410,12 @@ class _Call:
         await self._render(session)
 
     async def _login_page(self, message: str | None = None) -> None:
-        root = html.escape(self.root, quote=True)
-        note = f'<p class="error" role="alert">{html.escape(message)}</p>' if message else ""
-        body = (
-            "<h1>tierchain operator</h1>"
-            f"{note}"
-            f'<form method="post" action="{root}/login" class="login">'
-            '<label for="token">Admin token</label> '
-            '<input id="token" name="token" type="password" autocomplete="current-password" '
-            'required autofocus> <button type="submit">Log in</button></form>'
-        )
         await _html(
-            self._send, 401, _document("tierchain: log in", body), [(b"www-authenticate", _REALM)]
+            self._send, 401, page.login(self.root, message), [(b"www-authenticate", _REALM)]
         )
 
     async def _form(self, action: str) -> None:
-        if not self._same_origin():
+        if not same_origin(self.headers, self.admin.allowed_origins):
             log_event(
                 "admin.cross_site_refused",
                 logging.WARNING,
@@ -541,18 +432,17 @@ class _Call:
             return await _text(self._send, 400, "Malformed form body")
         if action == "login":
             token = form.get("token", "").encode("utf-8", "replace")
-            if not token or not self.admin._token_ok(token):
+            if not token or not self.sessions.token_ok(token):
                 self._auth_failed("missing" if not token else "wrong")
                 return await self._login_page("That is not the admin token.")
             log_event("admin.login", client=self.client)
-            fresh = self.admin._new_session()
-            return await self._redirect(self._cookie(fresh, self.admin.session_ttl))
-        session = self._session()
+            return await self._redirect(self._cookie(self.sessions.new(), self.admin.session_ttl))
+        session = self.sessions.from_cookies(self.headers)
         if session is None:
             self._auth_failed("no_session")
             return await self._login_page("Log in first (or again: the session expired).")
         presented = form.get("csrf", "").encode("utf-8", "replace")
-        if not hmac.compare_digest(presented, self.admin._csrf(session).encode()):
+        if not self.sessions.csrf_ok(session, presented):
             log_event("admin.csrf_refused", logging.WARNING, action=action, client=self.client)
             return await _text(
                 self._send, 403, "Cross-site request refused: stale or missing form token"
@@ -574,17 +464,9 @@ class _Call:
         await self._redirect()
 
     def _cookie(self, value: str, max_age: float) -> tuple[bytes, bytes]:
-        path = self.root or "/"
-        parts = [
-            f"{COOKIE}={value}",
-            f"Path={path}",
-            f"Max-Age={int(max_age)}",
-            "HttpOnly",
-            "SameSite=Strict",
-        ]
-        if self.scope.get("scheme") == "https":
-            parts.append("Secure")
-        return (b"set-cookie", "; ".join(parts).encode("latin-1"))
+        return cookie(
+            value, max_age, path=self.root or "/", secure=self.scope.get("scheme") == "https"
+        )
 
     async def _redirect(self, *extra: tuple[bytes, bytes]) -> None:
         location = (self.root or "") + "/"
@@ -595,7 +477,7 @@ class _Call:
                 "headers": [
                     (b"location", location.encode("latin-1")),
                     (b"content-length", b"0"),
-                    (b"cache-control", b"no-store"),
+                    _NO_STORE,
                     *extra,
                 ],
             }
@@ -605,122 +487,44 @@ class _Call:
     async def _render(self, session: str, *, error: str | None = None, status: int = 200) -> None:
         admin = self.admin
         pins = await self._store(admin.store.list_pins)
-        now = admin.clock()
-        root = html.escape(self.root, quote=True)
-        csrf = html.escape(admin._csrf(session), quote=True) if session else ""
-        esc = html.escape
-        out: list[str] = ["<header><h1>tierchain operator</h1>"]
-        if session:
-            out.append(
-                f'<form method="post" action="{root}/logout" class="logout">'
-                f'<input type="hidden" name="csrf" value="{csrf}">'
-                '<button type="submit">Log out</button></form>'
-            )
-        out.append("</header>")
-        out.append(
-            "<p>A pin moves a backend to the front of a route's chain for every caller until "
-            "it expires. Nothing is removed from a chain: if the pinned backend fails, the "
-            "others still follow. A caller's own X-Prefer-Backend header goes before a pin.</p>"
+        breakers = {
+            (route, backend.name): await _breaker_view(admin.store, route, backend.name)
+            for route, chain in admin.routes.items()
+            for backend in chain
+        }
+        document = page.console(
+            root=self.root,
+            routes=admin.routes,
+            pins=pins,
+            breakers=breakers,
+            now=admin.clock(),
+            csrf=self.sessions.csrf(session) if session else None,
+            error=error,
+            degraded=getattr(admin.store, "degraded", False) is True,
         )
-        if error:
-            out.append(f'<p class="error" role="alert">{esc(error)}</p>')
-        if getattr(admin.store, "degraded", False) is True:
-            out.append(
-                '<p class="error" role="status">The shared store is unreachable: this replica '
-                "is serving from its local fallback, so what you see here may differ from "
-                "the other replicas, and pins cannot be changed until it is back.</p>"
-            )
-        out.append("<h2>Routes</h2>")
-        for route, chain in admin.routes.items():
-            pinned = pins.get(route)
-            out.append(f'<section class="route" data-route="{esc(route, quote=True)}">')
-            title = f"<h3>{esc(route)}"
-            if pinned:
-                title += (
-                    f' <span class="pin">pinned to {esc(pinned[0])} '
-                    f"for {esc(_duration(pinned[1]))}</span>"
-                )
-            out.append(title + "</h3>")
-            out.append(
-                "<table><thead><tr><th>tier</th><th>backend</th><th>regime</th>"
-                "<th>breaker</th><th>cooldown</th><th>failures</th><th>saturations</th>"
-                "</tr></thead><tbody>"
-            )
-            for n, backend in enumerate(chain, 1):
-                out.append(await self._backend_row(route, n, backend, pinned))
-            out.append("</tbody></table>")
-            if session:
-                options = "".join(
-                    f'<option value="{esc(b.name, quote=True)}"'
-                    f"{' selected' if pinned and pinned[0] == b.name else ''}>"
-                    f"{esc(b.name)}</option>"
-                    for b in chain
-                )
-                hidden = (
-                    f'<input type="hidden" name="csrf" value="{csrf}">'
-                    f'<input type="hidden" name="route" value="{esc(route, quote=True)}">'
-                )
-                out.append(
-                    f'<form method="post" action="{root}/pin" class="pin-form">{hidden}'
-                    f'<label>Pin to <select name="backend">{options}</select></label> '
-                    '<label>for <input name="ttl" value="4h" size="6" required '
-                    'title="seconds, or a duration such as 30m, 4h, 2d"></label> '
-                    '<button type="submit">Pin</button></form>'
-                )
-                if pinned:
-                    out.append(
-                        f'<form method="post" action="{root}/unpin" class="unpin-form">{hidden}'
-                        '<button type="submit">Unpin</button></form>'
-                    )
-            out.append("</section>")
-        out.append(
-            '<h2>Pins</h2><table id="pins"><thead><tr><th>route</th><th>backend</th>'
-            "<th>remaining</th><th>until (UTC)</th></tr></thead><tbody>"
-        )
-        if not pins:
-            out.append('<tr class="empty"><td colspan="4">No pins.</td></tr>')
-        for route, (pinned_to, remaining) in sorted(pins.items()):
-            out.append(
-                f'<tr data-route="{esc(route, quote=True)}"><td>{esc(route)}</td>'
-                f"<td>{esc(pinned_to)}</td><td>{esc(_duration(remaining))}</td>"
-                f"<td>{esc(_iso(now + remaining))}</td></tr>"
-            )
-        out.append("</tbody></table>")
-        await _html(self._send, status, _document("tierchain operator", "".join(out)))
-
-    async def _backend_row(
-        self, route: str, n: int, backend: Backend, pinned: tuple[str, float] | None
-    ) -> str:
-        esc = html.escape
-        snapshot = await _breaker_snapshot(self.admin.store, route, backend.name)
-        if snapshot is None:
-            state, cooldown, failures, saturations = "unknown", "", "", ""
-        else:
-            state = str(getattr(snapshot, "state", "unknown"))
-            retry_in = getattr(snapshot, "retry_in", None)
-            cooldown = _duration(retry_in) if isinstance(retry_in, int | float) else ""
-            failures = str(getattr(snapshot, "failures", ""))
-            saturations = str(getattr(snapshot, "saturations", ""))
-        mark = ' <span class="pin">pinned</span>' if pinned and pinned[0] == backend.name else ""
-        return (
-            f'<tr data-backend="{esc(backend.name, quote=True)}"><td>{n}</td>'
-            f"<td>{esc(backend.name)}{mark}</td><td>{esc(backend.regime or '')}</td>"
-            f'<td class="breaker {esc(state, quote=True)}">{esc(state.replace("_", "-"))}</td>'
-            f"<td>{esc(cooldown)}</td><td>{esc(failures)}</td><td>{esc(saturations)}</td></tr>"
-        )
+        await _html(self._send, status, document)
 
 
-async def _breaker_snapshot(store: Store, route: str, backend: str) -> Any:
-    """The breaker's snapshot for (route, backend), or None when the store has none."""
-    snapshot = getattr(store, "breaker_snapshot", None)
-    if snapshot is None:
-        return None
+async def _breaker_view(store: Store, route: str, backend: str) -> page.BreakerView:
+    """What the page shows of (route, backend)'s breaker; "unknown" when the store cannot say."""
+    snapshot_of = getattr(store, "breaker_snapshot", None)
+    if snapshot_of is None:
+        return page.BreakerView()
     try:
         async with asyncio.timeout(_SNAPSHOT_TIMEOUT):
-            return await snapshot(route, backend)
+            snapshot = await snapshot_of(route, backend)
     except Exception as exc:  # a display must not fail the page
         log_event("admin.breaker_snapshot_failed", logging.WARNING, route=route, error=repr(exc))
-        return None
+        return page.BreakerView()
+    if snapshot is None:
+        return page.BreakerView()
+    retry_in = getattr(snapshot, "retry_in", None)
+    return page.BreakerView(
+        state=str(getattr(snapshot, "state", "unknown")),
+        cooldown=page.duration(retry_in) if isinstance(retry_in, int | float) else "",
+        failures=str(getattr(snapshot, "failures", "")),
+        saturations=str(getattr(snapshot, "saturations", "")),
+    )
 
 
 def _parse_form(raw: bytes) -> dict[str, str] | None:
@@ -737,50 +541,9 @@ def _parse_form(raw: bytes) -> dict[str, str] | None:
 
 # -- responses -------------------------------------------------------------------
 
-_STYLE = (
-    "body{font:15px/1.45 system-ui,sans-serif;margin:1.5rem auto;max-width:60rem;"
-    "padding:0 1rem;color:#1b1b1b}"
-    "header{display:flex;justify-content:space-between;align-items:center}"
-    "table{border-collapse:collapse;margin:.4rem 0 .6rem}"
-    "th,td{border-bottom:1px solid #ddd;padding:.25rem .7rem;text-align:left}"
-    "section.route{border:1px solid #ccc;border-radius:6px;padding:.2rem 1rem .8rem;"
-    "margin:0 0 1rem}"
-    "form{display:inline-block;margin:.2rem .6rem .2rem 0}"
-    ".pin{background:#fff3c4;border-radius:4px;padding:0 .35rem;font-size:.85em}"
-    ".breaker.open{color:#a40000;font-weight:600}.breaker.half_open{color:#8a5a00}"
-    ".breaker.closed{color:#176117}.error{color:#a40000;font-weight:600}"
-)
-_STYLE_HASH = base64.b64encode(hashlib.sha256(_STYLE.encode()).digest()).decode()
-_CSP = (
-    f"default-src 'none'; style-src 'sha256-{_STYLE_HASH}'; img-src data:; form-action 'self'; "
-    "frame-ancestors 'none'; base-uri 'none'"
-).encode()
-
-
-def _document(title: str, body: str) -> str:
-    return (
-        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        '<link rel="icon" href="data:,">'
-        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head>"
-        f"<body>{body}</body></html>"
-    )
-
 
 async def _html(send: Send, status: int, document: str, extra: Headers | None = None) -> None:
-    body = document.encode("utf-8")
-    await _respond(
-        send,
-        status,
-        body,
-        [
-            (b"content-type", b"text/html; charset=utf-8"),
-            (b"content-security-policy", _CSP),
-            (b"x-frame-options", b"DENY"),
-            (b"referrer-policy", b"same-origin"),
-            *(extra or ()),
-        ],
-    )
+    await _respond(send, status, document.encode("utf-8"), [*page.HTML_HEADERS, *(extra or ())])
 
 
 async def _json(send: Send, status: int, data: object) -> None:
@@ -803,7 +566,7 @@ async def _respond(send: Send, status: int, body: bytes, headers: Headers) -> No
             "headers": [
                 *headers,
                 (b"content-length", str(len(body)).encode()),
-                (b"cache-control", b"no-store"),
+                _NO_STORE,
                 (b"x-content-type-options", b"nosniff"),
             ],
         }

@@ -1,0 +1,267 @@
+"""The endpoints clients and orchestrators call first, answered by the gateway itself.
+
+OpenAI clients list the models before their first completion (Open WebUI and
+LangChain do it at start-up), and an orchestrator asks whether the process is
+alive and whether it can serve. :class:`Endpoints` answers those from the
+:class:`~tierchain.Routes` and the breakers' store, never from a backend:
+
+========================  ==================================================================
+``GET /v1/models``        the routes in OpenAI's list shape, one ``model`` entry per route
+``GET /v1/models/{id}``   one route; 404 with an OpenAI-style error for an unknown id
+``GET /healthz``          liveness: 200 whenever the process answers at all
+``GET /readyz``           200 while every route has a backend whose breaker is not open,
+                          else 503; the JSON names each backend's state
+``GET /metrics``          Prometheus text exposition of the registry
+========================  ==================================================================
+
+``HEAD`` is answered like ``GET`` without a body; any other method on these
+paths is a 405. ``/v1/models/`` (trailing slash) is the list too, so no
+framework redirect is ever needed.
+
+Use it in front of a gateway (``Endpoints(app, routes=...)``: anything else
+goes on to ``app``), or alone as an ASGI app to mount (then anything else is a
+404). Paths are matched after the ``root_path`` a mount sets, if the server put
+it in front of ``path``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+
+from ._responses import send_json_error
+from ._types import ASGIApp, Headers, Receive, Scope, Send
+from .backend import Routes
+from .store import Store
+from .telemetry import log_event
+
+__all__ = ["PATHS", "Endpoints"]
+
+PATHS = ("/v1/models", "/healthz", "/readyz", "/metrics")
+"""The paths answered (``/v1/models`` with its ``/{id}`` below it)."""
+
+_JSON = b"application/json"
+_NO_STORE = (b"cache-control", b"no-store")
+_ALLOW = b"GET, HEAD"
+
+
+class Endpoints:
+    """Answer ``/v1/models``, ``/v1/models/{id}``, ``/healthz``, ``/readyz`` and ``/metrics``.
+
+    ``app`` receives every other request (and every non-HTTP scope); without
+    one, those get a 404 JSON error. ``routes`` are the models listed;
+    ``store`` is the breakers' store that ``/readyz`` reads (None: no breaker
+    runs, every backend counts as ready). ``owned_by`` and ``created`` fill the
+    model entries (``created`` defaults to when this object was made).
+    ``registry`` is what ``/metrics`` exposes (default: prometheus_client's
+    default registry, where tierchain's metrics live). ``snapshot_timeout``
+    bounds each breaker read; a read that fails or times out shows the
+    backend as ``unknown``, which counts as not open, as it does for the
+    Breaker, which lets attempts through when its store cannot be read.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp | None = None,
+        *,
+        routes: Routes | Mapping[str, Any] | None = None,
+        store: Store | None = None,
+        owned_by: str = "tierchain",
+        created: int | None = None,
+        registry: CollectorRegistry | None = None,
+        snapshot_timeout: float = 1.0,
+    ) -> None:
+        if not (math.isfinite(snapshot_timeout) and snapshot_timeout > 0):
+            raise ValueError(f"snapshot_timeout must be > 0 seconds, got {snapshot_timeout!r}")
+        self.app = app
+        self.routes: Mapping[str, Any] = routes if routes is not None else {}
+        self.store = store
+        self.owned_by = owned_by
+        self.created = int(time.time()) if created is None else int(created)
+        self.registry = REGISTRY if registry is None else registry
+        self.snapshot_timeout = float(snapshot_timeout)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if self.app is not None:
+                return await self.app(scope, receive, send)
+            if scope["type"] == "lifespan":
+                return await _lifespan(receive, send)
+            return None
+        path = _local_path(scope)
+        answer = self._answer_for(path)
+        if answer is None:
+            if self.app is not None:
+                return await self.app(scope, receive, send)
+            return await send_json_error(
+                send,
+                404,
+                f"nothing is served at {_shown(path)}",
+                "invalid_request_error",
+                "not_found",
+                headers=[_NO_STORE],
+            )
+        method = scope["method"]
+        if method not in ("GET", "HEAD"):
+            return await send_json_error(
+                send,
+                405,
+                f"{_shown(path)} answers GET and HEAD, not {method}",
+                "invalid_request_error",
+                "method_not_allowed",
+                headers=[(b"allow", _ALLOW), _NO_STORE],
+            )
+        try:
+            status, content_type, body, headers = await answer()
+        except Exception as exc:  # a broken collector, say: an answer, never a 500
+            log_event("endpoints.failed", logging.ERROR, path=_shown(path), error=repr(exc))
+            return await send_json_error(
+                send,
+                503,
+                f"{_shown(path)} could not be answered: {type(exc).__name__}",
+                "server_error",
+                "endpoint_failed",
+                headers=[_NO_STORE],
+            )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", content_type),
+                    (b"content-length", str(len(body)).encode()),
+                    _NO_STORE,
+                    *headers,
+                ],
+            }
+        )
+        await send(
+            {
+                "type": "http.response.body",
+                "body": b"" if method == "HEAD" else body,
+                "more_body": False,
+            }
+        )
+
+    def _answer_for(self, path: str) -> Any:
+        if path in ("/v1/models", "/v1/models/"):
+            return self._list
+        if path.startswith("/v1/models/"):
+            model = path[len("/v1/models/") :]
+            return lambda: self._one(model)
+        if path == "/healthz":
+            return self._health
+        if path == "/readyz":
+            return self._ready
+        if path == "/metrics":
+            return self._metrics
+        return None
+
+    # -- the answers ----------------------------------------------------------------
+
+    def _entry(self, route: str) -> dict[str, Any]:
+        return {"id": route, "object": "model", "created": self.created, "owned_by": self.owned_by}
+
+    async def _list(self) -> tuple[int, bytes, bytes, Headers]:
+        data = [self._entry(route) for route in self.routes]
+        return 200, _JSON, _json({"object": "list", "data": data}), []
+
+    async def _one(self, model: str) -> tuple[int, bytes, bytes, Headers]:
+        if model in self.routes:
+            return 200, _JSON, _json(self._entry(model)), []
+        shown = model if len(model) <= 200 else model[:200] + "..."
+        known = ", ".join(self.routes) or "none"
+        body = {
+            "error": {
+                "message": f"The model {shown!r} does not exist; known models: {known}",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+        }
+        return 404, _JSON, _json(body), []
+
+    async def _health(self) -> tuple[int, bytes, bytes, Headers]:
+        return 200, _JSON, _json({"status": "ok"}), []
+
+    async def _ready(self) -> tuple[int, bytes, bytes, Headers]:
+        pairs = [(route, b.name) for route, chain in self.routes.items() for b in chain]
+        states = await asyncio.gather(*(self._state(route, name) for route, name in pairs))
+        by_pair = dict(zip(pairs, states, strict=True))
+        routes: dict[str, Any] = {}
+        ready = True
+        soonest: float | None = None
+        for route, chain in self.routes.items():
+            backends: list[dict[str, Any]] = []
+            for backend in chain:
+                state, retry_in = by_pair[route, backend.name]
+                backends.append({"name": backend.name, "state": state, "retry_in_s": retry_in})
+            route_ready = any(b["state"] != "open" for b in backends)
+            if not route_ready:
+                ready = False
+                waits: list[float] = [b["retry_in_s"] for b in backends if b["retry_in_s"]]
+                if soonest is not None:
+                    waits.append(soonest)
+                soonest = min(waits, default=None)
+            routes[route] = {"ready": route_ready, "backends": backends}
+        body = _json({"status": "ready" if ready else "not_ready", "routes": routes})
+        if ready:
+            return 200, _JSON, body, []
+        headers: Headers = []
+        if soonest is not None:
+            headers.append((b"retry-after", str(max(1, math.ceil(soonest))).encode()))
+        return 503, _JSON, body, headers
+
+    async def _state(self, route: str, backend: str) -> tuple[str, float | None]:
+        if self.store is None:
+            return "unknown", None
+        try:
+            async with asyncio.timeout(self.snapshot_timeout):
+                snap = await self.store.breaker_snapshot(route, backend)
+        except Exception as exc:  # a readiness answer must not fail
+            log_event(
+                "endpoints.breaker_snapshot_failed",
+                logging.WARNING,
+                route=route,
+                backend=backend,
+                error=repr(exc),
+            )
+            return "unknown", None
+        retry_in = None if snap.retry_in is None else round(max(0.0, snap.retry_in), 3)
+        return snap.state, retry_in
+
+    async def _metrics(self) -> tuple[int, bytes, bytes, Headers]:
+        return 200, CONTENT_TYPE_LATEST.encode(), generate_latest(self.registry), []
+
+
+def _local_path(scope: Scope) -> str:
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root + "/"):
+        path = path[len(root) :]
+    return path
+
+
+def _shown(path: str) -> str:
+    return repr(path if len(path) <= 200 else path[:200] + "...")
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,65 @@
+"""Log formatters that write one line per event, in text or JSON.
+
+The library configures no logging: its events go to the ``tierchain`` logger
+(see :func:`tierchain.telemetry.log_event`) and appear wherever the
+application sends them. ``tierchain serve`` uses these formatters; any
+``logging.config.dictConfig`` can too::
+
+    "formatters": {"json": {"()": "tierchain.logs.JsonFormatter"}}
+
+Text: ``2026-11-04T21:00:00.123Z INFO    tierchain tierchain.started pid=4242 ...``.
+JSON: ``{"ts": "...", "level": "INFO", "logger": "tierchain", "event":
+"tierchain.started", "pid": 4242, ...}``: a tierchain event's fields become
+keys of their own (a field whose name is taken gets a ``_`` appended); any
+other record has its text under ``message``. A traceback stays on its line
+(as ``exc``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+__all__ = ["JsonFormatter", "TextFormatter"]
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    when = datetime.fromtimestamp(record.created, UTC)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class TextFormatter(logging.Formatter):
+    """``<ts> <LEVEL> <logger> <message>`` on one line; newlines inside are escaped."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        line = f"{_timestamp(record)} {record.levelname:<7} {record.name} {text}"
+        if record.exc_info:
+            line += " exc=" + json.dumps(self.formatException(record.exc_info))
+        elif record.exc_text:
+            line += " exc=" + json.dumps(record.exc_text)
+        return line.replace("\r", "\\r").replace("\n", "\\n")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts``, ``level``, ``logger``, then ``event`` and its fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": _timestamp(record),
+            "level": record.levelname,
+            "logger": record.name,
+        }
+        event = getattr(record, "event", None)
+        fields = getattr(record, "tierchain", None)
+        if isinstance(event, str) and isinstance(fields, dict):
+            doc["event"] = event
+            for key, value in fields.items():
+                doc[key if key not in doc else f"{key}_"] = value
+        else:
+            doc["message"] = record.getMessage()
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, ensure_ascii=False, default=str)

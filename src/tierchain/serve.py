@@ -1,0 +1,296 @@
+"""``tierchain serve``: the gateway the ``TIERCHAIN_*`` variables describe, under uvicorn.
+
+Needs the ``serve`` extra (``pip install 'tierchain[serve]'``: uvicorn). What
+it does, in order:
+
+1. reads the configuration (:func:`~tierchain.config.from_env`); a problem
+   is printed and the exit status is 2;
+2. configures logging, and only here (the library itself configures none):
+   one line per event on stderr, text or JSON (``TIERCHAIN_LOG_FORMAT``),
+   with httpx's and httpcore's own request lines (which carry full backend
+   URLs) held at WARNING;
+3. builds the whole stack (:func:`~tierchain.stack.build_stack`) around a
+   Forwarder and serves it; lifespan start-up writes the ``tierchain.started``
+   identity line, then ``serve.listening`` says where;
+4. on SIGTERM or SIGINT stops accepting connections, lets the requests in
+   flight (streams included) finish for up to ``TIERCHAIN_DRAIN_TIMEOUT``
+   seconds, then ends what is left (:class:`Drain`), closes the Forwarder
+   (lifespan shut-down) and exits 0. A second SIGINT stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import logging.config
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, TextIO
+
+import uvicorn
+
+from ._responses import send_json_error
+from ._types import ASGIApp, Message, Receive, Scope, Send
+from .config import ConfigError, Settings, from_env
+from .sse import error_event, is_event_stream
+from .stack import build_stack
+from .telemetry import VERSION, log_event
+
+__all__ = ["Drain", "ServeOptions", "configure_logging", "run"]
+
+_BACKSTOP = 2  # seconds past the drain deadline before uvicorn cancels what is left
+_SHUTTING_DOWN = "the gateway is shutting down and could not finish this request in time"
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """What ``tierchain serve`` reads from the ``TIERCHAIN_*`` serve variables."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    drain_timeout: float = 25.0
+    log_format: str = "text"
+    log_level: str = "info"
+    access_log: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **overrides: Any) -> ServeOptions:
+        """The serve options in ``settings``; ``overrides`` that are not None win."""
+        values = dict(settings.layers["serve"].options)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def configure_logging(log_format: str = "text", level: str = "info") -> None:
+    """One line per event on stderr, for tierchain, uvicorn and anything that warns.
+
+    ``tierchain`` logs at ``level``; ``uvicorn.error`` and ``uvicorn.access`` at
+    INFO (or ``level``, when higher); ``httpx`` and ``httpcore`` at WARNING, so
+    their request lines, which print whole backend URLs, stay out; the root
+    logger at WARNING.
+    """
+    formatter = f"tierchain.logs.{'Json' if log_format == 'json' else 'Text'}Formatter"
+    level_name = level.upper()
+    server_level = max(logging.INFO, logging.getLevelName(level_name))
+    logging.config.dictConfig(
+        {
+            "version": 1,
+            "disable_existing_loggers": False,
+            "formatters": {"line": {"()": formatter}},
+            "handlers": {
+                "stderr": {
+                    "class": "logging.StreamHandler",
+                    "formatter": "line",
+                    "stream": "ext://sys.stderr",
+                }
+            },
+            "loggers": {
+                "tierchain": {"level": level_name},
+                "uvicorn": {"level": server_level},
+                "uvicorn.error": {"level": server_level},
+                "uvicorn.access": {"level": server_level},
+                "httpx": {"level": "WARNING"},
+                "httpcore": {"level": "WARNING"},
+            },
+            "root": {"level": "WARNING", "handlers": ["stderr"]},
+        }
+    )
+
+
+class Drain:
+    """Track the requests in flight, and end each one cleanly when the drain deadline passes.
+
+    Until :meth:`start` is called nothing changes. After it, a request still
+    running at the deadline is cancelled inside and answered the way clients
+    understand: a 503 JSON error when nothing was sent yet, an error event
+    (``data: {"error": {...}}``) after the last whole event of a stream that
+    had started. A started response that is not a stream can only be cut.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._running: set[asyncio.Timeout] = set()
+        self._deadline: float | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """The HTTP requests running now."""
+        return len(self._running)
+
+    def start(self, seconds: float) -> None:
+        """From now on, every request (running or new) ends at most ``seconds`` from now."""
+        self._deadline = asyncio.get_running_loop().time() + seconds
+        for timeout in self._running:
+            timeout.reschedule(self._deadline)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = stream = ended = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started, stream, ended
+            if message["type"] == "http.response.start":
+                started = True
+                stream = is_event_stream(message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
+            await send(message)
+
+        timeout = asyncio.timeout(self._deadline)
+        self._running.add(timeout)
+        try:
+            async with timeout:
+                await self.app(scope, receive, watched)
+        except TimeoutError:
+            if not timeout.expired():
+                raise  # the app's own
+            log_event(
+                "serve.request_cut",
+                logging.WARNING,
+                path=scope["path"][:200],
+                started=started,
+                stream=stream,
+            )
+            if ended:
+                return
+            if not started:
+                await send_json_error(
+                    send,
+                    503,
+                    _SHUTTING_DOWN,
+                    "server_error",
+                    "shutting_down",
+                    headers=[(b"connection", b"close")],
+                )
+            elif stream:
+                body = error_event(_SHUTTING_DOWN, "server_error", "shutting_down")
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+            else:
+                raise
+        finally:
+            self._running.discard(timeout)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with tierchain's start and stop events and a clean exit on a signal."""
+
+    def __init__(self, config: uvicorn.Config, *, drain: Drain, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.drain_timeout = drain_timeout
+        self.signal_name: str | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn's own version raises the signal again once it has shut down,
+        # so the process dies of it; a gateway that drained cleanly exits 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(sig).name
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if not self.started:
+            return
+        addresses = [
+            _address(sock.getsockname()) for server in self.servers for sock in server.sockets
+        ]
+        log_event(
+            "serve.listening",
+            logging.INFO,
+            addresses=addresses,
+            pid=os.getpid(),
+            drain_timeout_s=self.drain_timeout,
+        )
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        for server in self.servers:
+            server.close()  # stop accepting before saying so (uvicorn closes them again)
+        log_event(
+            "serve.draining",
+            logging.INFO,
+            signal=self.signal_name,
+            in_flight=self.drain.in_flight,
+            drain_timeout_s=self.drain_timeout,
+        )
+        self.drain.start(self.drain_timeout)
+        started = time.monotonic()
+        await super().shutdown(sockets=sockets)
+        log_event("serve.stopped", logging.INFO, took_s=round(time.monotonic() - started, 3))
+
+
+def _address(name: Any) -> str:
+    if isinstance(name, tuple):
+        host, port = name[0], name[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(name)
+
+
+def run(
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    environ: Mapping[str, str] | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Serve the configured gateway until SIGTERM or SIGINT; return the exit status.
+
+    ``host`` and ``port`` override ``TIERCHAIN_HOST`` and ``TIERCHAIN_PORT``.
+    0: stopped by a signal; 1: it could not start; 2: a configuration problem.
+    """
+    err = sys.stderr if err is None else err
+    try:
+        settings = from_env(os.environ if environ is None else environ)
+        options = ServeOptions.from_settings(settings, host=host, port=port)
+    except ConfigError as exc:
+        _print_problems(exc, err)
+        return 2
+    configure_logging(options.log_format, options.log_level)
+    try:
+        drain = Drain(build_stack(None, settings))
+    except ConfigError as exc:
+        _print_problems(exc, err)
+        return 2
+    config = uvicorn.Config(
+        drain,
+        host=options.host,
+        port=options.port,
+        lifespan="on",
+        log_config=None,
+        access_log=options.access_log,
+        # Drain ends every request at the deadline; uvicorn's own cut is the backstop.
+        timeout_graceful_shutdown=math.ceil(options.drain_timeout) + _BACKSTOP,
+    )
+    server = _Server(config, drain=drain, drain_timeout=options.drain_timeout)
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits when it cannot bind, or the app fails to start
+        return 1 if exc.code else 0
+    return 0 if server.started else 1
+
+
+def _print_problems(exc: ConfigError, err: TextIO) -> None:
+    print(f"tierchain {VERSION}: {len(exc.problems)} configuration problem(s):", file=err)
+    for problem in exc.problems:
+        print(f"  - {problem}", file=err)

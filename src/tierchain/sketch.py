@@ -1,0 +1,79 @@
+"""A streaming quantile sketch: fixed log-spaced buckets, recent samples weigh more.
+
+:class:`LogSketch` keeps one count per bucket; bucket ``i`` holds values in
+``[lo * growth**i, lo * growth**(i+1))``, so any quantile is known to within
+one bucket (``growth`` - 1, 8% by default) whatever the distribution. Memory
+is fixed (about 200 floats for 1 ms .. 1 h) and an update is O(1).
+
+Older samples fade: each new sample weighs ``2 ** (1 / half_life)`` times the
+previous one, so after ``half_life`` samples an old one counts half. A backend
+that changed (a model swap, a new GPU) is learned again without a reset.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["LogSketch"]
+
+
+class LogSketch:
+    """Quantiles of a stream of positive values, with exponential forgetting."""
+
+    __slots__ = ("_counts", "_growth_log", "_lo", "_step", "_weight", "count", "growth")
+
+    def __init__(
+        self,
+        *,
+        lo: float = 1e-3,
+        hi: float = 3600.0,
+        growth: float = 1.08,
+        half_life: float = 200.0,
+    ) -> None:
+        if not (0 < lo < hi and growth > 1 and half_life > 0):
+            raise ValueError("LogSketch needs 0 < lo < hi, growth > 1 and half_life > 0")
+        self._lo = lo
+        self.growth = growth
+        self._growth_log = math.log(growth)
+        size = math.ceil(math.log(hi / lo) / self._growth_log) + 1
+        self._counts = [0.0] * size
+        self._step = 2.0 ** (1.0 / half_life)
+        self._weight = 1.0
+        self.count = 0
+        """Samples added since the last reset (not faded)."""
+
+    def _index(self, value: float) -> int:
+        if value <= self._lo:
+            return 0
+        i = int(math.log(value / self._lo) / self._growth_log)
+        return min(i, len(self._counts) - 1)
+
+    def add(self, value: float) -> None:
+        """Add one sample (seconds, or any positive value)."""
+        if not math.isfinite(value) or value < 0:
+            return
+        self._counts[self._index(value)] += self._weight
+        self.count += 1
+        self._weight *= self._step
+        if self._weight > 1e100:  # rescale before the weights overflow
+            self._counts = [c / self._weight for c in self._counts]
+            self._weight = 1.0
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile (0..1), as the upper edge of its bucket; None when empty."""
+        total = sum(self._counts)
+        if total <= 0:
+            return None
+        target = min(max(q, 0.0), 1.0) * total
+        running = 0.0
+        for i, c in enumerate(self._counts):
+            running += c
+            if running >= target and c > 0:
+                return self._lo * self.growth ** (i + 1)
+        return self._lo * self.growth ** len(self._counts)
+
+    def reset(self) -> None:
+        """Forget every sample."""
+        self._counts = [0.0] * len(self._counts)
+        self._weight = 1.0
+        self.count = 0

@@ -1,0 +1,152 @@
+"""The whole gateway from its configuration: the store, the stack, the mounts.
+
+:mod:`tierchain.config` reads and checks the variables; this module builds
+what they describe::
+
+    from tierchain.config import from_env
+    from tierchain.stack import build_stack
+
+    app = build_stack(None, from_env())   # the whole stack around a Forwarder
+
+Outermost first, :func:`build_stack` assembles: the identity line, the Admin
+mount (when a token is set), the :class:`~tierchain.endpoints.Endpoints`
+(``/v1/models``, ``/healthz``, ``/readyz``, ``/metrics``), then Heartbeats,
+Budget, PreferBackend, Failover, Breaker, SaturationWatchdog (each that is
+enabled), then the handler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ._types import ASGIApp, Message, Receive, Scope, Send
+from .config import ConfigError, Settings, display_value, find_layer, layer_class, plain
+from .endpoints import Endpoints
+from .identity import StartupIdentity
+from .masking import mask_text, mask_url
+
+__all__ = ["CloseOnShutdown", "Mount", "build_stack", "make_store"]
+
+
+class Mount:
+    """Send requests under ``path`` to ``mounted`` (with ``root_path`` set), the rest to ``app``."""
+
+    def __init__(self, app: ASGIApp, *, path: str, mounted: ASGIApp) -> None:
+        self.app = app
+        self.path = path
+        self.mounted = mounted
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            if path == self.path or path.startswith(self.path + "/"):
+                child = dict(scope)
+                child["root_path"] = scope.get("root_path", "") + self.path
+                child["path"] = path[len(self.path) :] or "/"
+                return await self.mounted(child, receive, send)
+        await self.app(scope, receive, send)
+
+
+class CloseOnShutdown:
+    """Pass everything to ``app``; when its lifespan shut-down completes, await ``close()`` first.
+
+    :func:`build_stack` uses it for the store it made itself (a RedisStore's
+    connection pool and pending writes), so that the store's owner closes it.
+    """
+
+    def __init__(self, app: ASGIApp, *, close: Callable[[], Awaitable[None]]) -> None:
+        self.app = app
+        self.close = close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def closing_send(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.close()
+            await send(message)
+
+        await self.app(scope, receive, closing_send)
+
+
+def make_store(settings: Settings) -> Any:
+    """A new store for ``settings.store_url``: a MemoryStore, or a RedisStore.
+
+    :class:`ConfigError` names the variables when RedisStore rejects them (or
+    the ``redis`` package is not installed).
+    """
+    if settings.store_url == "memory://":
+        return layer_class("MemoryStore")()
+    layer = settings.layers["RedisStore"]
+    try:
+        return layer_class("RedisStore")(url=settings.store_url, **layer.options)
+    except (ImportError, TypeError, ValueError) as exc:
+        given = ", ".join(f"{env}={plain(layer.options[o])!r}" for o, env in layer.sources.items())
+        raise ConfigError(
+            [
+                f"RedisStore rejected TIERCHAIN_STORE_URL={mask_url(settings.store_url)!r}"
+                f"{', ' + given if given else ''}: {mask_text(str(exc), settings.store_url)}"
+            ]
+        ) from None
+
+
+def build_stack(
+    app: ASGIApp | None,
+    settings: Settings,
+    *,
+    store: Any = None,
+    identity: bool | None = None,
+) -> ASGIApp:
+    """Wrap ``app`` (default: a configured :class:`~tierchain.Forwarder`) in the stack.
+
+    Outermost first: the identity line, the Admin mount (when a token is set),
+    the :class:`~tierchain.endpoints.Endpoints` (answered here, never
+    forwarded), then Heartbeats, Budget, PreferBackend, Failover, Breaker,
+    SaturationWatchdog: each that is enabled, with its configured options. One
+    store (``store``, or one made from ``TIERCHAIN_STORE_URL``) is shared by
+    every piece that takes one; a store made here is closed on lifespan
+    shut-down. A constructor that rejects its options raises
+    :class:`~tierchain.config.ConfigError` naming the variables it was given.
+    """
+    problems: list[str] = []
+    needs_store = settings.admin_enabled or any(
+        "store" in find_layer(n).wired for n in settings.stack
+    )
+    made_store = store is None and needs_store
+    if made_store:
+        store = make_store(settings)
+
+    def construct(name: str, *args: Any) -> Any:
+        try:
+            return layer_class(name)(*args, **settings.middleware_kwargs(name, store=store))
+        except (TypeError, ValueError) as exc:
+            given = ", ".join(
+                f"{env}={display_value(name, opt, settings.layers[name].options[opt])!r}"
+                for opt, env in settings.layers[name].sources.items()
+            )
+            problems.append(f"{name} rejected its options ({given or 'defaults'}): {exc}")
+            return None
+
+    inner = app if app is not None else construct("Forwarder")
+    for name in reversed(settings.stack):
+        built = construct(name, inner)
+        if built is not None:
+            inner = built
+    inner = Endpoints(
+        inner,
+        routes=settings.routes,
+        store=store if "Breaker" in settings.stack else None,
+    )
+    if settings.admin_enabled:
+        admin = construct("Admin")
+        if admin is not None:
+            inner = Mount(inner, path=settings.admin_path, mounted=admin)
+    if problems:
+        raise ConfigError(problems)
+    if made_store and hasattr(store, "aclose"):
+        inner = CloseOnShutdown(inner, close=store.aclose)
+    if settings.identity if identity is None else identity:
+        inner = StartupIdentity(inner, settings=settings)
+    return inner

@@ -1,0 +1,174 @@
+"""Status polling in the background: know a backend is full before sending to it.
+
+A :class:`StatusBoard` keeps one poller per status URL in this process. A
+poller starts on demand, the first time someone asks about its URL
+(:meth:`StatusBoard.peek`), GETs the URL every ``interval`` seconds while
+traffic keeps asking, and stops by itself once nobody asked for ``idle_stop``
+seconds: no polling while idle. Each poller is a task the board owns, with an
+HTTP client of its own that it closes when it stops; :meth:`StatusBoard.aclose`
+cancels them all.
+
+:meth:`StatusBoard.peek` never waits: it answers the latest status if it is
+fresher than ``stale_after`` seconds, otherwise None (unknown). A status that
+is stale, slow or failing never blocks a backend: unknown means try it.
+
+:func:`full` applies the thresholds (the same defaults as the Gateway API
+Inference Extension: 5 waiting requests, 80% KV cache), plus "every slot busy"
+for llama.cpp's ``/slots``.
+
+One board serves the process: the SaturationWatchdog creates it (with its
+options) and the Breaker reads it to half-open a breaker opened for
+saturation as soon as the backend reports room (:func:`shared_board`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from .probes import Reader, Status, fetch_status
+
+__all__ = ["Fullness", "StatusBoard", "full", "has_room", "shared_board"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fullness:
+    """The thresholds past which a backend's status says it is full."""
+
+    waiting: int = 5
+    """Requests waiting (vLLM ``num_requests_waiting``, llama.cpp ``requests_deferred``)."""
+    kv_cache: float = 0.8
+    """KV-cache use, 0..1."""
+    all_slots: bool = True
+    """Every ``/slots`` slot busy counts as full."""
+
+
+def full(status: Status | None, limits: Fullness) -> str | None:
+    """Why ``status`` says the backend is full (``"5 waiting"``, ...), or None."""
+    if status is None:
+        return None
+    if status.waiting is not None and status.waiting >= limits.waiting:
+        return f"{status.waiting} waiting"
+    if status.kv_cache is not None and status.kv_cache >= limits.kv_cache:
+        return f"kv_cache {status.kv_cache:.2f}"
+    if (
+        limits.all_slots
+        and status.slots is not None
+        and status.slots > 0
+        and status.slots_busy == status.slots
+    ):
+        return "all slots busy"
+    return None
+
+
+def has_room(status: Status | None, limits: Fullness) -> bool:
+    """True when ``status`` is known and says the backend can take a request now."""
+    if status is None:
+        return False
+    if not status.busy:
+        return True
+    return not status.queued and full(status, limits) is None
+
+
+class _Poller:
+    __slots__ = ("asked", "at", "latest", "loop", "reader", "task")
+
+    def __init__(self, reader: Reader, loop: asyncio.AbstractEventLoop) -> None:
+        self.reader = reader
+        self.loop = loop
+        self.latest: Status | None = None
+        self.at = -math.inf
+        self.asked = time.monotonic()
+        self.task: asyncio.Task[None] | None = None
+
+
+class StatusBoard:
+    """One background poller per status URL, started on demand, stopped when idle.
+
+    ``interval`` is the time between two GETs of one URL, ``stale_after`` how
+    old a status may be and still be used, ``timeout`` bounds each GET, and
+    ``idle_stop`` is how long a poller runs on with nobody asking. ``limits``
+    are the :class:`Fullness` thresholds.
+    """
+
+    def __init__(
+        self,
+        *,
+        interval: float = 0.05,
+        stale_after: float = 0.2,
+        timeout: float = 1.0,
+        idle_stop: float = 2.0,
+        limits: Fullness | None = None,
+    ) -> None:
+        for name, value in (
+            ("interval", interval),
+            ("stale_after", stale_after),
+            ("timeout", timeout),
+            ("idle_stop", idle_stop),
+        ):
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.interval = float(interval)
+        self.stale_after = float(stale_after)
+        self.timeout = float(timeout)
+        self.idle_stop = float(idle_stop)
+        self.limits = limits if limits is not None else Fullness()
+        self._pollers: dict[str, _Poller] = {}
+
+    def peek(self, url: str, reader: Reader) -> Status | None:
+        """The latest status of ``url`` if fresh, else None; keeps (or starts) its poller."""
+        now = time.monotonic()
+        poller = self._pollers.get(url)
+        loop = asyncio.get_running_loop()
+        if poller is None or poller.loop is not loop:
+            poller = self._pollers[url] = _Poller(reader, loop)
+        poller.asked = now
+        if poller.task is None or poller.task.done():
+            poller.task = loop.create_task(self._poll(url, poller), name="tierchain-status-poll")
+        if now - poller.at > self.stale_after:
+            return None
+        return poller.latest
+
+    def polling(self) -> list[str]:
+        """The status URLs being polled now."""
+        return [u for u, p in self._pollers.items() if p.task is not None and not p.task.done()]
+
+    async def _poll(self, url: str, poller: _Poller) -> None:
+        async with httpx.AsyncClient(
+            timeout=None, follow_redirects=False, trust_env=False
+        ) as client:
+            while time.monotonic() - poller.asked < self.idle_stop:
+                started = time.monotonic()
+                status = await fetch_status(client, url, limit=self.timeout, reader=poller.reader)
+                poller.latest = status
+                poller.at = time.monotonic() if status is not None else -math.inf
+                await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def aclose(self) -> None:
+        """Cancel every poller of the running event loop and wait for them to end."""
+        loop = asyncio.get_running_loop()
+        tasks = [
+            p.task
+            for p in self._pollers.values()
+            if p.task is not None and p.loop is loop and not p.task.done()
+        ]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        self._pollers = {u: p for u, p in self._pollers.items() if p.loop is not loop}
+
+
+_SHARED: StatusBoard | None = None
+
+
+def shared_board(board: StatusBoard | None = None) -> StatusBoard | None:
+    """The process's status board (None until a SaturationWatchdog polls); sets it if given."""
+    global _SHARED
+    if board is not None:
+        _SHARED = board
+    return _SHARED

@@ -1,0 +1,257 @@
+"""Status-aware routing: a backend whose polled status says full is skipped before sending."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from tierchain import (
+    Backend,
+    Breaker,
+    Failover,
+    Forwarder,
+    MemoryStore,
+    Routes,
+    SaturationWatchdog,
+    TierRequest,
+)
+from tierchain.status import shared_board
+
+from .support import Exchange, FakeBackend, chat_request, openai_stream, serve, streams
+
+HOSTED = b"".join(openai_stream(["from ", "hosted"]))
+TOWER = b"".join(openai_stream(["from ", "tower"]))
+
+
+def vllm(running: int, waiting: int, kv: float = 0.1) -> bytes:
+    return (
+        f'vllm:num_requests_running{{model_name="m"}} {running}.0\n'
+        f'vllm:num_requests_waiting{{model_name="m"}} {waiting}.0\n'
+        f'vllm:kv_cache_usage_perc{{model_name="m"}} {kv}\n'
+        f'vllm:generation_tokens_total{{model_name="m"}} 10.0\n'
+    ).encode()
+
+
+class Tower:
+    """A tower whose /metrics answers ``self.body``; ``served`` fires on each answer."""
+
+    def __init__(self, body: bytes, chat: Any = None) -> None:
+        self.body = body
+        self.chat = chat or streams(["from ", "tower"])
+        self.served = asyncio.Event()
+        self.hang_status = False
+
+    async def script(self, ex: Exchange) -> None:
+        if ex.request.path == "/metrics":
+            if self.hang_status:
+                await ex.wait_closed_by_peer()
+                return
+            body = self.body
+            await ex.respond(200, body, {"content-type": "text/plain"})
+            self.served.set()
+            return
+        await self.chat(ex)
+
+    async def polled_with(self, body: bytes) -> None:
+        """Serve ``body`` from now on, and wait until a poll has read it."""
+        self.body = body
+        for _ in range(2):  # one poll may be in flight with the old body
+            self.served.clear()
+            await asyncio.wait_for(self.served.wait(), 2)
+
+
+class Gateway:
+    def __init__(self, chain: list[Backend], *, breaker: dict[str, Any] | None = None, **wd: Any):
+        self.events: list[dict[str, Any]] = []
+        self.forwarder = Forwarder()
+        wd.setdefault("status_interval", 0.02)
+        self.watchdog = SaturationWatchdog(self.forwarder, **wd)
+        inner: Any = self.watchdog
+        self.store = MemoryStore()
+        if breaker is not None:
+            inner = Breaker(inner, store=self.store, **breaker)
+        failover = Failover(inner, routes=Routes({"echo": chain}))
+
+        async def app(scope, receive, send):
+            if scope["type"] == "http":
+                TierRequest.of(scope).subscribe(self.events.append)
+            await failover(scope, receive, send)
+
+        self.app = app
+
+    def states(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["state"] == name]
+
+    async def aclose(self) -> None:
+        await self.forwarder.aclose()
+        await self.watchdog.aclose()
+
+
+async def post(client: httpx.AsyncClient, url: str) -> httpx.Response:
+    return await client.post(url + "/v1/chat/completions", content=chat_request())
+
+
+def chats(backend: FakeBackend) -> int:
+    return sum(r.path == "/v1/chat/completions" for r in backend.requests)
+
+
+async def test_a_backend_whose_status_says_full_is_skipped_before_sending(metric):
+    tower = Tower(vllm(1, 0))
+    before = metric("tierchain_backend_busy_total", route="echo", backend="tower", why="status")
+    async with (
+        FakeBackend("tower", tower.script) as fake,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        status_url = fake.url + "/metrics"
+        gw = Gateway([Backend("tower", fake.url, status_url=status_url), Backend("h", hosted.url)])
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=5) as client:
+            assert (await post(client, url)).content == TOWER  # room: it goes
+            await tower.polled_with(vllm(8, 6))  # 6 waiting: full
+            full = await post(client, url)
+            await tower.polled_with(vllm(4, 0, kv=0.93))  # KV cache past 0.8: full
+            kv_full = await post(client, url)
+            await tower.polled_with(vllm(2, 1))  # below every threshold: room
+            room = await post(client, url)
+        await gw.aclose()
+    assert full.content == HOSTED
+    assert full.headers["x-tierchain-attempts"] == "tower;outcome=busy, h;outcome=ok"
+    assert kv_full.content == HOSTED
+    assert room.content == TOWER
+    assert chats(fake) == 2  # the skipped attempts sent nothing
+    assert gw.states("backend_busy") == [
+        {"state": "backend_busy", "backend": "tower", "reason": "6 waiting", "failing_over": True},
+        {
+            "state": "backend_busy",
+            "backend": "tower",
+            "reason": "kv_cache 0.93",
+            "failing_over": True,
+        },
+    ]
+    after = metric("tierchain_backend_busy_total", route="echo", backend="tower", why="status")
+    assert after == before + 2
+
+
+async def test_every_slot_busy_is_full():
+    one_slot_busy = b'[{"id": 0, "is_processing": true, "next_token": [{"n_decoded": 40}]}]'
+    tower = Tower(b'[{"id": 0, "is_processing": false, "next_token": [{"n_decoded": 0}]}]')
+    async with (
+        FakeBackend("tower", tower.script) as fake,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        chain = [
+            Backend("tower", fake.url, status_url=fake.url + "/metrics"),
+            Backend("h", hosted.url),
+        ]
+        gw = Gateway(chain)
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=5) as client:
+            assert (await post(client, url)).content == TOWER
+            await tower.polled_with(one_slot_busy)
+            response = await post(client, url)
+        await gw.aclose()
+    assert response.content == HOSTED
+    assert gw.states("backend_busy")[0]["reason"] == "all slots busy"
+
+
+async def test_a_stale_slow_or_failing_status_never_blocks_a_backend():
+    tower = Tower(vllm(8, 6))
+    async with (
+        FakeBackend("tower", tower.script) as fake,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        chain = [
+            Backend("tower", fake.url, status_url=fake.url + "/metrics"),
+            Backend("h", hosted.url),
+        ]
+        gw = Gateway(chain, status_stale=0.1)
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=5) as client:
+            first = await post(client, url)  # no status yet: unknown, so try it
+            await tower.polled_with(vllm(8, 6))
+            tower.hang_status = True  # from now on the status never answers
+            await asyncio.sleep(0.15)  # the full status goes stale
+            later = await post(client, url)
+        await gw.aclose()
+    assert first.content == TOWER
+    assert later.content == TOWER
+    assert gw.states("backend_busy") == []
+
+
+async def test_the_last_tier_is_never_skipped_for_a_full_status():
+    tower = Tower(vllm(8, 6))
+    async with FakeBackend("tower", tower.script) as fake:
+        gw = Gateway([Backend("tower", fake.url, status_url=fake.url + "/metrics")])
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=5) as client:
+            assert (await post(client, url)).content == TOWER
+            assert gw.watchdog.board is not None
+            assert gw.watchdog.board.polling() == []  # a last tier is never polled
+        await gw.aclose()
+    assert gw.states("backend_busy") == []
+
+
+async def test_one_poller_per_backend_while_traffic_flows_none_while_idle():
+    tower = Tower(vllm(1, 0))
+    async with (
+        FakeBackend("tower", tower.script) as fake,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        chain = [
+            Backend("tower", fake.url, status_url=fake.url + "/metrics"),
+            Backend("h", hosted.url),
+        ]
+        gw = Gateway(chain)
+        board = gw.watchdog.board
+        assert board is not None
+        board.idle_stop = 0.15
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=5) as client:
+            assert board.polling() == []  # nothing before traffic
+            await asyncio.gather(*(post(client, url) for _ in range(5)))
+            assert board.polling() == [fake.url + "/metrics"]
+            tasks = [t for t in asyncio.all_tasks() if t.get_name() == "tierchain-status-poll"]
+            assert len(tasks) == 1
+            await asyncio.wait(tasks, timeout=2)  # stops by itself once idle
+            assert board.polling() == []
+            polls = sum(r.path == "/metrics" for r in fake.requests)
+            await asyncio.sleep(0.1)
+            assert sum(r.path == "/metrics" for r in fake.requests) == polls
+        await gw.aclose()
+
+
+async def test_a_breaker_open_for_saturation_half_opens_as_soon_as_the_status_says_idle():
+    release = asyncio.Event()
+
+    async def chat(ex: Exchange) -> None:
+        if not release.is_set():
+            await ex.wait_closed_by_peer()  # saturated: says nothing
+            return
+        await streams(["from ", "tower"])(ex)
+
+    tower = Tower(vllm(1, 1), chat)  # one running, ours waiting: no room, yet not full
+    async with (
+        FakeBackend("tower", tower.script) as fake,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        chain = [
+            Backend("tower", fake.url, status_url=fake.url + "/metrics"),
+            Backend("h", hosted.url),
+        ]
+        gw = Gateway(
+            chain,
+            breaker={"saturation_threshold": 1, "saturation_cooldown": 900.0},
+            slow_after=0.1,
+            status_interval=0.02,
+            status_stale=5.0,
+        )
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=5) as client:
+            first = await post(client, url)  # saturated: the breaker opens for 900 s
+            assert (await gw.store.breaker_snapshot("echo", "tower")).state == "open"
+            skipped = await post(client, url)  # still busy: skipped, and the poller runs
+            release.set()
+            await tower.polled_with(vllm(0, 0))  # the tower is idle now
+            recovered = await post(client, url)
+        await gw.aclose()
+    assert first.headers["x-tierchain-attempts"] == "tower;outcome=saturated, h;outcome=ok"
+    assert skipped.headers["x-tierchain-attempts"] == "tower;outcome=skipped, h;outcome=ok"
+    assert recovered.content == TOWER
+    assert (await gw.store.breaker_snapshot("echo", "tower")).state == "closed"
+    assert shared_board() is gw.watchdog.board
