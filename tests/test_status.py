@@ -226,7 +226,7 @@ async def test_a_breaker_open_for_saturation_half_opens_as_soon_as_the_status_sa
             return
         await streams(["from ", "tower"])(ex)
 
-    tower = Tower(vllm(1, 1), chat)  # one running, ours waiting: no room, yet not full
+    tower = Tower(vllm(1, 1), chat)  # one running, ours waiting: queued, yet not full
     async with (
         FakeBackend("tower", tower.script) as fake,
         FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
@@ -246,12 +246,15 @@ async def test_a_breaker_open_for_saturation_half_opens_as_soon_as_the_status_sa
             first = await post(client, url)  # saturated: the breaker opens for 900 s
             assert (await gw.store.breaker_snapshot("echo", "tower")).state == "open"
             skipped = await post(client, url)  # still busy: skipped, and the poller runs
+            await tower.polled_with(vllm(1, 0))  # busy, nothing queued: maybe another caller's
+            still_skipped = await post(client, url)
             release.set()
             await tower.polled_with(vllm(0, 0))  # the tower is idle now
             recovered = await post(client, url)
         await gw.aclose()
     assert first.headers["x-tierchain-attempts"] == "tower;outcome=saturated, h;outcome=ok"
     assert skipped.headers["x-tierchain-attempts"] == "tower;outcome=skipped, h;outcome=ok"
+    assert still_skipped.headers["x-tierchain-attempts"] == "tower;outcome=skipped, h;outcome=ok"
     assert recovered.content == TOWER
     assert (await gw.store.breaker_snapshot("echo", "tower")).state == "closed"
     assert shared_board() is gw.watchdog.board
