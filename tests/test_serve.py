@@ -264,11 +264,15 @@ def test_the_formatters_keep_a_traceback_on_the_event_line(caplog):
     assert "ValueError: boom" in json.loads(JsonFormatter().format(failure))["exc"]
 
 
-def plain_uvicorn_setup(tmp_path: Path) -> dict[str, str]:
-    """The logging.json of docs/operations.md and the quick start's gateway, in ``tmp_path``."""
+def plain_uvicorn_setup(tmp_path: Path, *, gunicorn: bool = False) -> dict[str, str]:
+    """docs/operations.md's logging.json (and gunicorn.conf.py) and the quick start's gateway."""
     page = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
     (config,) = re.findall(r"```json\n(.*?)```", page, re.S)
     (tmp_path / "logging.json").write_text(config)
+    if gunicorn:
+        blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+        (conf,) = [b for b in blocks if "gunicorn" in b]
+        (tmp_path / "gunicorn.conf.py").write_text(conf)
     (tmp_path / "gateway.py").write_text(
         "from tierchain.config import from_env\n"
         "from tierchain.stack import build_stack\n\n"
@@ -277,6 +281,7 @@ def plain_uvicorn_setup(tmp_path: Path) -> dict[str, str]:
     )
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TIERCHAIN_")}
     clean["TIERCHAIN_ROUTES_FILE"] = routes_file(tmp_path, "http://127.0.0.1:9")
+    clean["HOME"] = str(tmp_path)  # gunicorn keeps a control socket under $HOME
     return clean
 
 
@@ -419,3 +424,35 @@ async def test_a_port_already_taken_exits_1(tmp_path):
             status = await served.exit_status(START_TIMEOUT)
     assert status == 1, "\n".join(served.lines)
     assert any("address already in use" in line.lower() for line in served.lines)
+
+
+async def test_the_documented_gunicorn_config_shows_each_workers_identity_line(tmp_path):
+    clean = plain_uvicorn_setup(tmp_path, gunicorn=True)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "-c",
+        "gunicorn.conf.py",
+        "-b",
+        "127.0.0.1:0",
+        "-w",
+        "2",
+        "gateway:app()",
+        cwd=tmp_path,
+        env=clean,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    served = Served(proc)
+    try:
+        await served.until(lambda: len(started_lines(served)) == 2, START_TIMEOUT)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await served.exit_status(10.0)
+    pids = {event["pid"] for event in started_lines(served)}
+    assert len(pids) == 2  # one line per worker process
+
+
+def started_lines(served: Served) -> list[dict[str, Any]]:
+    return [e for e in served.events() if e.get("event") == "tierchain.started"]

@@ -43,6 +43,7 @@ from opentelemetry import propagate
 
 from ._body import CallerGone, read_body
 from ._disconnect import DisconnectGuard
+from ._pool import FlatTransport
 from ._responses import send_json_error
 from ._target import BadTarget, Target, refuse, request_target, upstream_url
 from ._types import Headers, Receive, Scope, Send
@@ -117,13 +118,16 @@ class Forwarder:
     def client(self) -> httpx.AsyncClient:
         """The shared client, created on first use."""
         if self._client is None:
+            limits = httpx.Limits(
+                max_connections=None, max_keepalive_connections=self._max_keepalive
+            )
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(
                     connect=self.connect_timeout, read=None, write=None, pool=None
                 ),
-                limits=httpx.Limits(
-                    max_connections=None, max_keepalive_connections=self._max_keepalive
-                ),
+                limits=limits,
+                # Its cost per request does not grow with the streams held (see _pool).
+                transport=FlatTransport(limits=limits),
                 follow_redirects=False,
                 trust_env=False,
             )

@@ -298,6 +298,47 @@ def _clock() -> _Clock:
 class _Stream:
     """One request's heartbeat state: phase, queued events, tail, timer entry, writer."""
 
+    # Thousands of these may wait at once: slots keep each one small.
+    __slots__ = (
+        "_receive",
+        "_send",
+        "accept",
+        "after_own",
+        "awaiting_body",
+        "body_done",
+        "body_parts",
+        "body_size",
+        "broken",
+        "clock",
+        "context",
+        "entry",
+        "gone",
+        "hb",
+        "in_send",
+        "inner_started",
+        "keepalive_due",
+        "last",
+        "last_output",
+        "late_body",
+        "late_size",
+        "late_status",
+        "live",
+        "lock",
+        "observer",
+        "phase",
+        "queue",
+        "rearm_after",
+        "recording",
+        "req",
+        "said_generating",
+        "scope",
+        "sniffed",
+        "span",
+        "started",
+        "ticker_writing",
+        "writer",
+    )
+
     def __init__(
         self, hb: Heartbeats, scope: Scope, receive: Receive, send: Send, accept: bool
     ) -> None:
@@ -319,7 +360,7 @@ class _Stream:
         self.awaiting_body = False  # the commit is due once the body says "stream"
         self.rearm_after = False  # a held-back keepalive went out: time the next one
         self.broken = False  # a timer-started write failed: no more of them
-        self.queue: deque[StateEvent] = deque(maxlen=hb.max_queued)
+        self.queue: list[StateEvent] = []  # at most hb.max_queued, the oldest dropped
         self.last = b""  # the last relayed chunk (whole events): is a CR pending?
         self.after_own = True  # the last bytes written are our own lines: a boundary
         self.keepalive_due = False
@@ -383,6 +424,8 @@ class _Stream:
             queue[-1] = event  # a newer "still working" replaces the one not yet shown
         else:
             queue.append(event)
+            if len(queue) > self.hb.max_queued:
+                del queue[0]
         if self.live and self.phase != _WAITING:
             self._kick()
 
@@ -405,8 +448,7 @@ class _Stream:
             self.keepalive_due = False
             self.rearm_after = True  # the timer stopped while it waited for a boundary
         if self.queue:
-            events = list(self.queue)
-            self.queue.clear()
+            events, self.queue = self.queue, []
             return b"".join(self._line(e, False) for e in events)
         state = self.req.state or _WAITING_STATE
         if state.get("state") == "generating":

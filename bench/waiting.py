@@ -1,0 +1,440 @@
+#!/usr/bin/env python3
+"""Many waiting streams: K streaming callers parked behind a tower that accepts and stays quiet.
+
+The shape of the outage tierchain exists for: the GPU is saturated, the tower
+accepts every request and says nothing. Each caller's stream is held open by
+the gateway (Heartbeats commits ``200 text/event-stream`` after a second and
+sends a keepalive every ``--interval`` seconds) while the request waits on the
+tower. Two gateways are measured in the same run, one after the other, each in
+its own uvicorn process on loopback:
+
+- ``bare``: a bare httpx forwarding proxy (no tierchain) holding the same streams;
+- ``stack``: the README's stack (Heartbeats, Budget, PreferBackend, Failover,
+  Breaker, SaturationWatchdog, Forwarder; tower then hosted), with the
+  watchdog and the budget set far beyond the run so the streams stay waiting.
+
+For each K it reports: streams held and failed; whether any breaker opened (and
+how many requests reached hosted); the gateway's CPU per admitted stream for
+each batch of admissions (flat is the target); RSS per waiting stream above the
+bare proxy; the gateway's CPU over a window of keepalives, as a share of one
+core; open fds before, while held and after the callers leave.
+
+Run: ``.venv/bin/python bench/waiting.py 1000 3000 10000``. Each process
+raises its fd limit as far as the hard limit allows; a gateway needs two fds
+per stream (the caller's and the tower's), so K is capped at what fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import resource
+import socket
+import sys
+import time
+from typing import Any
+
+BODY = json.dumps(
+    {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+).encode()
+REQUEST = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+    b"content-type: application/json\r\naccept: text/event-stream\r\n"
+    b"content-length: %d\r\n\r\n" % len(BODY)
+) + BODY
+HOSTED_ANSWER = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 40\r\n\r\n"
+    b'data: {"choices":[]}\n\ndata: [DONE]\n\n\n\n\n\n'
+)
+
+
+def raise_fd_limit() -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# -- the tower (quiet) and hosted (answers at once), one process ---------------------------
+
+
+def run_backends(tower_port: int, hosted_port: int, counts: Any) -> None:
+    raise_fd_limit()
+
+    class Quiet(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:
+            counts[0] += 1
+
+        def data_received(self, data: bytes) -> None:
+            if b"\r\n\r\n" in data or data.endswith(b"}"):
+                pass  # the request: say nothing, hold the connection
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            counts[1] += 1
+
+    class Hosted(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            if b"\r\n\r\n" in data:
+                counts[2] += 1
+                self.transport.write(HOSTED_ANSWER)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        await loop.create_server(Quiet, "127.0.0.1", tower_port, backlog=4096)
+        await loop.create_server(Hosted, "127.0.0.1", hosted_port, backlog=4096)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+# -- the gateways ---------------------------------------------------------------------------
+
+
+def build(kind: str, tower: str, hosted: str) -> Any:
+    """The gateway app, with ``/_bench/metrics`` for the breaker's state."""
+    from prometheus_client import make_asgi_app
+
+    metrics = make_asgi_app()
+    if kind == "bare":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import httpx
+        from overhead import BareProxy
+
+        inner: Any = BareProxy(tower)
+        # As the Forwarder's: no cap on connections (httpx's default is 100).
+        inner.client = httpx.AsyncClient(
+            timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        )
+    else:
+        from fastapi import FastAPI
+
+        from tierchain import (
+            Backend,
+            Breaker,
+            Budget,
+            Failover,
+            Forwarder,
+            Heartbeats,
+            PreferBackend,
+            Routes,
+            SaturationWatchdog,
+        )
+
+        routes = Routes(
+            {
+                "echo": [
+                    Backend(name="tower", url=tower, regime="local"),
+                    Backend(name="hosted", url=hosted, regime="hosted"),
+                ]
+            }
+        )
+        forwarder = Forwarder(connect_timeout=2.0)
+        inner = FastAPI()
+        inner.mount("/v1", forwarder)
+        inner.add_middleware(SaturationWatchdog, slow_after=3600.0, stall_after=3600.0)
+        inner.add_middleware(Breaker)
+        inner.add_middleware(Failover, routes=routes, paths=("/v1/",))
+        inner.add_middleware(PreferBackend)
+        inner.add_middleware(Budget, default=3600.0)
+        inner.add_middleware(Heartbeats, interval=float(os.environ["WAITING_INTERVAL"]))
+
+    snapshots: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/_bench/metrics":
+            return await metrics(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] == "/_bench/memory":
+            return await memory(send)
+        return await inner(scope, receive, send)
+
+    async def memory(send: Any) -> None:
+        """With --trace-memory: the top allocations since the previous call."""
+        import tracemalloc
+
+        snap = tracemalloc.take_snapshot()
+        text = ""
+        if snapshots:
+            by = "traceback" if tracemalloc.get_traceback_limit() > 1 else "lineno"
+            stats = snap.compare_to(snapshots[-1], by)[:12]
+            text = "\n".join(
+                str(s) + "\n  " + "\n  ".join(s.traceback.format()[-12:]) for s in stats
+            )
+        snapshots.append(snap)
+        start = {"type": "http.response.start", "status": 200, "headers": []}
+        await send(start)
+        await send({"type": "http.response.body", "body": text.encode()})
+
+    return app
+
+
+def run_gateway(kind: str, port: int, tower: str, hosted: str, interval: float) -> None:
+    import uvicorn
+
+    raise_fd_limit()
+    os.environ["WAITING_INTERVAL"] = str(interval)
+    if os.environ.get("WAITING_TRACE_MEMORY"):
+        import tracemalloc
+
+        tracemalloc.start(int(os.environ["WAITING_TRACE_MEMORY"]))
+    uvicorn.run(
+        build(kind, tower, hosted),
+        host="127.0.0.1",
+        port=port,
+        log_level="critical",
+        access_log=False,
+        lifespan="off",
+        backlog=4096,
+        timeout_keep_alive=3600,
+    )
+
+
+def proc_stats(pid: int) -> dict[str, float]:
+    """CPU seconds, RSS bytes and open fds of ``pid``."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu = (int(fields[11]) + int(fields[12])) / tick
+    rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    return {"cpu": cpu, "rss": rss, "fds": fds}
+
+
+# -- the callers ------------------------------------------------------------------------------
+
+
+class Caller(asyncio.Protocol):
+    """One streaming caller: sends the request, then only reads."""
+
+    def __init__(self) -> None:
+        self.raw = bytearray()
+        self.status: int | None = None
+        self.lines = 0
+        self.data = False
+        self.closed = False
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        transport.write(REQUEST)
+
+    def data_received(self, data: bytes) -> None:
+        if self.status is None:
+            self.raw += data
+            head, sep, rest = bytes(self.raw).partition(b"\r\n\r\n")
+            if not sep:
+                return
+            self.status = int(head.split(b" ", 2)[1])
+            data = rest
+            self.raw = bytearray()
+        self.lines += data.count(b": {")
+        if b"data:" in data:
+            self.data = True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+
+    @property
+    def held(self) -> bool:
+        return not self.closed and not self.data and self.status in (None, 200)
+
+
+async def scrape(port: int, path: str = "/_bench/metrics") -> str:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET %s HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n" % path.encode())
+    data = await reader.read()
+    writer.close()
+    return data.decode("latin-1")
+
+
+def breaker_opened(metrics: str) -> bool:
+    for line in metrics.splitlines():
+        if (
+            line.startswith("tierchain_breaker_transitions_total")
+            and 'to="open"' in line
+            and float(line.rsplit(" ", 1)[1]) > 0
+        ):
+            return True
+    return False
+
+
+async def wait_up(port: int) -> None:
+    for _ in range(400):
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        return
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
+async def measure(
+    kind: str, k: int, batch: int, interval: float, window: float, counts: Any, ports: Any
+) -> dict[str, Any]:
+    tower_port, hosted_port = ports
+    tracing = bool(os.environ.get("WAITING_TRACE_MEMORY"))
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    tower, hosted = f"http://127.0.0.1:{tower_port}", f"http://127.0.0.1:{hosted_port}"
+    proc = ctx.Process(target=run_gateway, args=(kind, port, tower, hosted, interval), daemon=True)
+    proc.start()
+    loop = asyncio.get_running_loop()
+    callers: list[Caller] = []
+    try:
+        await wait_up(port)
+        assert proc.pid is not None
+        # Warm up: one stream answered by... nobody; then let it go.
+        base = proc_stats(proc.pid)
+        if tracing:
+            await scrape(port, "/_bench/memory")
+        tower_before, hosted_before = counts[0], counts[2]
+        per_batch: list[float] = []
+        t0 = time.monotonic()
+        for start in range(0, k, batch):
+            n = min(batch, k - start)
+            before = proc_stats(proc.pid)["cpu"]
+            for _ in range(n):
+                caller = Caller()
+                await loop.create_connection(lambda c=caller: c, "127.0.0.1", port)
+                callers.append(caller)
+            # Admitted: the tower has the request (or it went elsewhere, or failed).
+            target = start + n
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                done = counts[0] - tower_before + counts[2] - hosted_before
+                done += sum(1 for c in callers if c.closed or c.data)
+                if done >= target:
+                    break
+                await asyncio.sleep(0.02)
+            per_batch.append((proc_stats(proc.pid)["cpu"] - before) / n * 1e3)
+        admit_s = time.monotonic() - t0
+        await asyncio.sleep(2.5)  # the commit (1 s) and the first lines
+        held_stats = proc_stats(proc.pid)
+        cpu0, t_0 = held_stats["cpu"], time.monotonic()
+        await asyncio.sleep(window)
+        cpu1, t_1 = proc_stats(proc.pid)["cpu"], time.monotonic()
+        lines = sum(c.lines for c in callers)
+        metrics = await scrape(port)
+        if tracing:
+            print(await scrape(port, "/_bench/memory"))
+        held = sum(1 for c in callers if c.held)
+        result = {
+            "kind": kind,
+            "k": k,
+            "held": held,
+            "failed": k - held,
+            "reached_tower": counts[0] - tower_before,
+            "reached_hosted": counts[2] - hosted_before,
+            "breaker_opened": breaker_opened(metrics),
+            "admit_s": round(admit_s, 1),
+            "admit_ms_cpu_first_batch": round(per_batch[0], 3),
+            "admit_ms_cpu_last_batch": round(per_batch[-1], 3),
+            "admit_ms_cpu_per_batch": [round(x, 3) for x in per_batch],
+            "rss_base_mb": round(base["rss"] / 2**20, 1),
+            "rss_held_mb": round(held_stats["rss"] / 2**20, 1),
+            "kib_per_stream": round((held_stats["rss"] - base["rss"]) / k / 1024, 2),
+            "keepalive_core_pct": round((cpu1 - cpu0) / (t_1 - t_0) * 100, 2),
+            "lines_per_stream": round(lines / k, 1),
+            "fds_base": base["fds"],
+            "fds_held": held_stats["fds"],
+        }
+        for c in callers:
+            if c.transport is not None:
+                c.transport.close()
+        callers.clear()
+        await asyncio.sleep(3)
+        result["fds_after"] = proc_stats(proc.pid)["fds"]
+        return result
+    finally:
+        for c in callers:
+            if c.transport is not None:
+                c.transport.close()
+        proc.terminate()
+        proc.join(5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("k", nargs="*", type=int, default=[1000, 3000, 10000])
+    parser.add_argument("--batch", type=int, default=250, help="callers admitted per batch")
+    parser.add_argument("--interval", type=float, default=10.0, help="keepalive interval (s)")
+    parser.add_argument("--window", type=float, default=20.0, help="keepalive CPU window (s)")
+    parser.add_argument("--only", choices=["bare", "stack"], help="measure one gateway")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--trace-memory", type=int, default=0, help="frames: print the gateway top allocations"
+    )
+    args = parser.parse_args()
+    if args.trace_memory:
+        os.environ["WAITING_TRACE_MEMORY"] = str(args.trace_memory)
+    limit = raise_fd_limit()
+    cap = (limit - 64) // 2
+    ctx = multiprocessing.get_context("spawn")
+    counts = ctx.Array("l", 3, lock=False)  # tower connections, tower closed, hosted requests
+    ports = (free_port(), free_port())
+    backends = ctx.Process(target=run_backends, args=(*ports, counts), daemon=True)
+    backends.start()
+    results = []
+    try:
+        for k in args.k:
+            if k > cap:
+                print(
+                    f"K={k} needs {2 * k} fds in the gateway; the hard limit is {limit}: "
+                    f"measuring K={cap}",
+                    file=sys.stderr,
+                )
+                k = cap
+            for kind in ["bare", "stack"] if args.only is None else [args.only]:
+
+                async def one(kind: str = kind, k: int = k) -> dict[str, Any]:
+                    await wait_up(ports[0])
+                    return await measure(
+                        kind, k, args.batch, args.interval, args.window, counts, ports
+                    )
+
+                result = asyncio.run(one())
+                results.append(result)
+                if args.json:
+                    print(json.dumps(result), flush=True)
+                else:
+                    r = result
+                    print(
+                        f"[{r['kind']:5}] K={r['k']:>6} held {r['held']} failed {r['failed']} "
+                        f"(tower {r['reached_tower']}, hosted {r['reached_hosted']}, breaker "
+                        f"{'OPENED' if r['breaker_opened'] else 'closed'}); "
+                        f"admit {r['admit_s']} s, "
+                        f"CPU/stream first batch {r['admit_ms_cpu_first_batch']} ms, last "
+                        f"{r['admit_ms_cpu_last_batch']} ms; RSS {r['rss_base_mb']}->"
+                        f"{r['rss_held_mb']} MB = {r['kib_per_stream']} KiB/stream; keepalive "
+                        f"window {r['keepalive_core_pct']}% of a core ({r['lines_per_stream']} "
+                        f"lines/stream); fds {r['fds_base']}->{r['fds_held']}->{r['fds_after']}",
+                        flush=True,
+                    )
+        pairs: dict[int, dict[str, dict[str, Any]]] = {}
+        for r in results:
+            pairs.setdefault(r["k"], {})[r["kind"]] = r
+        for k, pair in pairs.items():
+            if "bare" in pair and "stack" in pair:
+                extra = pair["stack"]["kib_per_stream"] - pair["bare"]["kib_per_stream"]
+                print(f"K={k}: the stack holds each waiting stream in {extra:.2f} KiB above bare")
+    finally:
+        backends.terminate()
+        backends.join(5)
+
+
+if __name__ == "__main__":
+    main()

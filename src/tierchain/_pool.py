@@ -1,0 +1,217 @@
+"""A connection pool whose cost does not grow with the connections it holds.
+
+httpcore's ``AsyncConnectionPool`` walks every connection it holds on each
+request start and each response close: with thousands of streams parked on a
+saturated backend, admitting one more stream costs milliseconds of CPU, and
+the event loop lags behind its own connect timeouts. :class:`FlatTransport`
+is httpx's own ``AsyncHTTPTransport`` (same request and response mapping, same
+exception mapping) over :class:`FlatPool`, which keeps only the *idle*
+keep-alive connections, per origin, in a stack: taking one, or putting one
+back, is O(1) however many requests are in flight. Connections are HTTP/1.1,
+made with httpcore's own ``AsyncHTTPConnection``.
+
+Idle connections are closed once they have been idle ``keepalive_expiry``
+seconds, by a reaper task that runs only while some are idle, so a gateway's
+open file descriptors return to where they were once the load is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpcore
+import httpx
+
+__all__ = ["FlatPool", "FlatTransport"]
+
+
+class FlatPool:
+    """HTTP/1.1 connections, no cap on how many, at most ``max_keepalive`` idle per origin."""
+
+    def __init__(
+        self,
+        *,
+        ssl_context: Any = None,
+        max_keepalive: int | None = 64,
+        keepalive_expiry: float | None = 5.0,
+        socket_options: Any = None,
+    ) -> None:
+        self._ssl_context = ssl_context
+        self._max_keepalive = max_keepalive
+        self._expiry = keepalive_expiry
+        self._socket_options = socket_options
+        # Per origin, idle connections with the time each became idle, oldest first.
+        self._idle: dict[_Key, list[tuple[float, httpcore.AsyncHTTPConnection]]] = {}
+        self._busy: set[httpcore.AsyncHTTPConnection] = set()
+        self._closing: list[httpcore.AsyncHTTPConnection] = []
+        self._reaper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def connections(self) -> int:
+        """Open connections: in use and idle."""
+        return len(self._busy) + sum(len(v) for v in self._idle.values())
+
+    def _take(self, origin: httpcore.Origin) -> httpcore.AsyncHTTPConnection | None:
+        idle = self._idle.get(_key(origin))
+        while idle:
+            _, conn = idle.pop()  # the most recently used: the least likely to be stale
+            if conn.is_available() and not conn.has_expired():
+                return conn
+            self._drop(conn)
+        return None
+
+    def _drop(self, conn: httpcore.AsyncHTTPConnection) -> None:
+        """Close a connection that is not in use, soon (the reaper awaits the close)."""
+        self._closing.append(conn)
+        self._ensure_reaper()
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        if self._closed:
+            raise httpcore.PoolTimeout("the connection pool is closed")  # pragma: no cover
+        origin = request.url.origin
+        conn = self._take(origin)
+        if conn is None:
+            conn = httpcore.AsyncHTTPConnection(
+                origin=origin,
+                ssl_context=self._ssl_context,
+                keepalive_expiry=self._expiry,
+                socket_options=self._socket_options,
+            )
+        self._busy.add(conn)
+        try:
+            response = await conn.handle_async_request(request)
+        except BaseException:
+            self._busy.discard(conn)
+            await _close_quietly(conn)
+            raise
+        return httpcore.Response(
+            status=response.status,
+            headers=response.headers,
+            content=_Released(response.stream, self, conn),
+            extensions=response.extensions,
+        )
+
+    async def _release(self, conn: httpcore.AsyncHTTPConnection) -> None:
+        self._busy.discard(conn)
+        if self._closed or not conn.is_idle() or conn.has_expired():
+            await _close_quietly(conn)
+            return
+        idle = self._idle.setdefault(_key(conn._origin), [])
+        if self._max_keepalive is not None and len(idle) >= self._max_keepalive:
+            await _close_quietly(conn)
+            return
+        idle.append((time.monotonic(), conn))
+        self._ensure_reaper()
+
+    # -- closing idle connections --------------------------------------------------
+
+    def _ensure_reaper(self) -> None:
+        if (
+            self._reaper is None
+            and not self._closed
+            and (self._expiry is not None or self._closing)
+        ):
+            self._reaper = asyncio.get_running_loop().create_task(
+                self._reap(), name="tierchain-pool-reaper"
+            )
+
+    async def _reap(self) -> None:
+        """Close idle connections past their expiry; end when none is idle."""
+        expiry = self._expiry
+        try:
+            while True:
+                closing, self._closing = self._closing, []
+                for conn in closing:
+                    await _close_quietly(conn)
+                now = time.monotonic()
+                oldest: float | None = None
+                for origin, idle in list(self._idle.items()):
+                    while idle and expiry is not None and now - idle[0][0] >= expiry:
+                        _, conn = idle.pop(0)
+                        await _close_quietly(conn)
+                    if idle:
+                        oldest = idle[0][0] if oldest is None else min(oldest, idle[0][0])
+                    else:
+                        del self._idle[origin]
+                if self._closing:
+                    continue
+                if oldest is None or expiry is None:
+                    return
+                await asyncio.sleep(max(0.0, oldest + expiry - now))
+        finally:
+            self._reaper = None
+
+    async def aclose(self) -> None:
+        """Close every connection, idle or in use."""
+        self._closed = True
+        reaper = self._reaper
+        if reaper is not None:
+            reaper.cancel()
+            await asyncio.wait([reaper])
+        conns = [c for idle in self._idle.values() for _, c in idle]
+        conns += [*self._busy, *self._closing]
+        self._closing = []
+        self._idle.clear()
+        self._busy.clear()
+        for conn in conns:
+            await _close_quietly(conn)
+
+    async def __aenter__(self) -> FlatPool:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+_Key = tuple[bytes, bytes, int]
+
+
+def _key(origin: httpcore.Origin) -> _Key:
+    return (origin.scheme, origin.host, origin.port)
+
+
+class _Released:
+    """A response body that gives its connection back to the pool once closed."""
+
+    def __init__(self, stream: Any, pool: FlatPool, conn: httpcore.AsyncHTTPConnection) -> None:
+        self._stream = stream
+        self._pool = pool
+        self._conn: httpcore.AsyncHTTPConnection | None = conn
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for part in self._stream:
+            yield part
+
+    async def aclose(self) -> None:
+        try:
+            if hasattr(self._stream, "aclose"):
+                await self._stream.aclose()
+        finally:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                await self._pool._release(conn)
+
+
+async def _close_quietly(conn: httpcore.AsyncHTTPConnection) -> None:
+    with contextlib.suppress(Exception):
+        await conn.aclose()
+
+
+class FlatTransport(httpx.AsyncHTTPTransport):
+    """httpx's ``AsyncHTTPTransport`` over a :class:`FlatPool` (HTTP/1.1, no proxy)."""
+
+    def __init__(
+        self, *, limits: httpx.Limits, verify: Any = True, trust_env: bool = False
+    ) -> None:
+        super().__init__(verify=verify, trust_env=trust_env, limits=limits)
+        ssl_context = getattr(self._pool, "_ssl_context", None)
+        self._pool = FlatPool(  # type: ignore[assignment]
+            ssl_context=ssl_context,
+            max_keepalive=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+        )
