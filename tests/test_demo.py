@@ -34,3 +34,4 @@ async def test_the_demo_tells_the_outage_story_with_the_tiers_each_request_tried
     assert "tiers tried: tower (connect_refused) -> hosted (ok)" in text
     assert "backend_busy  backend=tower, in_flight=1, failing_over=True" in text
     assert 'reason="queued"' in text  # the status said requests were waiting: not ours
+    assert "log: breaker.half_open" in text  # woken by the status, long before the cooldown

@@ -30,7 +30,9 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierchain",
-        description="Operate a tierchain gateway: serve it, check its configuration, probe a backend.",
+        description=(
+            "Operate a tierchain gateway: serve it, check its configuration, probe a backend."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"tierchain {VERSION}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

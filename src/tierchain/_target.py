@@ -80,10 +80,23 @@ def _has_control(data: bytes) -> bool:
     return any(b < 0x20 or b == 0x7F for b in data)
 
 
+_PLAIN_SEEN: dict[bytes, Target] = {}  # query-less plain paths already accepted
+_PLAIN_SEEN_MAX = 256
+
+
 def check_target(raw_path: bytes, query: bytes = b"") -> Target:
     """``raw_path`` and ``query`` checked and normalised; :class:`BadTarget` if refused."""
+    if not query:
+        seen = _PLAIN_SEEN.get(raw_path)
+        if seen is not None:
+            return seen  # a gateway sees the same few paths again and again
     if _PLAIN.fullmatch(raw_path) and _PLAIN_QUERY.fullmatch(query):
-        return Target(raw_path, query)  # the common case: nothing to decode or doubt
+        target = Target(raw_path, query)  # the common case: nothing to decode or doubt
+        if not query:
+            if len(_PLAIN_SEEN) >= _PLAIN_SEEN_MAX:
+                _PLAIN_SEEN.clear()  # many distinct paths: start again, never grow
+            _PLAIN_SEEN[raw_path] = target
+        return target
     return _checked(raw_path, query)
 
 

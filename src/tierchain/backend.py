@@ -158,6 +158,9 @@ class Routes(Mapping[str, tuple[Backend, ...]]):
     def __getitem__(self, route: str) -> tuple[Backend, ...]:
         return self._routes[route]
 
+    def __contains__(self, route: object) -> bool:
+        return route in self._routes
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._routes)
 

@@ -12,7 +12,7 @@ A breaker re-opened because its half-open probe saturated cools down for
 to ``saturation_cooldown``: one slow request after a hiccup never costs the
 whole cooldown. A breaker open for saturation on a backend whose status is
 polled (a SaturationWatchdog with ``status_interval``) half-opens as soon as
-that status reports room, without waiting out its cooldown.
+that status reports idle, without waiting out its cooldown.
 
 Inside a :class:`~tierchain.Failover` the Breaker runs once per attempt. While
 open it raises :class:`~tierchain.errors.BackendSkipped` without calling the
@@ -65,7 +65,7 @@ from .errors import (
 from .observer import Observer
 from .probes import auto_reader
 from .request import UNROUTED_KEY, TierRequest
-from .status import has_room, shared_board
+from .status import idle, shared_board
 from .store import (
     BreakerChange,
     BreakerPolicy,
@@ -175,7 +175,7 @@ class Breaker:
         if self.when_all_open == "try_soonest":
             req.try_soonest = True
         ticket = await self._acquire(route, name, attempt.force)
-        if not ticket.admitted and ticket.state == "open" and _reports_room(attempt.backend):
+        if not ticket.admitted and ticket.state == "open" and _reports_idle(attempt.backend):
             ticket = await self._acquire(route, name, attempt.force, wake=True)
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
@@ -306,15 +306,15 @@ class Breaker:
             log_event(_TRANSITION_EVENT[to], level=30 if to == "open" else 20, **fields)
 
 
-def _reports_room(backend: Backend) -> bool:
-    """True when the backend's polled status (if any) says it can take a request now."""
+def _reports_idle(backend: Backend) -> bool:
+    """True when the backend's polled status (if any) says it is doing nothing."""
     url = backend.status_url
     if url is None:
         return False
     board = shared_board()
     if board is None:
         return False
-    return has_room(board.peek(url, auto_reader), board.limits)
+    return idle(board.peek(url, auto_reader))
 
 
 def _round(value: float | None) -> float | None:

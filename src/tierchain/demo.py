@@ -403,11 +403,14 @@ async def run_demo(
     # Show tierchain's own warnings (saturations, breaker transitions) in the story.
     handler = _OutHandler(out, color)
     logger = logging.getLogger("tierchain")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # breaker transitions (half-open, closed) are INFO
     logger.addHandler(handler)
     try:
         await _story(timing, fast, color, out, outcomes)
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     return outcomes
 
 

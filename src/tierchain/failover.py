@@ -352,8 +352,12 @@ class Failover:
                 # the scope as they dispatch, and a replay must start from the original.
                 # The attempt's span is current inside, so that the Forwarder (or the
                 # host's own client instrumentation) sends its trace context upstream.
-                with _current(span):
-                    await self.app(dict(scope), _replay(req.body or b"", guard), responder.send)
+                inner = self.app(dict(scope), _replay(req.body or b"", guard), responder.send)
+                if span is INVALID_SPAN:
+                    await inner
+                else:
+                    with _current(span):
+                        await inner
             except asyncio.CancelledError:
                 if not _own_abort(req):
                     raise

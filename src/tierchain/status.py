@@ -18,7 +18,7 @@ for llama.cpp's ``/slots``.
 
 One board serves the process: the SaturationWatchdog creates it (with its
 options) and the Breaker reads it to half-open a breaker opened for
-saturation as soon as the backend reports room (:func:`shared_board`).
+saturation as soon as the backend reports idle (:func:`shared_board`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import httpx
 
 from .probes import Reader, Status, fetch_status
 
-__all__ = ["Fullness", "StatusBoard", "full", "has_room", "shared_board"]
+__all__ = ["Fullness", "StatusBoard", "full", "idle", "shared_board"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +65,14 @@ def full(status: Status | None, limits: Fullness) -> str | None:
     return None
 
 
-def has_room(status: Status | None, limits: Fullness) -> bool:
-    """True when ``status`` is known and says the backend can take a request now."""
-    if status is None:
-        return False
-    if not status.busy:
-        return True
-    return not status.queued and full(status, limits) is None
+def idle(status: Status | None) -> bool:
+    """True when ``status`` is known and says the backend is doing nothing.
+
+    Only idle wakes a breaker opened for saturation: "busy, nothing queued"
+    can still be one slot taken by another caller, and waking on it would
+    send a probe into the same wait again and again.
+    """
+    return status is not None and not status.busy
 
 
 class _Poller:

@@ -146,7 +146,7 @@ def acquire(
 ) -> Ticket:
     """May an attempt go now? Takes the probe slot when half-open and free.
 
-    ``wake`` says the backend's status reports room: a breaker open for
+    ``wake`` says the backend's status reports idle: a breaker open for
     saturation ends its cooldown now (and this attempt may be its probe).
     """
     transitions: list[str] = []
@@ -290,7 +290,7 @@ class Store(Protocol):
     ) -> Ticket:
         """One atomic step before an attempt: may it go, and is it the probe?
 
-        ``wake``: the backend's status reports room, so a breaker open for
+        ``wake``: the backend's status reports idle, so a breaker open for
         saturation may half-open now.
         """
         ...
