@@ -15,6 +15,7 @@ import pytest
 from httpcore._backends.auto import AutoBackend
 
 from tierchain import Backend, Breaker, Failover, Forwarder, Routes
+from tierchain import forwarder as forwarder_module
 from tierchain._pool import FlatTransport
 
 from .support import Exchange, FakeBackend, answers, chat_request, serve, streams
@@ -55,7 +56,24 @@ async def lagging_connect(port: int, seconds: float) -> AsyncIterator[None]:
         AutoBackend.connect_tcp = real  # type: ignore[method-assign]
 
 
-async def test_a_connect_timeout_while_the_gateway_loop_lags_leaves_the_breaker_closed(caplog):
+async def test_a_connect_window_the_gateway_loop_lost_is_given_again():
+    ok = answers(200, b'{"choices":[]}')
+    async with FakeBackend("tower", ok) as tower, FakeBackend("hosted", ok) as hosted:
+        forwarder = Forwarder(connect_timeout=0.2)
+        app = stack(tower.url, hosted.url, forwarder)
+        async with serve(app) as url, lagging_connect(tower.port, 0.5):
+            first = await post(url)
+        await forwarder.aclose()
+    # The loop stood still for longer than the connect timeout: the tower was not
+    # late, the gateway was, so the tower got a fresh window and answered.
+    assert first.headers["x-tierchain-attempts"] == "tower;outcome=ok"
+    assert hosted.requests == []
+
+
+async def test_lag_beyond_the_patience_fails_over_but_leaves_the_breaker_closed(
+    caplog, monkeypatch
+):
+    monkeypatch.setattr(forwarder_module, "_EXTENSIONS", 0)  # no second window
     ok = answers(200, b'{"choices":[]}')
     async with FakeBackend("tower", ok) as tower, FakeBackend("hosted", ok) as hosted:
         forwarder = Forwarder(connect_timeout=0.2)

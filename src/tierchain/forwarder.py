@@ -81,6 +81,9 @@ _NOT_RETURNED = _HOP_BY_HOP | {b"set-cookie", b"date", b"server"}
 # A connect timeout counts as the gateway's own when its event loop ran this share of
 # the connect timeout late while it waited.
 _LAG_SHARE = 0.25
+# A backend is given at most this many fresh connect windows for the gateway's lag.
+_EXTENSIONS = 3
+_EARLY = 0.001  # the lag check runs this long before the deadline it may move
 _HEADERS_SENT = frozenset(
     {"http11.send_request_headers.started", "http2.send_request_headers.started"}
 )
@@ -128,8 +131,13 @@ class Forwarder:
                 max_connections=None, max_keepalive_connections=self._max_keepalive
             )
             self._client = httpx.AsyncClient(
+                # connect_timeout itself is applied by _forward (with patience for the
+                # gateway's own lag); httpx's bound is only a backstop.
                 timeout=httpx.Timeout(
-                    connect=self.connect_timeout, read=None, write=None, pool=None
+                    connect=self.connect_timeout * (_EXTENSIONS + 2),
+                    read=None,
+                    write=None,
+                    pool=None,
                 ),
                 limits=limits,
                 # Its cost per request does not grow with the streams held (see _pool).
@@ -220,19 +228,37 @@ class Forwarder:
         raise_errors: bool,
     ) -> None:
         request = self._build(scope, target, body, backend)
-        timer = asyncio.timeout(self.connect_timeout)
+        loop = asyncio.get_running_loop()
+        timeout = self.connect_timeout
+        timer = asyncio.timeout(timeout)
         connecting = False  # a connection attempt started (not a wait for a pooled one)
+        watch_lag()
+        window = time.monotonic()
+        extended = 0
+        check: asyncio.TimerHandle | None = None
+
+        def patience() -> None:
+            # Runs just before the deadline: if the event loop ran late during this
+            # window, the lost time was the gateway's, so the backend gets a new window.
+            nonlocal extended, window, check
+            if lag_since(window) >= timeout * _LAG_SHARE and extended < _EXTENSIONS:
+                extended += 1
+                window = time.monotonic()
+                timer.reschedule(loop.time() + timeout)
+                check = loop.call_later(timeout - _EARLY, patience)
+
+        check = loop.call_later(timeout - _EARLY, patience)
 
         async def trace(name: str, info: Mapping[str, Any]) -> None:
             nonlocal connecting
             if name in _HEADERS_SENT:
                 timer.reschedule(None)  # connected: the set-up deadline is met
+                if check is not None:
+                    check.cancel()
             elif name == "connection.connect_tcp.started":
                 connecting = True
 
         request.extensions["trace"] = trace
-        watch_lag()
-        started = time.monotonic()
         try:
             async with timer:
                 response = await self.client.send(request, stream=True)
@@ -243,7 +269,7 @@ class Forwarder:
         except (httpx.ConnectTimeout, TimeoutError):
             # The gateway's own slowness is not the backend's failure: a deadline spent
             # waiting for a pooled connection, or while the event loop ran late.
-            lag = lag_since(started)
+            lag = lag_since(window)
             if not connecting:
                 reason, ours = "pool_timeout", True
             else:
@@ -257,6 +283,9 @@ class Forwarder:
             return await self._unavailable(scope, send, backend, "connection_reset", raise_errors)
         except httpx.TransportError:
             return await self._unavailable(scope, send, backend, "protocol_error", raise_errors)
+        finally:
+            if check is not None:
+                check.cancel()
 
         # Alone, the Forwarder passes on whole events only (its own observer); inside a
         # Failover, Failover's observer does that.
