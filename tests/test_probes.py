@@ -346,7 +346,53 @@ def test_the_gate_shape_says_nothing_about_a_queue():
         "llamacpp_slots_object_prefilling.json",
         "vllm_metrics_waiting.txt",
         "gate_busy.json",
+        "llamacpp_metrics_captured_idle.txt",
+        "llamacpp_metrics_captured_deferred.txt",
+        "llamacpp_slots_captured_idle.json",
+        "llamacpp_slots_captured_generating.json",
     ],
 )
 def test_auto_reader_knows_every_fixture(name):
     assert auto_reader(fixture(name)) is not None
+
+
+# -- captured from a real llama-server (one slot, --metrics --slots) ------------------------
+
+
+def test_captured_llama_server_metrics_while_another_generation_runs_and_ours_waits():
+    status = llamacpp_metrics(fixture("llamacpp_metrics_captured_deferred.txt"))
+    assert status is not None
+    assert (status.busy, status.waiting, status.queued) == (True, 1, True)
+    assert judge(status, None) == "queued"
+    idle = llamacpp_metrics(fixture("llamacpp_metrics_captured_idle.txt"))
+    assert idle is not None
+    assert judge(idle, None) == "idle"
+
+
+def test_captured_llama_server_slots_generating_for_another_caller():
+    status = llamacpp_slots(fixture("llamacpp_slots_captured_generating.json"))
+    assert status is not None
+    assert status.progress == (("0", 205),)  # next_token is a list in this build
+    assert (status.slots, status.slots_busy, status.prefilling) == (1, 1, 0)
+    assert judge(status, None) == "queued"
+
+
+def test_captured_llama_server_idle_slot_has_no_next_token():
+    status = llamacpp_slots(fixture("llamacpp_slots_captured_idle.json"))
+    assert status == Status(
+        busy=False, progress=None, detail="0/1 busy", slots=1, slots_busy=0, prefilling=0
+    )
+
+
+def test_a_prefilling_slot_shows_progress_by_its_prompt_counter():
+    body = json.loads(fixture("llamacpp_slots_captured_generating.json"))
+    body[0]["next_token"][0]["n_decoded"] = 0  # still processing its prompt
+    earlier = llamacpp_slots(json.dumps(body).encode())
+    body[0]["n_prompt_tokens_processed"] = 135
+    later = llamacpp_slots(json.dumps(body).encode())
+    assert earlier is not None
+    assert later is not None
+    assert earlier.prefilling == 1
+    assert not earlier.queued  # a prefilling slot may be ours
+    assert judge(later, earlier.progress) == "working"
+    assert judge(earlier, earlier.progress) == "no_progress"

@@ -54,7 +54,9 @@ Built-in readers (see ``docs/watchdog.md`` for the formats):
 - :func:`llamacpp_slots`: llama.cpp server's ``/slots``. Busy when a slot has
   ``is_processing: true`` (older builds: ``state != 0``). Progress is each
   busy slot's ``next_token.n_decoded`` (``next_token`` is an object in older
-  builds and a list of objects in current ones), but only once every busy slot has
+  builds and a list of objects in current ones; current builds also count a
+  prompt's processed tokens, ``n_prompt_tokens_processed``, which then make
+  the progress of a prefilling slot), but only once every busy slot has
   started generating: a slot still processing its prompt shows no counter
   there, and reading a flat ``0`` as "starved" would kill a healthy prefill.
 - :func:`auto_reader` (the default) tries the above by shape.
@@ -199,6 +201,7 @@ def llamacpp_slots(body: bytes) -> Status | None:
     if not isinstance(data, list) or not data:
         return None
     busy_slots: list[tuple[Any, int | None]] = []
+    prefill: list[int | None] = []
     for slot in data:
         if not isinstance(slot, dict):
             return None
@@ -207,9 +210,16 @@ def llamacpp_slots(body: bytes) -> Status | None:
             return None
         if busy:
             busy_slots.append((slot.get("id"), _decoded(slot)))
+            prefill.append(_count(slot.get("n_prompt_tokens_processed")))
     progress: Hashable | None = None
     if busy_slots and all(d is not None and d > 0 for _, d in busy_slots):
         progress = tuple(sorted((str(i), d) for i, d in busy_slots))
+    elif busy_slots and all(p is not None for p in prefill):
+        # Current builds count a prompt's tokens as they are processed: a
+        # prefilling slot shows progress too.
+        progress = tuple(
+            sorted((str(i), d or 0, p) for (i, d), p in zip(busy_slots, prefill, strict=True))
+        )
     prefilling = sum(1 for _, d in busy_slots if not d)
     detail = f"{len(busy_slots)}/{len(data)} busy"
     if busy_slots and prefilling == 0 and len(busy_slots) == len(data):
