@@ -490,7 +490,10 @@ class _Stream:
             self.rearm_after = True  # the timer stopped while it waited for a boundary
         if self.queue:
             events, self.queue = self.queue, []
-            return b"".join(self._line(e, False) for e in events)
+            line = self._line
+            if len(events) == 1:
+                return line(events[0], False)
+            return b"".join([line(e, False) for e in events])
         state = self.req.state or _WAITING_STATE
         if state.get("state") == "generating":
             observer = self.observer or self.req.observer
