@@ -167,8 +167,8 @@ def build(kind: str, tower: str, hosted: str) -> Any:
         snap = tracemalloc.take_snapshot()
         text = ""
         if snapshots:
-            by = "traceback" if tracemalloc.get_traceback_limit() > 1 else "lineno"
-            stats = snap.compare_to(snapshots[-1], by)[:12]
+            by = "traceback" if tracemalloc.get_traceback_limit() > 1 else "filename"
+            stats = snap.compare_to(snapshots[-1], by)[:25]
             text = "\n".join(
                 str(s) + "\n  " + "\n  ".join(s.traceback.format()[-12:]) for s in stats
             )
