@@ -180,7 +180,9 @@ def build(kind: str, tower: str, hosted: str) -> Any:
     return app
 
 
-def run_gateway(kind: str, port: int, tower: str, hosted: str, interval: float) -> None:
+def run_gateway(
+    kind: str, port: int, tower: str, hosted: str, interval: float, http: str = "h11"
+) -> None:
     import uvicorn
 
     raise_fd_limit()
@@ -198,6 +200,7 @@ def run_gateway(kind: str, port: int, tower: str, hosted: str, interval: float) 
         lifespan="off",
         backlog=4096,
         timeout_keep_alive=3600,
+        http=http,
     )
 
 
@@ -297,7 +300,10 @@ async def measure(
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
     tower, hosted = f"http://127.0.0.1:{tower_port}", f"http://127.0.0.1:{hosted_port}"
-    proc = ctx.Process(target=run_gateway, args=(kind, port, tower, hosted, interval), daemon=True)
+    http = os.environ.get("WAITING_HTTP", "h11")
+    proc = ctx.Process(
+        target=run_gateway, args=(kind, port, tower, hosted, interval, http), daemon=True
+    )
     proc.start()
     loop = asyncio.get_running_loop()
     callers: list[Caller] = []
@@ -365,8 +371,13 @@ async def measure(
             if c.transport is not None:
                 c.transport.close()
         callers.clear()
-        await asyncio.sleep(3)
-        result["fds_after"] = proc_stats(proc.pid)["fds"]
+        left = time.monotonic()
+        fds = proc_stats(proc.pid)["fds"]
+        while fds > base["fds"] + 2 and time.monotonic() - left < 30:
+            await asyncio.sleep(0.5)
+            fds = proc_stats(proc.pid)["fds"]
+        result["fds_after"] = fds
+        result["fds_after_s"] = round(time.monotonic() - left, 1)
         return result
     finally:
         for c in callers:
@@ -386,11 +397,15 @@ def main() -> None:
     parser.add_argument(
         "--settle", type=float, default=1.5, help="pause after each batch (its commits)"
     )
+    parser.add_argument(
+        "--http", choices=["h11", "httptools"], default="h11", help="uvicorn's HTTP parser"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--trace-memory", type=int, default=0, help="frames: print the gateway top allocations"
     )
     args = parser.parse_args()
+    os.environ["WAITING_HTTP"] = args.http
     if args.trace_memory:
         os.environ["WAITING_TRACE_MEMORY"] = str(args.trace_memory)
     limit = raise_fd_limit()
@@ -433,7 +448,8 @@ def main() -> None:
                         f"{r['admit_ms_cpu_last_batch']} ms; RSS {r['rss_base_mb']}->"
                         f"{r['rss_held_mb']} MB = {r['kib_per_stream']} KiB/stream; keepalive "
                         f"window {r['keepalive_core_pct']}% of a core ({r['lines_per_stream']} "
-                        f"lines/stream); fds {r['fds_base']}->{r['fds_held']}->{r['fds_after']}",
+                        f"lines/stream); fds {r['fds_base']}->{r['fds_held']}->{r['fds_after']} "
+                        f"({r['fds_after_s']} s after the callers left)",
                         flush=True,
                     )
         pairs: dict[int, dict[str, dict[str, Any]]] = {}
