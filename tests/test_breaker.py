@@ -351,7 +351,10 @@ async def test_alone_in_front_of_one_backend_it_answers_503_fast_while_open():
     assert took < 1.5  # no upstream round trip; the real proof is the request count below
     assert response.headers["retry-after"] == "30"
     error = response.json()["error"]
-    assert error["backends"] == [{"backend": "tower", "state": "open", "retry_in_s": 30.0}]
+    (shown,) = error["backends"]
+    # The cooldown runs on the real clock: on a busy machine a tenth of a second may be gone.
+    assert {k: shown[k] for k in ("backend", "state")} == {"backend": "tower", "state": "open"}
+    assert 28.5 <= shown["retry_in_s"] <= 30.0
     assert len(tower.requests) == 2
 
 

@@ -29,6 +29,14 @@ import httpx
 __all__ = ["FlatPool", "FlatTransport"]
 
 
+def _closed_on_reuse(exc: Exception) -> bool:
+    """True when a reused connection failed as a connection the server closed does:
+    a reset, a write into a closed socket, or its end before any response byte."""
+    if isinstance(exc, httpcore.RemoteProtocolError):
+        return "without sending a response" in str(exc)
+    return True
+
+
 class FlatPool:
     """HTTP/1.1 connections, no cap on how many, at most ``max_keepalive`` idle per origin."""
 
@@ -75,13 +83,26 @@ class FlatPool:
             raise httpcore.PoolTimeout("the connection pool is closed")  # pragma: no cover
         origin = request.url.origin
         conn = self._take(origin)
-        if conn is None:
-            conn = httpcore.AsyncHTTPConnection(
-                origin=origin,
-                ssl_context=self._ssl_context,
-                keepalive_expiry=self._expiry,
-                socket_options=self._socket_options,
-            )
+        if conn is not None:
+            try:
+                return await self._send(conn, request)
+            except (httpcore.ReadError, httpcore.WriteError, httpcore.RemoteProtocolError) as exc:
+                # The server closed this idle keep-alive connection as we reused it (its
+                # own idle timeout raced ours): nothing came back, so try once more on a
+                # new connection rather than fail a healthy backend.
+                if not _closed_on_reuse(exc):
+                    raise
+        conn = httpcore.AsyncHTTPConnection(
+            origin=origin,
+            ssl_context=self._ssl_context,
+            keepalive_expiry=self._expiry,
+            socket_options=self._socket_options,
+        )
+        return await self._send(conn, request)
+
+    async def _send(
+        self, conn: httpcore.AsyncHTTPConnection, request: httpcore.Request
+    ) -> httpcore.Response:
         self._busy.add(conn)
         try:
             response = await conn.handle_async_request(request)
