@@ -39,9 +39,9 @@ def _ensure_venv() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"demo", "test", "bench", "lint", "docs"}:
+    if not argv or argv[0] not in {"demo", "test", "bench", "soak", "lint", "docs"}:
         print(__doc__)
-        print("commands: demo | test | bench | lint | docs")
+        print("commands: demo | test | bench | soak | lint | docs")
         return 2
     cmd, rest = argv[0], argv[1:]
     _ensure_venv()
@@ -52,6 +52,8 @@ def main(argv: list[str]) -> int:
         return subprocess.call([str(PY), "-m", "pytest", *rest], cwd=ROOT, env=env)
     if cmd == "bench":
         return subprocess.call([str(PY), str(ROOT / "bench" / "overhead.py"), *rest], env=env)
+    if cmd == "soak":
+        return subprocess.call([str(PY), str(ROOT / "bench" / "soak.py"), *rest], env=env)
     if cmd == "docs":
         return subprocess.call([str(PY), "-m", "mkdocs", "build", "--strict", *rest], cwd=ROOT)
     steps = [

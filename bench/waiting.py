@@ -283,7 +283,14 @@ async def wait_up(port: int) -> None:
 
 
 async def measure(
-    kind: str, k: int, batch: int, interval: float, window: float, counts: Any, ports: Any
+    kind: str,
+    k: int,
+    batch: int,
+    interval: float,
+    window: float,
+    counts: Any,
+    ports: Any,
+    settle: float,
 ) -> dict[str, Any]:
     tower_port, hosted_port = ports
     tracing = bool(os.environ.get("WAITING_TRACE_MEMORY"))
@@ -321,6 +328,8 @@ async def measure(
                     break
                 await asyncio.sleep(0.02)
             per_batch.append((proc_stats(proc.pid)["cpu"] - before) / n * 1e3)
+            if settle:
+                await asyncio.sleep(settle)  # its commits fall here, not in the next batch
         admit_s = time.monotonic() - t0
         await asyncio.sleep(2.5)  # the commit (1 s) and the first lines
         held_stats = proc_stats(proc.pid)
@@ -374,6 +383,9 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=10.0, help="keepalive interval (s)")
     parser.add_argument("--window", type=float, default=20.0, help="keepalive CPU window (s)")
     parser.add_argument("--only", choices=["bare", "stack"], help="measure one gateway")
+    parser.add_argument(
+        "--settle", type=float, default=1.5, help="pause after each batch (its commits)"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--trace-memory", type=int, default=0, help="frames: print the gateway top allocations"
@@ -403,7 +415,7 @@ def main() -> None:
                 async def one(kind: str = kind, k: int = k) -> dict[str, Any]:
                     await wait_up(ports[0])
                     return await measure(
-                        kind, k, args.batch, args.interval, args.window, counts, ports
+                        kind, k, args.batch, args.interval, args.window, counts, ports, args.settle
                     )
 
                 result = asyncio.run(one())

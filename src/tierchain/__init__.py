@@ -36,6 +36,7 @@ from .learned import Learned
 from .prefer import PreferBackend
 from .redis_store import RedisStore
 from .request import Attempt, TierRequest, current_attempt
+from .shed import Shed
 from .store import MemoryStore
 from .telemetry import VERSION as __version__
 from .watchdog import SaturationWatchdog
@@ -67,6 +68,7 @@ __all__ = [
     "RetryableStatus",
     "Routes",
     "SaturationWatchdog",
+    "Shed",
     "StartupIdentity",
     "StoreUnavailable",
     "TierRequest",

@@ -35,7 +35,9 @@ Breaker's own):
 - saturation: ``BackendSaturated``;
 - neutral (counts nothing, clears nothing, frees a probe slot): a 4xx other
   than 429, a cancelled attempt (the caller left), a spent budget, a backend
-  skipped as busy (``BackendBusy``: busy is not a failure).
+  skipped as busy (``BackendBusy``: busy is not a failure), and a
+  ``BackendUnavailable`` the gateway caused itself (``gateway_fault``: a wait
+  for a pooled connection, a connect timeout while its event loop ran late).
 
 So a tower that keeps breaking mid-stream is skipped after
 ``failure_threshold`` like any other failing backend.
@@ -56,6 +58,7 @@ from .errors import (
     BackendBusy,
     BackendSaturated,
     BackendSkipped,
+    BackendUnavailable,
     RetryableStatus,
     TierchainError,
 )
@@ -333,6 +336,8 @@ def _classify(exc: BaseException) -> tuple[Outcome, float | None]:
         return "neutral", None
     if isinstance(exc, BackendSkipped | BackendBusy):
         return "neutral", None  # an inner breaker's verdict, or no room: not a failure
+    if isinstance(exc, BackendUnavailable) and exc.gateway_fault:
+        return "neutral", None  # the gateway's own slowness, not this backend's
     if isinstance(exc, AttemptError):
         return "failure", None
     if isinstance(exc, TierchainError):

@@ -116,6 +116,14 @@ def integer(minimum: int, maximum: int | None = None) -> Parser:
     return parse
 
 
+def count_or_none(raw: str) -> int | None:
+    """A whole number >= 1, or ``none`` (no limit)."""
+    if raw.strip().lower() in _NONE_WORDS:
+        return None
+    value: int = integer(1)(raw)
+    return value
+
+
 def fraction(raw: str) -> float:
     """A number in (0, 1], such as ``0.8``."""
     value = float(raw.strip())
@@ -354,6 +362,13 @@ LAYERS: tuple[Layer, ...] = (
         _o("access_log", "ACCESS_LOG", boolean, _BOOL,
            help="One uvicorn.access line per request (default off)."),
     ), help="Read by tierchain serve only."),
+    Layer("Shed", "tierchain.shed", "middleware", (
+        _o("max_concurrent", "SHED_MAX_CONCURRENT", count_or_none,
+           f"{_COUNT}, or none (no limit)",
+           help="Requests in flight in this process beyond which new ones get 503."),
+        _o("retry_after", "SHED_RETRY_AFTER", seconds(), _SECS_NONNEG,
+           help="The Retry-After a shed request is given."),
+    )),
     Layer("Heartbeats", "tierchain.heartbeats", "middleware", (
         _o("interval", "HEARTBEAT_INTERVAL", seconds(), f"{_SECS} (0: no keepalives)"),
         _o("commit_after", "HEARTBEAT_COMMIT_AFTER", seconds(), _SECS_NONNEG),

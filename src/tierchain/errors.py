@@ -110,10 +110,20 @@ class BackendUnavailable(AttemptError):
     """The backend could not be reached or broke the connection.
 
     ``reason`` is one of ``connect_refused``, ``connect_timeout``,
-    ``connection_reset``, ``stream_broken`` or ``protocol_error``.
+    ``connection_reset``, ``stream_broken``, ``protocol_error`` or
+    ``pool_timeout``. ``gateway_fault`` is True when the gateway itself caused
+    it (a wait for a pooled connection, or a connect timeout while the
+    gateway's event loop was running late): the chain still advances, but no
+    breaker counts it against the backend.
     """
 
     reason = "unavailable"
+
+    def __init__(
+        self, message: str = "", *, reason: str | None = None, gateway_fault: bool = False
+    ) -> None:
+        super().__init__(message, reason=reason)
+        self.gateway_fault = gateway_fault
 
 
 class StreamError(AttemptError):

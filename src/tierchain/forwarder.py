@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +44,8 @@ from opentelemetry import propagate
 
 from ._body import CallerGone, read_body
 from ._disconnect import DisconnectGuard
+from ._lag import lag_since
+from ._lag import watch as watch_lag
 from ._pool import FlatTransport
 from ._responses import send_json_error
 from ._target import BadTarget, Target, refuse, request_target, upstream_url
@@ -75,6 +78,12 @@ _TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
 _NOT_FORWARDED = _HOP_BY_HOP | _TRACE_CONTEXT | {b"host", b"content-length", b"accept-encoding"}
 _NOT_RETURNED = _HOP_BY_HOP | {b"set-cookie", b"date", b"server"}
 """``date`` and ``server`` come from the server in front (uvicorn adds its own)."""
+# A connect timeout counts as the gateway's own when its event loop ran this share of
+# the connect timeout late while it waited.
+_LAG_SHARE = 0.25
+# A backend is given at most this many fresh connect windows for the gateway's lag.
+_EXTENSIONS = 3
+_EARLY = 0.001  # the lag check runs this long before the deadline it may move
 _HEADERS_SENT = frozenset(
     {"http11.send_request_headers.started", "http2.send_request_headers.started"}
 )
@@ -122,8 +131,13 @@ class Forwarder:
                 max_connections=None, max_keepalive_connections=self._max_keepalive
             )
             self._client = httpx.AsyncClient(
+                # connect_timeout itself is applied by _forward (with patience for the
+                # gateway's own lag); httpx's bound is only a backstop.
                 timeout=httpx.Timeout(
-                    connect=self.connect_timeout, read=None, write=None, pool=None
+                    connect=self.connect_timeout * (_EXTENSIONS + 2),
+                    read=None,
+                    write=None,
+                    pool=None,
                 ),
                 limits=limits,
                 # Its cost per request does not grow with the streams held (see _pool).
@@ -214,24 +228,64 @@ class Forwarder:
         raise_errors: bool,
     ) -> None:
         request = self._build(scope, target, body, backend)
-        timer = asyncio.timeout(self.connect_timeout)
+        loop = asyncio.get_running_loop()
+        timeout = self.connect_timeout
+        timer = asyncio.timeout(timeout)
+        connecting = False  # a connection attempt started (not a wait for a pooled one)
+        watch_lag()
+        window = time.monotonic()
+        extended = 0
+        check: asyncio.TimerHandle | None = None
+
+        def patience() -> None:
+            # Runs just before the deadline: if the event loop ran late during this
+            # window, the lost time was the gateway's, so the backend gets a new window.
+            nonlocal extended, window, check
+            if lag_since(window) >= timeout * _LAG_SHARE and extended < _EXTENSIONS:
+                extended += 1
+                window = time.monotonic()
+                timer.reschedule(loop.time() + timeout)
+                check = loop.call_later(timeout - _EARLY, patience)
+
+        check = loop.call_later(timeout - _EARLY, patience)
 
         async def trace(name: str, info: Mapping[str, Any]) -> None:
+            nonlocal connecting
             if name in _HEADERS_SENT:
                 timer.reschedule(None)  # connected: the set-up deadline is met
+                if check is not None:
+                    check.cancel()
+            elif name == "connection.connect_tcp.started":
+                connecting = True
 
         request.extensions["trace"] = trace
         try:
             async with timer:
                 response = await self.client.send(request, stream=True)
+        except httpx.PoolTimeout:
+            return await self._unavailable(
+                scope, send, backend, "pool_timeout", raise_errors, gateway_fault=True
+            )
         except (httpx.ConnectTimeout, TimeoutError):
-            return await self._unavailable(scope, send, backend, "connect_timeout", raise_errors)
+            # The gateway's own slowness is not the backend's failure: a deadline spent
+            # waiting for a pooled connection, or while the event loop ran late.
+            lag = lag_since(window)
+            if not connecting:
+                reason, ours = "pool_timeout", True
+            else:
+                reason, ours = "connect_timeout", lag >= self.connect_timeout * _LAG_SHARE
+            return await self._unavailable(
+                scope, send, backend, reason, raise_errors, gateway_fault=ours, lag=lag
+            )
         except httpx.ConnectError:
             return await self._unavailable(scope, send, backend, "connect_refused", raise_errors)
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
             return await self._unavailable(scope, send, backend, "connection_reset", raise_errors)
         except httpx.TransportError:
             return await self._unavailable(scope, send, backend, "protocol_error", raise_errors)
+        finally:
+            if check is not None:
+                check.cancel()
 
         # Alone, the Forwarder passes on whole events only (its own observer); inside a
         # Failover, Failover's observer does that.
@@ -279,11 +333,32 @@ class Forwarder:
             await response.aclose()
 
     async def _unavailable(
-        self, scope: Scope, send: Send, backend: Backend, reason: str, raise_errors: bool
+        self,
+        scope: Scope,
+        send: Send,
+        backend: Backend,
+        reason: str,
+        raise_errors: bool,
+        *,
+        gateway_fault: bool = False,
+        lag: float = 0.0,
     ) -> None:
         message = f"backend {backend.name!r} is unreachable ({reason})"
+        if gateway_fault:
+            message = (
+                f"backend {backend.name!r} was not reached in time because the gateway "
+                f"is overloaded ({reason}, event loop {lag:.2f}s late)"
+            )
+            log_event(
+                "forward.gateway_overloaded",
+                level=30,
+                backend=backend.name,
+                reason=reason,
+                loop_lag_s=round(lag, 3),
+            )
         if raise_errors:
-            _leave_cause(scope, BackendUnavailable(message, reason=reason))
+            cause = BackendUnavailable(message, reason=reason, gateway_fault=gateway_fault)
+            _leave_cause(scope, cause)
             return  # Failover finds the cause; nothing was sent
         await send_json_error(send, 502, message, "upstream_unavailable", reason)
 

@@ -69,6 +69,7 @@ import math
 import time
 import weakref
 from collections import deque
+from collections.abc import Coroutine, Generator
 from typing import Any
 
 from opentelemetry import trace
@@ -277,6 +278,46 @@ class _Clock:
 
 
 _QUANTUM = 0.002  # the timer wakes at most this often; a line may be this late
+
+
+class _Resume:
+    """Await a coroutine that was already run up to ``waiting_on`` (what it waits for)."""
+
+    __slots__ = ("coro", "waiting_on")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], waiting_on: Any) -> None:
+        self.coro = coro
+        self.waiting_on = waiting_on
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, value = self.coro, self.waiting_on
+        self.waiting_on = None
+        while True:
+            try:
+                sent = yield value
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # cancellation: it goes to the coroutine
+                try:
+                    value = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    value = coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
+
+
+async def _carry_on(coro: Coroutine[Any, Any, Any], waiting_on: Any) -> Any:
+    """The rest of a write that began outside any task and has to wait."""
+    return await _Resume(coro, waiting_on)
+
+
+# Marks a write being run at once (never awaited or cancelled: it is done before the
+# loop runs anything else).
+_AT_ONCE: Any = object()
 _EMPTY_CONTEXT = contextvars.Context()
 _CLOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Clock] = weakref.WeakKeyDictionary()
 _last_clock: _Clock | None = None
@@ -355,7 +396,7 @@ class _Stream:
         self.live = False
         self.clock: _Clock | None = None
         self.entry: list[Any] | None = None  # its place in the keepalive timer
-        self.writer: asyncio.Task[None] | None = None  # a timer-started write
+        self.writer: asyncio.Task[Any] | None = None  # a timer-started write
         self.context = contextvars.copy_context()  # the request's: for that write
         self.awaiting_body = False  # the commit is due once the body says "stream"
         self.rearm_after = False  # a held-back keepalive went out: time the next one
@@ -668,16 +709,35 @@ class _Stream:
         elif self.writer is not None:
             return  # a write is under way: it times the next keepalive when done
         elif not self.in_send and self._at_boundary():
-            self._kick()
+            self._kick(at_once=True)
         else:
             self.keepalive_due = True  # written at the next event boundary
 
-    def _kick(self) -> None:
-        """Start a write of whatever is owed, unless one is under way."""
-        if self.writer is None and not self.gone and not self.broken and self.phase < _PASS:
-            self.writer = asyncio.get_running_loop().create_task(
-                self._write_owed(), name=TASK_NAME, context=self.context
-            )
+    def _kick(self, *, at_once: bool = False) -> None:
+        """Start a write of whatever is owed, unless one is under way.
+
+        ``at_once`` (the timer's call): run the write right here, in the request's
+        context, and make a task only if it has to wait (a slow reader, the lock):
+        a keepalive to a reader keeping up costs no task and no extra loop turn.
+        """
+        if self.writer is not None or self.gone or self.broken or self.phase >= _PASS:
+            return
+        loop = asyncio.get_running_loop()
+        if not at_once:
+            self.writer = loop.create_task(self._write_owed(), name=TASK_NAME, context=self.context)
+            return
+        coro = self._write_owed()
+        self.writer = _AT_ONCE  # (so nothing starts a second write meanwhile)
+        try:
+            waiting_on = self.context.run(coro.send, None)
+        except StopIteration:
+            return  # done: it cleared self.writer itself
+        except BaseException:
+            self.writer = None
+            raise
+        self.writer = loop.create_task(
+            _carry_on(coro, waiting_on), name=TASK_NAME, context=self.context
+        )
 
     def _rearm(self) -> None:
         """Put the stream back in the timer for its next keepalive."""
@@ -770,7 +830,7 @@ class _Stream:
                 entry[2] = None
                 self.entry = None
             writer = self.writer
-            if writer is not None:
+            if writer is not None and writer is not _AT_ONCE:
                 writer.cancel()
                 await asyncio.wait([writer])
 

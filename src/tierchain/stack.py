@@ -103,8 +103,9 @@ def build_stack(
 
     Outermost first: the identity line, the Admin mount (when a token is set),
     the :class:`~tierchain.endpoints.Endpoints` (answered here, never
-    forwarded), then Heartbeats, Budget, PreferBackend, Failover, Breaker,
-    SaturationWatchdog: each that is enabled, with its configured options. One
+    forwarded), then Shed (when ``TIERCHAIN_SHED_MAX_CONCURRENT`` is set),
+    Heartbeats, Budget, PreferBackend, Failover, Breaker, SaturationWatchdog:
+    each that is enabled, with its configured options. One
     store (``store``, or one made from ``TIERCHAIN_STORE_URL``) is shared by
     every piece that takes one; a store made here is closed on lifespan
     shut-down. A constructor that rejects its options raises
@@ -134,6 +135,10 @@ def build_stack(
         built = construct(name, inner)
         if built is not None:
             inner = built
+    if settings.layers["Shed"].options.get("max_concurrent") is not None:
+        shed = construct("Shed", inner)  # outermost of the middlewares
+        if shed is not None:
+            inner = shed
     inner = Endpoints(
         inner,
         routes=settings.routes,

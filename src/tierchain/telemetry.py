@@ -65,6 +65,10 @@ BUDGET_EXHAUSTED = Counter(
     "Requests answered 504 because their budget was spent.",
     ["route"],
 )
+SHED_REQUESTS = Counter(
+    "tierchain_shed_requests",
+    "Requests answered 503 by Shed because the process was at capacity.",
+)
 STREAM_HEARTBEATS = Counter(
     "tierchain_stream_heartbeats",
     "Heartbeat comment lines written into streams, by state.",

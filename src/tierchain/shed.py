@@ -1,0 +1,77 @@
+"""Shed: past a number of requests in flight, answer 503 at once instead of slowing every stream.
+
+A gateway process has a capacity: one event loop, so many streams it can keep
+moving. Past it, every request slows down together (admissions take longer,
+keepalives and connect timeouts run late) until healthy backends start to look
+broken. ``Shed`` counts the HTTP requests in flight in this process and, when
+``max_concurrent`` are already in flight, answers a new one ``503`` with a
+``Retry-After`` header and an OpenAI-style JSON error body (type
+``overloaded``, code ``gateway_overloaded``), without reading its body or
+passing it on. Clients that honour ``Retry-After`` (the OpenAI SDKs do) come
+back; a load balancer sends them elsewhere.
+
+It belongs outermost, in front of Heartbeats, so that a shed request costs
+nothing but the answer. ``max_concurrent=None`` (the default) sheds nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._responses import send_json_error
+from ._types import ASGIApp, Receive, Scope, Send
+from .telemetry import SHED_REQUESTS
+
+__all__ = ["Shed"]
+
+
+class Shed:
+    """Answer ``503`` + ``Retry-After`` once ``max_concurrent`` requests are in flight.
+
+    ``max_concurrent``: HTTP requests this instance lets through at once (None:
+    no limit). ``retry_after``: seconds put in the ``Retry-After`` header
+    (rounded up to a whole second). Only ``http`` scopes count; lifespan and
+    websocket scopes pass through.
+    """
+
+    def __init__(
+        self, app: ASGIApp, *, max_concurrent: int | None = None, retry_after: float = 1.0
+    ) -> None:
+        if max_concurrent is not None and (
+            isinstance(max_concurrent, bool) or int(max_concurrent) != max_concurrent
+        ):
+            raise ValueError(f"max_concurrent must be a whole number, got {max_concurrent!r}")
+        if max_concurrent is not None and max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1 (or None), got {max_concurrent!r}")
+        retry_after = float(retry_after)
+        if not math.isfinite(retry_after) or retry_after < 0:
+            raise ValueError(
+                f"retry_after must be a finite number of seconds >= 0, got {retry_after!r}"
+            )
+        self.app = app
+        self.max_concurrent = None if max_concurrent is None else int(max_concurrent)
+        self.retry_after = retry_after
+        self._retry_header = str(math.ceil(retry_after)).encode()
+        self.in_flight = 0
+        """HTTP requests in flight through this instance now."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.max_concurrent is None:
+            return await self.app(scope, receive, send)
+        if self.in_flight >= self.max_concurrent:
+            SHED_REQUESTS.inc()
+            await send_json_error(
+                send,
+                503,
+                f"the gateway is at capacity ({self.max_concurrent} requests in flight); "
+                f"retry in {self._retry_header.decode()}s",
+                "overloaded",
+                "gateway_overloaded",
+                headers=[(b"retry-after", self._retry_header)],
+            )
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
