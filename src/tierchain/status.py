@@ -9,7 +9,9 @@ HTTP client of its own that it closes when it stops; :meth:`StatusBoard.aclose`
 cancels them all.
 
 :meth:`StatusBoard.peek` never waits: it answers the latest status if it is
-fresher than ``stale_after`` seconds, otherwise None (unknown). A status that
+fresher than ``stale_after`` seconds, otherwise None (unknown). When an attempt
+at the backend ends, what was read before is dropped
+(:meth:`StatusBoard.outdated`): the slot it showed busy may have been ours. A status that
 is stale, slow or failing never blocks a backend: unknown means try it.
 
 :func:`full` applies the thresholds (the same defaults as the Gateway API
@@ -76,13 +78,14 @@ def idle(status: Status | None) -> bool:
 
 
 class _Poller:
-    __slots__ = ("asked", "at", "latest", "loop", "reader", "task")
+    __slots__ = ("asked", "at", "latest", "loop", "not_before", "reader", "task")
 
     def __init__(self, reader: Reader, loop: asyncio.AbstractEventLoop) -> None:
         self.reader = reader
         self.loop = loop
         self.latest: Status | None = None
         self.at = -math.inf
+        self.not_before = -math.inf
         self.asked = time.monotonic()
         self.task: asyncio.Task[None] | None = None
 
@@ -134,6 +137,18 @@ class StatusBoard:
             return None
         return poller.latest
 
+    def outdated(self, url: str) -> None:
+        """An attempt at this backend just ended: what was read before no longer holds.
+
+        Without this, a one-slot server still busy with our own previous
+        request in the last poll would turn the next request away as busy.
+        """
+        poller = self._pollers.get(url)
+        if poller is not None:
+            poller.latest = None
+            poller.at = -math.inf
+            poller.not_before = time.monotonic()
+
     def polling(self) -> list[str]:
         """The status URLs being polled now."""
         return [u for u, p in self._pollers.items() if p.task is not None and not p.task.done()]
@@ -145,6 +160,8 @@ class StatusBoard:
             while time.monotonic() - poller.asked < self.idle_stop:
                 started = time.monotonic()
                 status = await fetch_status(client, url, limit=self.timeout, reader=poller.reader)
+                if started < poller.not_before:
+                    status = None  # asked before an attempt there ended: outdated
                 poller.latest = status
                 poller.at = time.monotonic() if status is not None else -math.inf
                 await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))

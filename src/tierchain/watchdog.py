@@ -229,7 +229,22 @@ class SaturationWatchdog:
             and attempt.backend.status_url is not None
             and not attempt.is_last
         ):
-            self._check_room(attempt.backend.name, attempt.backend.status_url)
+            url = attempt.backend.status_url
+            self._check_room(attempt.backend.name, url)
+            try:
+                return await self._attempt(scope, receive, send, req, attempt)
+            finally:
+                self.board.outdated(url)  # the slot it showed busy may have been ours
+        return await self._attempt(scope, receive, send, req, attempt)
+
+    async def _attempt(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        req: TierRequest | None,
+        attempt: Attempt | None,
+    ) -> None:
         learned = False
         if self.learned is not None and attempt is not None:
             window, learned = self.learned.window(attempt.backend.name, req.body if req else None)
