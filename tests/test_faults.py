@@ -325,6 +325,7 @@ async def test_when_every_tier_says_429_the_caller_gets_429_with_the_soonest_ret
         await gw.aclose()
     assert response.status_code == 429
     assert response.headers["retry-after"] == "3"
+    assert response.json()["error"]["type"] == "rate_limit_exceeded"
     attempts = response.json()["error"]["attempts"]
     assert attempts == [
         {
@@ -353,7 +354,35 @@ async def test_when_any_tier_says_503_the_caller_gets_503():
         await gw.aclose()
     assert response.status_code == 503
     assert response.headers["retry-after"] == "2"
+    assert response.json()["error"]["type"] == "all_backends_busy"
     assert [a["message"] for a in response.json()["error"]["attempts"]] == ["overloaded", "x"]
+
+
+async def test_a_tier_skipped_as_busy_then_a_429_is_503_not_429():
+    async with (
+        FakeBackend("tower", streams(["never"])) as tower,
+        FakeBackend(
+            "hosted", answers(429, b'{"error":{"message":"slow down"}}', **{"Retry-After": "4"})
+        ) as hosted,
+    ):
+        chain = [Backend("tower", tower.url, max_in_flight=1), Backend("hosted", hosted.url)]
+        forwarder = Forwarder()
+        failover = Failover(forwarder, routes=Routes({"echo": chain}), store=MemoryStore())
+        held = await failover.admission.enter(chain[0], last=False)  # the tower is full
+        async with serve(failover) as url:
+            response = await post(url, stream=False)
+        await failover.admission.leave(held)
+        await forwarder.aclose()
+    assert tower.requests == []
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "4"
+    error = response.json()["error"]
+    assert error["type"] == "all_backends_busy"
+    assert [(a["backend"], a["outcome"]) for a in error["attempts"]] == [
+        ("tower", "busy"),
+        ("hosted", "http_429"),
+    ]
+    assert error["attempts"][1]["message"] == "slow down"
 
 
 # -- the official SDK never takes a broken answer for a whole one ----------------------
