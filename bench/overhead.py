@@ -28,7 +28,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import httpx
+from readme_stack import wait_up
 
 import tierchain
 from tierchain import Backend, Failover, Forwarder, Routes
@@ -249,19 +251,6 @@ def _serve(kind: str, port: int, upstream_port: int) -> None:
     )
 
 
-async def _wait_up(port: int) -> None:
-    for _ in range(200):
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            await asyncio.sleep(0.05)
-            continue
-        writer.close()
-        await writer.wait_closed()
-        return
-    raise RuntimeError(f"nothing listens on port {port}")
-
-
 async def load(url: str, requests: int, concurrency: int, chunks: int) -> tuple[float, float]:
     """(requests per second, chunks per second) for ``requests`` POSTs at ``concurrency``."""
     queue = iter(range(requests))
@@ -299,7 +288,7 @@ def loopback(requests: int, stream_requests: int, chunks: int, rounds: int) -> d
 
         async def run() -> None:
             for port in [up_port, *ports.values()]:
-                await _wait_up(port)
+                await wait_up(port, tries=200)
             for port in ports.values():  # warm-up
                 await load(f"http://127.0.0.1:{port}/v1/chat/completions", 100, 8, 1)
             for _ in range(rounds):

@@ -150,37 +150,19 @@ class Tower:
 
 
 def build_gateway(tower: str, hosted: str) -> Any:
-    from fastapi import FastAPI
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from readme_stack import readme_gateway
 
-    from tierchain import (
-        Backend,
-        Breaker,
-        Budget,
-        Failover,
-        Forwarder,
-        Heartbeats,
-        PreferBackend,
-        Routes,
-        SaturationWatchdog,
+    app = readme_gateway(
+        tower,
+        hosted,
+        slow_after=1.5,
+        stall_after=2.0,
+        budget=60.0,
+        interval=2.0,
+        failure_cooldown=5.0,
+        saturation_cooldown=10.0,
     )
-
-    routes = Routes(
-        {
-            "echo": [
-                Backend(name="tower", url=tower, regime="local"),
-                Backend(name="hosted", url=hosted, regime="hosted"),
-            ]
-        }
-    )
-    forwarder = Forwarder(connect_timeout=2.0)
-    app = FastAPI()
-    app.mount("/v1", forwarder)
-    app.add_middleware(SaturationWatchdog, slow_after=1.5, stall_after=2.0)
-    app.add_middleware(Breaker, failure_cooldown=5.0, saturation_cooldown=10.0)
-    app.add_middleware(Failover, routes=routes, paths=("/v1/",))
-    app.add_middleware(PreferBackend)
-    app.add_middleware(Budget, default=60.0)
-    app.add_middleware(Heartbeats, interval=2.0)
 
     async def gateway(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/_soak/stats":

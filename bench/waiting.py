@@ -37,6 +37,9 @@ import sys
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from readme_stack import wait_up
+
 BODY = json.dumps(
     {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 ).encode()
@@ -109,7 +112,6 @@ def build(kind: str, tower: str, hosted: str) -> Any:
 
     metrics = make_asgi_app()
     if kind == "bare":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import httpx
         from overhead import BareProxy
 
@@ -119,37 +121,16 @@ def build(kind: str, tower: str, hosted: str) -> Any:
             timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
         )
     else:
-        from fastapi import FastAPI
+        from readme_stack import readme_gateway
 
-        from tierchain import (
-            Backend,
-            Breaker,
-            Budget,
-            Failover,
-            Forwarder,
-            Heartbeats,
-            PreferBackend,
-            Routes,
-            SaturationWatchdog,
+        inner = readme_gateway(
+            tower,
+            hosted,
+            slow_after=3600.0,
+            stall_after=3600.0,
+            budget=3600.0,
+            interval=float(os.environ["WAITING_INTERVAL"]),
         )
-
-        routes = Routes(
-            {
-                "echo": [
-                    Backend(name="tower", url=tower, regime="local"),
-                    Backend(name="hosted", url=hosted, regime="hosted"),
-                ]
-            }
-        )
-        forwarder = Forwarder(connect_timeout=2.0)
-        inner = FastAPI()
-        inner.mount("/v1", forwarder)
-        inner.add_middleware(SaturationWatchdog, slow_after=3600.0, stall_after=3600.0)
-        inner.add_middleware(Breaker)
-        inner.add_middleware(Failover, routes=routes, paths=("/v1/",))
-        inner.add_middleware(PreferBackend)
-        inner.add_middleware(Budget, default=3600.0)
-        inner.add_middleware(Heartbeats, interval=float(os.environ["WAITING_INTERVAL"]))
 
     snapshots: list[Any] = []
 
@@ -271,18 +252,6 @@ def breaker_opened(metrics: str) -> bool:
         ):
             return True
     return False
-
-
-async def wait_up(port: int) -> None:
-    for _ in range(400):
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            await asyncio.sleep(0.05)
-            continue
-        writer.close()
-        return
-    raise RuntimeError(f"nothing listens on port {port}")
 
 
 async def measure(

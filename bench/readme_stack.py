@@ -1,0 +1,64 @@
+"""What the benchmark scripts share: the README's gateway, and a wait for a server to listen."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+def readme_gateway(
+    tower: str,
+    hosted: str,
+    *,
+    slow_after: float,
+    stall_after: float,
+    budget: float,
+    interval: float,
+    **breaker: Any,
+) -> Any:
+    """The README's FastAPI stack in front of a Forwarder: ``tower``, then ``hosted``."""
+    from fastapi import FastAPI
+
+    from tierchain import (
+        Backend,
+        Breaker,
+        Budget,
+        Failover,
+        Forwarder,
+        Heartbeats,
+        PreferBackend,
+        Routes,
+        SaturationWatchdog,
+    )
+
+    routes = Routes(
+        {
+            "echo": [
+                Backend(name="tower", url=tower, regime="local"),
+                Backend(name="hosted", url=hosted, regime="hosted"),
+            ]
+        }
+    )
+    app = FastAPI()
+    app.mount("/v1", Forwarder(connect_timeout=2.0))
+    app.add_middleware(SaturationWatchdog, slow_after=slow_after, stall_after=stall_after)
+    app.add_middleware(Breaker, **breaker)
+    app.add_middleware(Failover, routes=routes, paths=("/v1/",))
+    app.add_middleware(PreferBackend)
+    app.add_middleware(Budget, default=budget)
+    app.add_middleware(Heartbeats, interval=interval)
+    return app
+
+
+async def wait_up(port: int, tries: int = 400) -> None:
+    """Return once something accepts connections on loopback ``port`` (every 50 ms)."""
+    for _ in range(tries):
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        await writer.wait_closed()
+        return
+    raise RuntimeError(f"nothing listens on port {port}")
