@@ -48,6 +48,8 @@ class _Starter:
             guard = queue.popleft()[1]
             if not guard.done:
                 guard.start_watching()
+        while queue and queue[0][1].done:
+            queue.popleft()  # answered before its watcher was due: no need to wake for it
         if queue:
             self.loop.call_at(queue[0][0], self._tick)
         else:

@@ -37,6 +37,7 @@ from datetime import timedelta
 
 from opentelemetry import trace
 
+from . import _deadlines
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import BudgetExhausted
@@ -184,9 +185,13 @@ class _Spend:
         req = self.req
         task = asyncio.current_task()
         assert task is not None
-        deadline = time.monotonic() + self.seconds
-        if req.deadline is not None:  # an outer budget: the earlier deadline wins
-            deadline = min(deadline, req.deadline)
+        delay = self.seconds
+        deadline = time.monotonic() + delay
+        fixed = delay == self.budget.default  # most requests: the same delay, a FIFO
+        if req.deadline is not None and req.deadline < deadline:
+            # An outer budget: the earlier deadline wins.
+            deadline, fixed = req.deadline, False
+            delay = max(0.0, deadline - time.monotonic())
         req.deadline = deadline
 
         def fire() -> None:
@@ -196,8 +201,7 @@ class _Spend:
             req.cancel_reason = _REASON  # before the cancellation lands
             task.cancel("tierchain: the request's budget is spent")
 
-        loop = asyncio.get_running_loop()
-        timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), fire)
+        timer = _deadlines.schedule(delay, fire, fixed=fixed)
         try:
             await self.budget.app(self.scope, receive, self.send)
         except asyncio.CancelledError:
@@ -211,7 +215,7 @@ class _Spend:
             if self.fired and task.cancelling():
                 task.uncancel()  # the app swallowed the cancellation and returned anyway
         finally:
-            timer.cancel()
+            _deadlines.cancel(timer)
 
     async def _exhausted(self, send: Send) -> None:
         req = self.req

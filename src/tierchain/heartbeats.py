@@ -257,8 +257,12 @@ class _Clock:
             due.append(heapq.heappop(heap))
         for entry in due:  # (what they schedule is for a later wake)
             self._due(entry, upto)
+        while heap and heap[0][2] is None:
+            heapq.heappop(heap)  # its stream ended: no need to wake for it
         nxt = heap[0][0] if heap else math.inf
         for fifo in self.fifos.values():
+            while fifo and fifo[0][2] is None:
+                fifo.popleft()
             if fifo and fifo[0][0] < nxt:
                 nxt = fifo[0][0]
         if nxt < math.inf and nxt < self.when:

@@ -3,7 +3,10 @@
 - Spans come from the OpenTelemetry API (``tracer``). With no SDK configured
   they are non-recording and cost a few hundred nanoseconds.
 - Metrics are Prometheus collectors on the default registry, all defined here
-  so that one file lists every name tierchain exports.
+  so that one file lists every name tierchain exports. The ones updated on
+  every request or streamed line (:class:`LoopCounter`, :class:`LoopHistogram`)
+  are counted with a plain add on the event loop's thread, without a lock,
+  and read by the registry when it is scraped.
 - Log events go through stdlib :mod:`logging` on the ``tierchain`` logger, one
   record per event with a stable event name as the message's first word and the
   fields in ``record.tierchain`` (see :func:`log_event`). Nothing is formatted
@@ -14,11 +17,17 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from opentelemetry import trace
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import CollectorRegistry
+from prometheus_client.utils import floatToGoString
 
 from .masking import mask_text
 
@@ -38,13 +47,140 @@ ATTR_ATTEMPT_N = "tierchain.attempt.n"
 ATTR_ATTEMPT_OF = "tierchain.attempt.of"
 ATTR_OUTCOME = "tierchain.outcome"
 
+# -- lock-free collectors ---------------------------------------------------------
+
+
+class _CountChild:
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        """Add ``amount`` (from the event loop's thread)."""
+        self.value += amount
+
+
+class LoopCounter:
+    """A Prometheus counter for the hot path: ``labels(...).inc()`` is a plain add.
+
+    prometheus-client's own counter takes a lock on every increment; this one is
+    meant to be updated from one event loop's thread (as every tierchain layer
+    is) and exposes the same samples (``<name>_total`` and ``<name>_created``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        registry: CollectorRegistry | None = REGISTRY,
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], _CountChild] = {}
+        if not self._labelnames:
+            self._children[()] = _CountChild()
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> _CountChild:
+        """The child for these label values (created on first use)."""
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self._name} takes labels {self._labelnames}, got {values!r}")
+            child = self._children[values] = _CountChild()
+        return child
+
+    def inc(self, amount: float = 1.0) -> None:
+        """Add ``amount`` to a counter without labels."""
+        self._children[()].value += amount
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        for values, child in list(self._children.items()):
+            family.add_metric(values, child.value, created=child.created)
+        yield family
+
+
+class _HistogramChild:
+    __slots__ = ("bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, the last one +Inf
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        """Count one observation (from the event loop's thread)."""
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+
+class LoopHistogram:
+    """A Prometheus histogram for the hot path, the counterpart of :class:`LoopCounter`."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry | None = REGISTRY,
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._bounds = tuple(sorted(float(b) for b in buckets))
+        self._children: dict[tuple[str, ...], _HistogramChild] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> _HistogramChild:
+        """The child for these label values (created on first use)."""
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self._name} takes labels {self._labelnames}, got {values!r}")
+            child = self._children[values] = _HistogramChild(self._bounds)
+        return child
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        names = self._labelnames
+        for values, child in list(self._children.items()):
+            cumulative, buckets = 0, []
+            for bound, count in zip((*self._bounds, float("inf")), child.counts, strict=True):
+                cumulative += count
+                buckets.append((_le(bound), float(cumulative)))
+            family.add_metric(values, buckets, child.sum)
+            family.add_sample(
+                self._name + "_created", dict(zip(names, values, strict=True)), child.created
+            )
+        yield family
+
+
+def _le(bound: float) -> str:
+    return floatToGoString(bound)
+
+
 # -- metrics -------------------------------------------------------------------
-ATTEMPTS = Counter(
+ATTEMPTS = LoopCounter(
     "tierchain_attempts",
     "Attempts by route, backend and outcome.",
     ["route", "backend", "outcome"],
 )
-TIME_TO_FIRST_CHUNK = Histogram(
+TIME_TO_FIRST_CHUNK = LoopHistogram(
     "tierchain_time_to_first_chunk_seconds",
     "Seconds from the start of an attempt to its first chunk (first data event for SSE).",
     ["route", "backend"],
@@ -69,7 +205,7 @@ SHED_REQUESTS = Counter(
     "tierchain_shed_requests",
     "Requests answered 503 by Shed because the process was at capacity.",
 )
-STREAM_HEARTBEATS = Counter(
+STREAM_HEARTBEATS = LoopCounter(
     "tierchain_stream_heartbeats",
     "Heartbeat comment lines written into streams, by state.",
     ["state"],

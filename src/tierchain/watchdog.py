@@ -51,6 +51,7 @@ for a saturation.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import time
@@ -60,6 +61,8 @@ from datetime import timedelta
 import httpx
 from opentelemetry import trace
 
+from . import _deadlines
+from ._deadlines import Deadline
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance
@@ -340,7 +343,7 @@ class _Watch:
         self._slow_logged = False
         self._send: Send | None = None
         self._task: asyncio.Task[object] | None = None
-        self._handle: asyncio.TimerHandle | None = None
+        self._handle: Deadline | None = None
         self._prober: asyncio.Task[None] | None = None
 
     # -- the attempt -------------------------------------------------------
@@ -350,7 +353,7 @@ class _Watch:
         self._task = task = asyncio.current_task()
         assert task is not None
         self.observer.on_first_data.append(self._first_data)
-        self._schedule()
+        self._start_timer()
         try:
             await self.watchdog.app(self.scope, receive, self.send if self.own else send)
         except asyncio.CancelledError:
@@ -366,7 +369,7 @@ class _Watch:
                 self._learn()
         finally:
             if self._handle is not None:
-                self._handle.cancel()
+                _deadlines.cancel(self._handle)
                 self._handle = None
             prober = self._prober
             if prober is not None:
@@ -409,16 +412,16 @@ class _Watch:
         handle = self._handle
         if self.stall <= 0:
             if handle is not None:
-                handle.cancel()
+                _deadlines.cancel(handle)
                 self._handle = None
             return
-        if handle is not None and handle.when() <= asyncio.get_running_loop().time() + self.stall:
+        if handle is not None and _deadlines.due(handle) <= time.monotonic() + self.stall:
             return  # the window's timer comes first; it times the gap from there
         if handle is not None:
-            handle.cancel()
+            _deadlines.cancel(handle)
             self._handle = None
         if self.fired is None:
-            self._schedule()
+            self._arm(self.stall, fixed=True)
 
     def answered(self) -> bool:
         """True once the first chunk has arrived."""
@@ -430,6 +433,21 @@ class _Watch:
         if self.attempt is not None and self.attempt.deadline is not None:
             return self.attempt.deadline
         return self.req.deadline if self.req is not None else None
+
+    def _start_timer(self) -> None:
+        """Arm the first window (or the ceiling): the same delay for most attempts."""
+        if self._window_end <= self._ceiling_at:
+            delay = self.window
+            # A learned or computed window varies by request: not a recurring delay.
+            fixed = not self.learned and not callable(self.watchdog.slow_after)
+        else:
+            delay, fixed = self.watchdog.ceiling, True
+        if delay == math.inf:
+            return
+        deadline = self._deadline()
+        if deadline is not None and self.start + delay >= deadline:
+            return  # the budget ends this attempt first: a deadline, not a saturation
+        self._arm(delay, fixed=fixed)
 
     def _schedule(self) -> None:
         """Arm the timer for the next thing that may fall due."""
@@ -446,8 +464,13 @@ class _Watch:
                 return  # the budget ends this attempt first: a deadline, not a saturation
         if due == math.inf:
             return
-        delay = max(0.0, due - time.monotonic())
-        self._handle = asyncio.get_running_loop().call_later(delay, self._expired)
+        self._arm(max(0.0, due - time.monotonic()), fixed=False)
+
+    def _arm(self, delay: float, *, fixed: bool) -> None:
+        # Our callbacks log, emit and may start a probe: in the request's context.
+        self._handle = _deadlines.schedule(
+            delay, self._expired, context=contextvars.copy_context(), fixed=fixed
+        )
 
     def _expired(self) -> None:
         self._handle = None
