@@ -171,7 +171,7 @@ class LoopHistogram:
 
 
 def _le(bound: float) -> str:
-    return floatToGoString(bound)
+    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]
 
 
 # -- metrics -------------------------------------------------------------------
