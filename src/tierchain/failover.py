@@ -98,11 +98,13 @@ _REFUSED = frozenset({429, 503})
 
 
 Resolver = Callable[[Scope, bytes], str]
+_decode = json.JSONDecoder().decode
 
 
 def _json_body(body: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(body)
+        # An object in UTF-8 (the usual body) skips json.loads's encoding detection.
+        data = _decode(body.decode()) if body[:1] == b"{" else json.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ResolveError(f"the request body is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
@@ -398,10 +400,11 @@ class Failover:
         finally:
             if lease is not None:
                 await self.admission.leave(lease)
-            span.set_attribute(ATTR_OUTCOME, outcome)
-            if backend.regime is None and outcome == "saturated":
-                span.set_attribute(ATTR_REGIME, "saturated")
-            span.end()
+            if span is not INVALID_SPAN:  # (no SDK: nothing to record)
+                span.set_attribute(ATTR_OUTCOME, outcome)
+                if backend.regime is None and outcome == "saturated":
+                    span.set_attribute(ATTR_REGIME, "saturated")
+                span.end()
 
     def _record(
         self,

@@ -587,39 +587,47 @@ class _Stream:
             self._kick()  # a line was held back while this send was out
 
     async def _on_start(self, message: Message) -> None:
+        if not self.live:  # no one else writes yet: no lock to take
+            return await self._start(message)
         async with self.lock:
-            self.inner_started = True
-            status = int(message["status"])
-            headers = message.get("headers", ())
-            sse = 200 <= status < 300 and is_event_stream(headers)
-            if sse and not self.req.in_chain and self.phase in (_WAITING, _OWN):
-                self.observer = Observer()  # alone: we pass on whole events ourselves
-                self.observer.start(status, list(headers))
-            if self.phase == _WAITING:
-                if sse and self.streaming():
-                    self.phase = _RELAY
-                    # State lines change the body's length: the server frames it.
+            await self._start(message)
+
+    async def _start(self, message: Message) -> None:
+        """The inner app's start: relay it (an event stream) or let the response pass."""
+        self.inner_started = True
+        status = int(message["status"])
+        headers = message.get("headers", ())
+        sse = 200 <= status < 300 and is_event_stream(headers)
+        if sse and not self.req.in_chain and self.phase in (_WAITING, _OWN):
+            self.observer = Observer()  # alone: we pass on whole events ourselves
+            self.observer.start(status, list(headers))
+        if self.phase == _WAITING:
+            if sse and self.streaming():
+                self.phase = _RELAY
+                # State lines change the body's length: the server frames it.
+                # (Inside a Failover, its commit has already dropped the length.)
+                if not self.req.in_chain:
                     message = {
                         **message,
                         "headers": [(k, v) for k, v in headers if k.lower() != b"content-length"],
                     }
-                else:
-                    self.phase = _PASS
-                    self.queue.clear()
-                if self.live:  # it waited for the commit: time its keepalives instead
-                    entry = self.entry
-                    if entry is not None:
-                        entry[2] = self.entry = None
-                    self._rearm()
-                # No lock may be held yet (not live): a writer started meanwhile sees
-                # in_send and leaves its lines for later.
-                self.in_send = True
-                try:
-                    await self._send(message)
-                finally:
-                    self._sent()
-            elif self.phase == _OWN and not sse:
-                self.late_status = status  # its body becomes one event
+            else:
+                self.phase = _PASS
+                self.queue.clear()
+            if self.live:  # it waited for the commit: time its keepalives instead
+                entry = self.entry
+                if entry is not None:
+                    entry[2] = self.entry = None
+                self._rearm()
+            # No lock may be held yet (not live): a writer started meanwhile sees
+            # in_send and leaves its lines for later.
+            self.in_send = True
+            try:
+                await self._send(message)
+            finally:
+                self._sent()
+        elif self.phase == _OWN and not sse:
+            self.late_status = status  # its body becomes one event
 
     async def _on_body(self, message: Message) -> None:
         if self.phase == _RELAY and not self.ticker_writing:

@@ -44,6 +44,7 @@ OPENAI = "openai"
 """The default stream end: ``data: [DONE]``, or a ``finish_reason`` before a clean end."""
 
 _DONE = b"[DONE]"
+_DONE_EVENT = b"data: [DONE]\n\n"
 _now = time.monotonic
 
 
@@ -191,7 +192,11 @@ class Observer:
         end = self._stream_end
         if end is None or self.data_events == 0:
             return
-        values = data_values(self._last)
+        last = self._last
+        if end == b"openai" and (last == _DONE_EVENT or last.endswith(b"\n\n" + _DONE_EVENT)):
+            self.terminated = True  # the usual end, as its own event: nothing to parse
+            return
+        values = data_values(last)
         if len(values) < 2:
             values = data_values(self._previous) + values
         if not values:
