@@ -148,8 +148,10 @@ def build(kind: str, tower: str, hosted: str) -> Any:
         snap = tracemalloc.take_snapshot()
         text = ""
         if snapshots:
-            by = "traceback" if tracemalloc.get_traceback_limit() > 1 else "filename"
-            stats = snap.compare_to(snapshots[-1], by)[:25]
+            by = os.environ.get("WAITING_TRACE_BY") or (
+                "traceback" if tracemalloc.get_traceback_limit() > 1 else "filename"
+            )
+            stats = snap.compare_to(snapshots[-1], by)[:60]
             text = "\n".join(
                 str(s) + "\n  " + "\n  ".join(s.traceback.format()[-12:]) for s in stats
             )
@@ -373,10 +375,17 @@ def main() -> None:
     parser.add_argument(
         "--trace-memory", type=int, default=0, help="frames: print the gateway top allocations"
     )
+    parser.add_argument(
+        "--trace-by",
+        choices=["filename", "lineno", "traceback"],
+        help="with --trace-memory: group allocations by this (default: by file for 1 frame)",
+    )
     args = parser.parse_args()
     os.environ["WAITING_HTTP"] = args.http
     if args.trace_memory:
         os.environ["WAITING_TRACE_MEMORY"] = str(args.trace_memory)
+        if args.trace_by:
+            os.environ["WAITING_TRACE_BY"] = args.trace_by
     limit = raise_fd_limit()
     cap = (limit - 64) // 2
     ctx = multiprocessing.get_context("spawn")

@@ -180,7 +180,15 @@ class Breaker:
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
             raise BackendSkipped(_skip_message(name, ticket), retry_in=ticket.retry_in)
-        await _Guard(self, route, name, ticket, req).run(scope, receive, send)
+        # The attempt, in this frame (a waiting stream holds one less): the guard
+        # reads Failover's observer and settles the outcome once it ends.
+        guard = _Guard(self, route, name, ticket, req)
+        try:
+            await self.app(scope, receive, send)
+        except BaseException as exc:
+            await guard.failed(exc)
+            raise
+        await guard.settle()
 
     async def _alone(
         self, scope: Scope, receive: Receive, send: Send, req: TierRequest | None
@@ -384,14 +392,22 @@ class _Guard:
 
     async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
-        req = self.req
         try:
             await self.breaker.app(scope, receive, self.send if self.own else send)
         except BaseException as exc:
-            cause = req.attempt_error if req is not None and req.aborted else None
-            await self.breaker.record(self.route, self.name, self.ticket, *_classify(cause or exc))
+            await self.failed(exc)
             raise
-        left = req.attempt_error if req is not None else None
+        await self.settle()
+
+    async def failed(self, exc: BaseException) -> None:
+        """The attempt raised (or was cancelled): record why, once."""
+        req = self.req
+        cause = req.attempt_error if req is not None and req.aborted else None
+        await self.breaker.record(self.route, self.name, self.ticket, *_classify(cause or exc))
+
+    async def settle(self) -> None:
+        """The attempt returned: record what its response showed, once."""
+        left = self.req.attempt_error if self.req is not None else None
         outcome = _classify(left) if left is not None else _judge(self.observer)
         await self.breaker.record(self.route, self.name, self.ticket, *outcome)
 

@@ -34,6 +34,7 @@ import re
 import time
 from collections.abc import Awaitable
 from datetime import timedelta
+from typing import Any
 
 from opentelemetry import trace
 
@@ -122,7 +123,25 @@ class Budget:
             )
         if seconds is None:
             return await self.app(scope, receive, send)
-        await _Spend(self, scope, seconds).run(receive, send)
+        # The request under its budget, in this frame (a waiting stream holds one less).
+        spend = _Spend(self, scope, seconds)
+        task = asyncio.current_task()
+        assert task is not None
+        timer = spend.start(send, task)
+        try:
+            await self.app(scope, receive, spend.send)
+        except asyncio.CancelledError:
+            if not spend.fired or task.uncancel() > 0:
+                raise
+            await spend.exhausted(send)
+        except BudgetExhausted:
+            spend.req.cancel_reason = _REASON
+            await spend.exhausted(send)
+        else:
+            if spend.fired and task.cancelling():
+                task.uncancel()  # the app swallowed the cancellation and returned anyway
+        finally:
+            _deadlines.cancel(timer)
 
 
 class _Spend:
@@ -180,11 +199,10 @@ class _Spend:
                 self.finished = True
             await send(out)
 
-    async def run(self, receive: Receive, send: Send) -> None:
+    def start(self, send: Send, task: asyncio.Task[Any]) -> _deadlines.Deadline:
+        """Set the request's deadline and time it; returns the timer."""
         self._send = send
         req = self.req
-        task = asyncio.current_task()
-        assert task is not None
         delay = self.seconds
         deadline = time.monotonic() + delay
         fixed = delay == self.budget.default  # most requests: the same delay, a FIFO
@@ -201,23 +219,9 @@ class _Spend:
             req.cancel_reason = _REASON  # before the cancellation lands
             task.cancel("tierchain: the request's budget is spent")
 
-        timer = _deadlines.schedule(delay, fire, fixed=fixed)
-        try:
-            await self.budget.app(self.scope, receive, self.send)
-        except asyncio.CancelledError:
-            if not self.fired or task.uncancel() > 0:
-                raise
-            await self._exhausted(send)
-        except BudgetExhausted:
-            req.cancel_reason = _REASON
-            await self._exhausted(send)
-        else:
-            if self.fired and task.cancelling():
-                task.uncancel()  # the app swallowed the cancellation and returned anyway
-        finally:
-            _deadlines.cancel(timer)
+        return _deadlines.schedule(delay, fire, fixed=fixed)
 
-    async def _exhausted(self, send: Send) -> None:
+    async def exhausted(self, send: Send) -> None:
         req = self.req
         route = req.route or ""
         BUDGET_EXHAUSTED.labels(route).inc()

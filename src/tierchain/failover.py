@@ -202,7 +202,13 @@ class Failover:
         span = start_span("tierchain.request", {ATTR_ROUTE: route})
         try:
             async with DisconnectGuard(receive) as guard:
-                await self._run(scope, req, guard, send, span)
+                # The chain, tier by tier (in this frame: a waiting stream holds one less).
+                of = len(chain)
+                for n, backend in enumerate(chain, 1):
+                    if await self._attempt(scope, req, guard, send, Attempt(n, of, backend, route)):
+                        span.set_attribute(ATTR_OUTCOME, "ok")
+                        return
+                await self._after_chain(scope, req, guard, send, span)
         finally:
             span.end()
 
@@ -254,15 +260,12 @@ class Failover:
             return chain
         return proposed
 
-    async def _run(
+    async def _after_chain(
         self, scope: Scope, req: TierRequest, guard: DisconnectGuard, send: Send, span: Span
     ) -> None:
+        """No tier answered: one forced try of the soonest, or the all-failed answer."""
         chain = req.chain
         of = len(chain)
-        for n, backend in enumerate(chain, 1):
-            if await self._attempt(scope, req, guard, send, Attempt(n, of, backend, req.route)):
-                span.set_attribute(ATTR_OUTCOME, "ok")
-                return
         skipped = {r.backend: r.retry_after for r in req.attempts if r.outcome == "skipped"}
         if len(skipped) == of and req.try_soonest:
             name = min(skipped, key=lambda b: skipped[b] or 0.0)

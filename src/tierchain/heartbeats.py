@@ -69,7 +69,7 @@ import math
 import time
 import weakref
 from collections import deque
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
 from opentelemetry import trace
@@ -189,7 +189,25 @@ class Heartbeats:
         accept = _accepts_event_stream(scope.get("headers", ()))
         if not accept and scope.get("method") in _BODYLESS:
             return await self.app(scope, receive, send)
-        await _Stream(self, scope, receive, send, accept).run()
+        # The stream's life, in this frame (a waiting stream holds one frame less).
+        stream = _Stream(self, scope, receive, send, accept)
+        stream.begin()
+        try:
+            await self.app(scope, stream.receive, stream.send)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await stream.app_failed(exc)
+            raise
+        else:
+            # Only a live stream can have committed our own response or hold the
+            # lock here: otherwise there is nothing to finish.
+            if stream.live:
+                await stream.finish()
+        finally:
+            writer = stream.close()
+            if writer is not None:
+                await asyncio.wait([writer])
 
 
 class _Clock:
@@ -381,6 +399,7 @@ class _Stream:
         "span",
         "started",
         "ticker_writing",
+        "unsubscribe",
         "writer",
     )
 
@@ -401,6 +420,7 @@ class _Stream:
         self.clock: _Clock | None = None
         self.entry: list[Any] | None = None  # its place in the keepalive timer
         self.writer: asyncio.Task[Any] | None = None  # a timer-started write
+        self.unsubscribe: Callable[[], None] | None = None
         self.context = contextvars.copy_context()  # the request's: for that write
         self.awaiting_body = False  # the commit is due once the body says "stream"
         self.rearm_after = False  # a held-back keepalive went out: time the next one
@@ -808,48 +828,45 @@ class _Stream:
 
     # -- the request's life ----------------------------------------------------------
 
-    async def run(self) -> None:
-        unsubscribe = self.req.subscribe(self.on_event)
+    def begin(self) -> None:
+        """Listen for state events and take a place in the keepalive timer."""
+        self.unsubscribe = self.req.subscribe(self.on_event)
         # Nothing is timed for a request that is over before anything could be due:
         # the stream goes live when the commit (or the first keepalive) could fall due.
         hb = self.hb
         first_due = min(hb.commit_after, hb.interval) if hb.interval > 0 else hb.commit_after
         clock = self.clock = _clock()
         self.entry = clock.first(self, first_due)
-        try:
-            try:
-                await self.hb.app(self.scope, self.receive, self.send)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                async with self.lock:
-                    if self.phase == _OWN and not self.gone:
-                        log_event("stream.app_error", level=40, error=repr(exc))
-                        await self._finish_own(
-                            error_event(
-                                "the gateway failed while answering",
-                                "internal_error",
-                                "internal_error",
-                            )
-                        )
-                raise
-            # Only a live stream can have committed our own response or hold the
-            # lock here: otherwise there is nothing to finish.
-            if self.live:
-                await self._finish()
-        finally:
-            unsubscribe()
-            self.gone = True  # nothing more is due
-            entry = self.entry
-            if entry is not None:
-                entry[2] = None
-                self.entry = None
-            writer = self.writer
-            if writer is not None and writer is not _AT_ONCE:
-                writer.cancel()
-                await asyncio.wait([writer])
 
-    async def _finish(self) -> None:
+    async def app_failed(self, exc: Exception) -> None:
+        """The inner app raised: end our own response, if we committed one, with an error."""
+        async with self.lock:
+            if self.phase == _OWN and not self.gone:
+                log_event("stream.app_error", level=40, error=repr(exc))
+                await self._finish_own(
+                    error_event(
+                        "the gateway failed while answering",
+                        "internal_error",
+                        "internal_error",
+                    )
+                )
+
+    def close(self) -> asyncio.Task[Any] | None:
+        """The request is over: nothing more is due. Returns a writer to wait for, if any."""
+        if self.unsubscribe is not None:
+            self.unsubscribe()
+        self.gone = True
+        entry = self.entry
+        if entry is not None:
+            entry[2] = None
+            self.entry = None
+        writer = self.writer
+        if writer is not None and writer is not _AT_ONCE:
+            writer.cancel()
+            return writer
+        return None
+
+    async def finish(self) -> None:
         """The inner app returned: end our own response if we committed one."""
         async with self.lock:
             if self.phase == _OWN and not self.gone:

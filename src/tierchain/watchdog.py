@@ -240,14 +240,15 @@ class SaturationWatchdog:
                 self.board.outdated(url)  # the slot it showed busy may have been ours
         return await self._attempt(scope, receive, send, req, attempt)
 
-    async def _attempt(
+    def _attempt(
         self,
         scope: Scope,
         receive: Receive,
         send: Send,
         req: TierRequest | None,
         attempt: Attempt | None,
-    ) -> None:
+    ) -> Awaitable[None]:
+        """The attempt's awaitable (no frame of its own for a waiting stream to hold)."""
         learned = False
         if self.learned is not None and attempt is not None:
             window, learned = self.learned.window(attempt.backend.name, req.body if req else None)
@@ -258,8 +259,8 @@ class SaturationWatchdog:
         if attempt is not None and attempt.backend.stall_after is not None:
             stall = attempt.backend.stall_after
         if window <= 0 and stall <= 0:
-            return await self.app(scope, receive, send)
-        await _Watch(self, scope, req, window, stall, learned).run(receive, send)
+            return self.app(scope, receive, send)
+        return _Watch(self, scope, req, window, stall, learned).run(receive, send)
 
     def _check_room(self, name: str, url: str) -> None:
         """Raise BackendBusy when the backend's polled status says it is full."""
