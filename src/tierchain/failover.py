@@ -401,6 +401,9 @@ class Failover:
                 self._record(req, attempt, outcome)
             raise
         finally:
+            # The exception's traceback holds this frame: let go of it, or the two
+            # would wait for the garbage collector together.
+            error = None
             if lease is not None:
                 await self.admission.leave(lease)
             if span is not INVALID_SPAN:  # (no SDK: nothing to record)

@@ -853,8 +853,10 @@ class _Stream:
 
     def close(self) -> asyncio.Task[Any] | None:
         """The request is over: nothing more is due. Returns a writer to wait for, if any."""
-        if self.unsubscribe is not None:
-            self.unsubscribe()
+        unsubscribe = self.unsubscribe
+        if unsubscribe is not None:
+            self.unsubscribe = None  # (it refers back to us: no cycle left behind)
+            unsubscribe()
         self.gone = True
         entry = self.entry
         if entry is not None:

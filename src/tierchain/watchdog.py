@@ -369,6 +369,12 @@ class _Watch:
             else:
                 self._learn()
         finally:
+            # Our callback out of the observer, which outlives the attempt (and a
+            # cycle between the two would wait for the garbage collector).
+            try:
+                self.observer.on_first_data.remove(self._first_data)
+            except ValueError:
+                pass
             if self._handle is not None:
                 _deadlines.cancel(self._handle)
                 self._handle = None
