@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -67,3 +70,27 @@ def test_wrong_label_counts_are_refused_like_prometheus_clients():
         counter.labels("only-one")
     with pytest.raises(ValueError, match="takes labels"):
         histogram.labels("a", "b")
+
+
+def test_under_multiprocess_mode_every_workers_attempts_are_summed(tmp_path):
+    """With PROMETHEUS_MULTIPROC_DIR set, the hot metrics are prometheus-client's own."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    worker = (
+        "from tierchain.telemetry import ATTEMPTS, TIME_TO_FIRST_CHUNK\n"
+        "ATTEMPTS.labels('chat', 'tower', 'ok').inc()\n"
+        "TIME_TO_FIRST_CHUNK.labels('chat', 'tower').observe(0.3)\n"
+    )
+    for _ in range(2):  # two workers, one process each
+        subprocess.run([sys.executable, "-c", worker], env=env, check=True, timeout=60)
+    scrape = (
+        "from prometheus_client import CollectorRegistry, multiprocess\n"
+        "registry = CollectorRegistry()\n"
+        "multiprocess.MultiProcessCollector(registry)\n"
+        "labels = {'route': 'chat', 'backend': 'tower'}\n"
+        "print(registry.get_sample_value('tierchain_attempts_total', {**labels, 'outcome': 'ok'}),"
+        " registry.get_sample_value('tierchain_time_to_first_chunk_seconds_count', labels))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", scrape], env=env, check=True, timeout=60, capture_output=True
+    )
+    assert out.stdout.split() == [b"2.0", b"2.0"]

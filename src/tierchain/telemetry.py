@@ -6,7 +6,9 @@
   so that one file lists every name tierchain exports. The ones updated on
   every request or streamed line (:class:`LoopCounter`, :class:`LoopHistogram`)
   are counted with a plain add on the event loop's thread, without a lock,
-  and read by the registry when it is scraped.
+  and read by the registry when it is scraped. Under prometheus-client's
+  multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set) they are its own
+  collectors instead, so that every worker's counts are summed.
 - Log events go through stdlib :mod:`logging` on the ``tierchain`` logger, one
   record per event with a stable event name as the message's first word and the
   fields in ``record.tierchain`` (see :func:`log_event`). Nothing is formatted
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
@@ -24,7 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from opentelemetry import trace
-from prometheus_client import REGISTRY, Counter, Gauge
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
@@ -174,13 +177,21 @@ def _le(bound: float) -> str:
     return str(floatToGoString(bound))  # type: ignore[no-untyped-call]
 
 
+# Multiprocess mode keeps its values in files shared by the workers: only
+# prometheus-client's own collectors write there.
+_MULTIPROCESS = bool(
+    os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")  # noqa: SIM112 (the older spelling)
+)
+_HotCounter: Any = Counter if _MULTIPROCESS else LoopCounter
+_HotHistogram: Any = Histogram if _MULTIPROCESS else LoopHistogram
+
 # -- metrics -------------------------------------------------------------------
-ATTEMPTS = LoopCounter(
+ATTEMPTS = _HotCounter(
     "tierchain_attempts",
     "Attempts by route, backend and outcome.",
     ["route", "backend", "outcome"],
 )
-TIME_TO_FIRST_CHUNK = LoopHistogram(
+TIME_TO_FIRST_CHUNK = _HotHistogram(
     "tierchain_time_to_first_chunk_seconds",
     "Seconds from the start of an attempt to its first chunk (first data event for SSE).",
     ["route", "backend"],
@@ -205,7 +216,7 @@ SHED_REQUESTS = Counter(
     "tierchain_shed_requests",
     "Requests answered 503 by Shed because the process was at capacity.",
 )
-STREAM_HEARTBEATS = LoopCounter(
+STREAM_HEARTBEATS = _HotCounter(
     "tierchain_stream_heartbeats",
     "Heartbeat comment lines written into streams, by state.",
     ["state"],
