@@ -283,9 +283,10 @@ class SaturationWatchdog:
 class _Watch:
     """One attempt under the watchdog: its timer, reading the attempt's observer.
 
-    The waits are one loop timer, not a task: an attempt that answers in time
-    costs one timer handle, and a streamed chunk costs the watchdog nothing. A
-    task exists only while a status probe is out.
+    The waits are one deadline at a time in the loop's shared deadline queue,
+    not a task: an attempt that answers in time costs one queue entry, and a
+    streamed chunk costs the watchdog nothing. A task exists only while a
+    status probe is out.
     """
 
     __slots__ = (
