@@ -23,6 +23,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any
 
 __all__ = ["Deadline", "cancel", "due", "schedule"]
@@ -30,6 +31,7 @@ __all__ = ["Deadline", "cancel", "due", "schedule"]
 Deadline = list[Any]
 """A scheduled deadline: ``[due, seq, callback, context]`` (see the module docstring)."""
 
+_due_of = itemgetter(0)
 _COMPACT_AT = 1024  # a FIFO this long is filtered of cancelled entries (then twice as long)
 _EMPTY_CONTEXT = contextvars.Context()
 
@@ -92,6 +94,8 @@ class _Timers:
             entry = heapq.heappop(heap)
             if entry[2] is not None:
                 ready.append(entry)
+        if len(ready) > 1:
+            ready.sort(key=_due_of)  # several queues may fall due in one wake
         for entry in ready:
             callback, context = entry[2], entry[3]
             if callback is None:

@@ -1,0 +1,96 @@
+"""The shared deadline queue: what fires, when, and what a cancel prevents."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+
+from tierchain import _deadlines
+
+TICK = 0.02  # seconds; several times asyncio's own timer slack
+
+
+async def test_deadlines_fire_in_due_order_across_recurring_and_one_off_delays():
+    fired: list[str] = []
+    _deadlines.schedule(2 * TICK, lambda: fired.append("fixed 2"))
+    _deadlines.schedule(TICK, lambda: fired.append("fixed 1"))
+    _deadlines.schedule(1.5 * TICK, lambda: fired.append("one-off 1.5"), fixed=False)
+    _deadlines.schedule(2 * TICK, lambda: fired.append("fixed 2, later"))
+    await asyncio.sleep(3 * TICK)
+    assert fired == ["fixed 1", "one-off 1.5", "fixed 2", "fixed 2, later"]
+
+
+async def test_deadlines_that_fall_due_in_one_late_wake_still_fire_in_due_order():
+    fired: list[str] = []
+    _deadlines.schedule(2 * TICK, lambda: fired.append("fixed 2"))
+    _deadlines.schedule(TICK, lambda: fired.append("fixed 1"))
+    _deadlines.schedule(1.5 * TICK, lambda: fired.append("one-off 1.5"), fixed=False)
+    time.sleep(3 * TICK)  # noqa: ASYNC251 (the loop is blocked: all of them due at once)
+    await asyncio.sleep(TICK)
+    assert fired == ["fixed 1", "one-off 1.5", "fixed 2"]
+
+
+async def test_a_cancelled_deadline_never_fires_and_the_rest_still_do():
+    fired: list[int] = []
+    entries = [_deadlines.schedule(TICK, lambda n=n: fired.append(n)) for n in range(5)]
+    _deadlines.cancel(entries[0])  # the one the loop timer was armed for
+    _deadlines.cancel(entries[3])
+    _deadlines.cancel(None)  # a no-op
+    await asyncio.sleep(2 * TICK)
+    assert fired == [1, 2, 4]
+    _deadlines.cancel(entries[1])  # after it fired: a no-op
+    assert fired == [1, 2, 4]
+
+
+async def test_a_deadline_fires_no_earlier_than_its_delay():
+    fired_at: list[float] = []
+    start = time.monotonic()
+    entry = _deadlines.schedule(TICK, lambda: fired_at.append(time.monotonic()))
+    assert _deadlines.due(entry) >= start + TICK
+    await asyncio.sleep(3 * TICK)
+    assert len(fired_at) == 1
+    assert fired_at[0] >= start + TICK - 0.002  # the loop's clock resolution at most
+
+
+async def test_cancelled_entries_do_not_pile_up_in_a_recurring_delays_queue():
+    # 5,000 requests answered long before their 60 s deadline: what stays queued is
+    # bounded by the compaction (twice the live entries, at least 1,024), not 5,000.
+    delay = 60.0 + TICK  # a delay of this test's own
+    live = [_deadlines.schedule(delay, lambda: None) for _ in range(10)]
+    for _ in range(5_000):
+        _deadlines.cancel(_deadlines.schedule(delay, lambda: None))
+    timers = _deadlines._TIMERS[asyncio.get_running_loop()]
+    queued = timers.fifos[delay]
+    assert len(queued) <= 1_024
+    assert all(entry in queued for entry in live)
+    for entry in live:
+        _deadlines.cancel(entry)
+
+
+async def test_a_callback_runs_in_the_context_it_was_scheduled_with():
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("request")
+    var.set("request-7")
+    seen: list[str] = []
+    _deadlines.schedule(
+        TICK, lambda: seen.append(var.get("none")), context=contextvars.copy_context()
+    )
+    _deadlines.schedule(TICK, lambda: seen.append(var.get("none")))  # no context: the timer's own
+    await asyncio.sleep(2 * TICK)
+    assert seen == ["request-7", "none"]
+
+
+async def test_one_broken_callback_does_not_stop_the_others():
+    fired: list[str] = []
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+
+    def broken() -> None:
+        raise RuntimeError("boom")
+
+    _deadlines.schedule(TICK, broken)
+    _deadlines.schedule(TICK, lambda: fired.append("after"))
+    await asyncio.sleep(2 * TICK)
+    assert fired == ["after"]
+    assert [str(e["exception"]) for e in errors] == ["boom"]
