@@ -255,6 +255,7 @@ async def test_a_saturation_opens_the_breaker_but_a_spent_budget_does_not():
             again, _ = await post(url, chat_request(), headers={"x-request-timeout": "0.15"})
             # A saturation with budget left: fails over, and the breaker opens for tower.
             saturated, _ = await post(url, chat_request())
+            reached = len(tower.requests)
             skipped, took = await post(url, chat_request())
         await forwarder.aclose()
         await watchdog.aclose()
@@ -265,4 +266,7 @@ async def test_a_saturation_opens_the_breaker_but_a_spent_budget_does_not():
     )
     assert skipped.headers["x-tierchain-attempts"] == "tower;outcome=skipped, hosted;outcome=ok"
     assert took < 0.5
-    assert len(tower.requests) == 3
+    # The saturated attempt reached the tower; the skipped one sent it nothing. (The
+    # two 504s may or may not have reached it within 0.15 s on a loaded machine.)
+    assert reached >= 1
+    assert len(tower.requests) == reached

@@ -159,14 +159,38 @@ async def test_a_wait_for_a_pooled_connection_is_the_gateways_and_does_not_count
     assert after.headers["x-tierchain-attempts"] == "tower;outcome=ok"  # breakers stayed closed
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def sockets_to(port: int) -> int:
+    """This process's open TCP sockets whose remote end is loopback ``port``.
+
+    Counted by socket, not by fd total: other tests' servers and clients in the
+    same process may open or close fds of their own meanwhile.
+    """
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+            if remote_port == port and fields[9] in inodes:
+                count += 1
+    return count
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/net"), reason="needs /proc")
 async def test_idle_pooled_connections_close_after_keepalive_expiry_and_fds_come_back():
     async with FakeBackend("tower", streams(["a", "b"])) as tower:
-        before = open_fds()
         transport = FlatTransport(limits=httpx.Limits(keepalive_expiry=0.1))
         async with httpx.AsyncClient(transport=transport) as client:
             for _ in range(3):
@@ -176,8 +200,9 @@ async def test_idle_pooled_connections_close_after_keepalive_expiry_and_fds_come
             assert tower.open_connections == 1  # one connection, kept alive and reused
             pool: Any = transport._pool
             assert pool.connections == 1
+            assert sockets_to(tower.port) == 1
             async with asyncio.timeout(1):
                 while tower.open_connections:  # noqa: ASYNC110 - polls the fake's count
                     await asyncio.sleep(0.02)
             assert pool.connections == 0
-            assert open_fds() == before
+            assert sockets_to(tower.port) == 0  # the client's socket is closed, not just idle

@@ -125,6 +125,7 @@ class _Timers:
 
 
 _TIMERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Timers] = weakref.WeakKeyDictionary()
+_last: _Timers | None = None  # the last loop's: one test of identity on the hot path
 
 
 def schedule(
@@ -140,10 +141,14 @@ def schedule(
     delay's FIFO. Pass False for a one-off delay (from a header, a remainder).
     Must be called from a running event loop; returns the deadline to cancel.
     """
+    global _last
     loop = asyncio.get_running_loop()
-    timers = _TIMERS.get(loop)
-    if timers is None:
-        timers = _TIMERS[loop] = _Timers(loop)
+    timers = _last
+    if timers is None or timers.loop is not loop:
+        timers = _TIMERS.get(loop)
+        if timers is None:
+            timers = _TIMERS[loop] = _Timers(loop)
+        _last = timers
     due = time.monotonic() + delay
     entry: Deadline = [due, 0, callback, context]
     timers.add(due, delay if fixed else None, entry)

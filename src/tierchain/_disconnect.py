@@ -18,12 +18,14 @@ starts the watchers of those that are still running ``WATCH_AFTER`` later.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from types import TracebackType
 
 from ._types import Message, Receive
 
 WATCH_AFTER = 0.02
+_now = time.monotonic
 
 
 class _Starter:
@@ -37,13 +39,13 @@ class _Starter:
         self.armed = False
 
     def add(self, guard: DisconnectGuard) -> None:
-        self.queue.append((self.loop.time() + WATCH_AFTER, guard))
+        self.queue.append((_now() + WATCH_AFTER, guard))
         if not self.armed:
             self.armed = True
-            self.loop.call_at(self.queue[0][0], self._tick)
+            self.loop.call_later(WATCH_AFTER, self._tick)
 
     def _tick(self) -> None:
-        queue, now = self.queue, self.loop.time()
+        queue, now = self.queue, _now() + self.loop._clock_resolution  # type: ignore[attr-defined]
         while queue and queue[0][0] <= now:
             guard = queue.popleft()[1]
             if not guard.done:
@@ -51,22 +53,28 @@ class _Starter:
         while queue and queue[0][1].done:
             queue.popleft()  # answered before its watcher was due: no need to wake for it
         if queue:
-            self.loop.call_at(queue[0][0], self._tick)
+            self.loop.call_later(max(0.0, queue[0][0] - _now()), self._tick)
         else:
             self.armed = False
 
 
 _starters: dict[asyncio.AbstractEventLoop, _Starter] = {}
+_last: _Starter | None = None  # the last loop's: one test of identity on the hot path
 
 
 def _starter() -> _Starter:
+    global _last
     loop = asyncio.get_running_loop()
+    starter = _last
+    if starter is not None and starter.loop is loop:
+        return starter
     starter = _starters.get(loop)
     if starter is None:
         if len(_starters) > 8:  # loops of finished tests or asyncio.run() calls
             for old in [lp for lp in _starters if lp.is_closed()]:
                 del _starters[old]
         starter = _starters[loop] = _Starter(loop)
+    _last = starter
     return starter
 
 

@@ -46,7 +46,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 
@@ -98,13 +98,44 @@ _REFUSED = frozenset({429, 503})
 
 
 Resolver = Callable[[Scope, bytes], str]
-_decode = json.JSONDecoder().decode
+# The C scanner, when the json module has it.
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _scan_object(body: bytes) -> dict[str, Any] | None:
+    """The usual body (a UTF-8 JSON object) read by the scanner alone, else None.
+
+    The same parser as ``json.loads`` without its encoding detection and its
+    Python-level wrappers; anything unusual (or wrong) is left to ``json.loads``,
+    which gives the error message.
+    """
+    if body[:1] != b"{":
+        return None
+    try:
+        text = body.decode()
+        data, end = _scan(text, 0)
+    except (StopIteration, UnicodeDecodeError, ValueError):
+        return None
+    if end != len(text) and text[end:].strip(" \t\n\r"):
+        return None  # something after the object: json.loads says what
+    return data if isinstance(data, dict) else None
+
+
+class _Refusal(NamedTuple):
+    """A request Failover cannot route: the arguments of its JSON error answer."""
+
+    status: int
+    message: str
+    type: str
+    code: str
 
 
 def _json_body(body: bytes) -> dict[str, Any]:
+    data = _scan_object(body)
+    if data is not None:
+        return data
     try:
-        # An object in UTF-8 (the usual body) skips json.loads's encoding detection.
-        data = _decode(body.decode()) if body[:1] == b"{" else json.loads(body)
+        data = json.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ResolveError(f"the request body is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
@@ -189,9 +220,9 @@ class Failover:
         except CallerGone:
             return
         req.body = body
-        route = await self._route(scope, req, body, send)
-        if route is None:
-            return
+        route = self._route(scope, req, body)
+        if isinstance(route, _Refusal):
+            return await send_json_error(send, *route)
         chain = self.routes[route]
         for reorder in req.reorderers:
             chain = await self._reordered(route, chain, reorder)
@@ -206,11 +237,13 @@ class Failover:
                 of = len(chain)
                 for n, backend in enumerate(chain, 1):
                     if await self._attempt(scope, req, guard, send, Attempt(n, of, backend, route)):
-                        span.set_attribute(ATTR_OUTCOME, "ok")
+                        if span is not INVALID_SPAN:
+                            span.set_attribute(ATTR_OUTCOME, "ok")
                         return
                 await self._after_chain(scope, req, guard, send, span)
         finally:
-            span.end()
+            if span is not INVALID_SPAN:
+                span.end()
 
     def _lifespan_send(self, send: Send) -> Send:
         async def lifespan_send(message: Message) -> None:
@@ -220,7 +253,8 @@ class Failover:
 
         return lifespan_send
 
-    async def _route(self, scope: Scope, req: TierRequest, body: bytes, send: Send) -> str | None:
+    def _route(self, scope: Scope, req: TierRequest, body: bytes) -> str | _Refusal:
+        """The request's route, or why it has none (the caller's 400 or 404)."""
         try:
             if self.resolve is not None:
                 route = self.resolve(scope, body)
@@ -233,18 +267,15 @@ class Failover:
                 if req.streaming is None:
                     req.streaming = data.get("stream") is True
         except ResolveError as exc:
-            await send_json_error(send, 400, str(exc), "invalid_request_error", "invalid_body")
-            return None
+            return _Refusal(400, str(exc), "invalid_request_error", "invalid_body")
         if route not in self.routes:
             shown = route if len(route) <= 200 else route[:200] + "..."
-            await send_json_error(
-                send,
+            return _Refusal(
                 404,
                 f"no route for model {shown!r}; known routes: {self._known}",
                 "invalid_request_error",
                 "model_not_found",
             )
-            return None
         return route
 
     async def _reordered(
@@ -595,7 +626,20 @@ class _Responder:
                 observer.end()
                 self._guard.done = True
             return self._send(message)
+        if message["type"] == "http.response.start" and not self.req.aborted:
+            self._on_start(message)  # nothing to send yet: no coroutine of ours
+            return _nothing()
         return self._before_commit(message)
+
+    def _on_start(self, message: Message) -> None:
+        status = int(message["status"])
+        headers = list(message.get("headers", ()))
+        self.observer.start(status, headers)
+        if status in self._failover.retry_statuses:
+            self.refusal = []  # kept for its message; the chain advances
+            return
+        self.start = {**message, "headers": headers}
+        self.outcome = "ok" if status < 400 else f"http_{status}"
 
     async def _before_commit(self, message: Message) -> None:
         if self.req.aborted:
@@ -603,14 +647,7 @@ class _Responder:
         kind = message["type"]
         observer = self.observer
         if kind == "http.response.start":
-            status = int(message["status"])
-            headers = list(message.get("headers", ()))
-            observer.start(status, headers)
-            if status in self._failover.retry_statuses:
-                self.refusal = []  # kept for its message; the chain advances
-                return
-            self.start = {**message, "headers": headers}
-            self.outcome = "ok" if status < 400 else f"http_{status}"
+            self._on_start(message)
             return
         if kind != "http.response.body":
             if self.committed or self.start is None:

@@ -210,6 +210,30 @@ class Heartbeats:
                 await asyncio.wait([writer])
 
 
+# The same state lines repeat for every request: each one's bytes, state and
+# counter are found with one lookup.
+_KNOWN_LINES: dict[tuple[tuple[str, Any], ...], tuple[bytes, str, Any]] = {}
+_KNOWN_LINES_MAX = 4096
+
+
+def _new_line(event: StateEvent) -> tuple[bytes, str, Any]:
+    state = str(event.get("state"))
+    try:
+        line = comment_line(event)
+    except (TypeError, ValueError):  # a field that is not JSON: say the state only
+        line = comment_line({"state": state})
+    known = (line, state, labelled(STREAM_HEARTBEATS, state))
+    try:
+        key = tuple(event.items())
+        hash(key)
+    except TypeError:
+        return known  # not kept: encoded each time
+    if len(_KNOWN_LINES) >= _KNOWN_LINES_MAX:
+        _KNOWN_LINES.clear()
+    _KNOWN_LINES[key] = known
+    return known
+
+
 class _Clock:
     """The process-wide keepalive timer: one ``TimerHandle`` per event loop.
 
@@ -497,12 +521,14 @@ class _Stream:
     # -- writing ---------------------------------------------------------------
 
     def _line(self, event: StateEvent, keepalive: bool) -> bytes:
-        state = str(event.get("state"))
         try:
-            line = comment_line(event)
-        except (TypeError, ValueError):  # a field that is not JSON: say the state only
-            line = comment_line({"state": state})
-        labelled(STREAM_HEARTBEATS, state).inc()
+            known = _KNOWN_LINES.get(tuple(event.items()))
+        except TypeError:  # a value that cannot be a key
+            known = None
+        if known is None:
+            known = _new_line(event)
+        line, state, counted = known
+        counted.inc()
         if self.recording:
             self.span.add_event("stream.heartbeat", {"state": state, "keepalive": keepalive})
         return line

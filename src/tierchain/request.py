@@ -95,6 +95,8 @@ TRAIL_HEADER = b"x-tierchain-attempts"
 
 def format_trail(records: list[AttemptRecord], extra: tuple[str, str] | None = None) -> bytes:
     """The trail header's value for ``records`` (plus an attempt still running, ``extra``)."""
+    if not records and extra is not None:  # the usual case: the first tier answered
+        return f"{extra[0]};outcome={extra[1]}".encode()
     parts = [f"{r.backend};outcome={r.outcome}" for r in records]
     if extra is not None:
         parts.append(f"{extra[0]};outcome={extra[1]}")
