@@ -258,11 +258,21 @@ class _Clock:
 
     def first(self, stream: _Stream, delay: float) -> list[Any]:
         """Schedule ``stream`` ``delay`` seconds from now (its first due time)."""
-        due = stream.started + delay
-        entry = [due, 0, stream]
+        return self.after(stream, stream.started, delay)
+
+    def after(self, stream: _Stream, since: float, delay: float) -> list[Any]:
+        """Schedule ``stream`` ``delay`` seconds after ``since`` (about now): its FIFO.
+
+        ``since`` is the stream's start or its last output, so entries mostly come
+        in due order; one earlier than the last queued goes to the heap instead.
+        """
         fifo = self.fifos.get(delay)
         if fifo is None:
             fifo = self.fifos[delay] = deque()
+        due = since + delay
+        if fifo and fifo[-1][0] > due:
+            return self.at(stream, due)
+        entry = [due, 0, stream]
         fifo.append(entry)
         if due < self.when:
             self._arm(due)
@@ -620,8 +630,30 @@ class _Stream:
             return
         kind = message["type"]
         if kind == "http.response.start":
-            await self._on_start(message)
+            if self.live:
+                await self._on_start(message)  # under the lock
+                return
+            # Not live: no one else writes yet, no lock to take (and no frame of ours).
+            out = self._started(message)
+            if out is not None:
+                self.in_send = True
+                try:
+                    await self._send(out)
+                finally:
+                    self._sent()
         elif kind == "http.response.body":
+            if self.phase == _RELAY and not self.ticker_writing:
+                # As in the hot path, with state lines or detection to do.
+                out = self._relayed(message)
+                if out is None:
+                    return
+                self.in_send = True
+                try:
+                    await self._send(out)
+                    self._after_send()
+                finally:
+                    self._sent()
+                return
             await self._on_body(message)
         elif self.phase != _OWN:  # e.g. trailers; after our own commit they cannot follow
             await self._send(message)
@@ -633,13 +665,20 @@ class _Stream:
             self._kick()  # a line was held back while this send was out
 
     async def _on_start(self, message: Message) -> None:
-        if not self.live:  # no one else writes yet: no lock to take
-            return await self._start(message)
+        """The inner app's start while the stream is live: under the lock."""
         async with self.lock:
-            await self._start(message)
+            out = self._started(message)
+            if out is not None:
+                # A writer started meanwhile sees in_send and leaves its lines for later.
+                self.in_send = True
+                try:
+                    await self._send(out)
+                finally:
+                    self._sent()
 
-    async def _start(self, message: Message) -> None:
-        """The inner app's start: relay it (an event stream) or let the response pass."""
+    def _started(self, message: Message) -> Message | None:
+        """The inner app's start: the message to relay (an event stream, or a response
+        that passes), or None when our own response is already under way."""
         self.inner_started = True
         status = int(message["status"])
         headers = message.get("headers", ())
@@ -665,25 +704,12 @@ class _Stream:
                 if entry is not None:
                     entry[2] = self.entry = None
                 self._rearm()
-            # No lock may be held yet (not live): a writer started meanwhile sees
-            # in_send and leaves its lines for later.
-            self.in_send = True
-            try:
-                await self._send(message)
-            finally:
-                self._sent()
-        elif self.phase == _OWN and not sse:
+            return message
+        if self.phase == _OWN and not sse:
             self.late_status = status  # its body becomes one event
+        return None
 
     async def _on_body(self, message: Message) -> None:
-        if self.phase == _RELAY and not self.ticker_writing:
-            # As in the hot path (see send), with state lines or detection to do.
-            self.in_send = True
-            try:
-                await self._relay(message)
-            finally:
-                self._sent()
-            return
         async with self.lock:
             phase = self.phase
             if phase == _DONE:
@@ -701,15 +727,24 @@ class _Stream:
                     body = b"".join(self.late_body)
                     await self._finish_own(_late_answer_event(self.late_status, body))
                 return
-            await self._relay(message)
+            out = self._relayed(message)
+            if out is not None:
+                await self._send(out)
+                self._after_send()
 
-    async def _relay(self, message: Message) -> None:
-        """Pass an upstream chunk on, with any due state lines at its boundaries."""
+    def _after_send(self) -> None:
+        self.last_output = _now()
+        if self.rearm_after:
+            self._rearm()
+
+    def _relayed(self, message: Message) -> Message | None:
+        """An upstream chunk to pass on, with any due state lines at its boundaries
+        (None: nothing to send yet)."""
         observer = self.observer
         if observer is not None:
             whole = whole_events(observer, message)
             if whole is None:
-                return  # part of an event: held until it is whole
+                return None  # part of an event: held until it is whole
             message = whole
             if observer.first_data_at is not None and not self.said_generating:
                 self.said_generating = True  # alone, we say "generating" ourselves
@@ -718,16 +753,14 @@ class _Stream:
         chunk: bytes = message.get("body", b"")
         more = bool(message.get("more_body", False))
         if not chunk and more:
-            return
+            return None
         if not (self.queue or self.keepalive_due):
             if chunk:
                 self.last = chunk
                 self.after_own = False
             if not more:
                 self.phase = _DONE
-            await self._send(message)
-            self.last_output = time.monotonic()
-            return
+            return message
         out = b""
         if chunk and self._boundary_before(chunk):
             out = self._lines()
@@ -737,7 +770,9 @@ class _Stream:
         out += chunk
         if more and self._pending and self._at_boundary():
             out += self._lines()  # a state line or keepalive that waited for this boundary
-        await self._write(out, more=more)
+        if not more:
+            self.phase = _DONE
+        return {"type": "http.response.body", "body": out, "more_body": more}
 
     # -- the keepalive timer ------------------------------------------------------
 
@@ -812,7 +847,8 @@ class _Stream:
             and not self.broken
             and self.phase in (_RELAY, _OWN)
         ):
-            self.entry = self.clock.at(self, self.last_output + interval)  # type: ignore[union-attr]
+            # Mostly right after an output: now plus the interval, in the FIFO's order.
+            self.entry = self.clock.after(self, self.last_output, interval)  # type: ignore[union-attr]
 
     async def _write_owed(self) -> None:
         """Write what is due: our own commit, state lines, a keepalive."""
