@@ -37,10 +37,12 @@ _EMPTY_CONTEXT = contextvars.Context()
 
 
 class _Timers:
-    __slots__ = ("fifos", "handle", "heap", "limits", "loop", "seq", "when")
+    __slots__ = ("fifos", "handle", "heap", "limits", "loop", "seq", "slack", "when")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        # A timer may fire this early (asyncio's own tolerance; uvloop has none to read).
+        self.slack: float = getattr(loop, "_clock_resolution", 1e-3)
         self.fifos: dict[float, deque[Deadline]] = {}
         self.limits: dict[float, int] = {}
         self.heap: list[Deadline] = []
@@ -82,7 +84,7 @@ class _Timers:
     def _fire(self) -> None:
         self.handle = None
         self.when = math.inf
-        upto = time.monotonic() + self.loop._clock_resolution  # type: ignore[attr-defined]
+        upto = time.monotonic() + self.slack
         ready: list[Deadline] = []
         for fifo in self.fifos.values():
             while fifo and fifo[0][0] <= upto:

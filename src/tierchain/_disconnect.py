@@ -31,10 +31,12 @@ _now = time.monotonic
 class _Starter:
     """One event loop's queue of guards waiting for their watcher to be due."""
 
-    __slots__ = ("armed", "loop", "queue")
+    __slots__ = ("armed", "loop", "queue", "slack")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        # A timer may fire this early (asyncio's own tolerance; uvloop has none to read).
+        self.slack: float = getattr(loop, "_clock_resolution", 1e-3)
         self.queue: deque[tuple[float, DisconnectGuard]] = deque()
         self.armed = False
 
@@ -45,7 +47,7 @@ class _Starter:
             self.loop.call_later(WATCH_AFTER, self._tick)
 
     def _tick(self) -> None:
-        queue, now = self.queue, _now() + self.loop._clock_resolution  # type: ignore[attr-defined]
+        queue, now = self.queue, _now() + self.slack
         while queue and queue[0][0] <= now:
             guard = queue.popleft()[1]
             if not guard.done:
