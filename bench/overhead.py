@@ -317,6 +317,15 @@ def loopback(requests: int, stream_requests: int, chunks: int, rounds: int) -> d
     for kind in ("failover", "stack"):
         out[f"{kind}_request_ratio"] = out[f"{kind}_requests_per_s"] / out["bare_requests_per_s"]
         out[f"{kind}_chunk_ratio"] = out[f"{kind}_chunks_per_s"] / out["bare_chunks_per_s"]
+        # Paired by round (each against the bare proxy measured just before it): the
+        # machine's drift between rounds cancels out.
+        paired = [
+            mine / bare
+            for mine, bare in zip(results[kind]["cps"], results["bare"]["cps"], strict=True)
+        ]
+        out[f"{kind}_chunk_ratio_paired"] = statistics.median(paired)
+        out[f"{kind}_chunk_ratio_paired_min"] = min(paired)
+        out[f"{kind}_chunk_ratio_paired_max"] = max(paired)
     return out
 
 
@@ -358,7 +367,10 @@ def main() -> int:
         for kind in ("failover", "stack"):
             print(
                 f"  {kind:9s} ratio: requests {lb[kind + '_request_ratio']:.3f}, "
-                f"chunks {lb[kind + '_chunk_ratio']:.3f}"
+                f"chunks {lb[kind + '_chunk_ratio']:.3f}; chunks paired by round "
+                f"{lb[kind + '_chunk_ratio_paired']:.3f} "
+                f"({lb[kind + '_chunk_ratio_paired_min']:.3f}-"
+                f"{lb[kind + '_chunk_ratio_paired_max']:.3f})"
             )
     if args.json:
         print(json.dumps(results, indent=2))
