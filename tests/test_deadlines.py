@@ -94,3 +94,22 @@ async def test_one_broken_callback_does_not_stop_the_others():
     await asyncio.sleep(2 * TICK)
     assert fired == ["after"]
     assert [str(e["exception"]) for e in errors] == ["boom"]
+
+
+async def test_cancelled_one_off_deadlines_do_not_pile_up_in_the_heap():
+    live = _deadlines.schedule(60.0, lambda: None, fixed=False)
+    for n in range(5_000):  # header budgets, learned windows: a different delay each time
+        _deadlines.cancel(_deadlines.schedule(30.0 + n * 1e-3, lambda: None, fixed=False))
+    heap = _deadlines._TIMERS[asyncio.get_running_loop()].heap
+    assert len(heap) <= 1_024
+    assert live in heap
+    _deadlines.cancel(live)
+
+
+def test_the_timers_of_closed_event_loops_are_let_go():
+    async def one() -> None:
+        _deadlines.cancel(_deadlines.schedule(10.0, lambda: None))
+
+    for _ in range(30):
+        asyncio.run(one())
+    assert len(_deadlines._TIMERS) <= 9

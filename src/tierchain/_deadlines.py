@@ -20,7 +20,6 @@ import contextvars
 import heapq
 import math
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from operator import itemgetter
@@ -37,7 +36,7 @@ _EMPTY_CONTEXT = contextvars.Context()
 
 
 class _Timers:
-    __slots__ = ("fifos", "handle", "heap", "limits", "loop", "seq", "slack", "when")
+    __slots__ = ("fifos", "handle", "heap", "heap_limit", "limits", "loop", "seq", "slack", "when")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -46,6 +45,7 @@ class _Timers:
         self.fifos: dict[float, deque[Deadline]] = {}
         self.limits: dict[float, int] = {}
         self.heap: list[Deadline] = []
+        self.heap_limit = _COMPACT_AT
         self.handle: asyncio.TimerHandle | None = None
         self.when = math.inf
         self.seq = 0
@@ -54,7 +54,12 @@ class _Timers:
         if delay is None:
             self.seq += 1
             entry[1] = self.seq
-            heapq.heappush(self.heap, entry)
+            heap = self.heap
+            heapq.heappush(heap, entry)
+            if len(heap) >= self.heap_limit:  # cancelled entries deep in the heap
+                heap[:] = [e for e in heap if e[2] is not None]
+                heapq.heapify(heap)
+                self.heap_limit = max(_COMPACT_AT, 2 * len(heap))
         else:
             fifo = self.fifos.get(delay)
             if fifo is None:
@@ -126,7 +131,9 @@ class _Timers:
             self._arm(nxt)
 
 
-_TIMERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Timers] = weakref.WeakKeyDictionary()
+# By loop. (Not a WeakKeyDictionary: each value refers to its loop, which would
+# keep every entry alive; closed loops are dropped instead.)
+_TIMERS: dict[asyncio.AbstractEventLoop, _Timers] = {}
 _last: _Timers | None = None  # the last loop's: one test of identity on the hot path
 
 
@@ -149,6 +156,9 @@ def schedule(
     if timers is None or timers.loop is not loop:
         timers = _TIMERS.get(loop)
         if timers is None:
+            if len(_TIMERS) > 8:  # loops of finished tests or asyncio.run() calls
+                for old in [lp for lp in _TIMERS if lp.is_closed()]:
+                    del _TIMERS[old]
             timers = _TIMERS[loop] = _Timers(loop)
         _last = timers
     due = time.monotonic() + delay

@@ -67,7 +67,6 @@ import heapq
 import json
 import math
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
@@ -375,7 +374,9 @@ async def _carry_on(coro: Coroutine[Any, Any, Any], waiting_on: Any) -> Any:
 # loop runs anything else).
 _AT_ONCE: Any = object()
 _EMPTY_CONTEXT = contextvars.Context()
-_CLOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Clock] = weakref.WeakKeyDictionary()
+# By loop. (Not a WeakKeyDictionary: each clock refers to its loop, which would keep
+# every entry alive; closed loops are dropped instead.)
+_CLOCKS: dict[asyncio.AbstractEventLoop, _Clock] = {}
 _last_clock: _Clock | None = None
 
 
@@ -387,6 +388,9 @@ def _clock() -> _Clock:
     if clock is None or clock.loop is not loop:
         clock = _CLOCKS.get(loop)
         if clock is None:
+            if len(_CLOCKS) > 8:  # loops of finished tests or asyncio.run() calls
+                for old in [lp for lp in _CLOCKS if lp.is_closed()]:
+                    del _CLOCKS[old]
             clock = _CLOCKS[loop] = _Clock(loop)
         _last_clock = clock
     return clock
