@@ -163,7 +163,11 @@ def schedule(
         _last = timers
     due = time.monotonic() + delay
     entry: Deadline = [due, 0, callback, context]
-    timers.add(due, delay if fixed else None, entry)
+    fifo = timers.fifos.get(delay) if fixed else None
+    if fifo is not None and len(fifo) < timers.limits[delay] and due >= timers.when:
+        fifo.append(entry)  # the usual case: a recurring delay, nothing to re-arm
+    else:
+        timers.add(due, delay if fixed else None, entry)
     return entry
 
 

@@ -107,9 +107,13 @@ class DisconnectGuard:
         return self._gone
 
     async def __aenter__(self) -> DisconnectGuard:
+        self.enter()
+        return self
+
+    def enter(self) -> None:
+        """Start guarding the running task (what ``async with`` does on entry)."""
         self._task = asyncio.current_task()
         _starter().add(self)
-        return self
 
     def start_watching(self) -> None:
         """Start the watcher task (once the request has run ``WATCH_AFTER`` seconds)."""
@@ -137,14 +141,19 @@ class DisconnectGuard:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
+        self.close()
+        return exc_type is asyncio.CancelledError and self.caused_cancellation()
+
+    def close(self) -> None:
+        """Stop guarding: the response is over (what ``async with`` does on exit)."""
         self.done = True
         if self._watcher is not None:
             self._watcher.cancel()
-        # Swallow only the cancellation this guard caused, and only when no
-        # other cancellation (a Budget timeout, a server shutdown) is pending.
-        return bool(
-            self._cancelled
-            and exc_type is asyncio.CancelledError
-            and self._task is not None
-            and self._task.uncancel() == 0
-        )
+
+    def caused_cancellation(self) -> bool:
+        """For a cancellation that ended the block: True when it was this guard's own.
+
+        Only then is it swallowed (and undone), and only when no other cancellation
+        (a Budget timeout, a server shutdown) is pending.
+        """
+        return bool(self._cancelled and self._task is not None and self._task.uncancel() == 0)

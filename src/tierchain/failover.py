@@ -231,17 +231,23 @@ class Failover:
         req.in_chain = True
 
         span = start_span("tierchain.request", {ATTR_ROUTE: route})
+        guard = DisconnectGuard(receive)
+        guard.enter()  # (as ``async with guard``, without its two coroutines)
         try:
-            async with DisconnectGuard(receive) as guard:
-                # The chain, tier by tier (in this frame: a waiting stream holds one less).
-                of = len(chain)
-                for n, backend in enumerate(chain, 1):
-                    if await self._attempt(scope, req, guard, send, Attempt(n, of, backend, route)):
-                        if span is not INVALID_SPAN:
-                            span.set_attribute(ATTR_OUTCOME, "ok")
-                        return
-                await self._after_chain(scope, req, guard, send, span)
+            # The chain, tier by tier (in this frame: a waiting stream holds one less).
+            of = len(chain)
+            for n, backend in enumerate(chain, 1):
+                if await self._attempt(scope, req, guard, send, Attempt(n, of, backend, route)):
+                    if span is not INVALID_SPAN:
+                        span.set_attribute(ATTR_OUTCOME, "ok")
+                    return
+            await self._after_chain(scope, req, guard, send, span)
+        except asyncio.CancelledError:
+            guard.close()
+            if not guard.caused_cancellation():
+                raise  # not the caller leaving: a budget, a shutdown
         finally:
+            guard.close()
             if span is not INVALID_SPAN:
                 span.end()
 
