@@ -613,6 +613,8 @@ class _Responder:
                 if more:
                     if not out:
                         return _nothing()  # part of an event: held until it is whole
+                    if out is chunk:
+                        return self._send(message)  # whole events as they came: passed as is
                     return self._send(
                         {"type": "http.response.body", "body": out, "more_body": True}
                     )
