@@ -25,6 +25,8 @@ from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
 
+from ._loops import PerLoop
+
 __all__ = ["Deadline", "cancel", "due", "schedule"]
 
 Deadline = list[Any]
@@ -131,10 +133,7 @@ class _Timers:
             self._arm(nxt)
 
 
-# By loop. (Not a WeakKeyDictionary: each value refers to its loop, which would
-# keep every entry alive; closed loops are dropped instead.)
-_TIMERS: dict[asyncio.AbstractEventLoop, _Timers] = {}
-_last: _Timers | None = None  # the last loop's: one test of identity on the hot path
+_TIMERS: PerLoop[_Timers] = PerLoop(_Timers)
 
 
 def schedule(
@@ -150,17 +149,7 @@ def schedule(
     delay's FIFO. Pass False for a one-off delay (from a header, a remainder).
     Must be called from a running event loop; returns the deadline to cancel.
     """
-    global _last
-    loop = asyncio.get_running_loop()
-    timers = _last
-    if timers is None or timers.loop is not loop:
-        timers = _TIMERS.get(loop)
-        if timers is None:
-            if len(_TIMERS) > 8:  # loops of finished tests or asyncio.run() calls
-                for old in [lp for lp in _TIMERS if lp.is_closed()]:
-                    del _TIMERS[old]
-            timers = _TIMERS[loop] = _Timers(loop)
-        _last = timers
+    timers = _TIMERS.get()
     due = time.monotonic() + delay
     entry: Deadline = [due, 0, callback, context]
     fifo = timers.fifos.get(delay) if fixed else None

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from types import TracebackType
 
+from ._loops import PerLoop
 from ._types import Message, Receive
 
 WATCH_AFTER = 0.02
@@ -60,24 +61,7 @@ class _Starter:
             self.armed = False
 
 
-_starters: dict[asyncio.AbstractEventLoop, _Starter] = {}
-_last: _Starter | None = None  # the last loop's: one test of identity on the hot path
-
-
-def _starter() -> _Starter:
-    global _last
-    loop = asyncio.get_running_loop()
-    starter = _last
-    if starter is not None and starter.loop is loop:
-        return starter
-    starter = _starters.get(loop)
-    if starter is None:
-        if len(_starters) > 8:  # loops of finished tests or asyncio.run() calls
-            for old in [lp for lp in _starters if lp.is_closed()]:
-                del _starters[old]
-        starter = _starters[loop] = _Starter(loop)
-    _last = starter
-    return starter
+_starter = PerLoop(_Starter).get  # the running loop's queue of guards
 
 
 class DisconnectGuard:

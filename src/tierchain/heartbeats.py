@@ -73,6 +73,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from ._loops import PerLoop
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .observer import Observer, whole_events
 from .request import StateEvent, TierRequest
@@ -374,26 +375,7 @@ async def _carry_on(coro: Coroutine[Any, Any, Any], waiting_on: Any) -> Any:
 # loop runs anything else).
 _AT_ONCE: Any = object()
 _EMPTY_CONTEXT = contextvars.Context()
-# By loop. (Not a WeakKeyDictionary: each clock refers to its loop, which would keep
-# every entry alive; closed loops are dropped instead.)
-_CLOCKS: dict[asyncio.AbstractEventLoop, _Clock] = {}
-_last_clock: _Clock | None = None
-
-
-def _clock() -> _Clock:
-    """The running loop's keepalive timer."""
-    global _last_clock
-    loop = asyncio.get_running_loop()
-    clock = _last_clock
-    if clock is None or clock.loop is not loop:
-        clock = _CLOCKS.get(loop)
-        if clock is None:
-            if len(_CLOCKS) > 8:  # loops of finished tests or asyncio.run() calls
-                for old in [lp for lp in _CLOCKS if lp.is_closed()]:
-                    del _CLOCKS[old]
-            clock = _CLOCKS[loop] = _Clock(loop)
-        _last_clock = clock
-    return clock
+_clock = PerLoop(_Clock).get  # the running loop's keepalive timer
 
 
 class _Stream:
