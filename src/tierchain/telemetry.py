@@ -24,7 +24,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from opentelemetry import trace
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -53,6 +53,9 @@ ATTR_OUTCOME = "tierchain.outcome"
 # -- lock-free collectors ---------------------------------------------------------
 
 
+_Child = TypeVar("_Child")
+
+
 class _CountChild:
     __slots__ = ("created", "value")
 
@@ -65,7 +68,43 @@ class _CountChild:
         self.value += amount
 
 
-class LoopCounter:
+class _LoopMetric(Generic[_Child]):
+    """What the two hot-path collectors share: their name, labels and children."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry | None,
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], _Child] = {}
+        if not self._labelnames:
+            self._children[()] = self._child()
+        if registry is not None:
+            registry.register(self)
+
+    def _child(self) -> _Child:
+        raise NotImplementedError
+
+    def collect(self) -> Iterator[Metric]:
+        """The samples, when the registry is scraped."""
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> _Child:
+        """The child for these label values (created on first use)."""
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self._name} takes labels {self._labelnames}, got {values!r}")
+            child = self._children[values] = self._child()
+        return child
+
+
+class LoopCounter(_LoopMetric[_CountChild]):
     """A Prometheus counter for the hot path: ``labels(...).inc()`` is a plain add.
 
     prometheus-client's own counter takes a lock on every increment; this one is
@@ -80,23 +119,10 @@ class LoopCounter:
         labelnames: Sequence[str] = (),
         registry: CollectorRegistry | None = REGISTRY,
     ) -> None:
-        self._name = name
-        self._documentation = documentation
-        self._labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], _CountChild] = {}
-        if not self._labelnames:
-            self._children[()] = _CountChild()
-        if registry is not None:
-            registry.register(self)
+        super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> _CountChild:
-        """The child for these label values (created on first use)."""
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self._labelnames):
-                raise ValueError(f"{self._name} takes labels {self._labelnames}, got {values!r}")
-            child = self._children[values] = _CountChild()
-        return child
+    def _child(self) -> _CountChild:
+        return _CountChild()
 
     def inc(self, amount: float = 1.0) -> None:
         """Add ``amount`` to a counter without labels."""
@@ -127,7 +153,7 @@ class _HistogramChild:
         self.sum += amount
 
 
-class LoopHistogram:
+class LoopHistogram(_LoopMetric[_HistogramChild]):
     """A Prometheus histogram for the hot path, the counterpart of :class:`LoopCounter`."""
 
     def __init__(
@@ -138,22 +164,11 @@ class LoopHistogram:
         buckets: Sequence[float],
         registry: CollectorRegistry | None = REGISTRY,
     ) -> None:
-        self._name = name
-        self._documentation = documentation
-        self._labelnames = tuple(labelnames)
         self._bounds = tuple(sorted(float(b) for b in buckets))
-        self._children: dict[tuple[str, ...], _HistogramChild] = {}
-        if registry is not None:
-            registry.register(self)
+        super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> _HistogramChild:
-        """The child for these label values (created on first use)."""
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self._labelnames):
-                raise ValueError(f"{self._name} takes labels {self._labelnames}, got {values!r}")
-            child = self._children[values] = _HistogramChild(self._bounds)
-        return child
+    def _child(self) -> _HistogramChild:
+        return _HistogramChild(self._bounds)
 
     def describe(self) -> list[Metric]:
         return [HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)]
