@@ -619,26 +619,16 @@ class _Stream:
             if self.live:
                 await self._on_start(message)  # under the lock
                 return
-            # Not live: no one else writes yet, no lock to take (and no frame of ours).
+            # Not live: no one else writes yet, no lock to take.
             out = self._started(message)
             if out is not None:
-                self.in_send = True
-                try:
-                    await self._send(out)
-                finally:
-                    self._sent()
+                await self._pass_on(out)
         elif kind == "http.response.body":
             if self.phase == _RELAY and not self.ticker_writing:
                 # As in the hot path, with state lines or detection to do.
                 out = self._relayed(message)
-                if out is None:
-                    return
-                self.in_send = True
-                try:
-                    await self._send(out)
-                    self._after_send()
-                finally:
-                    self._sent()
+                if out is not None:
+                    await self._pass_on(out, body=True)
                 return
             await self._on_body(message)
         elif self.phase != _OWN:  # e.g. trailers; after our own commit they cannot follow
@@ -655,12 +645,18 @@ class _Stream:
         async with self.lock:
             out = self._started(message)
             if out is not None:
-                # A writer started meanwhile sees in_send and leaves its lines for later.
-                self.in_send = True
-                try:
-                    await self._send(out)
-                finally:
-                    self._sent()
+                await self._pass_on(out)
+
+    async def _pass_on(self, out: Message, *, body: bool = False) -> None:
+        """Send a relayed message; a writer started meanwhile sees ``in_send`` and
+        leaves its lines for the next boundary."""
+        self.in_send = True
+        try:
+            await self._send(out)
+            if body:
+                self._after_send()
+        finally:
+            self._sent()
 
     def _started(self, message: Message) -> Message | None:
         """The inner app's start: the message to relay (an event stream, or a response
