@@ -125,27 +125,12 @@ def _one_line_json(obj: Any) -> bytes:
     return _ENCODER.encode(obj).encode()
 
 
-_LINES: dict[tuple[tuple[str, Any], ...], bytes] = {}
-_LINES_MAX = 4096
-
-
 def comment_line(event: dict[str, Any]) -> bytes:
     """``: {json}\\n``: one SSE comment line carrying ``event``, no blank line.
 
-    The same state lines repeat for every request (``attempt`` 1 of 2 on the
-    tower, ``generating`` on hosted): each is encoded once and kept.
+    (Heartbeats keeps the lines it repeats for every request, with their counter.)
     """
-    try:
-        key = tuple(event.items())
-        line = _LINES.get(key)
-    except TypeError:  # a value that cannot be a key: encode it every time
-        return b": " + _one_line_json(event) + b"\n"
-    if line is None:
-        line = b": " + _one_line_json(event) + b"\n"
-        if len(_LINES) >= _LINES_MAX:
-            _LINES.clear()
-        _LINES[key] = line
-    return line
+    return b": " + _one_line_json(event) + b"\n"
 
 
 def error_json(message: str, type: str, code: str | None = None, **extra: Any) -> dict[str, Any]:
