@@ -25,7 +25,7 @@ from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
 
-from ._loops import PerLoop
+from ._loops import PerLoop, slack
 
 __all__ = ["Deadline", "cancel", "due", "schedule"]
 
@@ -42,8 +42,7 @@ class _Timers:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        # A timer may fire this early (asyncio's own tolerance; uvloop has none to read).
-        self.slack: float = getattr(loop, "_clock_resolution", 1e-3)
+        self.slack = slack(loop)  # how early a loop timer may fire
         self.fifos: dict[float, deque[Deadline]] = {}
         self.limits: dict[float, int] = {}
         self.heap: list[Deadline] = []

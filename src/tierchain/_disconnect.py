@@ -22,7 +22,7 @@ import time
 from collections import deque
 from types import TracebackType
 
-from ._loops import PerLoop
+from ._loops import PerLoop, slack
 from ._types import Message, Receive
 
 WATCH_AFTER = 0.02
@@ -36,8 +36,7 @@ class _Starter:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        # A timer may fire this early (asyncio's own tolerance; uvloop has none to read).
-        self.slack: float = getattr(loop, "_clock_resolution", 1e-3)
+        self.slack = slack(loop)  # how early a loop timer may fire
         self.queue: deque[tuple[float, DisconnectGuard]] = deque()
         self.armed = False
 

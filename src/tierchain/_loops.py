@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["PerLoop"]
+__all__ = ["PerLoop", "slack"]
 
 T = TypeVar("T")
 
@@ -47,3 +47,8 @@ class PerLoop(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._by_loop)
+
+
+def slack(loop: asyncio.AbstractEventLoop) -> float:
+    """How early a loop timer may fire: asyncio's own tolerance, else (uvloop) 1 ms."""
+    return float(getattr(loop, "_clock_resolution", 1e-3))
