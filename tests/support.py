@@ -20,6 +20,19 @@ from typing import Any
 
 import uvicorn
 
+from tierchain import (
+    Backend,
+    Breaker,
+    Budget,
+    Failover,
+    Heartbeats,
+    PreferBackend,
+    Routes,
+    SaturationWatchdog,
+    current_attempt,
+)
+from tierchain.errors import BackendUnavailable
+
 # -- a real uvicorn server -----------------------------------------------------
 
 
@@ -373,3 +386,73 @@ def parse_sse(raw: bytes) -> list[dict[str, Any]]:
         data = [ln[5:].lstrip() for ln in block.split("\n") if ln.startswith("data:")]
         events.append({"comments": comments, "data": "\n".join(data) if data else None})
     return events
+
+
+# -- the whole stack in process ------------------------------------------------
+# (No sockets: for what the layers themselves keep, on any event loop.)
+
+_ROUTES = Routes(
+    {"m": [Backend("tower", "http://127.0.0.1:9"), Backend("hosted", "http://127.0.0.1:9")]}
+)
+_BODY = b'{"model": "m", "stream": true}'
+
+
+def whole_stack(app: Any) -> Any:
+    """Every layer around ``app`` in the README's order, tower then hosted."""
+    app = SaturationWatchdog(app, slow_after=30.0)
+    app = Breaker(app, failure_threshold=10**6)
+    app = Failover(app, routes=_ROUTES)
+    app = PreferBackend(app)
+    app = Budget(app, default=60.0)
+    return Heartbeats(app, interval=10.0)
+
+
+def answering(tower: str) -> Any:
+    """A backend handler: hosted streams one event and [DONE]; the tower does ``tower``."""
+
+    async def handler(scope: Any, receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        if current_attempt(scope).backend.name == "tower":
+            if tower == "raises":
+                raise BackendUnavailable("connection refused", reason="connect_refused")
+            if tower == "503":
+                await send({"type": "http.response.start", "status": 503, "headers": []})
+                await send({"type": "http.response.body", "body": b'{"error": "busy"}'})
+                return
+        start = {"type": "http.response.start", "status": 200}
+        await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    return handler
+
+
+async def one_request(app: Any) -> list[dict[str, Any]]:
+    """One streaming chat request through ``app`` in memory; what it sent back."""
+    sent: list[dict[str, Any]] = []
+    messages = iter([{"type": "http.request", "body": _BODY, "more_body": False}])
+    over = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        message = next(messages, None)
+        if message is None:  # as a server does: nothing more until the caller leaves
+            await over.wait()
+            return {"type": "http.disconnect"}
+        return message
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    await app(scope, receive, send)
+    over.set()
+    await asyncio.sleep(0)  # the loop's turn between requests, as a server gives it
+    return sent

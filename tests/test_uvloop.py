@@ -15,7 +15,7 @@ import pytest
 
 from tierchain import Budget, TierRequest, _deadlines
 
-from .test_no_cycles import answering, one_request, whole_stack
+from .support import answering, one_request, whole_stack
 
 uvloop = pytest.importorskip("uvloop")
 
