@@ -8,7 +8,9 @@ sends a keepalive every ``--interval`` seconds) while the request waits on the
 tower. Two gateways are measured in the same run, one after the other, each in
 its own uvicorn process on loopback:
 
-- ``bare``: a bare httpx forwarding proxy (no tierchain) holding the same streams;
+- ``bare``: a bare httpx forwarding proxy (no tierchain, raw ASGI) holding the same streams;
+- ``bare-fastapi``: the same proxy mounted in FastAPI at ``/v1``, as the README mounts the
+  Forwarder: the same host without tierchain, so the difference is tierchain's own;
 - ``stack``: the README's stack (Heartbeats, Budget, PreferBackend, Failover,
   Breaker, SaturationWatchdog, Forwarder; tower then hosted), with the
   watchdog and the budget set far beyond the run so the streams stay waiting.
@@ -111,15 +113,21 @@ def build(kind: str, tower: str, hosted: str) -> Any:
     from prometheus_client import make_asgi_app
 
     metrics = make_asgi_app()
-    if kind == "bare":
+    if kind in ("bare", "bare-fastapi"):
         import httpx
         from overhead import BareProxy
 
-        inner: Any = BareProxy(tower)
+        proxy = BareProxy(tower)
         # As the Forwarder's: no cap on connections (httpx's default is 100).
-        inner.client = httpx.AsyncClient(
+        proxy.client = httpx.AsyncClient(
             timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
         )
+        inner: Any = proxy
+        if kind == "bare-fastapi":
+            from fastapi import FastAPI
+
+            inner = FastAPI()
+            inner.mount("/v1", proxy)  # (the path stays whole under a mount)
     else:
         from readme_stack import readme_gateway
 
@@ -364,7 +372,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=250, help="callers admitted per batch")
     parser.add_argument("--interval", type=float, default=10.0, help="keepalive interval (s)")
     parser.add_argument("--window", type=float, default=20.0, help="keepalive CPU window (s)")
-    parser.add_argument("--only", choices=["bare", "stack"], help="measure one gateway")
+    parser.add_argument(
+        "--only", choices=["bare", "bare-fastapi", "stack"], help="measure one gateway"
+    )
     parser.add_argument(
         "--settle", type=float, default=1.5, help="pause after each batch (its commits)"
     )
@@ -403,7 +413,7 @@ def main() -> None:
                     file=sys.stderr,
                 )
                 k = cap
-            for kind in ["bare", "stack"] if args.only is None else [args.only]:
+            for kind in ["bare", "bare-fastapi", "stack"] if args.only is None else [args.only]:
 
                 async def one(kind: str = kind, k: int = k) -> dict[str, Any]:
                     await wait_up(ports[0])
@@ -418,7 +428,7 @@ def main() -> None:
                 else:
                     r = result
                     print(
-                        f"[{r['kind']:5}] K={r['k']:>6} held {r['held']} failed {r['failed']} "
+                        f"[{r['kind']:12}] K={r['k']:>6} held {r['held']} failed {r['failed']} "
                         f"(tower {r['reached_tower']}, hosted {r['reached_hosted']}, breaker "
                         f"{'OPENED' if r['breaker_opened'] else 'closed'}); "
                         f"admit {r['admit_s']} s, "
@@ -434,9 +444,13 @@ def main() -> None:
         for r in results:
             pairs.setdefault(r["k"], {})[r["kind"]] = r
         for k, pair in pairs.items():
-            if "bare" in pair and "stack" in pair:
-                extra = pair["stack"]["kib_per_stream"] - pair["bare"]["kib_per_stream"]
-                print(f"K={k}: the stack holds each waiting stream in {extra:.2f} KiB above bare")
+            for bare in ("bare", "bare-fastapi"):
+                if bare in pair and "stack" in pair:
+                    extra = pair["stack"]["kib_per_stream"] - pair[bare]["kib_per_stream"]
+                    print(
+                        f"K={k}: the stack holds each waiting stream in {extra:.2f} KiB "
+                        f"above {bare}"
+                    )
     finally:
         backends.terminate()
         backends.join(5)

@@ -845,3 +845,53 @@ async def test_a_caller_leaving_while_a_keepalive_is_stuck_leaves_nothing_runnin
     task.cancel()  # the server cancels the request: the stuck write goes with it
     await asyncio.wait([task])
     assert await no_tierchain_tasks_within(0.5) == []
+
+
+async def test_a_stream_the_timer_wakes_just_before_its_commit_is_due_still_commits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The keepalive timer treats what falls due within its quantum as due now. Streams
+    # admitted together have commit times that close together, and one woken a moment
+    # early used to be judged "not yet" by its write and then left out of the timer:
+    # no commit and no keepalive, ever.
+    from tierchain import heartbeats
+
+    release = asyncio.Event()
+    written: list[dict[str, Any]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await release.wait()
+
+    async def send(message: dict[str, Any]) -> None:
+        written.append(message)
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/",
+        "headers": [(b"accept", b"text/event-stream")],
+    }
+    task = asyncio.create_task(
+        Heartbeats(app, interval=10.0, commit_after=1.0)(scope, receive, send)
+    )
+    await asyncio.sleep(0)
+    clock = heartbeats._clock()
+    (entry,) = clock.fifos[1.0]
+    stream = entry[2]
+    # The timer's wake comes a quarter of its quantum before the commit is due.
+    now = stream.started + 1.0 - heartbeats._QUANTUM / 4
+    monkeypatch.setattr(heartbeats, "_now", lambda: now)
+    clock._fire()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    try:
+        assert [m["type"] for m in written] == ["http.response.start", "http.response.body"]
+        assert written[1]["body"] == b': {"state":"waiting"}\n'
+        assert stream.entry is not None  # and it is in the timer for its first keepalive
+    finally:
+        release.set()
+        await asyncio.wait_for(task, 1)

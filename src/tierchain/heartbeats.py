@@ -840,9 +840,15 @@ class _Stream:
                 while not self.gone:
                     phase = self.phase
                     if phase == _WAITING:
-                        now = _now()
-                        if self.streaming() and now >= self.started + hb.commit_after:
+                        if not self.streaming():
+                            break
+                        commit_at = self.started + hb.commit_after
+                        # With the timer's tolerance: it calls what falls due before its
+                        # next wake due now, and a stream it woke must not be dropped.
+                        if _now() + _QUANTUM / 2 >= commit_at:
                             await self._commit_own()
+                        elif self.entry is None and self.clock is not None:
+                            self.entry = self.clock.at(self, commit_at)  # not yet: back in line
                         break
                     if phase not in (_RELAY, _OWN):
                         break
