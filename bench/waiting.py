@@ -15,10 +15,12 @@ its own uvicorn process on loopback:
   Breaker, SaturationWatchdog, Forwarder; tower then hosted), with the
   watchdog and the budget set far beyond the run so the streams stay waiting.
 
-For each K it reports: streams held and failed; whether any breaker opened (and
-how many requests reached hosted); the gateway's CPU per admitted stream for
-each batch of admissions (flat is the target); RSS per waiting stream above the
-bare proxy; the gateway's CPU over a window of keepalives, as a share of one
+For each K it reports: streams held and failed; how many got the gateway's own
+200 and how many never got a state line (for the stack, all K and none: a
+caller parked behind the tower must hear from it); whether any breaker opened
+(and how many requests reached hosted); the gateway's CPU per admitted stream
+for each batch of admissions (flat is the target); RSS per waiting stream above
+the bare proxies; the gateway's CPU over a window of keepalives, as a share of one
 core; open fds before, while held and after the callers leave.
 
 Run: ``.venv/bin/python bench/waiting.py 1000 3000 10000``. Each process
@@ -326,11 +328,16 @@ async def measure(
         if tracing:
             print(await scrape(port, "/_bench/memory"))
         held = sum(1 for c in callers if c.held)
+        # Heartbeats' own 200 (the bare proxies send nothing until the tower answers).
+        committed = sum(1 for c in callers if c.status == 200)
+        silent = sum(1 for c in callers if c.lines == 0)
         result = {
             "kind": kind,
             "k": k,
             "held": held,
             "failed": k - held,
+            "committed": committed,
+            "without_lines": silent,
             "reached_tower": counts[0] - tower_before,
             "reached_hosted": counts[2] - hosted_before,
             "breaker_opened": breaker_opened(metrics),
@@ -429,6 +436,7 @@ def main() -> None:
                     r = result
                     print(
                         f"[{r['kind']:12}] K={r['k']:>6} held {r['held']} failed {r['failed']} "
+                        f"committed {r['committed']} without a line {r['without_lines']} "
                         f"(tower {r['reached_tower']}, hosted {r['reached_hosted']}, breaker "
                         f"{'OPENED' if r['breaker_opened'] else 'closed'}); "
                         f"admit {r['admit_s']} s, "

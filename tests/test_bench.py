@@ -37,3 +37,24 @@ def test_the_layer_breakdown_names_every_layer_against_failover_alone():
 
 def test_one_stack_alone_runs_for_an_instruction_count():
     assert run(str(BENCH / "layers.py"), "--only", "whole stack", "--requests", "20") == ""
+
+
+def test_the_waiting_streams_benchmark_holds_every_stream_and_each_hears_from_the_gateway():
+    out = run(
+        str(BENCH / "waiting.py"),
+        "40",
+        "--only",
+        "stack",
+        "--batch",
+        "40",
+        "--settle",
+        "0",
+        "--window",
+        "1",
+        "--interval",
+        "1",
+    )
+    line = re.search(r"held (\d+) failed (\d+) committed (\d+) without a line (\d+)", out)
+    assert line is not None, out
+    assert [int(n) for n in line.groups()] == [40, 0, 40, 0], out
+    assert "breaker closed" in out, out
