@@ -29,6 +29,9 @@ import httpx
 __all__ = ["FlatPool", "FlatTransport"]
 
 
+_REUSE_ERRORS = (httpcore.ReadError, httpcore.WriteError, httpcore.RemoteProtocolError)
+
+
 def _closed_on_reuse(exc: Exception) -> bool:
     """True when a reused connection failed as a connection the server closed does:
     a reset, a write into a closed socket, or its end before any response byte."""
@@ -83,39 +86,34 @@ class FlatPool:
             raise httpcore.PoolTimeout("the connection pool is closed")  # pragma: no cover
         origin = request.url.origin
         conn = self._take(origin)
-        if conn is not None:
+        reused = conn is not None
+        while True:  # (one frame: a request waiting on its backend holds no other of ours)
+            if conn is None:
+                conn = httpcore.AsyncHTTPConnection(
+                    origin=origin,
+                    ssl_context=self._ssl_context,
+                    keepalive_expiry=self._expiry,
+                    socket_options=self._socket_options,
+                )
+            self._busy.add(conn)
             try:
-                return await self._send(conn, request)
-            except (httpcore.ReadError, httpcore.WriteError, httpcore.RemoteProtocolError) as exc:
-                # The server closed this idle keep-alive connection as we reused it (its
-                # own idle timeout raced ours): nothing came back, so try once more on a
-                # new connection rather than fail a healthy backend.
-                if not _closed_on_reuse(exc):
-                    raise
-        conn = httpcore.AsyncHTTPConnection(
-            origin=origin,
-            ssl_context=self._ssl_context,
-            keepalive_expiry=self._expiry,
-            socket_options=self._socket_options,
-        )
-        return await self._send(conn, request)
-
-    async def _send(
-        self, conn: httpcore.AsyncHTTPConnection, request: httpcore.Request
-    ) -> httpcore.Response:
-        self._busy.add(conn)
-        try:
-            response = await conn.handle_async_request(request)
-        except BaseException:
-            self._busy.discard(conn)
-            await _close_quietly(conn)
-            raise
-        return httpcore.Response(
-            status=response.status,
-            headers=response.headers,
-            content=_Released(response.stream, self, conn),
-            extensions=response.extensions,
-        )
+                response = await conn.handle_async_request(request)
+            except BaseException as exc:
+                self._busy.discard(conn)
+                await _close_quietly(conn)
+                if reused and isinstance(exc, _REUSE_ERRORS) and _closed_on_reuse(exc):
+                    # The server closed this idle keep-alive connection as we reused it
+                    # (its own idle timeout raced ours): nothing came back, so try once
+                    # more on a new connection rather than fail a healthy backend.
+                    conn, reused = None, False
+                    continue
+                raise
+            return httpcore.Response(
+                status=response.status,
+                headers=response.headers,
+                content=_Released(response.stream, self, conn),
+                extensions=response.extensions,
+            )
 
     async def _release(self, conn: httpcore.AsyncHTTPConnection) -> None:
         self._busy.discard(conn)

@@ -228,39 +228,10 @@ class Forwarder:
         raise_errors: bool,
     ) -> None:
         request = self._build(scope, target, body, backend)
-        loop = asyncio.get_running_loop()
-        timeout = self.connect_timeout
-        timer = asyncio.timeout(timeout)
-        connecting = False  # a connection attempt started (not a wait for a pooled one)
-        watch_lag()
-        window = time.monotonic()
-        extended = 0
-        check: asyncio.TimerHandle | None = None
-
-        def patience() -> None:
-            # Runs just before the deadline: if the event loop ran late during this
-            # window, the lost time was the gateway's, so the backend gets a new window.
-            nonlocal extended, window, check
-            if lag_since(window) >= timeout * _LAG_SHARE and extended < _EXTENSIONS:
-                extended += 1
-                window = time.monotonic()
-                timer.reschedule(loop.time() + timeout)
-                check = loop.call_later(timeout - _EARLY, patience)
-
-        check = loop.call_later(timeout - _EARLY, patience)
-
-        async def trace(name: str, info: Mapping[str, Any]) -> None:
-            nonlocal connecting
-            if name in _HEADERS_SENT:
-                timer.reschedule(None)  # connected: the set-up deadline is met
-                if check is not None:
-                    check.cancel()
-            elif name == "connection.connect_tcp.started":
-                connecting = True
-
-        request.extensions["trace"] = trace
+        setup = _Setup(self.connect_timeout)
+        request.extensions["trace"] = setup.trace
         try:
-            async with timer:
+            async with setup.timer:
                 response = await self.client.send(request, stream=True)
         except httpx.PoolTimeout:
             return await self._unavailable(
@@ -269,8 +240,8 @@ class Forwarder:
         except (httpx.ConnectTimeout, TimeoutError):
             # The gateway's own slowness is not the backend's failure: a deadline spent
             # waiting for a pooled connection, or while the event loop ran late.
-            lag = lag_since(window)
-            if not connecting:
+            lag = lag_since(setup.window)
+            if not setup.connecting:
                 reason, ours = "pool_timeout", True
             else:
                 reason, ours = "connect_timeout", lag >= self.connect_timeout * _LAG_SHARE
@@ -284,8 +255,10 @@ class Forwarder:
         except httpx.TransportError:
             return await self._unavailable(scope, send, backend, "protocol_error", raise_errors)
         finally:
-            if check is not None:
-                check.cancel()
+            setup.close()
+            # Set-up is over: nothing more to trace, and nothing kept for it while the
+            # answer streams or the backend keeps the request waiting.
+            del request.extensions["trace"]
 
         # Alone, the Forwarder passes on whole events only (its own observer); inside a
         # Failover, Failover's observer does that.
@@ -361,6 +334,53 @@ class Forwarder:
             _leave_cause(scope, cause)
             return  # Failover finds the cause; nothing was sent
         await send_json_error(send, 502, message, "upstream_unavailable", reason)
+
+
+class _Setup:
+    """One request's connection set-up deadline (DNS, connect, TLS), with patience
+    for the gateway's own lag.
+
+    Disarmed once the request headers start to go out. Just before the deadline,
+    if the event loop ran late during the window, the lost time was the gateway's:
+    the backend gets a fresh window (at most ``_EXTENSIONS`` of them).
+    """
+
+    __slots__ = ("check", "connecting", "extended", "timeout", "timer", "window")
+
+    def __init__(self, timeout: float) -> None:
+        watch_lag()
+        self.timeout = timeout
+        self.timer = asyncio.timeout(timeout)
+        self.connecting = False  # a connection attempt started (not a wait for a pooled one)
+        self.window = time.monotonic()
+        self.extended = 0
+        loop = asyncio.get_running_loop()
+        self.check: asyncio.TimerHandle | None = loop.call_later(timeout - _EARLY, self.patience)
+
+    def patience(self) -> None:
+        timeout = self.timeout
+        if lag_since(self.window) >= timeout * _LAG_SHARE and self.extended < _EXTENSIONS:
+            self.extended += 1
+            self.window = time.monotonic()
+            loop = asyncio.get_running_loop()
+            self.timer.reschedule(loop.time() + timeout)
+            self.check = loop.call_later(timeout - _EARLY, self.patience)
+        else:
+            self.check = None
+
+    async def trace(self, name: str, info: Mapping[str, Any]) -> None:
+        """httpcore's trace hook: notes a connection attempt, disarms on the headers."""
+        if name in _HEADERS_SENT:
+            self.timer.reschedule(None)  # connected: the set-up deadline is met
+            self.close()
+        elif name == "connection.connect_tcp.started":
+            self.connecting = True
+
+    def close(self) -> None:
+        check = self.check
+        if check is not None:
+            self.check = None
+            check.cancel()
 
 
 def _leave_cause(scope: Scope, error: BackendUnavailable) -> None:

@@ -68,7 +68,7 @@ import json
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any
 
 from opentelemetry import trace
@@ -480,7 +480,14 @@ class _Stream:
             self.sniffed = parts is not None and _sniff_stream(parts)
         return self.sniffed
 
-    async def receive(self) -> Message:
+    def receive(self) -> Awaitable[Message]:
+        """The inner app's receive: watched while the body arrives (it may say
+        "stream"), then the host's own (no frame of ours for a waiting stream)."""
+        if self.body_done:
+            return self._receive()
+        return self._receive_body()
+
+    async def _receive_body(self) -> Message:
         message = await self._receive()
         kind = message["type"]
         if kind == "http.request":

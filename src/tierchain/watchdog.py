@@ -57,6 +57,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from datetime import timedelta
+from typing import Any
 
 import httpx
 from opentelemetry import trace
@@ -226,29 +227,45 @@ class SaturationWatchdog:
             return await self.app(scope, receive, send)
         req = TierRequest.find(scope)
         attempt = req.attempt if req is not None else None
+        board_url = None
         if (
             self.board is not None
             and attempt is not None
             and attempt.backend.status_url is not None
             and not attempt.is_last
         ):
-            url = attempt.backend.status_url
-            self._check_room(attempt.backend.name, url)
+            board_url = attempt.backend.status_url
+            self._check_room(attempt.backend.name, board_url)
+        watch = self._watch(req, attempt)
+        # The attempt, in this frame (a waiting stream holds one frame of ours).
+        try:
+            if watch is None:
+                await self.app(scope, receive, send)
+                return
+            task = watch.begin(send)
             try:
-                return await self._attempt(scope, receive, send, req, attempt)
+                await self.app(scope, receive, watch.send if watch.own else send)
+            except asyncio.CancelledError:
+                if watch.fired is None or task.uncancel() > 0:
+                    raise
+                await watch.verdict(send)
+            else:
+                if watch.fired is not None and task.cancelling():
+                    # The inner app swallowed our cancellation and returned anyway.
+                    task.uncancel()
+                    await watch.verdict(send)
+                else:
+                    watch.learn()
             finally:
-                self.board.outdated(url)  # the slot it showed busy may have been ours
-        return await self._attempt(scope, receive, send, req, attempt)
+                prober = watch.end()
+                if prober is not None:
+                    await asyncio.wait([prober])
+        finally:
+            if board_url is not None and self.board is not None:
+                self.board.outdated(board_url)  # the slot it showed busy may have been ours
 
-    def _attempt(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        req: TierRequest | None,
-        attempt: Attempt | None,
-    ) -> Awaitable[None]:
-        """The attempt's awaitable (no frame of its own for a waiting stream to hold)."""
+    def _watch(self, req: TierRequest | None, attempt: Attempt | None) -> _Watch | None:
+        """The attempt's watch, or None when there is nothing to time."""
         learned = False
         if self.learned is not None and attempt is not None:
             window, learned = self.learned.window(attempt.backend.name, req.body if req else None)
@@ -259,8 +276,8 @@ class SaturationWatchdog:
         if attempt is not None and attempt.backend.stall_after is not None:
             stall = attempt.backend.stall_after
         if window <= 0 and stall <= 0:
-            return self.app(scope, receive, send)
-        return _Watch(self, scope, req, window, stall, learned).run(receive, send)
+            return None
+        return _Watch(self, req, window, stall, learned)
 
     def _check_room(self, name: str, url: str) -> None:
         """Raise BackendBusy when the backend's polled status says it is full."""
@@ -307,7 +324,6 @@ class _Watch:
         "own",
         "req",
         "route",
-        "scope",
         "stall",
         "start",
         "watchdog",
@@ -317,7 +333,6 @@ class _Watch:
     def __init__(
         self,
         watchdog: SaturationWatchdog,
-        scope: Scope,
         req: TierRequest | None,
         window: float,
         stall: float,
@@ -325,7 +340,6 @@ class _Watch:
     ) -> None:
         self.watchdog = watchdog
         self.learned = learned
-        self.scope = scope
         self.req = req
         self.attempt: Attempt | None = req.attempt if req is not None else None
         attempt = self.attempt
@@ -350,41 +364,32 @@ class _Watch:
 
     # -- the attempt -------------------------------------------------------
 
-    async def run(self, receive: Receive, send: Send) -> None:
+    def begin(self, send: Send) -> asyncio.Task[Any]:
+        """Start timing the attempt; returns the task our timer may cancel."""
         self._send = send
         self._task = task = asyncio.current_task()
         assert task is not None
         self.observer.on_first_data.append(self._first_data)
         self._start_timer()
-        try:
-            await self.watchdog.app(self.scope, receive, self.send if self.own else send)
-        except asyncio.CancelledError:
-            if self.fired is None or task.uncancel() > 0:
-                raise
-            await self._verdict(send)
-        else:
-            if self.fired is not None and task.cancelling():
-                # The inner app swallowed our cancellation and returned anyway.
-                task.uncancel()
-                await self._verdict(send)
-            else:
-                self._learn()
-        finally:
-            # Our callback out of the observer, which outlives the attempt (and a
-            # cycle between the two would wait for the garbage collector).
-            try:
-                self.observer.on_first_data.remove(self._first_data)
-            except ValueError:
-                pass
-            if self._handle is not None:
-                _deadlines.cancel(self._handle)
-                self._handle = None
-            prober = self._prober
-            if prober is not None:
-                prober.cancel()
-                await asyncio.wait([prober])
+        return task
 
-    def _learn(self) -> None:
+    def end(self) -> asyncio.Task[None] | None:
+        """The attempt is over: stop timing. Returns a cancelled probe to wait for."""
+        # Our callback out of the observer, which outlives the attempt (and a
+        # cycle between the two would wait for the garbage collector).
+        try:
+            self.observer.on_first_data.remove(self._first_data)
+        except ValueError:
+            pass
+        if self._handle is not None:
+            _deadlines.cancel(self._handle)
+            self._handle = None
+        prober = self._prober
+        if prober is not None:
+            prober.cancel()
+        return prober
+
+    def learn(self) -> None:
         """A successful attempt teaches the learned normal its time to first data."""
         learned = self.watchdog.learned
         observer = self.observer
@@ -597,7 +602,7 @@ class _Watch:
 
     # -- the verdict -------------------------------------------------------
 
-    async def _verdict(self, send: Send) -> None:
+    async def verdict(self, send: Send) -> None:
         """Our cancellation landed: say why, as an exception or (alone) an answer."""
         if self.fired == "stalled":
             message = f"backend {self.backend!r} sent no data event for {self.stall:g}s"
