@@ -36,13 +36,31 @@ class RedisServer:
     """A throwaway redis-server on a free loopback port: kill it, start it again."""
 
     def __init__(self, binary: str) -> None:
-        import socket
 
         self.binary = binary
+        self.port = self._free_port()
+        self.proc = None
+
+    @staticmethod
+    def _free_port() -> int:
+        import socket
+
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.proc = None
+            port: int = sock.getsockname()[1]
+            return port
+
+    def start_on_a_free_port(self) -> None:
+        """Start it; if its port was taken meanwhile (an outgoing connection's
+        ephemeral port), on another one."""
+        for _ in range(5):
+            try:
+                self.start()
+                return
+            except RuntimeError:
+                self.kill()
+                self.port = self._free_port()
+        self.start()
 
     @property
     def url(self) -> str:
@@ -102,7 +120,7 @@ def redis_server():
     if binary is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     server = RedisServer(binary)
-    server.start()
+    server.start_on_a_free_port()
     try:
         yield server
     finally:

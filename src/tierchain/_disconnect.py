@@ -77,7 +77,7 @@ class DisconnectGuard:
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
         self._task: asyncio.Task[object] | None = None
-        self._watcher: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Future[Message] | None = None
         self._cancelled = False
         self.done = False
         self._gone: asyncio.Event | None = None  # made when first needed
@@ -99,15 +99,25 @@ class DisconnectGuard:
         _starter().add(self)
 
     def start_watching(self) -> None:
-        """Start the watcher task (once the request has run ``WATCH_AFTER`` seconds)."""
-        if self._watcher is None and not self.done:
-            self._watcher = asyncio.create_task(self._watch(), name="tierchain-disconnect-watch")
+        """Start the watcher task (once the request has run ``WATCH_AFTER`` seconds).
 
-    async def _watch(self) -> None:
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                break
+        The task is the host's own ``receive()``, with a callback for its message:
+        no coroutine of ours waits alongside it.
+        """
+        if self._watcher is None and not self.done:
+            watcher = self._watcher = asyncio.ensure_future(self._receive())
+            watcher.set_name("tierchain-disconnect-watch")
+            watcher.add_done_callback(self._received)
+
+    def _received(self, watcher: asyncio.Future[Message]) -> None:
+        self._watcher = None
+        if watcher.cancelled():
+            return  # the guard closed
+        if watcher.exception() is not None:
+            return  # the host's receive failed: nothing more to watch (and nothing to cancel)
+        if watcher.result()["type"] != "http.disconnect":
+            self.start_watching()  # something else (a late body chunk): keep listening
+            return
         self.gone.set()
         if not self.done and self._task is not None:
             self._cancelled = True

@@ -155,6 +155,7 @@ class _Spend:
     __slots__ = (
         "_observer",
         "_send",
+        "_task",
         "budget",
         "finished",
         "fired",
@@ -174,6 +175,7 @@ class _Spend:
         self.fired = False
         self._observer: Observer | None = None
         self._send: Send | None = None
+        self._task: asyncio.Task[Any] | None = None
 
     def send(self, message: Message) -> Awaitable[None]:
         """Note what passes and pass it on: the inner send's own awaitable, no frame of ours."""
@@ -211,15 +213,17 @@ class _Spend:
             deadline, fixed = req.deadline, False
             delay = max(0.0, deadline - time.monotonic())
         req.deadline = deadline
+        self._task = task
+        return _deadlines.schedule(delay, self._fire, fixed=fixed)
 
-        def fire() -> None:
-            if self.finished or self.fired:
-                return
-            self.fired = True
-            req.cancel_reason = _REASON  # before the cancellation lands
-            task.cancel("tierchain: the request's budget is spent")
-
-        return _deadlines.schedule(delay, fire, fixed=fixed)
+    def _fire(self) -> None:
+        """The deadline: cancel the request's task, unless it is already answered."""
+        if self.finished or self.fired:
+            return
+        self.fired = True
+        self.req.cancel_reason = _REASON  # before the cancellation lands
+        assert self._task is not None
+        self._task.cancel("tierchain: the request's budget is spent")
 
     async def exhausted(self, send: Send) -> None:
         req = self.req

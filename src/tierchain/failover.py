@@ -394,7 +394,7 @@ class Failover:
                 # the scope as they dispatch, and a replay must start from the original.
                 # The attempt's span is current inside, so that the Forwarder (or the
                 # host's own client instrumentation) sends its trace context upstream.
-                inner = self.app(dict(scope), _replay(req.body or b"", guard), responder.send)
+                inner = self.app(dict(scope), _Replay(req.body or b"", guard), responder.send)
                 if span is INVALID_SPAN:
                     await inner
                 else:
@@ -545,17 +545,21 @@ def _attempt_json(record: AttemptRecord) -> dict[str, Any]:
     return item
 
 
-def _replay(body: bytes, guard: DisconnectGuard) -> Receive:
-    sent = False
+class _Replay:
+    """One attempt's ``receive``: the buffered body once, then the caller's disconnect."""
 
-    async def receive() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
+    __slots__ = ("body", "guard")
+
+    def __init__(self, body: bytes, guard: DisconnectGuard) -> None:
+        self.body: bytes | None = body
+        self.guard = guard
+
+    async def __call__(self) -> Message:
+        body = self.body
+        if body is not None:
+            self.body = None
             return {"type": "http.request", "body": body, "more_body": False}
-        return await guard.receive()
-
-    return receive
+        return await self.guard.receive()
 
 
 class _Responder:
@@ -595,7 +599,7 @@ class _Responder:
         self.committed = False
         self.outcome = "ok"
         self.refusal: list[bytes] | None = None  # a retryable answer's body, being kept
-        self._held: list[bytes] = []
+        self._held: list[bytes] | None = None  # made when something is held
         self._held_size = 0
 
     def send(self, message: Message) -> Awaitable[None]:
@@ -684,10 +688,9 @@ class _Responder:
                 # Comments and pings before the first data event: held with it.
                 if out:
                     if self._held_size + len(out) > _COMMENT_LIMIT:
-                        self._held.clear()  # comments only, none of them progress
+                        self._held = None  # comments only, none of them progress
                         self._held_size = 0
-                    self._held.append(out)
-                    self._held_size += len(out)
+                    self._hold(out)
                 if not more:
                     observer.end()  # no data at all: the attempt fails (no_data)
                 return
@@ -708,16 +711,20 @@ class _Responder:
 
     def _hold(self, chunk: bytes) -> None:
         if chunk:
-            self._held.append(chunk)
+            if self._held is None:
+                self._held = [chunk]
+            else:
+                self._held.append(chunk)
             self._held_size += len(chunk)
 
     def held_body(self) -> bytes:
         """Everything held so far, released."""
         held = self._held
-        body = held[0] if len(held) == 1 else b"".join(held)
-        held.clear()
+        if held is None:
+            return b""
+        self._held = None
         self._held_size = 0
-        return body
+        return held[0] if len(held) == 1 else b"".join(held)
 
     def failure(self) -> AttemptError | None:
         """Why the attempt failed, judged once the app returned (None: it answered)."""

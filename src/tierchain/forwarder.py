@@ -174,16 +174,45 @@ class Forwarder:
         if backend is None:
             # Nothing routed it here (no Failover route, no backend of its own): not found.
             return await _unrouted(scope, send)
-        if req is not None and req.in_chain and req.body is not None:
-            await self._forward(scope, target, req.body, backend, send, raise_errors=True)
-            return
+        guard: DisconnectGuard | None = None
+        chained = req.body if req is not None and req.in_chain else None
+        raise_errors = chained is not None
+        if chained is not None:
+            body = chained  # Failover read it, and watches the caller
+        else:
+            try:
+                body = await read_body(scope, receive, 2**31)
+            except CallerGone:
+                return
+            guard = DisconnectGuard(receive)
+            guard.enter()
+        # The request, in this frame (a request waiting on its backend holds one of ours).
         try:
-            body = await read_body(scope, receive, 2**31)
-        except CallerGone:
-            return
-        async with DisconnectGuard(receive) as guard:
-            await self._forward(scope, target, body, backend, send, raise_errors=False)
-            guard.done = True
+            request = self._build(scope, target, body, backend)
+            setup = _Setup(self.connect_timeout)
+            request.extensions["trace"] = setup.trace
+            try:
+                async with setup.timer:
+                    response = await self.client.send(request, stream=True)
+            except (httpx.TransportError, TimeoutError) as exc:
+                return await self._unreached(scope, send, backend, exc, setup, raise_errors)
+            finally:
+                setup.close()
+                # Set-up is over: nothing more to trace, and nothing kept for it while
+                # the answer streams or the backend keeps the request waiting.
+                del request.extensions["trace"]
+            await self._relay(scope, response, backend, send, raise_errors)
+            if guard is not None:
+                guard.done = True
+        except asyncio.CancelledError:
+            if guard is None:
+                raise
+            guard.close()
+            if not guard.caused_cancellation():
+                raise  # not the caller leaving
+        finally:
+            if guard is not None:
+                guard.close()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -217,27 +246,21 @@ class Forwarder:
         url = upstream_url(backend.url, target)
         return self.client.build_request(scope["method"], url, headers=headers, content=body)
 
-    async def _forward(
+    async def _unreached(
         self,
         scope: Scope,
-        target: Target,
-        body: bytes,
-        backend: Backend,
         send: Send,
-        *,
+        backend: Backend,
+        exc: Exception,
+        setup: _Setup,
         raise_errors: bool,
     ) -> None:
-        request = self._build(scope, target, body, backend)
-        setup = _Setup(self.connect_timeout)
-        request.extensions["trace"] = setup.trace
-        try:
-            async with setup.timer:
-                response = await self.client.send(request, stream=True)
-        except httpx.PoolTimeout:
+        """The backend was not reached: say why (to Failover, or to the caller)."""
+        if isinstance(exc, httpx.PoolTimeout):
             return await self._unavailable(
                 scope, send, backend, "pool_timeout", raise_errors, gateway_fault=True
             )
-        except (httpx.ConnectTimeout, TimeoutError):
+        if isinstance(exc, (httpx.ConnectTimeout, TimeoutError)):
             # The gateway's own slowness is not the backend's failure: a deadline spent
             # waiting for a pooled connection, or while the event loop ran late.
             lag = lag_since(setup.window)
@@ -248,18 +271,23 @@ class Forwarder:
             return await self._unavailable(
                 scope, send, backend, reason, raise_errors, gateway_fault=ours, lag=lag
             )
-        except httpx.ConnectError:
-            return await self._unavailable(scope, send, backend, "connect_refused", raise_errors)
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-            return await self._unavailable(scope, send, backend, "connection_reset", raise_errors)
-        except httpx.TransportError:
-            return await self._unavailable(scope, send, backend, "protocol_error", raise_errors)
-        finally:
-            setup.close()
-            # Set-up is over: nothing more to trace, and nothing kept for it while the
-            # answer streams or the backend keeps the request waiting.
-            del request.extensions["trace"]
+        if isinstance(exc, httpx.ConnectError):
+            reason = "connect_refused"
+        elif isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
+            reason = "connection_reset"
+        else:
+            reason = "protocol_error"
+        await self._unavailable(scope, send, backend, reason, raise_errors)
 
+    async def _relay(
+        self,
+        scope: Scope,
+        response: httpx.Response,
+        backend: Backend,
+        send: Send,
+        raise_errors: bool,
+    ) -> None:
+        """Stream the backend's answer to the caller."""
         # Alone, the Forwarder passes on whole events only (its own observer); inside a
         # Failover, Failover's observer does that.
         observer: Observer | None = None

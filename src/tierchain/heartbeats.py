@@ -68,7 +68,7 @@ import json
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Awaitable, Coroutine, Generator
 from typing import Any
 
 from opentelemetry import trace
@@ -405,6 +405,7 @@ class _Stream:
         "late_body",
         "late_size",
         "late_status",
+        "listening",
         "live",
         "lock",
         "observer",
@@ -419,7 +420,6 @@ class _Stream:
         "span",
         "started",
         "ticker_writing",
-        "unsubscribe",
         "writer",
     )
 
@@ -440,7 +440,7 @@ class _Stream:
         self.clock: _Clock | None = None
         self.entry: list[Any] | None = None  # its place in the keepalive timer
         self.writer: asyncio.Task[Any] | None = None  # a timer-started write
-        self.unsubscribe: Callable[[], None] | None = None
+        self.listening = False  # on_event is among the request's listeners
         self.context = contextvars.copy_context()  # the request's: for that write
         self.awaiting_body = False  # the commit is due once the body says "stream"
         self.rearm_after = False  # a held-back keepalive went out: time the next one
@@ -459,7 +459,7 @@ class _Stream:
         self.observer: Observer | None = None  # alone (no Failover inside): our own
         self.said_generating = False
         self.late_status: int | None = None  # own phase: a non-stream answer being collected
-        self.late_body: list[bytes] = []
+        self.late_body: list[bytes] | None = None  # made when a late answer arrives
         self.late_size = 0
         self.inner_started = False
         self.span = trace.get_current_span()
@@ -710,10 +710,12 @@ class _Stream:
                 chunk: bytes = message.get("body", b"")
                 more = bool(message.get("more_body", False))
                 if chunk and self.late_size < _ANSWER_LIMIT:
+                    if self.late_body is None:
+                        self.late_body = []
                     self.late_body.append(chunk)
                     self.late_size += len(chunk)
                 if not more:
-                    body = b"".join(self.late_body)
+                    body = b"".join(self.late_body or ())
                     await self._finish_own(_late_answer_event(self.late_status, body))
                 return
             out = self._relayed(message)
@@ -887,7 +889,8 @@ class _Stream:
 
     def begin(self) -> None:
         """Listen for state events and take a place in the keepalive timer."""
-        self.unsubscribe = self.req.subscribe(self.on_event)
+        self.req.subscribe(self.on_event)
+        self.listening = True
         # Nothing is timed for a request that is over before anything could be due:
         # the stream goes live when the commit (or the first keepalive) could fall due.
         hb = self.hb
@@ -910,10 +913,9 @@ class _Stream:
 
     def close(self) -> asyncio.Task[Any] | None:
         """The request is over: nothing more is due. Returns a writer to wait for, if any."""
-        unsubscribe = self.unsubscribe
-        if unsubscribe is not None:
-            self.unsubscribe = None  # (it refers back to us: no cycle left behind)
-            unsubscribe()
+        if self.listening:
+            self.listening = False  # (the listener refers back to us: no cycle left behind)
+            self.req.unsubscribe(self.on_event)
         self.gone = True
         entry = self.entry
         if entry is not None:
@@ -930,7 +932,7 @@ class _Stream:
         async with self.lock:
             if self.phase == _OWN and not self.gone:
                 if self.late_status is not None:
-                    body = b"".join(self.late_body)
+                    body = b"".join(self.late_body or ())
                     await self._finish_own(_late_answer_event(self.late_status, body))
                 elif not self.inner_started:
                     await self._finish_own(

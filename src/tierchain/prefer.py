@@ -142,6 +142,12 @@ class PreferBackend:
         values = [v for k, v in scope["headers"] if k.lower() == self._header]
         if not values and self.store is None:
             return await self.app(scope, receive, send)
+        return await self._prefer(scope, receive, send, values)
+
+    async def _prefer(
+        self, scope: Scope, receive: Receive, send: Send, values: list[bytes]
+    ) -> None:
+        """A request with a preference (or a pin store to ask): reorder its chain."""
         req = TierRequest.of(scope)
         if req.in_chain:
             self._warn_inside()

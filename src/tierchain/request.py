@@ -220,14 +220,14 @@ class TierRequest:
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener(event)`` for every later event; returns the unsubscribe."""
         self._listeners.append(listener)
+        return lambda: self.unsubscribe(listener)
 
-        def unsubscribe() -> None:
-            try:
-                self._listeners.remove(listener)
-            except ValueError:
-                pass
-
-        return unsubscribe
+    def unsubscribe(self, listener: Listener) -> None:
+        """Stop calling ``listener`` (nothing happens if it is not listening)."""
+        try:
+            self._listeners.remove(listener)
+        except ValueError:
+            pass
 
     def abort(self, error: AttemptError) -> None:
         """End the current attempt with ``error`` from inside a ``send`` call.
