@@ -671,7 +671,10 @@ class _Stream:
         self.inner_started = True
         status = int(message["status"])
         headers = message.get("headers", ())
-        sse = 200 <= status < 300 and is_event_stream(headers)
+        chained = self.req.observer if self.req.in_chain else None  # it has read the headers
+        sse = 200 <= status < 300 and (
+            chained.sse if chained is not None else is_event_stream(headers)
+        )
         if sse and not self.req.in_chain and self.phase in (_WAITING, _OWN):
             self.observer = Observer()  # alone: we pass on whole events ourselves
             self.observer.start(status, list(headers))

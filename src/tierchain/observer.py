@@ -61,6 +61,7 @@ class Observer:
         "_previous",
         "_searched",
         "_stream_end",
+        "complete",
         "data_events",
         "ended",
         "finish_seen",
@@ -98,6 +99,8 @@ class Observer:
         self.pending = b""
         self.pending_cr = False
         self.ended = False
+        self.complete = False
+        """True once the response ended whole: an event stream reached its end."""
         self._searched = 0
         self._last = self._previous = b""
         self.on_first_data: list[Callable[[], None]] = []
@@ -216,30 +219,23 @@ class Observer:
                 pass
 
     def end(self) -> None:
-        """Note the final body message."""
+        """Note the final body message (and judge, once, whether the response is whole)."""
         if not self.ended:
             self.ended = True
-            if self.sse:
-                self._terminate()
+            if not self.sse:
+                self.complete = True
+                return
+            self._terminate()
+            end = self._stream_end
+            self.complete = self.first_data_at is not None and (
+                end is None or self.terminated or (end == b"openai" and self.finish_seen)
+            )
 
     def drop_pending(self) -> bytes:
         """Forget the partial event held back (a failed attempt's); returns it."""
         pending, self.pending = self.pending, b""
         self._searched = 0
         return pending
-
-    @property
-    def complete(self) -> bool:
-        """True when the response ended whole: an event stream reached its end."""
-        if not self.ended:
-            return False
-        if not self.sse:
-            return True
-        if self.first_data_at is None:
-            return False
-        if self._stream_end is None:
-            return True
-        return self.terminated or (self._stream_end == b"openai" and self.finish_seen)
 
     def verdict(self) -> str:
         """The outcome word for a response that passed (``ok`` or why it is not)."""
