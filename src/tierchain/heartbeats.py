@@ -544,9 +544,10 @@ class _Stream:
         if self.queue:
             events, self.queue = self.queue, []
             line = self._line
-            if len(events) == 1:
-                return line(events[0], False)
-            return b"".join([line(e, False) for e in events])
+            out = line(events[0], False)
+            for event in events[1:]:
+                out += line(event, False)
+            return out
         state = self.req.state or _WAITING_STATE
         if state.get("state") == "generating":
             observer = self.observer or self.req.observer
