@@ -149,6 +149,8 @@ class Breaker:
             )
         self.app = app
         self.store: Store = store if store is not None else MemoryStore()
+        # This process's own store (not a subclass): asked without a coroutine.
+        self._in_memory = self.store if type(self.store) is MemoryStore else None
         self.policy = BreakerPolicy(
             failure_threshold=failure_threshold,
             failure_cooldown=float(failure_cooldown),
@@ -174,7 +176,10 @@ class Breaker:
         name = attempt.backend.name
         if self.when_all_open == "try_soonest":
             req.try_soonest = True
-        ticket = await self._acquire(route, name, attempt.force)
+        if self._in_memory is not None:
+            ticket = self._acquire_now(self._in_memory, route, name, attempt.force)
+        else:
+            ticket = await self._acquire(route, name, attempt.force)
         if not ticket.admitted and ticket.state == "open" and _reports_idle(attempt.backend):
             ticket = await self._acquire(route, name, attempt.force, wake=True)
         if not ticket.admitted:
@@ -188,7 +193,9 @@ class Breaker:
         except BaseException as exc:
             await guard.failed(exc)
             raise
-        await guard.settle()
+        recording = guard.settle()
+        if recording is not None:
+            await recording
 
     async def _alone(
         self, scope: Scope, receive: Receive, send: Send, req: TierRequest | None
@@ -236,6 +243,16 @@ class Breaker:
 
     # -- the store, guarded -------------------------------------------------
 
+    def _acquire_now(self, store: MemoryStore, route: str, name: str, force: bool) -> Ticket:
+        """:meth:`_acquire` on this process's own store: no coroutine, no wait."""
+        try:
+            ticket = store.breaker_acquire_now(route, name, self.policy, force=force)
+        except Exception as exc:  # a store must never fail a request
+            self._store_failed(exc)
+            return _ADMIT
+        self._observe(route, name, ticket.state, ticket.transitions, None)
+        return ticket
+
     async def _acquire(self, route: str, name: str, force: bool, wake: bool = False) -> Ticket:
         try:
             if wake:
@@ -264,10 +281,8 @@ class Breaker:
         retry_after: float | None = None,
     ) -> None:
         """Apply one attempt's outcome (what :class:`_Guard` calls, exactly once)."""
-        if outcome == "neutral" and not ticket.probe:
-            return  # nothing to count and no slot to give back
-        if outcome == "success" and ticket.clean and not ticket.probe:
-            return  # closed with nothing counted: one round trip per request is enough
+        if _nothing_to_record(ticket, outcome):
+            return
         try:
             change = await self.store.breaker_record(
                 route,
@@ -312,6 +327,15 @@ class Breaker:
                 if to == "open":
                     fields.update(reason=change.reason, retry_in_s=_round(change.retry_in))
             log_event(_TRANSITION_EVENT[to], level=30 if to == "open" else 20, **fields)
+
+
+def _nothing_to_record(ticket: Ticket, outcome: Outcome) -> bool:
+    if ticket.probe:
+        return False  # a probe slot to give back
+    if outcome == "neutral":
+        return True  # nothing to count
+    # Closed with nothing counted: one round trip per request is enough.
+    return outcome == "success" and ticket.clean
 
 
 def _reports_idle(backend: Backend) -> bool:
@@ -397,7 +421,9 @@ class _Guard:
         except BaseException as exc:
             await self.failed(exc)
             raise
-        await self.settle()
+        recording = self.settle()
+        if recording is not None:
+            await recording
 
     async def failed(self, exc: BaseException) -> None:
         """The attempt raised (or was cancelled): record why, once."""
@@ -405,11 +431,14 @@ class _Guard:
         cause = req.attempt_error if req is not None and req.aborted else None
         await self.breaker.record(self.route, self.name, self.ticket, *_classify(cause or exc))
 
-    async def settle(self) -> None:
-        """The attempt returned: record what its response showed, once."""
+    def settle(self) -> Awaitable[None] | None:
+        """The attempt returned: record what its response showed, once (the
+        recording to await, or None when there is nothing to record)."""
         left = self.req.attempt_error if self.req is not None else None
-        outcome = _classify(left) if left is not None else _judge(self.observer)
-        await self.breaker.record(self.route, self.name, self.ticket, *outcome)
+        outcome, retry_after = _classify(left) if left is not None else _judge(self.observer)
+        if _nothing_to_record(self.ticket, outcome):
+            return None
+        return self.breaker.record(self.route, self.name, self.ticket, outcome, retry_after)
 
     def send(self, message: Message) -> Awaitable[None]:
         """Alone: note what passes in the observer, and pass it on unchanged."""

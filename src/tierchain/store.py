@@ -390,6 +390,18 @@ class MemoryStore:
         force: bool = False,
         wake: bool = False,
     ) -> Ticket:
+        return self.breaker_acquire_now(route, backend, policy, force=force, wake=wake)
+
+    def breaker_acquire_now(
+        self,
+        route: str,
+        backend: str,
+        policy: BreakerPolicy,
+        *,
+        force: bool = False,
+        wake: bool = False,
+    ) -> Ticket:
+        """:meth:`breaker_acquire` without a coroutine: this store answers at once."""
         led = self._ledgers.get((route, backend))
         if led is None:
             if not force:
