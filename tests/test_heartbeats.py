@@ -880,8 +880,8 @@ async def test_a_stream_the_timer_wakes_just_before_its_commit_is_due_still_comm
     )
     await asyncio.sleep(0)
     clock = heartbeats._clock()
-    (entry,) = clock.fifos[1.0]
-    stream = entry[2]
+    (seq,) = clock.fifos[1.0].seqs
+    stream = clock.pending[seq]
     # The timer's wake comes a quarter of its quantum before the commit is due.
     now = stream.started + 1.0 - heartbeats._QUANTUM / 4
     monkeypatch.setattr(heartbeats, "_now", lambda: now)

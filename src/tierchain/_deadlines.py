@@ -5,12 +5,18 @@ asyncio keeps its timers in a heap of handles compared by a Python-level
 by every request for a deadline that almost never fires. Most of these
 deadlines are "now plus the same delay" (a Budget's default, a backend's
 ``slow_after``), so they arrive in due order: a FIFO per delay holds them in
-O(1). Other delays go into a heap of plain lists (compared in C). One asyncio
-timer per event loop is armed at the earliest due time.
+O(1). Other delays go into a heap (compared in C). One asyncio timer per event
+loop is armed at the earliest due time.
 
-A deadline is a list ``[due, seq, callback, context]``; :func:`cancel` empties
-its callback, and an emptied entry is dropped when it comes up (or when its
-FIFO is compacted, so that cancelled entries never pile up for long).
+A deadline is a list ``[due, seq, callback, context, pending]``, held by its
+caller; while it is pending, ``pending`` (the loop's table of pending
+deadlines) maps its ``seq`` to it. The queues hold only due times and
+sequence numbers: floats and ints, which the garbage collector never tracks.
+So a deadline cancelled long before it falls due (almost all of them) is
+freed with its request, rather than waiting in a queue for its due time and
+being promoted, with every other such entry, into the collector's oldest
+generation, whose full passes then cost every request. A cancelled entry's
+numbers are dropped when they come up, or when their queue is compacted.
 """
 
 from __future__ import annotations
@@ -21,61 +27,99 @@ import heapq
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from operator import itemgetter
 from typing import Any
 
 from ._loops import PerLoop, slack
 
-__all__ = ["Deadline", "cancel", "due", "schedule"]
+__all__ = ["Deadline", "Fifo", "cancel", "due", "schedule"]
 
 Deadline = list[Any]
-"""A scheduled deadline: ``[due, seq, callback, context]`` (see the module docstring)."""
+"""A scheduled deadline: ``[due, seq, callback, context, pending]`` (see the module docstring)."""
 
 _due_of = itemgetter(0)
-_COMPACT_AT = 1024  # a FIFO this long is filtered of cancelled entries (then twice as long)
+_COMPACT_AT = 1024  # a queue this long is filtered of cancelled entries (then twice as long)
 _EMPTY_CONTEXT = contextvars.Context()
 
 
+class Fifo:
+    """Deadlines that arrive in due order (one recurring delay): due times and
+    sequence numbers in two deques, which the garbage collector never tracks.
+
+    What a number stands for is looked up in a table of pending entries; a
+    number no longer in it was cancelled and is skipped. :meth:`compact` drops
+    those once the queue has doubled since it was last compacted.
+    """
+
+    __slots__ = ("dues", "limit", "seqs")
+
+    def __init__(self) -> None:
+        self.dues: deque[float] = deque()
+        self.seqs: deque[int] = deque()
+        self.limit = _COMPACT_AT
+
+    def push(self, due: float, seq: int, pending: Mapping[int, object]) -> None:
+        """Queue ``seq`` at ``due`` (not before the last queued)."""
+        self.dues.append(due)
+        self.seqs.append(seq)
+        if len(self.seqs) >= self.limit:
+            self.compact(pending)
+
+    def pop_due(self, upto: float) -> Iterator[int]:
+        """The numbers due by ``upto``, taken off the queue."""
+        dues, seqs = self.dues, self.seqs
+        while dues and dues[0] <= upto:
+            dues.popleft()
+            yield seqs.popleft()
+
+    def next_due(self, pending: Mapping[int, object]) -> float:
+        """The earliest pending due time (``inf`` if none), dropping cancelled heads."""
+        dues, seqs = self.dues, self.seqs
+        while seqs and seqs[0] not in pending:
+            dues.popleft()
+            seqs.popleft()
+        return dues[0] if dues else math.inf
+
+    def compact(self, pending: Mapping[int, object]) -> None:
+        """Drop the numbers of cancelled entries."""
+        kept = [(d, s) for d, s in zip(self.dues, self.seqs, strict=True) if s in pending]
+        self.dues = deque(d for d, _ in kept)
+        self.seqs = deque(s for _, s in kept)
+        self.limit = max(_COMPACT_AT, 2 * len(kept))
+
+
 class _Timers:
-    __slots__ = ("fifos", "handle", "heap", "heap_limit", "limits", "loop", "seq", "slack", "when")
+    __slots__ = ("fifos", "handle", "heap", "heap_limit", "loop", "pending", "seq", "slack", "when")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.slack = slack(loop)  # how early a loop timer may fire
-        self.fifos: dict[float, deque[Deadline]] = {}
-        self.limits: dict[float, int] = {}
-        self.heap: list[Deadline] = []
+        self.fifos: dict[float, Fifo] = {}
+        self.heap: list[tuple[float, int]] = []  # one-off delays: (due, seq)
         self.heap_limit = _COMPACT_AT
+        self.pending: dict[int, Deadline] = {}
         self.handle: asyncio.TimerHandle | None = None
         self.when = math.inf
         self.seq = 0
 
-    def add(self, due: float, delay: float | None, entry: Deadline) -> None:
+    def add(self, entry: Deadline, delay: float | None) -> None:
+        due, seq = entry[0], entry[1]
+        pending = self.pending
         if delay is None:
-            self.seq += 1
-            entry[1] = self.seq
             heap = self.heap
-            heapq.heappush(heap, entry)
+            heapq.heappush(heap, (due, seq))
             if len(heap) >= self.heap_limit:  # cancelled entries deep in the heap
-                heap[:] = [e for e in heap if e[2] is not None]
+                heap[:] = [item for item in heap if item[1] in pending]
                 heapq.heapify(heap)
                 self.heap_limit = max(_COMPACT_AT, 2 * len(heap))
         else:
             fifo = self.fifos.get(delay)
             if fifo is None:
-                fifo = self.fifos[delay] = deque()
-                self.limits[delay] = _COMPACT_AT
-            fifo.append(entry)
-            if len(fifo) >= self.limits[delay]:
-                self._compact(delay, fifo)
+                fifo = self.fifos[delay] = Fifo()
+            fifo.push(due, seq, pending)
         if due < self.when:
             self._arm(due)
-
-    def _compact(self, delay: float, fifo: deque[Deadline]) -> None:
-        live = deque(e for e in fifo if e[2] is not None)
-        self.fifos[delay] = live
-        self.limits[delay] = max(_COMPACT_AT, 2 * len(live))
 
     def _arm(self, due: float) -> None:
         if self.handle is not None:
@@ -91,16 +135,17 @@ class _Timers:
         self.handle = None
         self.when = math.inf
         upto = time.monotonic() + self.slack
+        pending = self.pending
         ready: list[Deadline] = []
         for fifo in self.fifos.values():
-            while fifo and fifo[0][0] <= upto:
-                entry = fifo.popleft()
-                if entry[2] is not None:
+            for seq in fifo.pop_due(upto):
+                entry = pending.pop(seq, None)
+                if entry is not None:
                     ready.append(entry)
         heap = self.heap
         while heap and heap[0][0] <= upto:
-            entry = heapq.heappop(heap)
-            if entry[2] is not None:
+            entry = pending.pop(heapq.heappop(heap)[1], None)
+            if entry is not None:
                 ready.append(entry)
         if len(ready) > 1:
             ready.sort(key=_due_of)  # several queues may fall due in one wake
@@ -108,7 +153,7 @@ class _Timers:
             callback, context = entry[2], entry[3]
             if callback is None:
                 continue  # cancelled by an earlier callback of this round
-            entry[2] = None
+            entry[2] = entry[3] = entry[4] = None
             try:
                 if context is None:
                     callback()
@@ -120,11 +165,8 @@ class _Timers:
                 )
         nxt = math.inf
         for fifo in self.fifos.values():
-            while fifo and fifo[0][2] is None:
-                fifo.popleft()  # cancelled: no need to wake for it
-            if fifo and fifo[0][0] < nxt:
-                nxt = fifo[0][0]
-        while heap and heap[0][2] is None:
+            nxt = min(nxt, fifo.next_due(pending))  # (cancelled heads: no need to wake)
+        while heap and heap[0][1] not in pending:
             heapq.heappop(heap)
         if heap and heap[0][0] < nxt:
             nxt = heap[0][0]
@@ -150,20 +192,26 @@ def schedule(
     """
     timers = _TIMERS.get()
     due = time.monotonic() + delay
-    entry: Deadline = [due, 0, callback, context]
+    seq = timers.seq = timers.seq + 1
+    pending = timers.pending
+    entry: Deadline = [due, seq, callback, context, pending]
+    pending[seq] = entry
     fifo = timers.fifos.get(delay) if fixed else None
-    if fifo is not None and len(fifo) < timers.limits[delay] and due >= timers.when:
-        fifo.append(entry)  # the usual case: a recurring delay, nothing to re-arm
+    if fifo is not None and len(fifo.seqs) < fifo.limit and due >= timers.when:
+        fifo.dues.append(due)  # the usual case: a recurring delay, nothing to re-arm
+        fifo.seqs.append(seq)
     else:
-        timers.add(due, delay if fixed else None, entry)
+        timers.add(entry, delay if fixed else None)
     return entry
 
 
 def cancel(entry: Deadline | None) -> None:
     """Cancel a deadline (a no-op for None or one that already fired)."""
     if entry is not None:
-        entry[2] = None
-        entry[3] = None
+        pending = entry[4]
+        if pending is not None:
+            pending.pop(entry[1], None)
+        entry[2] = entry[3] = entry[4] = None
 
 
 def due(entry: Deadline) -> float:

@@ -18,10 +18,11 @@ starts the watchers of those that are still running ``WATCH_AFTER`` later.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections import deque
 from types import TracebackType
 
+from ._deadlines import Fifo
 from ._loops import PerLoop, slack
 from ._types import Message, Receive
 
@@ -30,32 +31,43 @@ _now = time.monotonic
 
 
 class _Starter:
-    """One event loop's queue of guards waiting for their watcher to be due."""
+    """One event loop's queue of guards waiting for their watcher to be due.
 
-    __slots__ = ("armed", "loop", "queue", "slack")
+    The queue holds due times and numbers only; ``pending`` maps a number to
+    its guard until the guard closes, so a request answered before its watcher
+    was due is not kept alive by the queue.
+    """
+
+    __slots__ = ("armed", "fifo", "loop", "pending", "seq", "slack")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.slack = slack(loop)  # how early a loop timer may fire
-        self.queue: deque[tuple[float, DisconnectGuard]] = deque()
+        self.fifo = Fifo()
+        self.pending: dict[int, DisconnectGuard] = {}
+        self.seq = 0
         self.armed = False
 
     def add(self, guard: DisconnectGuard) -> None:
-        self.queue.append((_now() + WATCH_AFTER, guard))
+        seq = self.seq = self.seq + 1
+        self.pending[seq] = guard
+        guard._queued = seq
+        guard._starter = self
+        self.fifo.push(_now() + WATCH_AFTER, seq, self.pending)
         if not self.armed:
             self.armed = True
             self.loop.call_later(WATCH_AFTER, self._tick)
 
     def _tick(self) -> None:
-        queue, now = self.queue, _now() + self.slack
-        while queue and queue[0][0] <= now:
-            guard = queue.popleft()[1]
-            if not guard.done:
+        pending = self.pending
+        for seq in self.fifo.pop_due(_now() + self.slack):
+            guard = pending.pop(seq, None)
+            if guard is not None:
+                guard._starter = None
                 guard.start_watching()
-        while queue and queue[0][1].done:
-            queue.popleft()  # answered before its watcher was due: no need to wake for it
-        if queue:
-            self.loop.call_later(max(0.0, queue[0][0] - _now()), self._tick)
+        nxt = self.fifo.next_due(pending)  # (guards closed meanwhile: no need to wake)
+        if nxt < math.inf:
+            self.loop.call_later(max(0.0, nxt - _now()), self._tick)
         else:
             self.armed = False
 
@@ -72,7 +84,16 @@ class DisconnectGuard:
     (uvicorn reports one when the response ends) cancels nothing.
     """
 
-    __slots__ = ("_cancelled", "_gone", "_receive", "_task", "_watcher", "done")
+    __slots__ = (
+        "_cancelled",
+        "_gone",
+        "_queued",
+        "_receive",
+        "_starter",
+        "_task",
+        "_watcher",
+        "done",
+    )
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
@@ -81,6 +102,8 @@ class DisconnectGuard:
         self._cancelled = False
         self.done = False
         self._gone: asyncio.Event | None = None  # made when first needed
+        self._starter: _Starter | None = None  # while queued for its watcher
+        self._queued = 0
 
     @property
     def gone(self) -> asyncio.Event:
@@ -140,6 +163,10 @@ class DisconnectGuard:
     def close(self) -> None:
         """Stop guarding: the response is over (what ``async with`` does on exit)."""
         self.done = True
+        starter = self._starter
+        if starter is not None:
+            self._starter = None
+            starter.pending.pop(self._queued, None)
         if self._watcher is not None:
             self._watcher.cancel()
 

@@ -67,12 +67,12 @@ import heapq
 import json
 import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Coroutine, Generator
 from typing import Any
 
 from opentelemetry import trace
 
+from ._deadlines import Fifo
 from ._loops import PerLoop
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .observer import Observer, whole_events
@@ -238,29 +238,32 @@ class _Clock:
     """The process-wide keepalive timer: one ``TimerHandle`` per event loop.
 
     Every waiting stream's next due time (its commit, its next keepalive) is
-    an entry ``[due, seq, stream]`` here. A stream's first due time is always
-    its start plus the same delay, so those entries go into a FIFO per delay
-    (O(1), in due order); later ones go into a heap. An entry whose stream
-    has ended has ``None`` in place of the stream and is dropped when it
-    comes up. A stream whose output moved its due time later is simply given
-    a new entry when the old one comes up (nothing is done per chunk).
+    queued here under a sequence number; ``pending`` maps the number to the
+    stream until it is due or the stream ends. A stream's first due time is
+    always its start plus the same delay, so those go into a FIFO per delay
+    (O(1), in due order); later ones go into a heap. The queues hold only due
+    times and numbers (which the garbage collector never tracks): a stream that
+    ended leaves nothing behind but two numbers, dropped when they come up. A
+    stream whose output moved its due time later is simply queued again when
+    the old time comes up (nothing is done per chunk).
     """
 
-    __slots__ = ("fifos", "handle", "heap", "loop", "seq", "when")
+    __slots__ = ("fifos", "handle", "heap", "loop", "pending", "seq", "when")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.fifos: dict[float, deque[list[Any]]] = {}
-        self.heap: list[list[Any]] = []
+        self.fifos: dict[float, Fifo] = {}
+        self.heap: list[tuple[float, int]] = []
+        self.pending: dict[int, _Stream] = {}
         self.handle: asyncio.TimerHandle | None = None
         self.when = math.inf
         self.seq = 0
 
-    def first(self, stream: _Stream, delay: float) -> list[Any]:
+    def first(self, stream: _Stream, delay: float) -> int:
         """Schedule ``stream`` ``delay`` seconds from now (its first due time)."""
         return self.after(stream, stream.started, delay)
 
-    def after(self, stream: _Stream, since: float, delay: float) -> list[Any]:
+    def after(self, stream: _Stream, since: float, delay: float) -> int:
         """Schedule ``stream`` ``delay`` seconds after ``since`` (about now): its FIFO.
 
         ``since`` is the stream's start or its last output, so entries mostly come
@@ -268,24 +271,29 @@ class _Clock:
         """
         fifo = self.fifos.get(delay)
         if fifo is None:
-            fifo = self.fifos[delay] = deque()
+            fifo = self.fifos[delay] = Fifo()
         due = since + delay
-        if fifo and fifo[-1][0] > due:
+        if fifo.dues and fifo.dues[-1] > due:
             return self.at(stream, due)
-        entry = [due, 0, stream]
-        fifo.append(entry)
+        seq = self.seq = self.seq + 1
+        self.pending[seq] = stream
+        fifo.push(due, seq, self.pending)
         if due < self.when:
             self._arm(due)
-        return entry
+        return seq
 
-    def at(self, stream: _Stream, due: float) -> list[Any]:
+    def at(self, stream: _Stream, due: float) -> int:
         """Schedule ``stream`` at ``due`` (monotonic seconds)."""
-        self.seq += 1
-        entry = [due, self.seq, stream]
-        heapq.heappush(self.heap, entry)
+        seq = self.seq = self.seq + 1
+        self.pending[seq] = stream
+        heapq.heappush(self.heap, (due, seq))
         if due < self.when:
             self._arm(due)
-        return entry
+        return seq
+
+    def cancel(self, seq: int) -> None:
+        """The stream queued under ``seq`` is no longer due then."""
+        self.pending.pop(seq, None)
 
     def _arm(self, due: float) -> None:
         if self.handle is not None:
@@ -300,37 +308,31 @@ class _Clock:
         self.when = math.inf
         now = _now()
         upto = now + _QUANTUM / 2  # what falls due before the next wake is due now
-        due: list[list[Any]] = []
+        pending = self.pending
+        due: list[_Stream] = []
         for fifo in self.fifos.values():
-            while fifo and fifo[0][0] <= upto:
-                due.append(fifo.popleft())
+            for seq in fifo.pop_due(upto):
+                stream = pending.pop(seq, None)
+                if stream is not None:
+                    due.append(stream)
         heap = self.heap
         while heap and heap[0][0] <= upto:
-            due.append(heapq.heappop(heap))
-        for entry in due:  # (what they schedule is for a later wake)
-            self._due(entry, upto)
-        while heap and heap[0][2] is None:
+            stream = pending.pop(heapq.heappop(heap)[1], None)
+            if stream is not None:
+                due.append(stream)
+        for stream in due:  # (what they schedule is for a later wake)
+            stream.entry = None
+            try:
+                stream.due(upto)
+            except Exception as exc:  # one stream's failure must not stop the others'
+                log_event("stream.heartbeat_failed", level=30, error=repr(exc))
+        while heap and heap[0][1] not in pending:
             heapq.heappop(heap)  # its stream ended: no need to wake for it
         nxt = heap[0][0] if heap else math.inf
         for fifo in self.fifos.values():
-            while fifo and fifo[0][2] is None:
-                fifo.popleft()
-            if fifo and fifo[0][0] < nxt:
-                nxt = fifo[0][0]
+            nxt = min(nxt, fifo.next_due(pending))
         if nxt < math.inf and nxt < self.when:
             self._arm(max(nxt, now + _QUANTUM))
-
-    @staticmethod
-    def _due(entry: list[Any], now: float) -> None:
-        stream: _Stream | None = entry[2]
-        if stream is None:
-            return
-        entry[2] = None
-        stream.entry = None
-        try:
-            stream.due(now)
-        except Exception as exc:  # one stream's failure must not stop the others' keepalives
-            log_event("stream.heartbeat_failed", level=30, error=repr(exc))
 
 
 _QUANTUM = 0.002  # the timer wakes at most this often; a line may be this late
@@ -438,7 +440,7 @@ class _Stream:
         self.lock: asyncio.Lock | contextlib.nullcontext[None] = _NO_LOCK
         self.live = False
         self.clock: _Clock | None = None
-        self.entry: list[Any] | None = None  # its place in the keepalive timer
+        self.entry: int | None = None  # its number in the keepalive timer
         self.writer: asyncio.Task[Any] | None = None  # a timer-started write
         self.listening = False  # on_event is among the request's listeners
         self.context = contextvars.copy_context()  # the request's: for that write
@@ -693,9 +695,9 @@ class _Stream:
                 self.phase = _PASS
                 self.queue.clear()
             if self.live:  # it waited for the commit: time its keepalives instead
-                entry = self.entry
-                if entry is not None:
-                    entry[2] = self.entry = None
+                if self.entry is not None:
+                    self.clock.cancel(self.entry)  # type: ignore[union-attr]
+                    self.entry = None
                 self._rearm()
             return message
         if self.phase == _OWN and not sse:
@@ -921,9 +923,8 @@ class _Stream:
             self.listening = False  # (the listener refers back to us: no cycle left behind)
             self.req.unsubscribe(self.on_event)
         self.gone = True
-        entry = self.entry
-        if entry is not None:
-            entry[2] = None
+        if self.entry is not None:
+            self.clock.cancel(self.entry)  # type: ignore[union-attr]
             self.entry = None
         writer = self.writer
         if writer is not None and writer is not _AT_ONCE:
