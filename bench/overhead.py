@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import httpx
-from readme_stack import wait_up
+from readme_stack import cpu_seconds, wait_up
 
 import tierchain
 from tierchain import Backend, Failover, Forwarder, Routes
@@ -277,13 +277,16 @@ def loopback(requests: int, stream_requests: int, chunks: int, rounds: int) -> d
     up_port = _free_port()
     procs = [ctx.Process(target=_serve, args=("upstream", up_port, up_port), daemon=True)]
     ports = {kind: _free_port() for kind in ("bare", "failover", "stack")}
-    procs += [
-        ctx.Process(target=_serve, args=(kind, port, up_port), daemon=True)
+    gateways = {
+        kind: ctx.Process(target=_serve, args=(kind, port, up_port), daemon=True)
         for kind, port in ports.items()
-    ]
+    }
+    procs += list(gateways.values())
     for p in procs:
         p.start()
-    results: dict[str, dict[str, list[float]]] = {k: {"rps": [], "cps": []} for k in ports}
+    results: dict[str, dict[str, list[float]]] = {
+        k: {"rps": [], "cps": [], "cpu": [], "chunks": []} for k in ports
+    }
     try:
 
         async def run() -> None:
@@ -295,7 +298,12 @@ def loopback(requests: int, stream_requests: int, chunks: int, rounds: int) -> d
                 for kind, port in ports.items():
                     url = f"http://127.0.0.1:{port}/v1/chat/completions"
                     rps, _ = await load(url, requests, 8, 1)
+                    pid = gateways[kind].pid
+                    assert pid is not None
+                    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
                     _, cps = await load(url, stream_requests, 2, chunks)
+                    results[kind]["cpu"].append(cpu_seconds(pid) - cpu0)
+                    results[kind]["chunks"].append(cps * (time.perf_counter() - t0))
                     results[kind]["rps"].append(rps)
                     results[kind]["cps"].append(cps)
 
@@ -314,7 +322,16 @@ def loopback(requests: int, stream_requests: int, chunks: int, rounds: int) -> d
         out[f"{kind}_chunks_spread"] = (max(results[kind]["cps"]) - min(results[kind]["cps"])) / (
             out[f"{kind}_chunks_per_s"]
         )
+    for kind in ports:
+        # The gateway's own CPU per streamed chunk: what caps its throughput once the
+        # cores are busy, and far steadier than wall-clock rates on a shared machine.
+        out[f"{kind}_chunks_per_cpu_s"] = sum(results[kind]["chunks"]) / max(
+            sum(results[kind]["cpu"]), 1e-9
+        )
     for kind in ("failover", "stack"):
+        out[f"{kind}_chunks_per_cpu_ratio"] = (
+            out[f"{kind}_chunks_per_cpu_s"] / out["bare_chunks_per_cpu_s"]
+        )
         out[f"{kind}_request_ratio"] = out[f"{kind}_requests_per_s"] / out["bare_requests_per_s"]
         out[f"{kind}_chunk_ratio"] = out[f"{kind}_chunks_per_s"] / out["bare_chunks_per_s"]
         # Paired by round (each against the bare proxy measured just before it): the
@@ -370,7 +387,8 @@ def main() -> int:
                 f"chunks {lb[kind + '_chunk_ratio']:.3f}; chunks paired by round "
                 f"{lb[kind + '_chunk_ratio_paired']:.3f} "
                 f"({lb[kind + '_chunk_ratio_paired_min']:.3f}-"
-                f"{lb[kind + '_chunk_ratio_paired_max']:.3f})"
+                f"{lb[kind + '_chunk_ratio_paired_max']:.3f}); chunks per gateway "
+                f"CPU-second {lb[kind + '_chunks_per_cpu_ratio']:.3f}"
             )
     if args.json:
         print(json.dumps(results, indent=2))

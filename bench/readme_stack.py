@@ -1,8 +1,10 @@
-"""What the benchmark scripts share: the README's gateway, and a wait for a server to listen."""
+"""What the benchmark scripts share: the README's gateway, a wait for a server to listen,
+and a process's CPU time."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 
@@ -62,3 +64,10 @@ async def wait_up(port: int, tries: int = 400) -> None:
         await writer.wait_closed()
         return
     raise RuntimeError(f"nothing listens on port {port}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) that process ``pid`` has used (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

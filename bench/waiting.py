@@ -42,7 +42,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from readme_stack import wait_up
+from readme_stack import cpu_seconds, wait_up
 
 BODY = json.dumps(
     {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -201,8 +201,7 @@ def proc_stats(pid: int) -> dict[str, float]:
     """CPU seconds, RSS bytes and open fds of ``pid``."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    cpu = (int(fields[11]) + int(fields[12])) / tick
+    cpu = cpu_seconds(pid)
     rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
     fds = len(os.listdir(f"/proc/{pid}/fd"))
     return {"cpu": cpu, "rss": rss, "fds": fds}
