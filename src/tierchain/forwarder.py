@@ -299,7 +299,11 @@ class Forwarder:
             await send(
                 {"type": "http.response.start", "status": response.status_code, "headers": headers}
             )
-            async for chunk in response.aiter_raw():
+            # The raw bytes as they arrive: what ``aiter_raw()`` yields, without its
+            # per-chunk bookkeeping (a re-chunker that does nothing here, a byte count).
+            stream = response.stream
+            assert isinstance(stream, httpx.AsyncByteStream)
+            async for chunk in stream:
                 if observer is not None:
                     chunk = observer.body(chunk)
                 if chunk:
