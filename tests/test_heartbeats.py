@@ -895,3 +895,63 @@ async def test_a_stream_the_timer_wakes_just_before_its_commit_is_due_still_comm
     finally:
         release.set()
         await asyncio.wait_for(task, 1)
+
+
+async def test_a_relayed_chunk_still_in_flight_holds_the_keepalive_until_it_is_back():
+    # Inside a Failover, a relayed chunk with nothing to add goes to the server without
+    # a coroutine of Heartbeats' own. A slow reader holds that send for several
+    # keepalive intervals: no line may be written beside it, and once it is back
+    # (the backend now silent) the keepalive goes out.
+    from tierchain import Backend, Failover, Routes
+
+    reader_back = asyncio.Event()
+    release = asyncio.Event()
+
+    async def backend(scope: Any, receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        start = {"type": "http.response.start", "status": 200}
+        await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})
+        await release.wait()  # then silence
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    written: list[bytes] = []
+    sending = 0
+    overlapped = False
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal sending, overlapped
+        overlapped = overlapped or sending > 0
+        sending += 1
+        try:
+            if message["type"] == "http.response.body":
+                if message["body"] == b"data: 2\n\n":
+                    await reader_back.wait()  # the slow reader
+                written.append(message["body"])
+        finally:
+            sending -= 1
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b'{"model": "echo", "stream": true}'}
+
+    routes = Routes({"echo": [Backend("tower", "http://127.0.0.1:9")]})
+    app = Heartbeats(Failover(backend, routes=routes), interval=TICK, commit_after=TICK)
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    task = asyncio.create_task(app(scope, receive, send))
+    await asyncio.sleep(TICK * 4)  # several intervals pass while "data: 2" is out
+    assert written[-1].endswith(b"data: 1\n\n")  # nothing went out beside it
+    reader_back.set()
+    await asyncio.sleep(TICK * 3)  # the backend is silent: keepalives are due
+    release.set()
+    await asyncio.wait_for(task, 1)
+    assert not overlapped
+    stream = b"".join(written)
+    _, second, after = stream.partition(b"data: 2\n\n")
+    assert second
+    keepalives = re.findall(
+        rb': \{"state":"generating","backend":"tower","idle_s":[\d.]+\}\n', after
+    )
+    assert len(keepalives) >= 1
+    assert after == b"".join(keepalives) + b"data: [DONE]\n\n"

@@ -10,7 +10,8 @@ loop is armed at the earliest due time.
 
 A deadline is a list ``[due, seq, callback, context, pending]``, held by its
 caller; while it is pending, ``pending`` (the loop's table of pending
-deadlines) maps its ``seq`` to it. The queues hold only due times and
+deadlines) maps its ``seq`` to it, and its callback is None once it fired or
+was cancelled. The queues hold only due times and
 sequence numbers: floats and ints, which the garbage collector never tracks.
 So a deadline cancelled long before it falls due (almost all of them) is
 freed with its request, rather than waiting in a queue for its due time and
@@ -153,7 +154,7 @@ class _Timers:
             callback, context = entry[2], entry[3]
             if callback is None:
                 continue  # cancelled by an earlier callback of this round
-            entry[2] = entry[3] = entry[4] = None
+            entry[2] = None
             try:
                 if context is None:
                     callback()
@@ -208,10 +209,8 @@ def schedule(
 def cancel(entry: Deadline | None) -> None:
     """Cancel a deadline (a no-op for None or one that already fired)."""
     if entry is not None:
-        pending = entry[4]
-        if pending is not None:
-            pending.pop(entry[1], None)
-        entry[2] = entry[3] = entry[4] = None
+        entry[4].pop(entry[1], None)  # (the queue keeps no reference to the entry itself)
+        entry[2] = None
 
 
 def due(entry: Deadline) -> float:

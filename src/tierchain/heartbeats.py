@@ -67,6 +67,7 @@ import heapq
 import json
 import math
 import time
+import types
 from collections.abc import Awaitable, Coroutine, Generator
 from typing import Any
 
@@ -397,6 +398,7 @@ class _Stream:
         "clock",
         "context",
         "entry",
+        "flight",
         "gone",
         "hb",
         "in_send",
@@ -466,7 +468,9 @@ class _Stream:
         self.inner_started = False
         self.span = trace.get_current_span()
         self.recording = self.span.is_recording()
-        self.in_send = False  # a relayed chunk is being sent (without the lock)
+        self.in_send = False  # a relayed chunk is being sent by a coroutine of ours
+        # The last relayed chunk's send, passed on as is: out until it finishes.
+        self.flight: types.CoroutineType[Any, Any, Any] | None = None
         self.ticker_writing = False  # the writer is sending its lines (under the lock)
 
     # -- the request ---------------------------------------------------------
@@ -597,31 +601,63 @@ class _Stream:
 
     # -- the inner app's send ----------------------------------------------------
 
-    async def send(self, message: Message) -> None:
-        phase = self.phase
-        if phase == _RELAY:
-            if message["type"] == "http.response.body" and not (
+    def send(self, message: Message) -> Awaitable[None]:
+        """The inner app's send. A relayed chunk with nothing to add goes straight on."""
+        if (
+            self.phase == _RELAY
+            and message["type"] == "http.response.body"
+            and not (
                 self.ticker_writing or self.queue or self.keepalive_due or self.observer is not None
-            ):
-                # The hot path: a relayed upstream chunk with nothing to add to it.
-                # No lock: the ticker sees ``in_send`` and leaves its line for the next
-                # boundary, and a chunk arriving while the ticker writes takes the lock.
-                chunk: bytes = message.get("body", b"")
-                if chunk:
-                    self.last = chunk
-                    self.after_own = False
-                    if not message.get("more_body", False):
-                        self.phase = _DONE
-                elif message.get("more_body", False):
-                    return
-                else:
+            )
+        ):
+            # The hot path, with no coroutine and no lock of ours: the timer sees the
+            # send in flight (``_in_flight``) and holds its lines until it is back; a
+            # chunk arriving while the timer writes takes the lock (``_send_slow``).
+            chunk: bytes = message.get("body", b"")
+            if chunk:
+                self.last = chunk
+                self.after_own = False
+                if not message.get("more_body", False):
                     self.phase = _DONE
-                self.in_send = True
-                await self._send(message)  # (if it raises, the response is over anyway)
-                self.last_output = _now()
-                self._sent()
-                return
-        elif phase == _PASS:
+            elif message.get("more_body", False):
+                return _nothing()
+            else:
+                self.phase = _DONE
+            self.last_output = _now()
+            sending = self._send(message)
+            if type(sending) is not types.CoroutineType:
+                return self._awaited(sending)  # a server whose send is not a coroutine
+            self.flight = sending
+            return sending
+        return self._send_slow(message)
+
+    async def _awaited(self, sending: Awaitable[None]) -> None:
+        self.in_send = True
+        try:
+            await sending
+        finally:
+            self._sent()
+
+    def _in_flight(self) -> bool:
+        """True while a relayed chunk's send is out (ours, or one passed on as is)."""
+        if self.in_send:
+            return True
+        flight = self.flight
+        if flight is None:
+            return False
+        if flight.cr_frame is not None:
+            return True  # not finished yet
+        self.flight = None
+        return False
+
+    def _check_back(self, now: float) -> None:
+        """Lines are owed but a relayed send is out: look again soon."""
+        if self.entry is None and self.clock is not None:
+            self.entry = self.clock.at(self, now + max(_QUANTUM, self.hb.interval / 10))
+
+    async def _send_slow(self, message: Message) -> None:
+        phase = self.phase
+        if phase == _PASS:
             await self._send(message)
             return
         kind = message["type"]
@@ -793,18 +829,28 @@ class _Stream:
             else:
                 self._kick()
             return
+        flying = self._in_flight()
+        if self.keepalive_due or self.queue:
+            # Lines held back: a relayed send was out, or an event was not yet whole.
+            if flying:
+                self._check_back(now)
+            elif self.writer is None and self._at_boundary():
+                self._kick(at_once=True)
+            return  # (or at the next event boundary)
         interval = hb.interval
-        if interval <= 0 or self.keepalive_due:
-            return  # no keepalives, or one waits for the next event boundary
+        if interval <= 0:
+            return  # no keepalives
         quiet_until = self.last_output + interval
         if now < quiet_until:
             self.entry = self.clock.at(self, quiet_until)  # type: ignore[union-attr]
         elif self.writer is not None:
             return  # a write is under way: it times the next keepalive when done
-        elif not self.in_send and self._at_boundary():
+        elif not flying and self._at_boundary():
             self._kick(at_once=True)
         else:
             self.keepalive_due = True  # written at the next event boundary
+            if flying:
+                self._check_back(now)
 
     def _kick(self, *, at_once: bool = False) -> None:
         """Start a write of whatever is owed, unless one is under way.
@@ -872,9 +918,12 @@ class _Stream:
                     owed = bool(self.queue) or keepalive or self.keepalive_due
                     if not owed:
                         break
-                    if self.in_send or not self._at_boundary():
+                    flying = self._in_flight()
+                    if flying or not self._at_boundary():
                         if keepalive:
                             self.keepalive_due = True  # written at the next event boundary
+                        if flying:
+                            self._check_back(_now())
                         break
                     self.ticker_writing = True
                     try:
@@ -949,3 +998,7 @@ class _Stream:
                     )
                 else:
                     await self._finish_own(b"")
+
+
+async def _nothing() -> None:
+    return None
