@@ -234,14 +234,66 @@ class Failover:
         guard = DisconnectGuard(receive)
         guard.enter()  # (as ``async with guard``, without its two coroutines)
         try:
-            # The chain, tier by tier (in this frame: a waiting stream holds one less).
-            of = len(chain)
-            for n, backend in enumerate(chain, 1):
-                if await self._attempt(scope, req, guard, send, Attempt(n, of, backend, route)):
-                    if span is not INVALID_SPAN:
-                        span.set_attribute(ATTR_OUTCOME, "ok")
-                    return
-            await self._after_chain(scope, req, guard, send, span)
+            # The chain, attempt by attempt, in this frame: a waiting stream holds one
+            # frame of ours.
+            attempt: Attempt | None = Attempt(1, len(chain), chain[0], route)
+            while attempt is not None:
+                responder = self._begin(req, guard, send, attempt)
+                recorded = len(req.attempts)
+                try:
+                    error: BaseException | None = None
+                    try:
+                        if attempt.backend.max_in_flight is not None:
+                            responder.lease = await self.admission.enter(
+                                attempt.backend, last=attempt.is_last
+                            )
+                        # A fresh copy per attempt: routers (Starlette's Mount, Litestar's)
+                        # rewrite the scope as they dispatch, and a replay must start from
+                        # the original. The attempt's span is current inside, so that the
+                        # Forwarder (or the host's own client instrumentation) sends its
+                        # trace context upstream.
+                        inner = self.app(
+                            dict(scope), _Replay(req.body or b"", guard), responder.send
+                        )
+                        if responder.span is INVALID_SPAN:
+                            await inner
+                        else:
+                            with _current(responder.span):
+                                await inner
+                    except asyncio.CancelledError:
+                        if not _own_abort(req):
+                            raise
+                        error = req.attempt_error
+                    except Exception as exc:
+                        error = exc
+                    else:
+                        if req.aborted:
+                            _own_abort(req)  # the app swallowed our cancellation and returned
+                        error = req.attempt_error or responder.failure()
+                    if await responder.conclude(error):
+                        if span is not INVALID_SPAN:
+                            span.set_attribute(ATTR_OUTCOME, "ok")
+                        return
+                except BaseException:
+                    # Cancelled from outside: the caller left, or a layer such as Budget
+                    # ended the request and said why in req.cancel_reason.
+                    if len(req.attempts) == recorded:
+                        responder.outcome = req.cancel_reason or "cancelled"
+                        self._record(req, attempt, responder.outcome)
+                    raise
+                finally:
+                    # The exception's traceback holds this frame: let go of it, or the two
+                    # would wait for the garbage collector together.
+                    error = None
+                    lease = responder.end()
+                    if lease is not None:
+                        await self.admission.leave(lease)
+                attempt = self._next(req, attempt)
+            guard.done = True
+            if span is not INVALID_SPAN:
+                span.set_attribute(ATTR_OUTCOME, "all_failed")
+                span.set_status(Status(StatusCode.ERROR, "every backend failed"))
+            await self._all_failed(req, send, len(chain))
         except asyncio.CancelledError:
             guard.close()
             if not guard.caused_cancellation():
@@ -297,28 +349,25 @@ class Failover:
             return chain
         return proposed
 
-    async def _after_chain(
-        self, scope: Scope, req: TierRequest, guard: DisconnectGuard, send: Send, span: Span
-    ) -> None:
-        """No tier answered: one forced try of the soonest, or the all-failed answer."""
+    def _next(self, req: TierRequest, attempt: Attempt) -> Attempt | None:
+        """The attempt after ``attempt``: the next tier, then (when every tier was
+        skipped and a Breaker asked for it) one forced try of the soonest; else None."""
         chain = req.chain
         of = len(chain)
-        skipped = {r.backend: r.retry_after for r in req.attempts if r.outcome == "skipped"}
+        if attempt.force:
+            return None
+        if attempt.n < of:
+            return Attempt(attempt.n + 1, of, chain[attempt.n], req.route)
+        skipped = _skipped(req)
         if len(skipped) == of and req.try_soonest:
             name = min(skipped, key=lambda b: skipped[b] or 0.0)
             soonest = next(b for b in chain if b.name == name)
-            attempt = Attempt(of, of, soonest, req.route, force=True)
-            if await self._attempt(scope, req, guard, send, attempt):
-                span.set_attribute(ATTR_OUTCOME, "ok")
-                return
-        guard.done = True
-        span.set_attribute(ATTR_OUTCOME, "all_failed")
-        span.set_status(Status(StatusCode.ERROR, "every backend failed"))
-        await self._all_failed(req, send, of, skipped)
+            return Attempt(of, of, soonest, req.route, force=True)
+        return None
 
-    async def _all_failed(
-        self, req: TierRequest, send: Send, of: int, skipped: dict[str, float | None]
-    ) -> None:
+    async def _all_failed(self, req: TierRequest, send: Send, of: int) -> None:
+        """No tier answered: the caller's 503, 429 or 502."""
+        skipped = _skipped(req)
         trail = [(TRAIL_HEADER, format_trail(req.attempts))]
         records = req.attempts
         if len(skipped) == of:
@@ -366,10 +415,10 @@ class Failover:
             attempts=[_attempt_json(r) for r in records],
         )
 
-    async def _attempt(
-        self, scope: Scope, req: TierRequest, guard: DisconnectGuard, send: Send, attempt: Attempt
-    ) -> bool:
-        """Run one attempt; True when it answered the caller (or the caller left)."""
+    def _begin(
+        self, req: TierRequest, guard: DisconnectGuard, send: Send, attempt: Attempt
+    ) -> _Responder:
+        """Set up one attempt: its observer, its state event, its span, its ``send``."""
         if req.deadline is not None:
             attempt.deadline = req.deadline
             if attempt.deadline <= time.monotonic():
@@ -380,74 +429,7 @@ class Failover:
         req.aborted = False
         observer = req.observer = Observer(attempt.started, stream_end=backend.stream_end)
         req.emit("attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime)
-        responder = _Responder(self, req, attempt, observer, send, guard)
-        span = _attempt_span(attempt)
-        outcome = "ok"
-        recorded = len(req.attempts)
-        lease = None
-        try:
-            error: BaseException | None = None
-            try:
-                if backend.max_in_flight is not None:
-                    lease = await self.admission.enter(backend, last=attempt.is_last)
-                # A fresh copy per attempt: routers (Starlette's Mount, Litestar's) rewrite
-                # the scope as they dispatch, and a replay must start from the original.
-                # The attempt's span is current inside, so that the Forwarder (or the
-                # host's own client instrumentation) sends its trace context upstream.
-                inner = self.app(dict(scope), _Replay(req.body or b"", guard), responder.send)
-                if span is INVALID_SPAN:
-                    await inner
-                else:
-                    with _current(span):
-                        await inner
-            except asyncio.CancelledError:
-                if not _own_abort(req):
-                    raise
-                error = req.attempt_error
-            except Exception as exc:
-                error = exc
-            else:
-                if req.aborted:
-                    _own_abort(req)  # the app swallowed our cancellation and returned
-                error = req.attempt_error or responder.failure()
-            if error is None:
-                if not responder.committed:
-                    await responder.commit(responder.held_body(), more_body=False)
-                outcome = responder.outcome
-                self._record(req, attempt, outcome)
-                return True
-            outcome = error.reason if isinstance(error, AttemptError) else "error"
-            if responder.committed:
-                await responder.fail_after_commit(error, outcome)
-                return True
-            if not isinstance(error, AttemptError):
-                log_event(
-                    "dispatch.attempt_error",
-                    level=40,
-                    route=attempt.route,
-                    backend=backend.name,
-                    error=repr(error),
-                )
-            self._failed(req, attempt, error, outcome)
-            return False
-        except BaseException:
-            # Cancelled from outside: the caller left, or a layer such as Budget
-            # ended the request and said why in req.cancel_reason.
-            if len(req.attempts) == recorded:
-                outcome = req.cancel_reason or "cancelled"
-                self._record(req, attempt, outcome)
-            raise
-        finally:
-            # The exception's traceback holds this frame: let go of it, or the two
-            # would wait for the garbage collector together.
-            error = None
-            if lease is not None:
-                await self.admission.leave(lease)
-            if span is not INVALID_SPAN:  # (no SDK: nothing to record)
-                span.set_attribute(ATTR_OUTCOME, outcome)
-                if backend.regime is None and outcome == "saturated":
-                    span.set_attribute(ATTR_REGIME, "saturated")
-                span.end()
+        return _Responder(self, req, attempt, observer, send, guard, _attempt_span(attempt))
 
     def _record(
         self,
@@ -536,6 +518,11 @@ def _own_abort(req: TierRequest) -> bool:
     return task is None or task.uncancel() == 0
 
 
+def _skipped(req: TierRequest) -> dict[str, float | None]:
+    """The backends whose breaker skipped them, with when each said to come back."""
+    return {r.backend: r.retry_after for r in req.attempts if r.outcome == "skipped"}
+
+
 def _attempt_json(record: AttemptRecord) -> dict[str, Any]:
     item: dict[str, Any] = {"backend": record.backend, "outcome": record.outcome}
     if record.retry_after is not None:
@@ -573,10 +560,12 @@ class _Responder:
         "_send",
         "attempt",
         "committed",
+        "lease",
         "observer",
         "outcome",
         "refusal",
         "req",
+        "span",
         "start",
     )
 
@@ -588,8 +577,11 @@ class _Responder:
         observer: Observer,
         send: Send,
         guard: DisconnectGuard,
+        span: Span,
     ) -> None:
         self._failover = failover
+        self.span = span
+        self.lease: Any = None  # an in-flight lease at the backend, while held
         self.req = req
         self.attempt = attempt
         self.observer = observer
@@ -753,6 +745,42 @@ class _Responder:
                 "the handler returned before the response was whole", reason="truncated"
             )
         return None
+
+    async def conclude(self, error: BaseException | None) -> bool:
+        """Settle the attempt once the app has returned (or failed): commit a held
+        answer, end a broken one, or count the failure. True when the caller has
+        its answer (the chain stops); False to fail over."""
+        failover, req, attempt = self._failover, self.req, self.attempt
+        if error is None:
+            if not self.committed:
+                await self.commit(self.held_body(), more_body=False)
+            failover._record(req, attempt, self.outcome)
+            return True
+        outcome = self.outcome = error.reason if isinstance(error, AttemptError) else "error"
+        if self.committed:
+            await self.fail_after_commit(error, outcome)
+            return True
+        if not isinstance(error, AttemptError):
+            log_event(
+                "dispatch.attempt_error",
+                level=40,
+                route=attempt.route,
+                backend=attempt.backend.name,
+                error=repr(error),
+            )
+        failover._failed(req, attempt, error, outcome)
+        return False
+
+    def end(self) -> Any:
+        """The attempt is over: end its span. Returns its in-flight lease to give back."""
+        span = self.span
+        if span is not INVALID_SPAN:  # (no SDK: nothing to record)
+            span.set_attribute(ATTR_OUTCOME, self.outcome)
+            if self.attempt.backend.regime is None and self.outcome == "saturated":
+                span.set_attribute(ATTR_REGIME, "saturated")
+            span.end()
+        lease, self.lease = self.lease, None
+        return lease
 
     async def commit(self, chunk: bytes, *, more_body: bool) -> None:
         """Send the held start and ``chunk``: the point of no return."""
