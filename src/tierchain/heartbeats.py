@@ -47,10 +47,13 @@ Tasks and teardown (after sse-starlette)
     when a commit or a keepalive falls due it starts one short-lived write
     (a task named ``tierchain-heartbeats``) that ends once the line is
     written. The request owns that write: it is cancelled and awaited when
-    the response ends or the caller leaves. Writes are serialised with a lock
-    and nothing is written after the final chunk. ``receive`` is only
-    observed, never read on the app's behalf, so ``http.disconnect`` reaches
-    the inner app (Failover's disconnect guard) untouched.
+    the response ends or the caller leaves. Heartbeats' own writes are
+    serialised with a lock; a relayed chunk with nothing to add goes straight
+    to the server, and a line that falls due while that send is out waits
+    until it is back. Nothing is written after the final chunk. ``receive``
+    is only observed (until the body is in), never read on the app's behalf,
+    so ``http.disconnect`` reaches the inner app (Failover's disconnect guard)
+    untouched.
 
 Deliberate divergences: heartbeats are comments, never empty ``data:`` frames,
 data-less ``event:`` frames or empty-choices chunks; with no state event yet
