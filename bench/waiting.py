@@ -13,7 +13,10 @@ its own uvicorn process on loopback:
   Forwarder: the same host without tierchain, so the difference is tierchain's own;
 - ``stack``: the README's stack (Heartbeats, Budget, PreferBackend, Failover,
   Breaker, SaturationWatchdog, Forwarder; tower then hosted), with the
-  watchdog and the budget set far beyond the run so the streams stay waiting.
+  watchdog and the budget set far beyond the run so the streams stay waiting;
+- ``serve`` (with ``--only serve``): the same stack as ``tierchain serve``
+  builds it from its variables, with no framework: against ``bare``, what
+  tierchain itself holds.
 
 For each K it reports: streams held and failed; how many got the gateway's own
 200 and how many never got a state line (for the stack, all K and none: a
@@ -130,6 +133,32 @@ def build(kind: str, tower: str, hosted: str) -> Any:
 
             inner = FastAPI()
             inner.mount("/v1", proxy)  # (the path stays whole under a mount)
+    elif kind == "serve":
+        import tempfile
+
+        from tierchain.config import from_env
+        from tierchain.stack import build_stack
+
+        routes = os.path.join(tempfile.mkdtemp(), "routes.toml")
+        with open(routes, "w") as f:
+            f.write(
+                f'[[routes.echo.backends]]\nname = "tower"\nurl = "{tower}"\nregime = "local"\n'
+                f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{hosted}"\n'
+                'regime = "hosted"\n'
+            )
+        inner = build_stack(
+            None,
+            from_env(
+                {
+                    "TIERCHAIN_ROUTES_FILE": routes,
+                    "TIERCHAIN_SLOW_AFTER": "3600",
+                    "TIERCHAIN_WATCHDOG_STALL_AFTER": "3600",
+                    "TIERCHAIN_BUDGET_DEFAULT": "3600",
+                    "TIERCHAIN_HEARTBEAT_INTERVAL": os.environ["WAITING_INTERVAL"],
+                    "TIERCHAIN_IDENTITY": "off",
+                }
+            ),
+        )
     else:
         from readme_stack import readme_gateway
 
@@ -379,7 +408,10 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=10.0, help="keepalive interval (s)")
     parser.add_argument("--window", type=float, default=20.0, help="keepalive CPU window (s)")
     parser.add_argument(
-        "--only", choices=["bare", "bare-fastapi", "stack"], help="measure one gateway"
+        "--only",
+        action="append",
+        choices=["bare", "bare-fastapi", "stack", "serve"],
+        help="measure this gateway (again for another; default: bare, bare-fastapi, stack)",
     )
     parser.add_argument(
         "--settle", type=float, default=1.5, help="pause after each batch (its commits)"
@@ -419,7 +451,7 @@ def main() -> None:
                     file=sys.stderr,
                 )
                 k = cap
-            for kind in ["bare", "bare-fastapi", "stack"] if args.only is None else [args.only]:
+            for kind in args.only or ["bare", "bare-fastapi", "stack"]:
 
                 async def one(kind: str = kind, k: int = k) -> dict[str, Any]:
                     await wait_up(ports[0])
@@ -451,11 +483,11 @@ def main() -> None:
         for r in results:
             pairs.setdefault(r["k"], {})[r["kind"]] = r
         for k, pair in pairs.items():
-            for bare in ("bare", "bare-fastapi"):
-                if bare in pair and "stack" in pair:
-                    extra = pair["stack"]["kib_per_stream"] - pair[bare]["kib_per_stream"]
+            for mine, bare in (("stack", "bare"), ("stack", "bare-fastapi"), ("serve", "bare")):
+                if bare in pair and mine in pair:
+                    extra = pair[mine]["kib_per_stream"] - pair[bare]["kib_per_stream"]
                     print(
-                        f"K={k}: the stack holds each waiting stream in {extra:.2f} KiB "
+                        f"K={k}: the {mine} gateway holds each waiting stream in {extra:.2f} KiB "
                         f"above {bare}"
                     )
     finally:
