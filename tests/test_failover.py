@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -270,3 +271,51 @@ async def test_a_body_that_stops_short_of_its_content_length_reaches_no_backend(
             await asyncio.sleep(0.05)
         await fwd.aclose()
     assert tower.requests == []
+
+
+async def test_a_router_that_rewrites_the_scope_still_routes_the_next_attempt():
+    # The README's layout: the handler mounted in FastAPI at /v1, inside Failover.
+    # Starlette's Mount rewrites the scope it routes (root_path, endpoint, ...): the
+    # second attempt must be routed from the scope as it came, not the rewritten one.
+    from fastapi import FastAPI
+
+    from tierchain import current_attempt
+
+    seen: list[tuple[str, str, str]] = []
+
+    async def handler(scope: Any, receive: Any, send: Any) -> None:
+        name = current_attempt(scope).backend.name
+        seen.append((name, scope["path"], scope.get("root_path", "")))
+        while (await receive()).get("more_body"):
+            pass
+        if name == "tower":
+            await send({"type": "http.response.start", "status": 503, "headers": []})
+            await send({"type": "http.response.body", "body": b'{"error": "busy"}'})
+            return
+        start = {"type": "http.response.start", "status": 200}
+        await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    routes = Routes(
+        {
+            "echo": [
+                Backend("tower", "http://127.0.0.1:9"),
+                Backend("hosted", "http://127.0.0.1:9"),
+            ]
+        }
+    )
+    app = FastAPI()
+    app.mount("/v1", handler)
+    app.add_middleware(Failover, routes=routes, paths=("/v1/",))
+    async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+        response = await client.post(
+            url + "/v1/chat/completions", json={"model": "echo", "stream": True}
+        )
+    assert response.status_code == 200
+    assert response.content == b"data: {}\n\ndata: [DONE]\n\n"
+    assert response.headers["x-tierchain-attempts"] == "tower;outcome=http_503, hosted;outcome=ok"
+    assert seen == [
+        ("tower", "/v1/chat/completions", "/v1"),
+        ("hosted", "/v1/chat/completions", "/v1"),
+    ]

@@ -160,14 +160,12 @@ class _Spend:
         "finished",
         "fired",
         "req",
-        "scope",
         "seconds",
         "started",
     )
 
     def __init__(self, budget: Budget, scope: Scope, seconds: float) -> None:
         self.budget = budget
-        self.scope = scope
         self.seconds = seconds
         self.req = TierRequest.of(scope)
         self.started = False

@@ -98,6 +98,9 @@ _REFUSED = frozenset({429, 503})
 
 
 Resolver = Callable[[Scope, bytes], str]
+# The key tuples of the scopes seen (one per shape: server, framework, mounts).
+_SCOPE_SHAPES: dict[tuple[str, ...], tuple[str, ...]] = {}
+_SCOPE_SHAPES_MAX = 256
 # The C scanner, when the json module has it.
 _scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
@@ -236,6 +239,15 @@ class Failover:
         try:
             # The chain, attempt by attempt, in this frame: a waiting stream holds one
             # frame of ours.
+            # The scope as it came, for the attempts after the first (routers such as
+            # Starlette's Mount and Litestar's rewrite it as they dispatch, and a replay
+            # must start from the original): its values, with its keys kept once for
+            # every request of the same shape. The first attempt gets the scope itself.
+            keys = tuple(scope)
+            if len(_SCOPE_SHAPES) < _SCOPE_SHAPES_MAX:
+                keys = _SCOPE_SHAPES.setdefault(keys, keys)
+            pristine = tuple(scope.values())
+            first = True
             attempt: Attempt | None = Attempt(1, len(chain), chain[0], route)
             while attempt is not None:
                 responder = self._begin(req, guard, send, attempt)
@@ -247,13 +259,16 @@ class Failover:
                             responder.lease = await self.admission.enter(
                                 attempt.backend, last=attempt.is_last
                             )
-                        # A fresh copy per attempt: routers (Starlette's Mount, Litestar's)
-                        # rewrite the scope as they dispatch, and a replay must start from
-                        # the original. The attempt's span is current inside, so that the
-                        # Forwarder (or the host's own client instrumentation) sends its
-                        # trace context upstream.
+                        if first:
+                            first = False
+                            attempt_scope = scope
+                        else:
+                            attempt_scope = dict(zip(keys, pristine, strict=True))
+                        # The attempt's span is current inside, so that the Forwarder (or
+                        # the host's own client instrumentation) sends its trace context
+                        # upstream.
                         inner = self.app(
-                            dict(scope), _Replay(req.body or b"", guard), responder.send
+                            attempt_scope, _Replay(req.body or b"", guard), responder.send
                         )
                         if responder.span is INVALID_SPAN:
                             await inner

@@ -422,7 +422,6 @@ class _Stream:
         "recording",
         "req",
         "said_generating",
-        "scope",
         "sniffed",
         "span",
         "started",
@@ -434,7 +433,6 @@ class _Stream:
         self, hb: Heartbeats, scope: Scope, receive: Receive, send: Send, accept: bool
     ) -> None:
         self.hb = hb
-        self.scope = scope
         self._receive = receive
         self._send = send
         self.req = TierRequest.of(scope)
