@@ -23,7 +23,8 @@ For each K it reports: streams held and failed; how many got the gateway's own
 caller parked behind the tower must hear from it); whether any breaker opened
 (and how many requests reached hosted); the gateway's CPU per admitted stream
 for each batch of admissions (flat is the target); RSS per waiting stream above
-the bare proxies; the gateway's CPU over a window of keepalives, as a share of one
+the bare proxies (over all K, and from half held to all held: the cost of one
+more stream, without the first requests' one-off allocations); the gateway's CPU over a window of keepalives, as a share of one
 core; open fds before, while held and after the callers leave.
 
 Run: ``.venv/bin/python bench/waiting.py 1000 3000 10000``. Each process
@@ -325,6 +326,7 @@ async def measure(
             await scrape(port, "/_bench/memory")
         tower_before, hosted_before = counts[0], counts[2]
         per_batch: list[float] = []
+        half: tuple[int, int] | None = None  # (streams held, RSS) once half are in
         t0 = time.monotonic()
         for start in range(0, k, batch):
             n = min(batch, k - start)
@@ -345,6 +347,8 @@ async def measure(
             per_batch.append((proc_stats(proc.pid)["cpu"] - before) / n * 1e3)
             if settle:
                 await asyncio.sleep(settle)  # its commits fall here, not in the next batch
+            if half is None and target >= k // 2:
+                half = (target, proc_stats(proc.pid)["rss"])
         admit_s = time.monotonic() - t0
         await asyncio.sleep(2.5)  # the commit (1 s) and the first lines
         held_stats = proc_stats(proc.pid)
@@ -376,6 +380,13 @@ async def measure(
             "rss_base_mb": round(base["rss"] / 2**20, 1),
             "rss_held_mb": round(held_stats["rss"] / 2**20, 1),
             "kib_per_stream": round((held_stats["rss"] - base["rss"]) / k / 1024, 2),
+            # From half held to all held: what one more waiting stream costs, without the
+            # first requests' one-off allocations (and their noise) in the figure.
+            "kib_per_stream_marginal": (
+                round((held_stats["rss"] - half[1]) / (k - half[0]) / 1024, 2)
+                if half is not None and k > half[0]
+                else None
+            ),
             "keepalive_core_pct": round((cpu1 - cpu0) / (t_1 - t_0) * 100, 2),
             "lines_per_stream": round(lines / k, 1),
             "fds_base": base["fds"],
@@ -473,7 +484,8 @@ def main() -> None:
                         f"admit {r['admit_s']} s, "
                         f"CPU/stream first batch {r['admit_ms_cpu_first_batch']} ms, last "
                         f"{r['admit_ms_cpu_last_batch']} ms; RSS {r['rss_base_mb']}->"
-                        f"{r['rss_held_mb']} MB = {r['kib_per_stream']} KiB/stream; keepalive "
+                        f"{r['rss_held_mb']} MB = {r['kib_per_stream']} KiB/stream "
+                        f"({r['kib_per_stream_marginal']} from half held to all); keepalive "
                         f"window {r['keepalive_core_pct']}% of a core ({r['lines_per_stream']} "
                         f"lines/stream); fds {r['fds_base']}->{r['fds_held']}->{r['fds_after']} "
                         f"({r['fds_after_s']} s after the callers left)",
@@ -486,10 +498,17 @@ def main() -> None:
             for mine, bare in (("stack", "bare"), ("stack", "bare-fastapi"), ("serve", "bare")):
                 if bare in pair and mine in pair:
                     extra = pair[mine]["kib_per_stream"] - pair[bare]["kib_per_stream"]
-                    print(
+                    line = (
                         f"K={k}: the {mine} gateway holds each waiting stream in {extra:.2f} KiB "
                         f"above {bare}"
                     )
+                    a, b = (
+                        pair[mine]["kib_per_stream_marginal"],
+                        pair[bare]["kib_per_stream_marginal"],
+                    )
+                    if a is not None and b is not None:
+                        line += f" (from half held to all held: {a - b:.2f} KiB)"
+                    print(line)
     finally:
         backends.terminate()
         backends.join(5)
