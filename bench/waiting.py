@@ -24,8 +24,9 @@ caller parked behind the tower must hear from it); whether any breaker opened
 (and how many requests reached hosted); the gateway's CPU per admitted stream
 for each batch of admissions (flat is the target); RSS per waiting stream above
 the bare proxies (over all K, and from half held to all held: the cost of one
-more stream, without the first requests' one-off allocations); the gateway's CPU over a window of keepalives, as a share of one
-core; open fds before, while held and after the callers leave.
+more stream, without the first requests' one-off allocations); the gateway's
+CPU over a window of keepalives, as a share of one core; open fds before,
+while held and after the callers leave.
 
 Run: ``.venv/bin/python bench/waiting.py 1000 3000 10000``. Each process
 raises its fd limit as far as the hard limit allows; a gateway needs two fds
