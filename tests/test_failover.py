@@ -15,6 +15,7 @@ from tierchain import Backend, Failover, Forwarder, Routes
 from .support import (
     Exchange,
     FakeBackend,
+    answering,
     answers,
     chat_request,
     openai_stream,
@@ -282,20 +283,12 @@ async def test_a_router_that_rewrites_the_scope_still_routes_the_next_attempt():
     from tierchain import current_attempt
 
     seen: list[tuple[str, str, str]] = []
+    answer = answering("503")  # the tower answers 503, hosted streams an event and [DONE]
 
     async def handler(scope: Any, receive: Any, send: Any) -> None:
         name = current_attempt(scope).backend.name
         seen.append((name, scope["path"], scope.get("root_path", "")))
-        while (await receive()).get("more_body"):
-            pass
-        if name == "tower":
-            await send({"type": "http.response.start", "status": 503, "headers": []})
-            await send({"type": "http.response.body", "body": b'{"error": "busy"}'})
-            return
-        start = {"type": "http.response.start", "status": 200}
-        await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
-        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        await answer(scope, receive, send)
 
     routes = Routes(
         {

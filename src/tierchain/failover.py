@@ -69,7 +69,7 @@ from .errors import (
     RetryableStatus,
     StreamError,
 )
-from .observer import Observer
+from .observer import Observer, nothing_sent
 from .request import TRAIL_HEADER, UNROUTED_KEY, Attempt, AttemptRecord, TierRequest, format_trail
 from .sse import error_event
 from .telemetry import (
@@ -620,10 +620,10 @@ class _Responder:
                     out = observer.body(chunk)
                 except StreamError as exc:
                     self.req.abort(exc)
-                    return _nothing()
+                    return nothing_sent()
                 if more:
                     if not out:
-                        return _nothing()  # part of an event: held until it is whole
+                        return nothing_sent()  # part of an event: held until it is whole
                     if out is chunk:
                         return self._send(message)  # whole events as they came: passed as is
                     return self._send(
@@ -637,7 +637,7 @@ class _Responder:
                         return self._send(
                             {"type": "http.response.body", "body": out, "more_body": True}
                         )
-                    return _nothing()
+                    return nothing_sent()
                 self._guard.done = True
                 return self._send({"type": "http.response.body", "body": out, "more_body": False})
             observer.body(chunk)
@@ -647,7 +647,7 @@ class _Responder:
             return self._send(message)
         if message["type"] == "http.response.start" and not self.req.aborted:
             self._on_start(message)  # nothing to send yet: no coroutine of ours
-            return _nothing()
+            return nothing_sent()
         return self._before_commit(message)
 
     def _on_start(self, message: Message) -> None:
@@ -854,7 +854,3 @@ class _Responder:
 
 def _has_body(status: int | None) -> bool:
     return status is not None and status >= 200 and status not in (204, 304)
-
-
-async def _nothing() -> None:
-    return None

@@ -79,7 +79,7 @@ from opentelemetry import trace
 from ._deadlines import Fifo
 from ._loops import PerLoop
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
-from .observer import Observer, whole_events
+from .observer import Observer, nothing_sent, whole_events
 from .request import StateEvent, TierRequest
 from .sse import (
     comment_line,
@@ -621,7 +621,7 @@ class _Stream:
                 if not message.get("more_body", False):
                     self.phase = _DONE
             elif message.get("more_body", False):
-                return _nothing()
+                return nothing_sent()
             else:
                 self.phase = _DONE
             self.last_output = _now()
@@ -999,7 +999,3 @@ class _Stream:
                     )
                 else:
                     await self._finish_own(b"")
-
-
-async def _nothing() -> None:
-    return None

@@ -35,7 +35,7 @@ from ._types import Headers, Message
 from .errors import StreamError
 from .sse import data_values, has_data, has_finish_reason, is_event_stream, last_boundary
 
-__all__ = ["MAX_EVENT", "OPENAI", "Observer", "whole_events"]
+__all__ = ["MAX_EVENT", "OPENAI", "Observer", "nothing_sent", "whole_events"]
 
 MAX_EVENT = 2**20
 """Bytes an event may grow to without its blank line before the stream is malformed."""
@@ -271,3 +271,8 @@ def whole_events(observer: Observer, message: Message) -> Message | None:
     if not out:
         return None
     return {"type": "http.response.body", "body": out, "more_body": True}
+
+
+async def nothing_sent() -> None:
+    """What a ``send`` wrapper returns when it passes nothing on (yet)."""
+    return None

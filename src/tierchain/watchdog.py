@@ -69,7 +69,7 @@ from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance
 from .errors import BackendBusy, BackendSaturated, StreamError
 from .learned import Learned
-from .observer import Observer, whole_events
+from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, Status, auto_reader, fetch_status, judge
 from .request import UNROUTED_KEY, Attempt, TierRequest
 from .sse import error_event
@@ -412,7 +412,7 @@ class _Watch:
         if kind == "http.response.body":
             if observer.sse:
                 out = whole_events(observer, message)
-                return self._send(out) if out is not None else _nothing()
+                return self._send(out) if out is not None else nothing_sent()
             observer.body(message.get("body", b""))
             if not message.get("more_body", False):
                 observer.end()
@@ -661,7 +661,3 @@ class _Watch:
             )
         else:
             raise BackendSaturated(message, waited=waited)
-
-
-async def _nothing() -> None:
-    return None
