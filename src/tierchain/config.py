@@ -33,7 +33,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
@@ -49,14 +49,18 @@ if TYPE_CHECKING:
     from .stack import build_stack
 
 __all__ = [
+    "BACKEND_KEYS",
     "LAYERS",
     "STACK_ORDER",
+    "WARNINGS",
+    "BackendKey",
     "ConfigError",
     "Layer",
     "LayerSettings",
     "Option",
     "Settings",
     "build_stack",
+    "config_warnings",
     "display_value",
     "find_layer",
     "from_env",
@@ -768,6 +772,49 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         identity=general.get("identity", True),
         environ_keys=tuple(sorted(k for k in env if k.startswith(PREFIX))),
     )
+
+
+# -- warnings: a configuration that loads, but will not do what it looks like ----------
+
+Check = Callable[["Settings"], Iterable[str]]
+
+
+def _v1_twice(settings: Settings) -> Iterator[str]:
+    """A backend URL ending in /v1 while the requests sent to it already start with /v1
+    (the base URL copied from a client's settings): every request would be a 404."""
+    if settings.routes is None:
+        return
+    failover = settings.layers["Failover"]
+    paths: tuple[str, ...] = failover.options.get("paths", failover.defaults.get("paths", ("/",)))
+    carried = [p for p in paths if p == "/" or p.startswith("/v1")]
+    if not carried:
+        return
+    given = failover.sources.get("paths")
+    how = f"{given}={','.join(paths)}" if given else f"Failover paths {','.join(paths)}"
+    prefix = f"{settings.routes_file}: " if settings.routes_file else ""
+    for route, chain in settings.routes.items():
+        for i, backend in enumerate(chain):
+            parts = urlsplit(backend.url)
+            if not parts.path.rstrip("/").endswith("/v1"):
+                continue
+            base = mask_url(parts._replace(path=parts.path.rstrip("/")[: -len("/v1")]).geturl())
+            shown = mask_url(backend.url)
+            yield (
+                f"{prefix}routes.{route}.backends[{i}].url={shown!r} (backend {backend.name!r}): "
+                f"its path ends in /v1 and the requests sent to it already start with /v1 ({how}), "
+                f"so /v1/chat/completions would go to {shown.rstrip('/')}/v1/chat/completions, "
+                f"a 404 on every request; expected the base URL without /v1: {base!r}"
+            )
+
+
+WARNINGS: tuple[Check, ...] = (_v1_twice,)
+"""The warning checks ``check-config`` and ``serve`` run: each takes the
+:class:`Settings` and returns its warnings, one sentence each (add a check with one line)."""
+
+
+def config_warnings(settings: Settings) -> list[str]:
+    """Every warning about ``settings`` (exit 0 all the same: the gateway can start)."""
+    return [warning for check in WARNINGS for warning in check(settings)]
 
 
 # -- the routes file ----------------------------------------------------------------
