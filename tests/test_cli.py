@@ -276,3 +276,18 @@ def test_check_config_lists_every_problem_of_every_backend_at_once(tmp_path):
     ):
         assert f"  - {path}: {key}" in text
     assert "TIERCHAIN_BREAKER_FAILURE_THRESHOLD='0'" in text
+
+
+def test_check_config_shows_each_backends_own_options_from_the_routes_file(tmp_path):
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n'
+        'stall_after = "5m"\nmax_in_flight = 1\nstream_end = false\n'
+    )
+    code, text = run_check({"TIERCHAIN_ROUTES_FILE": str(path)})
+    assert code == 0
+    line = next(li for li in text.splitlines() if "1. tower" in li)
+    assert line.endswith("stream_end=none  stall_after=300.0  max_in_flight=1")
+    code, text = run_check({"TIERCHAIN_ROUTES_FILE": str(path)}, as_json=True)
+    (tower,) = json.loads(text)["routes"]["echo"]
+    assert (tower["stream_end"], tower["stall_after"], tower["max_in_flight"]) == (None, 300.0, 1)

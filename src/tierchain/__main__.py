@@ -191,7 +191,7 @@ def check_config(
     for route, chain in (fields["routes"] or {}).items():
         print(f"  {route}:", file=out)
         for n, b in enumerate(chain, 1):
-            extra = "".join(f"  {k}={b[k]}" for k in ("regime", "model", "status_url") if k in b)
+            extra = "".join(f"  {k}={_val(b[k])}" for k in _BACKEND_SHOWN if k in b)
             if b.get("forward_caller_auth"):
                 extra += "  forward_caller_auth=true"
             hdrs = f"  headers={','.join(b['headers'])}" if "headers" in b else ""
@@ -205,6 +205,9 @@ def check_config(
         for warning in warnings:
             print(f"  - {warning}", file=out)
     return 0
+
+
+_BACKEND_SHOWN = ("regime", "model", "status_url", "stream_end", "stall_after", "max_in_flight")
 
 
 def _stack_rows(settings: Any) -> list[dict[str, Any]]:
