@@ -504,6 +504,18 @@ stall_after = "500ms"
 
 
 @pytest.mark.parametrize(
+    ("value", "seconds"), [("30", 30.0), ("2.5", 2.5), ("1e-3", 0.001), ('"90s"', 90.0)]
+)
+def test_stall_after_takes_a_toml_number_or_a_string_with_a_unit(tmp_path, value, seconds):
+    path = write(
+        tmp_path,
+        f'[[routes.echo.backends]]\nname = "t"\nurl = "http://127.0.0.1:1"\nstall_after = {value}\n',
+    )
+    (backend,) = load_routes(path, environ={})["echo"]
+    assert backend.stall_after == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
     ("line", "expected"),
     [
         ('stall_after = "soon"', "stall_after='soon' (backend 'tower'): expected seconds"),

@@ -17,8 +17,15 @@ Every option of every middleware has a ``TIERCHAIN_*`` variable, declared in
 the tables below (one :class:`Option` line each). Options that are objects
 (clocks, clients, callables) are code-only and say so.
 
-A problem message names the variable (or the TOML key path), the value (a
-secret's value is never shown) and what was expected.
+A problem message names the variable (or the file and the TOML key path, with
+the backend's name), the value (a secret's value is never shown) and what was
+expected. Every key of a routes file's backend table is one :class:`BackendKey`
+line in :data:`BACKEND_KEYS`, one per :class:`~tierchain.Backend` option.
+
+A configuration that loads but will not do what it looks like gets a warning
+instead (:func:`config_warnings`: ``check-config`` prints them, ``serve`` logs
+them); each check is a function of the :class:`Settings` listed in
+:data:`WARNINGS`, so a new one is one function and one line.
 
 This module reads and checks; :mod:`tierchain.stack` builds. ``build_stack`` is
 still importable from here for code written against that path.
@@ -893,7 +900,12 @@ def _toml_seconds(*, zero_ok: bool) -> Callable[[Any], float]:
     def check(value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise ValueError
-        raw = value if isinstance(value, str) else format(value, "f")
+        if isinstance(value, str):
+            raw = value
+        elif isinstance(value, int):
+            raw = str(value)
+        else:  # a float as plain digits: the parser takes no exponent (1e-07)
+            raw = f"{value:.17f}"
         parsed: float = parse(raw)
         return parsed
 
