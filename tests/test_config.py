@@ -509,7 +509,8 @@ stall_after = "500ms"
 def test_stall_after_takes_a_toml_number_or_a_string_with_a_unit(tmp_path, value, seconds):
     path = write(
         tmp_path,
-        f'[[routes.echo.backends]]\nname = "t"\nurl = "http://127.0.0.1:1"\nstall_after = {value}\n',
+        '[[routes.echo.backends]]\nname = "t"\nurl = "http://127.0.0.1:1"\n'
+        f"stall_after = {value}\n",
     )
     (backend,) = load_routes(path, environ={})["echo"]
     assert backend.stall_after == pytest.approx(seconds)
