@@ -494,3 +494,38 @@ async def test_the_documented_gunicorn_config_shows_each_workers_identity_line(t
 
 def started_lines(served: Served) -> list[dict[str, Any]]:
     return [e for e in served.events() if e.get("event") == "tierchain.started"]
+
+
+async def test_serve_carries_ollamas_api_beside_v1(tmp_path):
+    import ollama
+
+    # Ollama's non-streaming /api/chat answer as its docs/api.md shows it, served as
+    # application/json; charset=utf-8 like its Go server.
+    answer = (
+        b'{"model":"echo","created_at":"2023-12-12T14:13:43.416799Z","message":'
+        b'{"role":"assistant","content":"hi from the tower"},"done_reason":"stop","done":true}'
+    )
+
+    async def tower_answers(ex: Exchange) -> None:
+        await ex.respond(200, answer, {"content-type": "application/json; charset=utf-8"})
+
+    async with FakeBackend("tower", tower_answers) as tower:
+        env = {
+            "TIERCHAIN_ROUTES_FILE": routes_file(tmp_path, tower.url),
+            "TIERCHAIN_LOG_FORMAT": "json",
+        }
+        async with tierchain_serve(env) as served:
+            listening = await served.event("serve.listening", within=START_TIMEOUT)
+            client = ollama.AsyncClient(host="http://" + listening["addresses"][0])
+            try:
+                tags = await client.list()
+                chat = await client.chat(
+                    model="echo", messages=[{"role": "user", "content": "hi"}], stream=False
+                )
+            finally:
+                await client.close()
+            served.proc.send_signal(signal.SIGTERM)
+            assert await served.exit_status(10.0) == 0
+    assert [m.model for m in tags.models] == ["echo"]
+    assert chat.message.content == "hi from the tower"
+    assert [(r.method, r.path) for r in tower.requests] == [("POST", "/api/chat")]
