@@ -47,6 +47,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
+from .backend import _NAME as _BACKEND_NAME
 from .backend import Backend, Routes
 from .backend import _check_url as check_url
 from .errors import ConfigError
@@ -209,7 +210,7 @@ def choice(*choices: str) -> Parser:
 
 def backend_name(raw: str) -> str:
     """A backend name: 1-64 characters from ``A-Z a-z 0-9 . _ -``."""
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", raw.strip()):
+    if not _BACKEND_NAME.fullmatch(raw.strip()):
         raise ValueError
     return raw.strip()
 
@@ -980,10 +981,8 @@ BACKEND_KEYS: tuple[BackendKey, ...] = (
 # fmt: on
 
 _BACKEND_KEYS = {key.name: key for key in BACKEND_KEYS}
-_ROUTE_KEYS = tuple(_BACKEND_KEYS)  # (the old name of the list of backend keys)
 ROUTE_TABLE_KEYS = ("backends",)
 """The keys of a ``[routes.<name>]`` table."""
-_BACKEND_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _REQUIRED = ("name", "url")
 
 
