@@ -224,3 +224,70 @@ def test_check_config_shows_which_backends_receive_the_callers_credentials(tmp_p
     tower_json, gate_json = json.loads(text)["routes"]["echo"]
     assert "forward_caller_auth" not in tower_json
     assert gate_json["forward_caller_auth"] is True
+
+
+def test_check_config_warns_when_a_backend_url_ends_in_v1_and_the_requests_carry_v1(tmp_path):
+    # The LiteLLM copy trap: api_base ".../v1" + the caller's "/v1/chat/completions".
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n\n'
+        '[[routes.echo.backends]]\nname = "proxy"\nurl = "http://127.0.0.1:4000/v1/"\n'
+    )
+    environ = {"TIERCHAIN_ROUTES_FILE": str(path)}
+    code, text = run_check(environ)
+    assert code == 0  # it can start: a warning, not a problem
+    assert "configuration OK, with 1 warning(s) listed at the end" in text
+    warning = text.rsplit("1 warning(s):\n", 1)[1]
+    assert warning.startswith(
+        f"  - {path}: routes.echo.backends[1].url='http://127.0.0.1:4000/v1/' (backend 'proxy'): "
+        "its path ends in /v1"
+    )
+    assert "http://127.0.0.1:4000/v1/v1/chat/completions" in warning
+    assert "expected the base URL without /v1: 'http://127.0.0.1:4000'" in warning
+    code, text = run_check(environ, as_json=True)
+    (only,) = json.loads(text)["warnings"]
+    assert "backends[1]" in only
+    # Requests under /api/ only: nothing carries /v1 twice, nothing to warn about.
+    code, text = run_check({**environ, "TIERCHAIN_FAILOVER_PATHS": "/api/"}, as_json=True)
+    assert json.loads(text)["warnings"] == []
+    code, text = run_check({**environ, "TIERCHAIN_FAILOVER_PATHS": "/v1/"})
+    assert "(TIERCHAIN_FAILOVER_PATHS=/v1/)" in text
+
+
+def test_check_config_lists_every_problem_of_every_backend_at_once(tmp_path):
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "ftp://10.0.0.5"\n'
+        'stall_after = "soon"\nmax_in_flight = 0\n\n'
+        '[[routes.echo.backends]]\nname = "hosted"\nurl = "https://api.example.com"\n'
+        'stream_end = 3\napi_key_env = "HOSTED_KEY"\n'
+    )
+    code, text = run_check(
+        {"TIERCHAIN_ROUTES_FILE": str(path), "TIERCHAIN_BREAKER_FAILURE_THRESHOLD": "0"}
+    )
+    assert code == 2
+    assert "6 configuration problem(s)" in text
+    for key in (
+        "routes.echo.backends[0].url='ftp://10.0.0.5' (backend 'tower')",
+        "routes.echo.backends[0].stall_after='soon' (backend 'tower')",
+        "routes.echo.backends[0].max_in_flight=0 (backend 'tower')",
+        "routes.echo.backends[1].stream_end=3 (backend 'hosted')",
+        "routes.echo.backends[1].api_key_env='HOSTED_KEY' (backend 'hosted')",
+    ):
+        assert f"  - {path}: {key}" in text
+    assert "TIERCHAIN_BREAKER_FAILURE_THRESHOLD='0'" in text
+
+
+def test_check_config_shows_each_backends_own_options_from_the_routes_file(tmp_path):
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n'
+        'stall_after = "5m"\nmax_in_flight = 1\nstream_end = false\n'
+    )
+    code, text = run_check({"TIERCHAIN_ROUTES_FILE": str(path)})
+    assert code == 0
+    line = next(li for li in text.splitlines() if "1. tower" in li)
+    assert line.endswith("stream_end=none  stall_after=300.0  max_in_flight=1")
+    code, text = run_check({"TIERCHAIN_ROUTES_FILE": str(path)}, as_json=True)
+    (tower,) = json.loads(text)["routes"]["echo"]
+    assert (tower["stream_end"], tower["stall_after"], tower["max_in_flight"]) == (None, 300.0, 1)

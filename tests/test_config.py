@@ -9,7 +9,7 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
-from tierchain import config, stack
+from tierchain import Backend, config, stack
 from tierchain.allowance import Allowance
 from tierchain.breaker import Breaker
 from tierchain.budget import Budget
@@ -280,7 +280,9 @@ url = "ftp://api.example.com"
     with pytest.raises(ConfigError) as caught:
         load_routes(path, environ={})
     (problem,) = caught.value.problems
-    assert problem.startswith("routes.echo.backends[1].url='ftp://api.example.com': ")
+    assert problem.startswith(
+        f"{path}: routes.echo.backends[1].url='ftp://api.example.com' (backend 'hosted'): "
+    )
     assert "http or https" in problem
 
 
@@ -311,14 +313,17 @@ api_key_env = "MISSING_KEY"
     with pytest.raises(ConfigError) as caught:
         load_routes(path, environ={})
     problems = caught.value.problems
-    assert [p.split(":", 1)[0].split("=", 1)[0] for p in problems] == [
+    assert all(p.startswith(f"{path}: ") for p in problems)  # each names the file
+    keys = [p.removeprefix(f"{path}: ").split(":", 1)[0].split("=", 1)[0] for p in problems]
+    assert [k.split(" (")[0] for k in keys] == [
         "routes.echo.backends[0].regimen",
         "routes.echo.backends[1].name",
         "routes.echo.backends[2].name",
         "routes.chat.backends[0].api_key_env",
         "routes.empty.backends",
     ]
-    assert "did you" not in problems[0]
+    assert "(backend 'hosted')" in problems[3]  # and the backend, by its name
+    assert "did you mean regime?" in problems[0]
     assert "MISSING_KEY is not set" in problems[3]
 
 
@@ -412,7 +417,9 @@ forward_caller_auth = "yes"
     with pytest.raises(ConfigError) as caught:
         load_routes(bad, environ={})
     (problem,) = caught.value.problems
-    assert problem.startswith("routes.echo.backends[0].forward_caller_auth='yes': expected true")
+    assert problem.startswith(
+        f"{bad}: routes.echo.backends[0].forward_caller_auth='yes' (backend 'gate'): expected true"
+    )
 
 
 @pytest.mark.redis
@@ -436,3 +443,180 @@ async def test_the_redis_store_build_stack_made_is_closed_on_lifespan_shutdown(
     # A store given by the caller belongs to the caller: nothing wraps the stack to close it.
     given = build_stack(None, settings, store=config.layer_class("MemoryStore")(), identity=False)
     assert not isinstance(given, stack.CloseOnShutdown)
+
+
+# -- routes file parity: every Backend option, every problem at once --------------------
+
+
+def test_every_backend_option_has_a_key_in_the_routes_file():
+    from dataclasses import fields
+
+    from tierchain.config import BACKEND_KEYS
+
+    options = {f.name for f in fields(Backend)} - {"headers"}  # headers: headers + api_key_*
+    keys = {k.name for k in BACKEND_KEYS if k.field}
+    assert options == keys
+
+
+def test_the_routes_file_takes_stream_end_stall_after_and_every_other_backend_option(tmp_path):
+    path = write(
+        tmp_path,
+        """
+[[routes.echo.backends]]
+name = "tower"
+url = "http://127.0.0.1:11434"
+regime = "local"
+status_url = "http://127.0.0.1:11434/metrics"
+model = "llama3"
+stream_end = "openai"
+stall_after = "5m"
+forward_caller_auth = true
+max_in_flight = 2
+headers = { "X-Team" = "ml" }
+
+[[routes.echo.backends]]
+name = "plain"
+url = "http://127.0.0.1:8000"
+stream_end = false
+stall_after = 2.5
+
+[[routes.echo.backends]]
+name = "quick"
+url = "http://127.0.0.1:8001"
+stall_after = "500ms"
+""",
+    )
+    tower, plain, quick = load_routes(path, environ={})["echo"]
+    assert tower == Backend(
+        name="tower",
+        url="http://127.0.0.1:11434",
+        regime="local",
+        status_url="http://127.0.0.1:11434/metrics",
+        model="llama3",
+        stream_end="openai",
+        stall_after=300.0,
+        forward_caller_auth=True,
+        max_in_flight=2,
+    )
+    assert tower.headers == {"X-Team": "ml"}
+    assert (plain.stream_end, plain.stall_after) == (None, 2.5)  # false: any clean end
+    assert (quick.stream_end, quick.stall_after) == ("openai", 0.5)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"), [("30", 30.0), ("2.5", 2.5), ("1e-3", 0.001), ('"90s"', 90.0)]
+)
+def test_stall_after_takes_a_toml_number_or_a_string_with_a_unit(tmp_path, value, seconds):
+    path = write(
+        tmp_path,
+        '[[routes.echo.backends]]\nname = "t"\nurl = "http://127.0.0.1:1"\n'
+        f"stall_after = {value}\n",
+    )
+    (backend,) = load_routes(path, environ={})["echo"]
+    assert backend.stall_after == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ('stall_after = "soon"', "stall_after='soon' (backend 'tower'): expected seconds"),
+        ("stall_after = 0", "stall_after=0 (backend 'tower'): expected seconds"),
+        ("stall_after = -3", "stall_after=-3 (backend 'tower'): expected seconds"),
+        ("stall_after = true", "stall_after=True (backend 'tower'): expected seconds"),
+        ("stall_after = inf", "stall_after=inf (backend 'tower'): expected seconds"),
+        ('stream_end = ""', "stream_end='' (backend 'tower'): expected a non-empty string"),
+        ("stream_end = true", "stream_end=True (backend 'tower'): expected a non-empty string"),
+        ("max_in_flight = 1.5", "max_in_flight=1.5 (backend 'tower'): expected a whole number"),
+        ('api_key_header = "x api key"', "api_key_header='x api key' (backend 'tower')"),
+    ],
+)
+def test_a_bad_backend_value_names_the_file_the_route_the_backend_and_the_key(
+    tmp_path, line, expected
+):
+    path = write(
+        tmp_path,
+        f'[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:1"\n'
+        f'api_key_env = "KEY"\n{line}\n',
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_routes(path, environ={"KEY": "k"})
+    (problem,) = caught.value.problems
+    assert problem.startswith(f"{path}: routes.echo.backends[0].{expected}")
+
+
+def test_every_problem_of_one_backend_is_listed_at_once(tmp_path):
+    path = write(
+        tmp_path,
+        """
+[[routes.echo.backends]]
+name = "tower one"
+url = "ftp://10.0.0.5"
+status_url = "not a url"
+max_in_flight = 0
+stall_after = "soon"
+api_key_header = "x-api-key"
+""",
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_routes(path, environ={})
+    keys = [p.removeprefix(f"{path}: ").split("=", 1)[0] for p in caught.value.problems]
+    assert keys == [
+        "routes.echo.backends[0].name",
+        "routes.echo.backends[0].url",
+        "routes.echo.backends[0].status_url",
+        "routes.echo.backends[0].max_in_flight",
+        "routes.echo.backends[0].stall_after",
+        "routes.echo.backends[0].api_key_header",
+    ]
+    assert "has no effect without api_key_env" in caught.value.problems[-1]
+
+
+def test_api_key_env_goes_in_the_header_it_names(tmp_path):
+    path = write(
+        tmp_path,
+        """
+[[routes.chat.backends]]
+name = "openai"
+url = "https://api.openai.com"
+api_key_env = "OPENAI_KEY"
+
+[[routes.chat.backends]]
+name = "anthropic"
+url = "https://api.anthropic.com"
+api_key_env = "ANTHROPIC_KEY"
+api_key_header = "x-api-key"
+headers = { "anthropic-version" = "2023-06-01" }
+
+[[routes.chat.backends]]
+name = "gate"
+url = "http://127.0.0.1:8000"
+api_key_env = "GATE_KEY"
+api_key_header = "Authorization"
+api_key_prefix = "Token "
+""",
+    )
+    environ = {"OPENAI_KEY": "sk-o", "ANTHROPIC_KEY": "sk-ant-a", "GATE_KEY": "g-1"}
+    openai_tier, anthropic_tier, gate = load_routes(path, environ=environ)["chat"]
+    assert openai_tier.headers == {"Authorization": "Bearer sk-o"}
+    assert anthropic_tier.headers == {"anthropic-version": "2023-06-01", "x-api-key": "sk-ant-a"}
+    assert gate.headers == {"Authorization": "Token g-1"}
+
+
+def test_an_api_key_header_also_set_in_headers_is_a_problem_that_shows_no_value(tmp_path):
+    path = write(
+        tmp_path,
+        """
+[[routes.chat.backends]]
+name = "anthropic"
+url = "https://api.anthropic.com"
+api_key_env = "ANTHROPIC_KEY"
+api_key_header = "x-api-key"
+headers = { "X-Api-Key" = "sk-ant-written-in-the-file" }
+""",
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_routes(path, environ={"ANTHROPIC_KEY": "sk-ant-from-env"})
+    (problem,) = caught.value.problems
+    assert problem.startswith(f"{path}: routes.chat.backends[0].headers.X-Api-Key (backend")
+    assert "in one place only" in problem
+    assert "sk-ant" not in problem

@@ -89,3 +89,98 @@ def test_every_variable_is_in_the_configuration_page():
     variables = [opt.env for layer in config.LAYERS for opt in layer.options]
     missing = [v for v in variables if f"`{v}`" not in page]
     assert not missing, f"docs/configuration.md does not list {missing}"
+
+
+async def test_a_failure_after_commit_keeps_its_outcome_as_the_reference_says():
+    import httpx
+    from prometheus_client import REGISTRY
+
+    from tierchain import Backend, Failover, Forwarder, Routes
+
+    from .support import Exchange, FakeBackend, chat_request, openai_stream, serve
+
+    async def dies_midway(ex: Exchange) -> None:
+        await ex.head()
+        await ex.write(openai_stream(["one"])[0])
+        await ex.reset()
+
+    route = "reference-after-commit"
+    async with FakeBackend("tower", dies_midway) as tower:
+        forwarder = Forwarder()
+        app = Failover(forwarder, routes=Routes({route: [Backend("tower", tower.url)]}))
+        async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+            body = chat_request(model=route)
+            response = await client.post(url + "/v1/chat/completions", content=body)
+        await forwarder.aclose()
+    assert response.status_code == 200  # committed: the failure came after the first byte
+    outcomes = {
+        s.labels["outcome"]
+        for metric in REGISTRY.collect()
+        if metric.name == "tierchain_attempts"
+        for s in metric.samples
+        if s.labels.get("route") == route and s.value
+    }
+    assert outcomes == {"stream_broken"}  # no "_after_commit" suffix is ever added
+    reference = (DOCS / "reference.md").read_text()
+    assert "_after_commit" not in reference
+    assert "`stream_broken`" in reference
+
+
+def toml_blocks(path: Path) -> list[str]:
+    return re.findall(r"```toml\n(.*?)```", path.read_text(), re.S)
+
+
+@pytest.mark.parametrize(
+    "path", [ROOT / "README.md", *sorted(DOCS.glob("*.md"))], ids=lambda p: p.name
+)
+def test_every_routes_file_in_the_docs_loads(path):
+    import tomllib
+
+    for block in toml_blocks(path):
+        data = tomllib.loads(block)
+        if "routes" not in data:
+            continue
+        variables = set(re.findall(r'api_key_env = "(\w+)"', block))
+        config.routes_from_toml(data, environ={v: "sk-docs-example" for v in variables})
+
+
+def test_every_key_of_the_routes_file_is_in_the_configuration_page():
+    page = (DOCS / "configuration.md").read_text()
+    missing = [k.name for k in config.BACKEND_KEYS if f"| `{k.name}` |" not in page]
+    assert not missing, f"docs/configuration.md's table of backend keys lacks {missing}"
+
+
+def documented_lines(after: str) -> list[str]:
+    """The ``  - `` lines of the first plain block in configuration.md that follows ``after``."""
+    page = (DOCS / "configuration.md").read_text()
+    block = re.search(r"```\n(.*?)```", page[page.index(after) :], re.S)
+    assert block is not None
+    return [line for line in block[1].splitlines() if line.startswith("  - ")]
+
+
+def test_the_documented_routes_problems_and_warning_are_what_check_config_prints(
+    tmp_path, monkeypatch
+):
+    import io
+
+    from tierchain.__main__ import check_config
+
+    monkeypatch.chdir(tmp_path)
+    Path("routes.toml").write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n'
+        'stall_after = "soon"\nmax_in_flight = 0\n\n'
+        '[[routes.echo.backends]]\nname = "hosted"\nurl = "https://api.example.com"\n'
+        'api_key_env = "HOSTED_API_KEY"\n'
+    )
+    out = io.StringIO()
+    assert check_config(environ={"TIERCHAIN_ROUTES_FILE": "routes.toml"}, out=out) == 2
+    printed = out.getvalue().splitlines()
+    assert documented_lines("### Problems and warnings") == printed[1:]
+    Path("routes.toml").write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n\n'
+        '[[routes.echo.backends]]\nname = "proxy"\nurl = "http://127.0.0.1:4000/v1"\n'
+    )
+    out = io.StringIO()
+    assert check_config(environ={"TIERCHAIN_ROUTES_FILE": "routes.toml"}, out=out) == 0
+    (warning,) = documented_lines("`tierchain check-config` warns about it")
+    assert out.getvalue().splitlines()[-1] == warning

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ollama
 import openai
 import pytest
 from fastapi import FastAPI
@@ -111,6 +112,67 @@ async def test_the_openai_sdk_lists_and_retrieves_the_models_of_every_gateway(ki
     assert unrouted.json()["error"]["code"] == "not_found"
     assert "Traceback" not in unrouted.text
     assert tower.requests == []  # none of it was forwarded
+
+
+@pytest.mark.parametrize("kind", GATEWAYS)
+async def test_the_ollama_client_lists_the_routes_of_every_gateway_from_api_tags(kind, tmp_path):
+    async with FakeBackend("tower", streams(["hi"])) as tower:
+        routes = Routes({"echo": [Backend("tower", tower.url)]})
+        app = gateway(kind, routes, tmp_path)
+        async with serve(app, lifespan="on") as url:
+            client = ollama.AsyncClient(host=url)
+            try:
+                listed = await client.list()
+                running = await client.ps()
+            finally:
+                await client.close()
+            async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+                raw = await http.get("/api/tags")
+    assert [m.model for m in listed.models] == ["echo"]
+    assert [m.model for m in running.models] == ["echo"]  # its one backend is not open
+    (entry,) = raw.json()["models"]
+    # Every key of Ollama's ListModelResponse (ollama/ollama api/types.go), no more.
+    assert set(entry) == {"name", "model", "modified_at", "size", "digest", "details"}
+    assert entry["name"] == "echo"
+    assert re.fullmatch(r"[0-9a-f]{64}", entry["digest"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", entry["modified_at"])
+    assert listed.models[0].modified_at is not None
+    assert raw.headers["cache-control"] == "no-store"
+    assert tower.requests == []  # answered by the gateway, never forwarded
+
+
+async def test_api_ps_lists_only_the_routes_that_can_be_served_now(breaker_store):
+    store = breaker_store
+    routes = Routes(
+        {
+            "echo": [
+                Backend("tower", "http://127.0.0.1:9"),
+                Backend("hosted", "http://127.0.0.1:9"),
+            ],
+            "solo": [Backend("tower", "http://127.0.0.1:9")],
+        }
+    )
+    async with serve(Endpoints(routes=routes, store=store)) as url:
+        client = ollama.AsyncClient(host=url)
+        try:
+            before = await client.ps()
+            await store.breaker_record("solo", "tower", OPEN_AFTER_ONE, "failure", gen=0)
+            await store.breaker_record("echo", "tower", OPEN_AFTER_ONE, "failure", gen=0)
+            after = await client.ps()
+            tags = await client.list()
+        finally:
+            await client.close()
+        async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+            raw = (await http.get("/api/ps")).json()
+    assert [m.model for m in before.models] == ["echo", "solo"]
+    assert [m.model for m in after.models] == ["echo"]  # solo's only backend is open
+    assert [m.model for m in tags.models] == ["echo", "solo"]  # /api/tags lists every route
+    (entry,) = raw["models"]
+    # Every key of Ollama's ProcessModelResponse (ollama/ollama api/types.go).
+    assert set(entry) == {
+        "name", "model", "size", "digest", "details", "expires_at", "size_vram",
+    }  # fmt: skip
+    assert (entry["size"], entry["size_vram"]) == (0, 0)
 
 
 async def test_readiness_turns_503_when_every_backend_of_a_route_is_open(
@@ -234,18 +296,43 @@ async def test_alone_or_mounted_under_a_prefix_it_serves_its_paths_and_404s_the_
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["fastapi", "litestar"])
-async def test_the_documented_recipes_answer_models_with_and_without_a_trailing_slash(index):
+async def test_the_documented_recipes_answer_models_and_carry_v1_and_api_at_once(index):
     doc = ROOT / "docs" / "endpoints.md"
-    namespace = run_block(python_blocks(doc)[index], doc)
-    async with (
-        serve(namespace["app"], lifespan="on") as url,
-        openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as client,
-        httpx.AsyncClient(base_url=url, timeout=5) as http,
-    ):
-        listed = await client.models.list()
-        bare = await http.get("/v1/models")
-        slash = await http.get("/v1/models/")
-        ready = await http.get("/readyz")
+    code = python_blocks(doc)[index]
+
+    async def tower_answers(ex: Any) -> None:
+        # Ollama's non-streaming /api/chat answer (its docs/api.md, "Chat request (No
+        # streaming)"), application/json; charset=utf-8 as its Go server sends it.
+        body = (
+            b'{"model":"echo","created_at":"2023-12-12T14:13:43.416799Z","message":'
+            b'{"role":"assistant","content":"hi there"},"done_reason":"stop","done":true}'
+        )
+        await ex.respond(200, body, {"content-type": "application/json; charset=utf-8"})
+
+    async with FakeBackend("tower", tower_answers) as tower:
+        # The recipe as written, its tower's address replaced by the fake's.
+        code = code.replace('"http://127.0.0.1:11434"', repr(tower.url))
+        namespace = run_block(code, doc)
+        async with (
+            serve(namespace["app"], lifespan="on") as url,
+            openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as client,
+            httpx.AsyncClient(base_url=url, timeout=5) as http,
+        ):
+            listed = await client.models.list()
+            bare = await http.get("/v1/models")
+            slash = await http.get("/v1/models/")
+            ready = await http.get("/readyz")
+            ollama_client = ollama.AsyncClient(host=url)
+            try:
+                tags = await ollama_client.list()
+                chat = await ollama_client.chat(
+                    model="echo", messages=[{"role": "user", "content": "hi"}], stream=False
+                )
+            finally:
+                await ollama_client.close()
+    assert [m.model for m in tags.models] == ["echo"]
+    assert chat.message.content == "hi there"
+    assert [(r.method, r.path) for r in tower.requests] == [("POST", "/api/chat")]
     assert [m.id for m in listed.data] == ["echo"]
     assert bare.status_code == slash.status_code == 200  # no redirect either way
     assert bare.json() == slash.json()

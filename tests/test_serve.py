@@ -414,16 +414,54 @@ async def test_the_served_stack_starts_and_stops_through_drain(tmp_path, monkeyp
             await tower.connection_closed.wait()
 
 
-async def test_a_port_already_taken_exits_1(tmp_path):
-    env = {"TIERCHAIN_ROUTES_FILE": routes_file(tmp_path, "http://127.0.0.1:9")}
-    with socket.socket() as taken:
+async def test_a_port_already_taken_is_one_clear_error_and_no_started_line(tmp_path):
+    env = {
+        "TIERCHAIN_ROUTES_FILE": routes_file(tmp_path, "http://127.0.0.1:9"),
+        "TIERCHAIN_LOG_FORMAT": "json",
+    }
+    with socket.socket() as taken:  # a real socket, listening, held by the test
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
         async with tierchain_serve(env, "--port", port) as served:  # the last --port wins
             status = await served.exit_status(START_TIMEOUT)
     assert status == 1, "\n".join(served.lines)
-    assert any("address already in use" in line.lower() for line in served.lines)
+    (line,) = served.lines  # nothing else: no identity line for a gateway that never ran
+    event = json.loads(line)
+    assert (event["event"], event["level"]) == ("serve.bind_failed", "ERROR")
+    assert event["address"] == f"127.0.0.1:{port}"
+    assert "address already in use" in event["error"].lower()
+
+
+async def test_the_identity_line_comes_once_the_socket_is_bound(tmp_path):
+    env = {
+        "TIERCHAIN_ROUTES_FILE": routes_file(tmp_path, "http://127.0.0.1:9"),
+        "TIERCHAIN_LOG_FORMAT": "json",
+    }
+    async with tierchain_serve(env) as served:
+        listening = await served.event("serve.listening", within=START_TIMEOUT)
+        names = [e.get("event") for e in served.events() if e.get("logger") == "tierchain"]
+        (address,) = listening["addresses"]
+        host, port = address.rsplit(":", 1)
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=5) as client:
+            health = await client.get("/healthz")
+        served.proc.send_signal(signal.SIGTERM)
+        assert await served.exit_status(10.0) == 0
+    assert names[:2] == ["tierchain.started", "serve.listening"]
+    assert health.status_code == 200
+
+
+async def test_serve_logs_the_configuration_warnings_check_config_prints(tmp_path):
+    path = tmp_path / "routes.toml"
+    path.write_text('[[routes.echo.backends]]\nname = "proxy"\nurl = "http://127.0.0.1:9/v1"\n')
+    env = {"TIERCHAIN_ROUTES_FILE": str(path), "TIERCHAIN_LOG_FORMAT": "json"}
+    async with tierchain_serve(env) as served:
+        warning = await served.event("serve.config_warning", within=START_TIMEOUT)
+        await served.event("serve.listening", within=START_TIMEOUT)
+        served.proc.send_signal(signal.SIGTERM)
+        assert await served.exit_status(10.0) == 0
+    assert warning["level"] == "WARNING"
+    assert "routes.echo.backends[0].url='http://127.0.0.1:9/v1'" in warning["warning"]
 
 
 async def test_the_documented_gunicorn_config_shows_each_workers_identity_line(tmp_path):
@@ -456,3 +494,38 @@ async def test_the_documented_gunicorn_config_shows_each_workers_identity_line(t
 
 def started_lines(served: Served) -> list[dict[str, Any]]:
     return [e for e in served.events() if e.get("event") == "tierchain.started"]
+
+
+async def test_serve_carries_ollamas_api_beside_v1(tmp_path):
+    import ollama
+
+    # Ollama's non-streaming /api/chat answer as its docs/api.md shows it, served as
+    # application/json; charset=utf-8 like its Go server.
+    answer = (
+        b'{"model":"echo","created_at":"2023-12-12T14:13:43.416799Z","message":'
+        b'{"role":"assistant","content":"hi from the tower"},"done_reason":"stop","done":true}'
+    )
+
+    async def tower_answers(ex: Exchange) -> None:
+        await ex.respond(200, answer, {"content-type": "application/json; charset=utf-8"})
+
+    async with FakeBackend("tower", tower_answers) as tower:
+        env = {
+            "TIERCHAIN_ROUTES_FILE": routes_file(tmp_path, tower.url),
+            "TIERCHAIN_LOG_FORMAT": "json",
+        }
+        async with tierchain_serve(env) as served:
+            listening = await served.event("serve.listening", within=START_TIMEOUT)
+            client = ollama.AsyncClient(host="http://" + listening["addresses"][0])
+            try:
+                tags = await client.list()
+                chat = await client.chat(
+                    model="echo", messages=[{"role": "user", "content": "hi"}], stream=False
+                )
+            finally:
+                await client.close()
+            served.proc.send_signal(signal.SIGTERM)
+            assert await served.exit_status(10.0) == 0
+    assert [m.model for m in tags.models] == ["echo"]
+    assert chat.message.content == "hi from the tower"
+    assert [(r.method, r.path) for r in tower.requests] == [("POST", "/api/chat")]

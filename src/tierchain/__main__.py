@@ -142,8 +142,8 @@ def check_config(
     environ: dict[str, str] | None = None,
     out: TextIO | None = None,
 ) -> int:
-    """Print the effective configuration (exit 0) or every problem found (exit 2)."""
-    from .config import ConfigError, from_env
+    """Print the effective configuration and its warnings (exit 0), or every problem (exit 2)."""
+    from .config import ConfigError, config_warnings, from_env
     from .stack import build_stack
 
     out = sys.stdout if out is None else out
@@ -169,9 +169,11 @@ def check_config(
     from .identity import identity_fields
 
     fields = identity_fields(settings=settings)
+    warnings = config_warnings(settings)
     if as_json:
         doc = {
             "ok": True,
+            "warnings": warnings,
             "stack": _stack_rows(settings),
             "routes": fields["routes"],
             "settings": fields["settings"],
@@ -179,7 +181,8 @@ def check_config(
         print(json.dumps(doc, indent=2), file=out)
         return 0
 
-    print(f"tierchain {VERSION}: configuration OK", file=out)
+    noted = f", with {len(warnings)} warning(s) listed at the end" if warnings else ""
+    print(f"tierchain {VERSION}: configuration OK{noted}", file=out)
     print("\nstack, outermost first:", file=out)
     for i, row in enumerate(_stack_rows(settings), 1):
         opts = "  ".join(f"{k}={_val(v)}{_src(row, k)}" for k, v in row["options"].items())
@@ -188,7 +191,7 @@ def check_config(
     for route, chain in (fields["routes"] or {}).items():
         print(f"  {route}:", file=out)
         for n, b in enumerate(chain, 1):
-            extra = "".join(f"  {k}={b[k]}" for k in ("regime", "model", "status_url") if k in b)
+            extra = "".join(f"  {k}={_val(b[k])}" for k in _BACKEND_SHOWN if k in b)
             if b.get("forward_caller_auth"):
                 extra += "  forward_caller_auth=true"
             hdrs = f"  headers={','.join(b['headers'])}" if "headers" in b else ""
@@ -197,7 +200,14 @@ def check_config(
         f"  {k}={_val(v)}" for k, v in fields["settings"]["options"].get("RedisStore", {}).items()
     )
     print(f"\nstore: {fields['settings']['store_url']}{store_opts}", file=out)
+    if warnings:
+        print(f"\n{len(warnings)} warning(s):", file=out)
+        for warning in warnings:
+            print(f"  - {warning}", file=out)
     return 0
+
+
+_BACKEND_SHOWN = ("regime", "model", "status_url", "stream_end", "stall_after", "max_in_flight")
 
 
 def _stack_rows(settings: Any) -> list[dict[str, Any]]:

@@ -17,8 +17,15 @@ Every option of every middleware has a ``TIERCHAIN_*`` variable, declared in
 the tables below (one :class:`Option` line each). Options that are objects
 (clocks, clients, callables) are code-only and say so.
 
-A problem message names the variable (or the TOML key path), the value (a
-secret's value is never shown) and what was expected.
+A problem message names the variable (or the file and the TOML key path, with
+the backend's name), the value (a secret's value is never shown) and what was
+expected. Every key of a routes file's backend table is one :class:`BackendKey`
+line in :data:`BACKEND_KEYS`, one per :class:`~tierchain.Backend` option.
+
+A configuration that loads but will not do what it looks like gets a warning
+instead (:func:`config_warnings`: ``check-config`` prints them, ``serve`` logs
+them); each check is a function of the :class:`Settings` listed in
+:data:`WARNINGS`, so a new one is one function and one line.
 
 This module reads and checks; :mod:`tierchain.stack` builds. ``build_stack`` is
 still importable from here for code written against that path.
@@ -33,14 +40,16 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
+from .backend import _NAME as _BACKEND_NAME
 from .backend import Backend, Routes
+from .backend import _check_url as check_url
 from .errors import ConfigError
 from .masking import MASK, mask_text, mask_url
 
@@ -48,14 +57,18 @@ if TYPE_CHECKING:
     from .stack import build_stack
 
 __all__ = [
+    "BACKEND_KEYS",
     "LAYERS",
     "STACK_ORDER",
+    "WARNINGS",
+    "BackendKey",
     "ConfigError",
     "Layer",
     "LayerSettings",
     "Option",
     "Settings",
     "build_stack",
+    "config_warnings",
     "display_value",
     "find_layer",
     "from_env",
@@ -197,7 +210,7 @@ def choice(*choices: str) -> Parser:
 
 def backend_name(raw: str) -> str:
     """A backend name: 1-64 characters from ``A-Z a-z 0-9 . _ -``."""
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", raw.strip()):
+    if not _BACKEND_NAME.fullmatch(raw.strip()):
         raise ValueError
     return raw.strip()
 
@@ -468,17 +481,6 @@ LAYERS: tuple[Layer, ...] = (
 
 _BY_NAME = {layer.name: layer for layer in LAYERS}
 _BY_ENV = {opt.env: (layer, opt) for layer in LAYERS for opt in layer.options}
-_ROUTE_KEYS = (
-    "name",
-    "url",
-    "regime",
-    "status_url",
-    "model",
-    "headers",
-    "api_key_env",
-    "forward_caller_auth",
-    "max_in_flight",
-)
 
 
 def find_layer(name: str) -> Layer:
@@ -780,13 +782,61 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     )
 
 
+# -- warnings: a configuration that loads, but will not do what it looks like ----------
+
+Check = Callable[["Settings"], Iterable[str]]
+
+
+def _v1_twice(settings: Settings) -> Iterator[str]:
+    """A backend URL ending in /v1 while the requests sent to it already start with /v1
+    (the base URL copied from a client's settings): every request would be a 404."""
+    if settings.routes is None:
+        return
+    failover = settings.layers["Failover"]
+    paths: tuple[str, ...] = failover.options.get("paths", failover.defaults.get("paths", ("/",)))
+    carried = [p for p in paths if p == "/" or p.startswith("/v1")]
+    if not carried:
+        return
+    given = failover.sources.get("paths")
+    how = f"{given}={','.join(paths)}" if given else f"Failover paths {','.join(paths)}"
+    prefix = f"{settings.routes_file}: " if settings.routes_file else ""
+    for route, chain in settings.routes.items():
+        for i, backend in enumerate(chain):
+            parts = urlsplit(backend.url)
+            if not parts.path.rstrip("/").endswith("/v1"):
+                continue
+            base = mask_url(parts._replace(path=parts.path.rstrip("/")[: -len("/v1")]).geturl())
+            shown = mask_url(backend.url)
+            yield (
+                f"{prefix}routes.{route}.backends[{i}].url={shown!r} (backend {backend.name!r}): "
+                f"its path ends in /v1 and the requests sent to it already start with /v1 ({how}), "
+                f"so /v1/chat/completions would go to {shown.rstrip('/')}/v1/chat/completions, "
+                f"a 404 on every request; expected the base URL without /v1: {base!r}"
+            )
+
+
+WARNINGS: tuple[Check, ...] = (_v1_twice,)
+"""The warning checks ``check-config`` and ``serve`` run: each takes the
+:class:`Settings` and returns its warnings, one sentence each (add a check with one line)."""
+
+
+def config_warnings(settings: Settings) -> list[str]:
+    """Every warning about ``settings`` (exit 0 all the same: the gateway can start)."""
+    return [warning for check in WARNINGS for warning in check(settings)]
+
+
 # -- the routes file ----------------------------------------------------------------
 
 
 def load_routes(
     path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
 ) -> Routes:
-    """Routes from a TOML file; :class:`ConfigError` names each bad key path.
+    """Routes from a TOML file; :class:`ConfigError` lists every problem in it at once.
+
+    Each problem names the file, the key path (which names the route, the
+    backend's place and the key) and the backend's name::
+
+        routes.toml: routes.echo.backends[1].stall_after='soon' (backend 'hosted'): expected ...
 
     ::
 
@@ -796,6 +846,7 @@ def load_routes(
         regime = "local"
         status_url = "http://127.0.0.1:11434/_gate/status"
         max_in_flight = 1                 # more at once: skipped as busy (never the last tier)
+        stall_after = "5m"                # this backend's own gap between data events
 
         [[routes.echo.backends]]
         name = "hosted"
@@ -804,147 +855,286 @@ def load_routes(
         model = "gpt-4o-mini"
         api_key_env = "HOSTED_API_KEY"    # sent as Authorization: Bearer <value>
     """
+    source = os.fspath(path)
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except OSError as exc:
         raise ConfigError(
-            [f"TIERCHAIN_ROUTES_FILE={os.fspath(path)!r}: cannot read it ({exc.strerror})"]
+            [f"TIERCHAIN_ROUTES_FILE={source!r}: cannot read it ({exc.strerror})"]
         ) from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(
-            [f"TIERCHAIN_ROUTES_FILE={os.fspath(path)!r}: not valid TOML ({exc})"]
-        ) from None
-    return routes_from_toml(data, environ=environ)
+        raise ConfigError([f"TIERCHAIN_ROUTES_FILE={source!r}: not valid TOML ({exc})"]) from None
+    return routes_from_toml(data, environ=environ, source=source)
+
+
+# Each key of a [[routes.<name>.backends]] table: how its TOML value becomes the
+# Backend keyword of the same name (or raises ValueError), and what is expected. A
+# Backend option is offered in the routes file by one line here; ``headers`` and the
+# api_key_* keys together make the Backend's headers.
+
+
+def _toml_text(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError
+    return value
+
+
+def _toml_name(value: Any) -> str:
+    if not isinstance(value, str) or not _BACKEND_NAME.fullmatch(value):
+        raise ValueError
+    return value
+
+
+def _toml_url(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError
+    check_url("url", value)
+    return value
+
+
+def _toml_seconds(*, zero_ok: bool) -> Callable[[Any], float]:
+    """A TOML number of seconds (``30``, ``2.5``) or a string with a unit (``"500ms"``, ``"5m"``),
+    read by the one duration parser the variables use."""
+    parse = seconds(zero_ok=zero_ok)
+
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ValueError
+        if isinstance(value, str):
+            raw = value
+        elif isinstance(value, int):
+            raw = str(value)
+        else:  # a float as plain digits: the parser takes no exponent (1e-07)
+            raw = f"{value:.17f}"
+        parsed: float = parse(raw)
+        return parsed
+
+    return check
+
+
+def _toml_count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError
+    return value
+
+
+def _toml_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError
+    return value
+
+
+def _toml_stream_end(value: Any) -> str | None:
+    if value is False:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError
+    return value
+
+
+def _toml_header_name(value: Any) -> str:
+    if not isinstance(value, str) or not _HEADER.fullmatch(value):
+        raise ValueError
+    return value
+
+
+def _toml_prefix(value: Any) -> str:
+    if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
+        raise ValueError
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class BackendKey:
+    """One key of a backend table in the routes file."""
+
+    name: str
+    check: Callable[[Any], Any]
+    expected: str
+    field: bool = True  # False: not a Backend keyword of its own (headers, api_key_*)
+
+
+_TOML_SECS = 'seconds: a number such as 30 or 2.5, or a string such as "500ms", "90s" or "5m"'
+
+# fmt: off
+BACKEND_KEYS: tuple[BackendKey, ...] = (
+    BackendKey("name", _toml_name, "a backend name: 1-64 characters from A-Z a-z 0-9 . _ -"),
+    BackendKey("url", _toml_url,
+               "an http or https base URL with a host, such as http://127.0.0.1:11434"),
+    BackendKey("regime", _toml_text, "a non-empty string such as local or hosted"),
+    BackendKey("status_url", _toml_url,
+               "an http or https URL with a host, such as http://127.0.0.1:11434/metrics"),
+    BackendKey("model", _toml_text, "a non-empty string: the model name this backend is sent"),
+    BackendKey("stream_end", _toml_stream_end,
+               'a non-empty string such as "openai", or false (any clean end is complete)'),
+    BackendKey("stall_after", _toml_seconds(zero_ok=False), f"{_TOML_SECS}, > 0"),
+    BackendKey("forward_caller_auth", _toml_bool, "true or false (no quotes)"),
+    BackendKey("max_in_flight", _toml_count, "a whole number >= 1"),
+    BackendKey("headers", lambda v: v, "a table of HTTP header names to strings", field=False),
+    BackendKey("api_key_env", _toml_text, "the name of a variable", field=False),
+    BackendKey("api_key_header", _toml_header_name,
+               'an HTTP header name such as "Authorization" or "x-api-key"', field=False),
+    BackendKey("api_key_prefix", _toml_prefix,
+               'a string put before the key, such as "Bearer " or ""', field=False),
+)
+# fmt: on
+
+_BACKEND_KEYS = {key.name: key for key in BACKEND_KEYS}
+ROUTE_TABLE_KEYS = ("backends",)
+"""The keys of a ``[routes.<name>]`` table."""
+_REQUIRED = ("name", "url")
 
 
 def routes_from_toml(
-    data: Mapping[str, Any], *, environ: Mapping[str, str] | None = None
+    data: Mapping[str, Any],
+    *,
+    environ: Mapping[str, str] | None = None,
+    source: str | None = None,
 ) -> Routes:
-    """Routes from parsed TOML (see :func:`load_routes`)."""
+    """Routes from parsed TOML (see :func:`load_routes`); ``source`` names the file."""
     env = os.environ if environ is None else environ
     problems: list[str] = []
     for key in data:
         if key != "routes":
             problems.append(f"{key}: unknown top-level key; expected only [routes.<name>] tables")
     table = data.get("routes")
+    built: dict[str, list[Backend]] = {}
     if not isinstance(table, Mapping) or not table:
         problems.append("routes: expected at least one [routes.<name>] table")
-        raise ConfigError(problems)
-    built: dict[str, list[Backend]] = {}
+        table = {}
     for route, spec in table.items():
         where = f"routes.{route}"
         if not isinstance(spec, Mapping):
             problems.append(f"{where}: expected a table with a backends array")
             continue
         for key in spec:
-            if key != "backends":
-                problems.append(f"{where}.{key}: unknown key; expected only backends")
+            if key not in ROUTE_TABLE_KEYS:
+                problems.append(
+                    f"{where}.{key}: unknown key; expected one of {', '.join(ROUTE_TABLE_KEYS)}"
+                )
         backends = spec.get("backends")
         if not isinstance(backends, list) or not backends:
             problems.append(f"{where}.backends: expected at least one [[{where}.backends]] table")
             continue
         chain: list[Backend] = []
-        names: set[str] = set()
+        names: dict[str, int] = {}
         for i, entry in enumerate(backends):
-            backend = _backend(f"{where}.backends[{i}]", entry, env, problems)
-            if backend is None:
-                continue
-            if backend.name in names:
+            at = f"{where}.backends[{i}]"
+            name = entry.get("name") if isinstance(entry, Mapping) else None
+            if isinstance(name, str) and name in names:
                 problems.append(
-                    f"{where}.backends[{i}].name={backend.name!r}: this name is already in "
-                    f"{where}; expected each backend of a route to have its own name"
+                    f"{at}.name={name!r}: this name is already in {where} "
+                    f"(backends[{names[name]}]); expected each backend of a route to have its "
+                    "own name"
                 )
-                continue
-            names.add(backend.name)
-            chain.append(backend)
+            elif isinstance(name, str):
+                names[name] = i
+            backend = _backend(at, entry, env, problems)
+            if backend is not None:
+                chain.append(backend)
         built[route] = chain
     if problems:
-        raise ConfigError(problems)
+        prefix = f"{source}: " if source else ""
+        raise ConfigError([prefix + p for p in problems])
     try:
         return Routes(built)
     except ValueError as exc:  # pragma: no cover - checked above
-        raise ConfigError([f"routes: {exc}"]) from None
+        raise ConfigError([f"{source or 'routes'}: {exc}"]) from None
+
+
+def _shown_toml(key: str, value: Any) -> str:
+    if isinstance(value, str) and key.endswith("url"):
+        return repr(mask_url(value))
+    return repr(value)
 
 
 def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]) -> Backend | None:
+    """One backend table checked key by key: every problem in it is listed, not the first."""
     if not isinstance(entry, Mapping):
         problems.append(f"{where}: expected a table with name and url")
         return None
-    ok = True
+    name = entry.get("name")
+    who = f" (backend {name!r})" if isinstance(name, str) and _BACKEND_NAME.fullmatch(name) else ""
+    found = len(problems)
     for key in entry:
-        if key not in _ROUTE_KEYS:
-            problems.append(f"{where}.{key}: unknown key; expected one of {', '.join(_ROUTE_KEYS)}")
-    fields: dict[str, Any] = {}
-    for key in ("name", "url", "regime", "status_url", "model"):
-        if key not in entry:
-            if key in {"name", "url"}:
-                problems.append(f"{where}.{key}: missing; every backend needs a name and a url")
-                ok = False
-            continue
-        value = entry[key]
-        if not isinstance(value, str) or not value:
-            problems.append(f"{where}.{key}={value!r}: expected a non-empty string")
-            ok = False
-            continue
-        fields[key] = value
-    if "forward_caller_auth" in entry:
-        value = entry["forward_caller_auth"]
-        if not isinstance(value, bool):
+        if key not in _BACKEND_KEYS:
+            close = difflib.get_close_matches(key, list(_BACKEND_KEYS), n=1, cutoff=0.8)
+            hint = f"; did you mean {close[0]}?" if close else ""
             problems.append(
-                f"{where}.forward_caller_auth={value!r}: expected true or false (no quotes)"
+                f"{where}.{key}{who}: unknown key{hint}; expected one of {', '.join(_BACKEND_KEYS)}"
             )
-            ok = False
-        else:
-            fields["forward_caller_auth"] = value
+    for key in _REQUIRED:
+        if key not in entry:
+            problems.append(f"{where}.{key}{who}: missing; every backend needs a name and a url")
+    values: dict[str, Any] = {}
+    for key, value in entry.items():
+        spec = _BACKEND_KEYS.get(key)
+        if spec is None or key == "headers":
+            continue
+        try:
+            values[key] = spec.check(value)
+        except ValueError:
+            problems.append(
+                f"{where}.{key}={_shown_toml(key, value)}{who}: expected {spec.expected}"
+            )
+    headers = _backend_headers(where, who, entry, values, env, problems)
+    if len(problems) > found:
+        return None
+    fields = {k: v for k, v in values.items() if _BACKEND_KEYS[k].field}
+    try:
+        return Backend(headers=headers, **fields)
+    except ValueError as exc:  # a rule of Backend's own that the checks above do not know
+        problems.append(f"{where}{who}: {exc}")
+        return None
+
+
+def _backend_headers(
+    where: str,
+    who: str,
+    entry: Mapping[str, Any],
+    values: Mapping[str, Any],
+    env: Mapping[str, str],
+    problems: list[str],
+) -> dict[str, str]:
+    """``headers`` plus the API key from ``api_key_env``, in ``api_key_header``."""
     headers: dict[str, str] = {}
     raw_headers = entry.get("headers", {})
     if not isinstance(raw_headers, Mapping):
-        problems.append(f"{where}.headers: expected a table of header names to strings")
-        ok = False
+        problems.append(f"{where}.headers{who}: expected {_BACKEND_KEYS['headers'].expected}")
     else:
         for name, value in raw_headers.items():
             if not _HEADER.fullmatch(name) or not isinstance(value, str):
-                problems.append(
-                    f"{where}.headers.{name}: expected an HTTP header name with a string value"
+                problems.append(  # the value may be a key: never shown
+                    f"{where}.headers.{name}{who}: expected an HTTP header name with a string value"
                 )
-                ok = False
             else:
                 headers[name] = value
-    if "api_key_env" in entry:
-        var = entry["api_key_env"]
-        if not isinstance(var, str) or not var:
-            problems.append(f"{where}.api_key_env={var!r}: expected the name of a variable")
-            ok = False
-        elif not env.get(var):
-            problems.append(
-                f"{where}.api_key_env={var!r}: the variable {var} is not set or empty; "
-                "expected it to hold the API key"
-            )
-            ok = False
-        else:
-            headers["Authorization"] = f"Bearer {env[var]}"
-    if "max_in_flight" in entry:
-        limit = entry["max_in_flight"]
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            problems.append(f"{where}.max_in_flight={limit!r}: expected a whole number >= 1")
-            ok = False
-        else:
-            fields["max_in_flight"] = limit
-    if not ok:
-        return None
-    try:
-        return Backend(headers=headers, **fields)
-    except ValueError as exc:
-        key = "url"
-        message = str(exc)
-        if "status_url" in message:
-            key = "status_url"
-        elif message.startswith("backend name"):
-            key = "name"
-        shown = fields.get(key)
-        problems.append(f"{where}.{key}={shown!r}: {message}")
-        return None
+    var = values.get("api_key_env")
+    if "api_key_env" not in entry:
+        for key in ("api_key_header", "api_key_prefix"):
+            if key in entry:
+                problems.append(
+                    f"{where}.{key}={entry[key]!r}{who}: has no effect without api_key_env; "
+                    "expected api_key_env to name the variable holding the key"
+                )
+        return headers
+    header = values.get("api_key_header", "Authorization")
+    prefix = values.get("api_key_prefix", "Bearer " if header.lower() == "authorization" else "")
+    if var is not None and not env.get(var):
+        problems.append(
+            f"{where}.api_key_env={var!r}{who}: the variable {var} is not set or empty; "
+            "expected it to hold the API key"
+        )
+    clash = next((h for h in headers if h.lower() == str(header).lower()), None)
+    if clash is not None:
+        problems.append(
+            f"{where}.headers.{clash}{who}: api_key_env already sends the key in {header}; "
+            "expected the header in one place only"
+        )
+    if var is not None and env.get(var):
+        headers[header] = f"{prefix}{env[var]}"
+    return headers
 
 
 def __getattr__(name: str) -> Any:

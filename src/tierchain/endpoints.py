@@ -1,13 +1,17 @@
 """The endpoints clients and orchestrators call first, answered by the gateway itself.
 
 OpenAI clients list the models before their first completion (Open WebUI and
-LangChain do it at start-up), and an orchestrator asks whether the process is
-alive and whether it can serve. :class:`Endpoints` answers those from the
-:class:`~tierchain.Routes` and the breakers' store, never from a backend:
+LangChain do it at start-up), Ollama clients ask ``/api/tags`` the same question,
+and an orchestrator asks whether the process is alive and whether it can serve.
+:class:`Endpoints` answers those from the :class:`~tierchain.Routes` and the
+breakers' store, never from a backend:
 
 ========================  ==================================================================
 ``GET /v1/models``        the routes in OpenAI's list shape, one ``model`` entry per route
 ``GET /v1/models/{id}``   one route; 404 with an OpenAI-style error for an unknown id
+``GET /api/tags``         the routes in Ollama's list shape, one entry per route
+``GET /api/ps``           Ollama's running-models shape: the routes that can be served now
+                          (a backend whose breaker is not open)
 ``GET /healthz``          liveness: 200 whenever the process answers at all
 ``GET /readyz``           200 while every route has a backend whose breaker is not open,
                           else 503; the JSON names each backend's state
@@ -27,11 +31,13 @@ it in front of ``path``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
 import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
@@ -44,16 +50,19 @@ from .telemetry import log_event
 
 __all__ = ["PATHS", "Endpoints"]
 
-PATHS = ("/v1/models", "/healthz", "/readyz", "/metrics")
+PATHS = ("/v1/models", "/api/tags", "/api/ps", "/healthz", "/readyz", "/metrics")
 """The paths answered (``/v1/models`` with its ``/{id}`` below it)."""
 
 _JSON = b"application/json"
 _NO_STORE = (b"cache-control", b"no-store")
 _ALLOW = b"GET, HEAD"
+# Go's zero time.Time, as encoding/json writes it: Ollama's "no expiry known".
+_ZERO_TIME = "0001-01-01T00:00:00Z"
 
 
 class Endpoints:
-    """Answer ``/v1/models``, ``/v1/models/{id}``, ``/healthz``, ``/readyz`` and ``/metrics``.
+    """Answer ``/v1/models`` (and ``/{id}``), ``/api/tags``, ``/api/ps``, ``/healthz``,
+    ``/readyz`` and ``/metrics``.
 
     ``app`` receives every other request (and every non-HTTP scope); without
     one, those get a 404 JSON error. ``routes`` are the models listed;
@@ -156,6 +165,10 @@ class Endpoints:
         if path.startswith("/v1/models/"):
             model = path[len("/v1/models/") :]
             return lambda: self._one(model)
+        if path == "/api/tags":
+            return self._tags
+        if path == "/api/ps":
+            return self._ps
         if path == "/healthz":
             return self._health
         if path == "/readyz":
@@ -188,13 +201,53 @@ class Endpoints:
         }
         return 404, _JSON, _json(body), []
 
+    # Ollama's shapes: ListResponse and ProcessResponse in ollama/ollama api/types.go
+    # (ListModelResponse: name, model, modified_at, size, digest, details;
+    # ProcessModelResponse: name, model, size, digest, details, expires_at, size_vram;
+    # ModelDetails: parent_model, format, family, families, parameter_size,
+    # quantization_level). The gateway holds no weights: size 0, empty details, and
+    # a digest that names the route (the SHA-256 of its name), stable across restarts.
+
+    def _ollama_entry(self, route: str) -> dict[str, Any]:
+        return {
+            "name": route,
+            "model": route,
+            "size": 0,
+            "digest": hashlib.sha256(route.encode()).hexdigest(),
+            "details": {
+                "parent_model": "",
+                "format": "",
+                "family": "",
+                "families": None,
+                "parameter_size": "",
+                "quantization_level": "",
+            },
+        }
+
+    async def _tags(self) -> tuple[int, bytes, bytes, Headers]:
+        modified = datetime.fromtimestamp(self.created, UTC).isoformat().replace("+00:00", "Z")
+        models = [{**self._ollama_entry(r), "modified_at": modified} for r in self.routes]
+        return 200, _JSON, _json({"models": models}), []
+
+    async def _ps(self) -> tuple[int, bytes, bytes, Headers]:
+        states = await self._states()
+        models = [
+            {**self._ollama_entry(route), "expires_at": _ZERO_TIME, "size_vram": 0}
+            for route, chain in self.routes.items()
+            if any(states[route, b.name][0] != "open" for b in chain)
+        ]
+        return 200, _JSON, _json({"models": models}), []
+
+    async def _states(self) -> dict[tuple[str, str], tuple[str, float | None]]:
+        pairs = [(route, b.name) for route, chain in self.routes.items() for b in chain]
+        states = await asyncio.gather(*(self._state(route, name) for route, name in pairs))
+        return dict(zip(pairs, states, strict=True))
+
     async def _health(self) -> tuple[int, bytes, bytes, Headers]:
         return 200, _JSON, _json({"status": "ok"}), []
 
     async def _ready(self) -> tuple[int, bytes, bytes, Headers]:
-        pairs = [(route, b.name) for route, chain in self.routes.items() for b in chain]
-        states = await asyncio.gather(*(self._state(route, name) for route, name in pairs))
-        by_pair = dict(zip(pairs, states, strict=True))
+        by_pair = await self._states()
         routes: dict[str, Any] = {}
         ready = True
         soonest: float | None = None

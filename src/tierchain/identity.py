@@ -86,6 +86,12 @@ def _routes(routes: Routes | Mapping[str, Any]) -> dict[str, list[dict[str, Any]
                 entry["status_url"] = mask_url(backend.status_url)
             if backend.model is not None:
                 entry["model"] = backend.model
+            if backend.stream_end != "openai":
+                entry["stream_end"] = backend.stream_end
+            if backend.stall_after is not None:
+                entry["stall_after"] = backend.stall_after
+            if backend.max_in_flight is not None:
+                entry["max_in_flight"] = backend.max_in_flight
             if backend.headers:
                 entry["headers"] = sorted(backend.headers)  # names only, never values
             if backend.forward_caller_auth:

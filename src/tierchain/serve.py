@@ -9,10 +9,14 @@ it does, in order:
    one line per event on stderr, text or JSON (``TIERCHAIN_LOG_FORMAT``),
    with httpx's and httpcore's own request lines (which carry full backend
    URLs) held at WARNING;
-3. builds the whole stack (:func:`~tierchain.stack.build_stack`) around a
-   Forwarder and serves it; lifespan start-up writes the ``tierchain.started``
-   identity line, then ``serve.listening`` says where;
-4. on SIGTERM or SIGINT stops accepting connections, lets the requests in
+3. logs each configuration warning (``serve.config_warning``: what
+   ``tierchain check-config`` warns about);
+4. builds the whole stack (:func:`~tierchain.stack.build_stack`) around a
+   Forwarder and binds the listening sockets: an address it cannot have (a
+   port in use) is one ``serve.bind_failed`` line and exit status 1, before
+   anything else is written; then serves it: lifespan start-up writes the
+   ``tierchain.started`` identity line, then ``serve.listening`` says where;
+5. on SIGTERM or SIGINT stops accepting connections, lets the requests in
    flight (streams included) finish for up to ``TIERCHAIN_DRAIN_TIMEOUT``
    seconds, then ends what is left (:class:`Drain`), closes the Forwarder
    (lifespan shut-down) and exits 0. A second SIGINT stops at once.
@@ -27,6 +31,7 @@ import logging.config
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -39,12 +44,12 @@ import uvicorn
 
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
-from .config import ConfigError, Settings, from_env
+from .config import ConfigError, Settings, config_warnings, from_env
 from .sse import error_event, is_event_stream
 from .stack import build_stack
 from .telemetry import VERSION, log_event
 
-__all__ = ["Drain", "ServeOptions", "configure_logging", "run"]
+__all__ = ["Drain", "ServeOptions", "bind", "configure_logging", "run"]
 
 _BACKSTOP = 2  # seconds past the drain deadline before uvicorn cancels what is left
 _SHUTTING_DOWN = "the gateway is shutting down and could not finish this request in time"
@@ -267,11 +272,23 @@ def run(
         _print_problems(exc, err)
         return 2
     configure_logging(options.log_format, options.log_level)
+    for warning in config_warnings(settings):
+        log_event("serve.config_warning", logging.WARNING, warning=warning)
     try:
         drain = Drain(build_stack(None, settings))
     except ConfigError as exc:
         _print_problems(exc, err)
         return 2
+    try:
+        sockets = bind(options.host, options.port)
+    except OSError as exc:
+        log_event(
+            "serve.bind_failed",
+            logging.ERROR,
+            address=_address((options.host, options.port)),
+            error=str(exc),
+        )
+        return 1
     config = uvicorn.Config(
         drain,
         host=options.host,
@@ -284,10 +301,38 @@ def run(
     )
     server = _Server(config, drain=drain, drain_timeout=options.drain_timeout)
     try:
-        server.run()
-    except SystemExit as exc:  # uvicorn exits when it cannot bind, or the app fails to start
+        server.run(sockets=sockets)
+    except SystemExit as exc:  # uvicorn exits when the app fails to start
         return 1 if exc.code else 0
+    finally:
+        for sock in sockets:
+            sock.close()
     return 0 if server.started else 1
+
+
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Bound (not yet listening) sockets for every address ``host`` resolves to, as
+    asyncio's ``create_server(host=..., port=...)`` would bind them; OSError if any fails.
+
+    Binding comes before the app's lifespan start-up, so that a port in use is
+    one clear error and no ``tierchain.started`` line for a gateway that never ran.
+    """
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.set_inheritable(True)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def _print_problems(exc: ConfigError, err: TextIO) -> None:
