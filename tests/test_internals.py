@@ -1,0 +1,180 @@
+"""docs/internals.md stays a true map: every module on a floor, imports going down, real files.
+
+When a test here fails because a module was added, moved or removed, fix the page, not the
+test: add a row for the new module (``| `name.py` | what it holds |``, or
+``| `package/name.py` | ... |`` inside a subpackage) to the table of the floor it belongs to,
+under "## The floors" in docs/internals.md; a new floor is a new "### " heading there, placed
+above the floors it imports from.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "tierchain"
+PAGE = ROOT / "docs" / "internals.md"
+
+# (importer, imported): imports from a floor above the importer's own that the page names as
+# not yet fixed. Remove a line here once the code no longer needs it.
+ALLOWED_UPWARD = {
+    ("identity.py", "config.py"),  # the config -> stack -> identity -> config circle
+}
+
+
+def section(text: str, heading: str) -> str:
+    """The text of the ``## heading`` section, up to the next ``## `` heading."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match is not None, f"docs/internals.md has no '## {heading}' section"
+    return match.group(1)
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The body rows of every Markdown table in ``text`` (not the headers), as lists of cells."""
+    rows: list[list[str]] = []
+    lines = text.splitlines()
+    for n, line in enumerate(lines):
+        separator = n + 1 < len(lines) and re.fullmatch(r"\|[-:| ]+\|", lines[n + 1].strip())
+        if not line.startswith("|") or separator or re.fullmatch(r"\|[-:| ]+\|", line.strip()):
+            continue
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def floors() -> list[tuple[str, list[str]]]:
+    """The floors, top first: each heading with the modules its table names."""
+    text = section(PAGE.read_text(), "The floors")
+    found = []
+    for part in re.split(r"^### ", text, flags=re.M)[1:]:
+        heading, _, body = part.partition("\n")
+        modules = [
+            m.group(1)
+            for row in table_rows(body)
+            if (m := re.fullmatch(r"`([\w/]+\.py)`", row[0])) is not None
+        ]
+        found.append((heading.strip(), modules))
+    return found
+
+
+def package_modules() -> set[str]:
+    return {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
+
+
+def test_the_map_has_floors_and_each_names_modules():
+    found = floors()
+    assert len(found) >= 4
+    assert all(modules for _, modules in found), found
+
+
+def test_every_module_of_the_package_is_on_one_floor_of_the_map():
+    named = [m for _, modules in floors() for m in modules]
+    twice = sorted({m for m in named if named.count(m) > 1})
+    assert not twice, f"docs/internals.md puts these modules on more than one floor: {twice}"
+    missing = sorted(package_modules() - set(named))
+    assert not missing, (
+        f"docs/internals.md does not name {missing}: add a row for each to the table of its "
+        "floor under '## The floors' (see this test module's docstring)"
+    )
+    gone = sorted(set(named) - package_modules())
+    assert not gone, f"docs/internals.md names modules that no longer exist: {gone}"
+
+
+def module_file(dotted: str) -> str | None:
+    """``tierchain.a.b`` -> ``a/b.py`` (or ``a/b/__init__.py``), if it is one of ours."""
+    parts = dotted.split(".")
+    if parts[0] != "tierchain":
+        return None
+    path = Path(*parts[1:]) if len(parts) > 1 else Path()
+    candidates = [path / "__init__.py"]
+    if path.name:
+        candidates.insert(0, path.parent / f"{path.name}.py")
+    for candidate in candidates:
+        if (PACKAGE / candidate).is_file():
+            return candidate.as_posix()
+    return None
+
+
+def imports_of(path: Path) -> set[str]:
+    """The package's modules that ``path`` imports (at the top or inside a function)."""
+    here = ["tierchain", *path.relative_to(PACKAGE).parent.parts]  # the importer's package
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        dotted: list[str] = []
+        if isinstance(node, ast.Import):
+            dotted = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = here[: len(here) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names = [f"{module}.{alias.name}" for alias in node.names]
+            # ``from . import name`` imports the names (each may be a module), not the package.
+            dotted = [module, *names] if node.module else names
+        for name in dotted:
+            file = module_file(name)
+            if file is not None:
+                found.add(file)
+    return found
+
+
+def test_the_import_resolver_sees_relative_absolute_and_package_imports():
+    assert "config.py" in imports_of(PACKAGE / "identity.py")  # from .config import ...
+    assert "_types.py" in imports_of(PACKAGE / "admin" / "page.py")  # from .._types import ...
+    assert "admin/session.py" in imports_of(PACKAGE / "admin" / "app.py")
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+    level = {m: n for n, (_, modules) in enumerate(floors()) for m in modules}
+    upward = sorted(
+        (module, imported)
+        for module in package_modules()
+        if module in level
+        for imported in imports_of(PACKAGE / module)
+        if imported in level and level[imported] < level[module]
+    )
+    unexpected = [pair for pair in upward if pair not in ALLOWED_UPWARD]
+    assert not unexpected, (
+        f"these imports go up a floor of docs/internals.md: {unexpected}; move a module to the "
+        "floor it belongs to, or break the import"
+    )
+    fixed = sorted(ALLOWED_UPWARD - set(upward))
+    assert not fixed, f"no longer imported: remove {fixed} from ALLOWED_UPWARD and the page"
+
+
+def where_rows() -> list[tuple[str, list[str], list[str]]]:
+    text = section(PAGE.read_text(), "Where do I change X")
+    rows = []
+    for row in table_rows(text):
+        assert len(row) == 3, f"a row of 'Where do I change X' has {len(row)} cells: {row}"
+        paths = [p for p in re.findall(r"`([^`]+)`", row[1]) if re.search(r"\.(py|md)$", p)]
+        names = re.findall(r"`([^`]+)`", row[2])
+        rows.append((row[0], paths, names))
+    return rows
+
+
+def test_the_where_do_i_change_table_has_rows():
+    assert len(where_rows()) >= 20
+
+
+@pytest.mark.parametrize("row", where_rows(), ids=lambda row: row[0][:40])
+def test_each_where_do_i_change_row_names_files_that_exist_and_hold_what_it_says(row):
+    what, paths, names = row
+    assert paths, f"the row {what!r} names no file"
+    missing = [p for p in paths if not (ROOT / p).is_file()]
+    assert not missing, f"the row {what!r} names files that do not exist: {missing}"
+    assert names, f"the row {what!r} says nothing to look for"
+    text = "".join((ROOT / p).read_text() for p in paths)
+    absent = [name for name in names if name not in text]
+    assert not absent, f"the row {what!r}: {absent} not found in {paths}"
+
+
+def test_the_private_parts_table_names_real_modules():
+    text = section(PAGE.read_text(), "Private parts of other packages")
+    wheres = [row[0] for row in table_rows(text)]
+    assert len(wheres) >= 5
+    for where in wheres:
+        module = re.match(r"`([\w/]+\.py)`", where)
+        assert module is not None, where
+        assert (PACKAGE / module.group(1)).is_file(), where
