@@ -170,7 +170,7 @@ def test_each_where_do_i_change_row_names_files_that_exist_and_hold_what_it_says
     assert not absent, f"the row {what!r}: {absent} not found in {paths}"
 
 
-def test_the_private_parts_table_names_real_modules():
+def test_each_private_part_of_another_package_names_a_real_module_that_says_so():
     text = section(PAGE.read_text(), "Private parts of other packages")
     wheres = [row[0] for row in table_rows(text)]
     assert len(wheres) >= 5
@@ -178,3 +178,5 @@ def test_the_private_parts_table_names_real_modules():
         module = re.match(r"`([\w/]+\.py)`", where)
         assert module is not None, where
         assert (PACKAGE / module.group(1)).is_file(), where
+        source = (PACKAGE / module.group(1)).read_text()
+        assert "docs/internals.md" in source, f"{where}: no comment at the use site points here"
