@@ -180,3 +180,75 @@ def test_each_private_part_of_another_package_names_a_real_module_that_says_so()
         assert (PACKAGE / module.group(1)).is_file(), where
         source = (PACKAGE / module.group(1)).read_text()
         assert "docs/internals.md" in source, f"{where}: no comment at the use site points here"
+
+
+def timer_calls(tree: ast.AST) -> bool:
+    """A loop timer armed by hand: ``loop.call_later(...)`` or ``loop.call_at(...)``."""
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr in {"call_later", "call_at"}
+        for n in ast.walk(tree)
+    )
+
+
+def is_text(node: ast.expr) -> bool:
+    return isinstance(node, ast.JoinedStr) or (
+        isinstance(node, ast.Constant) and isinstance(node.value, str)
+    )
+
+
+def cancellation_by_hand(tree: ast.AST) -> bool:
+    """``task.cancel("a reason")``, ``task.uncancel()`` or ``task.cancelling()`` (a timer
+    entry's ``cancel(entry)`` is not one)."""
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and (
+            n.func.attr in {"uncancel", "cancelling"}
+            or (n.func.attr == "cancel" and n.args and is_text(n.args[0]))  # with a message
+        )
+        for n in ast.walk(tree)
+    )
+
+
+def coroutines_by_hand(tree: ast.AST) -> bool:
+    """``coro.send``/``coro.throw`` on a coroutine, or a read of its ``cr_frame``."""
+    return any(
+        isinstance(n, ast.Attribute)
+        and (
+            n.attr == "cr_frame"
+            or (
+                n.attr in {"send", "throw"}
+                and isinstance(n.value, ast.Name)
+                and n.value.id == "coro"
+            )
+        )
+        for n in ast.walk(tree)
+    )
+
+
+NOT_YET = {
+    "Four per-loop timer mechanisms": timer_calls,
+    "Cancelling the request's task with a reason": cancellation_by_hand,
+    "Heartbeats drives coroutines by hand": coroutines_by_hand,
+}
+
+
+@pytest.mark.parametrize("lead", sorted(NOT_YET))
+def test_the_page_names_every_module_that_does_what_the_runtime_rules_say_it_should_not(lead):
+    text = section(PAGE.read_text(), "Runtime rules")
+    bullet = re.search(rf"^- \*\*{re.escape(lead)}.*?(?=^- |\Z)", text, re.S | re.M)
+    assert bullet is not None, f"docs/internals.md has no bullet starting {lead!r}"
+    listed = re.search(r"In: ((?:`[\w/]+\.py`(?:, )?)+)\.", bullet.group(0))
+    assert listed is not None, f"the bullet {lead!r} names no modules after 'In:'"
+    named = set(re.findall(r"`([\w/]+\.py)`", listed.group(1)))
+    doing = {
+        module
+        for module in package_modules()
+        if NOT_YET[lead](ast.parse((PACKAGE / module).read_text()))
+    }
+    assert named == doing, (
+        f"docs/internals.md's bullet {lead!r} names {sorted(named)}, but the code does it in "
+        f"{sorted(doing)}: bring the page's 'In:' list up to date"
+    )
