@@ -256,3 +256,82 @@ def test_the_page_names_every_module_that_does_what_the_runtime_rules_say_it_sho
         f"{sorted(doing)}: bring the page's 'In:' list up to date (none left: delete the "
         "bullet and its entry in NOT_YET)"
     )
+
+
+# -- one request's path: what each layer reads and writes on the per-request object ---------
+
+LAYER_MODULES = {
+    "Heartbeats": "heartbeats.py",
+    "Budget": "budget.py",
+    "PreferBackend": "prefer.py",
+    "Failover": "failover.py",
+    "Breaker": "breaker.py",
+    "SaturationWatchdog": "watchdog.py",
+    "Forwarder": "forwarder.py",
+}
+
+
+def request_fields() -> set[str]:
+    from tierchain.request import TierRequest
+
+    return {name for name in TierRequest.__slots__ if not name.startswith("_")}
+
+
+def uses_of_the_request(module: str) -> tuple[set[str], set[str], bool]:
+    """(fields read, fields written or appended to, whether it emits) by ``module``, on
+    expressions named ``req`` or ``<something>.req``."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    fields = request_fields()
+    reads: set[str] = set()
+    writes: set[str] = set()
+    emits = False
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = ast.unparse(node.value)
+        if owner != "req" and not owner.endswith(".req"):
+            continue
+        parent = parents.get(node)
+        if node.attr == "emit" and isinstance(parent, ast.Call):
+            emits = True
+        if node.attr not in fields:
+            continue
+        appended = isinstance(parent, ast.Attribute) and parent.attr == "append"
+        (writes if isinstance(node.ctx, ast.Store) or appended else reads).add(node.attr)
+    return reads, writes, emits
+
+
+def path_rows() -> dict[str, tuple[set[str], set[str], bool]]:
+    """Layer -> (fields its row reads, fields it writes, whether the row says it emits)."""
+    text = section(PAGE.read_text(), "One request's path")
+    fields = request_fields()
+    rows = {}
+    for layer, read, write, _ends in (row for row in table_rows(text) if len(row) == 4):
+        written_part = write.split("emits")[0]
+
+        def named(cell: str) -> set[str]:
+            # `attempt_error = None` names attempt_error; `when_all_open="..."` no field
+            found = {re.split(r"\W", name)[0] for name in re.findall(r"`([^`]+)`", cell)}
+            return found & fields
+
+        rows[layer] = (named(read), named(written_part), "emits" in write)
+    return rows
+
+
+def test_the_path_table_has_a_row_for_every_layer():
+    assert set(path_rows()) == set(LAYER_MODULES)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYER_MODULES))
+def test_the_path_table_says_what_each_layer_reads_and_writes_on_the_request(layer):
+    said_reads, said_writes, said_emits = path_rows()[layer]
+    reads, writes, emits = uses_of_the_request(LAYER_MODULES[layer])
+    assert said_writes == writes, (
+        f"docs/internals.md says {layer} writes {sorted(said_writes)}; "
+        f"{LAYER_MODULES[layer]} writes {sorted(writes)}"
+    )
+    assert said_reads <= reads, f"{layer} does not read {sorted(said_reads - reads)}"
+    unsaid = (reads - writes) - said_reads
+    assert not unsaid, f"docs/internals.md does not say {layer} reads {sorted(unsaid)}"
+    assert said_emits == emits, f"{layer}: the page and the code disagree on whether it emits"
