@@ -228,10 +228,19 @@ def coroutines_by_hand(tree: ast.AST) -> bool:
     )
 
 
+def the_shared_board(tree: ast.AST) -> bool:
+    """A call of ``status.shared_board``, the process-wide status board."""
+    return any(
+        isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] == "shared_board"
+        for n in ast.walk(tree)
+    )
+
+
 NOT_YET = {
     "Four per-loop timer mechanisms": timer_calls,
     "Cancelling the request's task with a reason": cancellation_by_hand,
     "Heartbeats drives coroutines by hand": coroutines_by_hand,
+    "A hidden channel": the_shared_board,
 }
 
 
