@@ -43,6 +43,10 @@ def test_the_docs_site_builds_with_strict(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     outage = (tmp_path / "site" / "outage" / "index.html").read_text()
     assert 'class="mermaid"' in outage
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert 'id="tierchain.Failover"' in api  # rendered from the docstrings, not left as :::
+    assert "::: tierchain" not in api
+    assert ":class:" not in api  # the docstrings' roles became Markdown (docs/_ext)
 
 
 # log_event calls whose event name is not a string literal, and the names they can take.

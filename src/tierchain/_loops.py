@@ -51,4 +51,6 @@ class PerLoop(Generic[T]):
 
 def slack(loop: asyncio.AbstractEventLoop) -> float:
     """How early a loop timer may fire: asyncio's own tolerance, else (uvloop) 1 ms."""
+    # asyncio's private ``_clock_resolution``, on purpose: it runs the timers due within it
+    # (docs/internals.md; tests/test_dependency_internals.py fails if it moves).
     return float(getattr(loop, "_clock_resolution", 1e-3))

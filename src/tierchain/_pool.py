@@ -120,6 +120,8 @@ class FlatPool:
         if self._closed or not conn.is_idle() or conn.has_expired():
             await _close_quietly(conn)
             return
+        # httpcore's private ``_origin`` (a connection has no public one): a deliberate
+        # divergence, see docs/internals.md; tests/test_dependency_internals.py guards it.
         idle = self._idle.setdefault(_key(conn._origin), [])
         if self._max_keepalive is not None and len(idle) >= self._max_keepalive:
             await _close_quietly(conn)
@@ -228,6 +230,10 @@ class FlatTransport(httpx.AsyncHTTPTransport):
         self, *, limits: httpx.Limits, verify: Any = True, trust_env: bool = False
     ) -> None:
         super().__init__(verify=verify, trust_env=trust_env, limits=limits)
+        # Two private attributes, on purpose (docs/internals.md, "Private parts of other
+        # packages"; tests/test_dependency_internals.py fails if they move): the SSL context
+        # httpcore's pool holds, and httpx's ``_pool`` itself, replaced so that httpx's own
+        # request and exception mapping runs over the flat pool.
         ssl_context = getattr(self._pool, "_ssl_context", None)
         self._pool = FlatPool(  # type: ignore[assignment]
             ssl_context=ssl_context,

@@ -185,6 +185,9 @@ class Drain:
             self._running.discard(timeout)
 
 
+# Overrides uvicorn.Server methods that are public but undocumented (capture_signals,
+# handle_exit, startup, shutdown): a deliberate divergence, see docs/internals.md;
+# tests/test_dependency_internals.py fails if they move.
 class _Server(uvicorn.Server):
     """uvicorn's server, with tierchain's start and stop events and a clean exit on a signal."""
 

@@ -294,7 +294,9 @@ _CHILDREN: dict[tuple[int, tuple[str, ...]], Any] = {}
 def tracing_enabled() -> bool:
     """True once a tracer provider has been installed (by an OpenTelemetry SDK)."""
     # The API keeps the installed provider in a module global; reading it is far
-    # cheaper than get_tracer_provider(), which consults os.environ every call.
+    # cheaper than get_tracer_provider(), which consults os.environ every call. A private
+    # name, on purpose (docs/internals.md; tests/test_dependency_internals.py guards it):
+    # were it gone, the default True keeps spans on.
     return getattr(trace, "_TRACER_PROVIDER", True) is not None
 
 

@@ -1,0 +1,156 @@
+"""The private parts of other packages that tierchain reaches into are still where it reaches.
+
+One test per row of the table "Private parts of other packages" in docs/internals.md. Each
+fails on an installed version where the attribute moved, changed type or stopped being used the
+way the code relies on; then the use site (named in the table) must change, and the table's
+"checked against" versions with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import ssl
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpcore
+import httpx
+import pytest
+import uvicorn
+
+from tierchain._loops import slack
+from tierchain._pool import FlatPool, FlatTransport
+
+from .support import serve
+
+
+async def small_answer(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+# -- httpx: AsyncHTTPTransport._pool -------------------------------------------------------
+
+
+def test_httpx_transport_keeps_its_connection_pool_in_pool():
+    transport = httpx.AsyncHTTPTransport()
+    assert isinstance(transport._pool, httpcore.AsyncConnectionPool)
+    for method in ("handle_async_request", "aclose", "__aenter__"):
+        source = inspect.getsource(getattr(httpx.AsyncHTTPTransport, method))
+        assert "self._pool." in source, f"httpx's {method} no longer goes through self._pool"
+
+
+async def test_a_request_through_the_flat_transport_is_served_by_the_flat_pool():
+    transport = FlatTransport(limits=httpx.Limits(max_keepalive_connections=4))
+    pool = transport._pool
+    assert isinstance(pool, FlatPool)
+    async with serve(small_answer) as url, httpx.AsyncClient(transport=transport) as client:
+        response = await client.get(url + "/")
+        assert response.content == b"ok"
+        assert pool.connections == 1  # the flat pool made it and holds it, idle
+        assert (await client.get(url + "/")).content == b"ok"
+        assert pool.connections == 1  # and reused it
+
+
+# -- httpcore: AsyncConnectionPool._ssl_context, AsyncHTTPConnection._origin ---------------
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_httpcore_pool_keeps_the_ssl_context_httpx_built_and_the_flat_pool_takes_it(verify):
+    built = httpx.AsyncHTTPTransport(verify=verify)._pool._ssl_context
+    assert isinstance(built, ssl.SSLContext)
+    flat = FlatTransport(limits=httpx.Limits(), verify=verify)._pool
+    assert isinstance(flat, FlatPool)
+    taken = flat._ssl_context
+    assert isinstance(taken, ssl.SSLContext)
+    assert taken.verify_mode == built.verify_mode
+    assert taken.verify_mode == (ssl.CERT_REQUIRED if verify else ssl.CERT_NONE)
+
+
+def test_httpcore_connection_keeps_its_origin_in_origin():
+    origin = httpcore.Origin(b"http", b"127.0.0.1", 8080)
+    conn = httpcore.AsyncHTTPConnection(origin=origin)
+    assert conn._origin is origin
+    assert isinstance(conn._origin, httpcore.Origin)
+    other = httpcore.Origin(b"http", b"127.0.0.1", 8081)
+    assert conn.can_handle_request(origin)
+    assert not conn.can_handle_request(other)
+
+
+# -- OpenTelemetry: trace._TRACER_PROVIDER --------------------------------------------------
+
+
+def test_opentelemetry_keeps_the_installed_tracer_provider_in_a_module_global():
+    # A fresh interpreter: a provider can be installed once per process.
+    code = textwrap.dedent(
+        """
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from tierchain.telemetry import tracing_enabled
+
+        assert trace._TRACER_PROVIDER is None, trace._TRACER_PROVIDER
+        assert not tracing_enabled()
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+        assert trace._TRACER_PROVIDER is provider
+        assert tracing_enabled()
+        print("ok")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+# -- asyncio: the loop's _clock_resolution --------------------------------------------------
+
+
+def test_asyncio_runs_timers_due_within_its_clock_resolution_and_slack_reads_it():
+    loop = asyncio.new_event_loop()
+    try:
+        resolution = loop._clock_resolution  # type: ignore[attr-defined]
+        assert isinstance(resolution, float)
+        assert resolution == time.get_clock_info("monotonic").resolution
+        assert slack(loop) == resolution
+    finally:
+        loop.close()
+    # Why it is the tolerance: the loop runs the timers due before time() + this.
+    assert "_clock_resolution" in inspect.getsource(asyncio.BaseEventLoop._run_once)
+
+
+def test_uvloop_has_no_clock_resolution_and_slack_falls_back_to_a_millisecond():
+    uvloop = pytest.importorskip("uvloop")
+    loop = uvloop.new_event_loop()
+    try:
+        assert not hasattr(loop, "_clock_resolution"), "uvloop has one now: check its value"
+        assert slack(loop) == 1e-3
+    finally:
+        loop.close()
+
+
+# -- uvicorn: the Server methods serve.py overrides ----------------------------------------
+
+
+def test_uvicorn_server_still_has_the_methods_and_attributes_serve_overrides_and_reads():
+    server = uvicorn.Server(uvicorn.Config(small_answer))
+    assert server.started is False
+    assert "self.capture_signals()" in inspect.getsource(uvicorn.Server.serve)
+    assert list(inspect.signature(uvicorn.Server.handle_exit).parameters) == [
+        "self",
+        "sig",
+        "frame",
+    ]
+    for name in ("startup", "shutdown"):
+        method = getattr(uvicorn.Server, name)
+        assert inspect.iscoroutinefunction(method)
+        assert "sockets" in inspect.signature(method).parameters
+    assert "self.servers" in inspect.getsource(uvicorn.Server.startup)

@@ -1,0 +1,346 @@
+"""docs/internals.md stays a true map: every module on a floor, imports going down, real files.
+
+When a test here fails because a module was added, moved or removed, fix the page, not the
+test: add a row for the new module (``| `name.py` | what it holds |``, or
+``| `package/name.py` | ... |`` inside a subpackage) to the table of the floor it belongs to,
+under "## The floors" in docs/internals.md; a new floor is a new "### " heading there, placed
+above the floors it imports from.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "tierchain"
+PAGE = ROOT / "docs" / "internals.md"
+
+# (importer, imported): imports from a floor above the importer's own that the page names as
+# not yet fixed. Remove a line here once the code no longer needs it.
+ALLOWED_UPWARD = {
+    ("identity.py", "config.py"),  # the config -> stack -> identity -> config circle
+}
+
+
+def section(text: str, heading: str) -> str:
+    """The text of the ``## heading`` section, up to the next ``## `` heading."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match is not None, f"docs/internals.md has no '## {heading}' section"
+    return match.group(1)
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The body rows of every Markdown table in ``text`` (not the headers), as lists of cells."""
+    rows: list[list[str]] = []
+    lines = text.splitlines()
+    for n, line in enumerate(lines):
+        separator = n + 1 < len(lines) and re.fullmatch(r"\|[-:| ]+\|", lines[n + 1].strip())
+        if not line.startswith("|") or separator or re.fullmatch(r"\|[-:| ]+\|", line.strip()):
+            continue
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def floors() -> list[tuple[str, list[str]]]:
+    """The floors, top first: each heading with the modules its table names."""
+    text = section(PAGE.read_text(), "The floors")
+    found = []
+    for part in re.split(r"^### ", text, flags=re.M)[1:]:
+        heading, _, body = part.partition("\n")
+        modules = [
+            m.group(1)
+            for row in table_rows(body)
+            if (m := re.fullmatch(r"`([\w/]+\.py)`", row[0])) is not None
+        ]
+        found.append((heading.strip(), modules))
+    return found
+
+
+def package_modules() -> set[str]:
+    return {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
+
+
+def test_the_map_has_floors_and_each_names_modules():
+    found = floors()
+    assert len(found) >= 4
+    assert all(modules for _, modules in found), found
+
+
+def test_every_module_of_the_package_is_on_one_floor_of_the_map():
+    named = [m for _, modules in floors() for m in modules]
+    twice = sorted({m for m in named if named.count(m) > 1})
+    assert not twice, f"docs/internals.md puts these modules on more than one floor: {twice}"
+    missing = sorted(package_modules() - set(named))
+    assert not missing, (
+        f"docs/internals.md does not name {missing}: add a row for each to the table of its "
+        "floor under '## The floors' (see this test module's docstring)"
+    )
+    gone = sorted(set(named) - package_modules())
+    assert not gone, f"docs/internals.md names modules that no longer exist: {gone}"
+
+
+def module_file(dotted: str) -> str | None:
+    """``tierchain.a.b`` -> ``a/b.py`` (or ``a/b/__init__.py``), if it is one of ours."""
+    parts = dotted.split(".")
+    if parts[0] != "tierchain":
+        return None
+    path = Path(*parts[1:]) if len(parts) > 1 else Path()
+    candidates = [path / "__init__.py"]
+    if path.name:
+        candidates.insert(0, path.parent / f"{path.name}.py")
+    for candidate in candidates:
+        if (PACKAGE / candidate).is_file():
+            return candidate.as_posix()
+    return None
+
+
+def imports_of(path: Path) -> set[str]:
+    """The package's modules that ``path`` imports (at the top or inside a function)."""
+    here = ["tierchain", *path.relative_to(PACKAGE).parent.parts]  # the importer's package
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        dotted: list[str] = []
+        if isinstance(node, ast.Import):
+            dotted = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = here[: len(here) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names = [f"{module}.{alias.name}" for alias in node.names]
+            # ``from . import name`` imports the names (each may be a module), not the package.
+            dotted = [module, *names] if node.module else names
+        for name in dotted:
+            file = module_file(name)
+            if file is not None:
+                found.add(file)
+    return found
+
+
+def test_the_import_resolver_sees_relative_absolute_and_package_imports():
+    assert "config.py" in imports_of(PACKAGE / "identity.py")  # from .config import ...
+    assert "_types.py" in imports_of(PACKAGE / "admin" / "page.py")  # from .._types import ...
+    assert "admin/session.py" in imports_of(PACKAGE / "admin" / "app.py")
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+    level = {m: n for n, (_, modules) in enumerate(floors()) for m in modules}
+    upward = sorted(
+        (module, imported)
+        for module in package_modules()
+        if module in level
+        for imported in imports_of(PACKAGE / module)
+        if imported in level and level[imported] < level[module]
+    )
+    unexpected = [pair for pair in upward if pair not in ALLOWED_UPWARD]
+    assert not unexpected, (
+        f"these imports go up a floor of docs/internals.md: {unexpected}; move a module to the "
+        "floor it belongs to, or break the import"
+    )
+    fixed = sorted(ALLOWED_UPWARD - set(upward))
+    assert not fixed, f"no longer imported: remove {fixed} from ALLOWED_UPWARD and the page"
+
+
+def where_rows() -> list[tuple[str, list[str], list[str]]]:
+    text = section(PAGE.read_text(), "Where do I change X")
+    rows = []
+    for row in table_rows(text):
+        assert len(row) == 3, f"a row of 'Where do I change X' has {len(row)} cells: {row}"
+        paths = [p for p in re.findall(r"`([^`]+)`", row[1]) if re.search(r"\.(py|md)$", p)]
+        names = re.findall(r"`([^`]+)`", row[2])
+        rows.append((row[0], paths, names))
+    return rows
+
+
+def test_the_where_do_i_change_table_has_rows():
+    assert len(where_rows()) >= 20
+
+
+@pytest.mark.parametrize("row", where_rows(), ids=lambda row: row[0][:40])
+def test_each_where_do_i_change_row_names_files_that_exist_and_hold_what_it_says(row):
+    what, paths, names = row
+    assert paths, f"the row {what!r} names no file"
+    missing = [p for p in paths if not (ROOT / p).is_file()]
+    assert not missing, f"the row {what!r} names files that do not exist: {missing}"
+    assert names, f"the row {what!r} says nothing to look for"
+    text = "".join((ROOT / p).read_text() for p in paths)
+    absent = [name for name in names if name not in text]
+    assert not absent, f"the row {what!r}: {absent} not found in {paths}"
+
+
+def test_each_private_part_of_another_package_names_a_real_module_that_says_so():
+    text = section(PAGE.read_text(), "Private parts of other packages")
+    wheres = [row[0] for row in table_rows(text)]
+    assert len(wheres) >= 5
+    for where in wheres:
+        module = re.match(r"`([\w/]+\.py)`", where)
+        assert module is not None, where
+        assert (PACKAGE / module.group(1)).is_file(), where
+        source = (PACKAGE / module.group(1)).read_text()
+        assert "docs/internals.md" in source, f"{where}: no comment at the use site points here"
+
+
+def timer_calls(tree: ast.AST) -> bool:
+    """A loop timer armed by hand: ``loop.call_later(...)`` or ``loop.call_at(...)``."""
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr in {"call_later", "call_at"}
+        for n in ast.walk(tree)
+    )
+
+
+def is_text(node: ast.expr) -> bool:
+    return isinstance(node, ast.JoinedStr) or (
+        isinstance(node, ast.Constant) and isinstance(node.value, str)
+    )
+
+
+def cancellation_by_hand(tree: ast.AST) -> bool:
+    """``task.cancel("a reason")``, ``task.uncancel()`` or ``task.cancelling()`` (a timer
+    entry's ``cancel(entry)`` is not one)."""
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and (
+            n.func.attr in {"uncancel", "cancelling"}
+            or (n.func.attr == "cancel" and n.args and is_text(n.args[0]))  # with a message
+        )
+        for n in ast.walk(tree)
+    )
+
+
+def coroutines_by_hand(tree: ast.AST) -> bool:
+    """``coro.send``/``coro.throw`` on a coroutine, or a read of its ``cr_frame``."""
+    return any(
+        isinstance(n, ast.Attribute)
+        and (
+            n.attr == "cr_frame"
+            or (
+                n.attr in {"send", "throw"}
+                and isinstance(n.value, ast.Name)
+                and n.value.id == "coro"
+            )
+        )
+        for n in ast.walk(tree)
+    )
+
+
+def the_shared_board(tree: ast.AST) -> bool:
+    """A call of ``status.shared_board``, the process-wide status board."""
+    return any(
+        isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] == "shared_board"
+        for n in ast.walk(tree)
+    )
+
+
+NOT_YET = {
+    "Four per-loop timer mechanisms": timer_calls,
+    "Cancelling the request's task with a reason": cancellation_by_hand,
+    "Heartbeats drives coroutines by hand": coroutines_by_hand,
+    "A hidden channel": the_shared_board,
+}
+
+
+@pytest.mark.parametrize("lead", sorted(NOT_YET))
+def test_the_page_names_every_module_that_does_what_the_runtime_rules_say_it_should_not(lead):
+    text = section(PAGE.read_text(), "Runtime rules")
+    bullet = re.search(rf"^- \*\*{re.escape(lead)}.*?(?=^- |\Z)", text, re.S | re.M)
+    assert bullet is not None, (
+        f"docs/internals.md has no bullet starting {lead!r}: if the code follows that rule "
+        "now, remove its entry from NOT_YET here too"
+    )
+    listed = re.search(r"In: ((?:`[\w/]+\.py`(?:, )?)+)\.", bullet.group(0))
+    assert listed is not None, f"the bullet {lead!r} names no modules after 'In:'"
+    named = set(re.findall(r"`([\w/]+\.py)`", listed.group(1)))
+    doing = {
+        module
+        for module in package_modules()
+        if NOT_YET[lead](ast.parse((PACKAGE / module).read_text()))
+    }
+    assert named == doing, (
+        f"docs/internals.md's bullet {lead!r} names {sorted(named)}, but the code does it in "
+        f"{sorted(doing)}: bring the page's 'In:' list up to date (none left: delete the "
+        "bullet and its entry in NOT_YET)"
+    )
+
+
+# -- one request's path: what each layer reads and writes on the per-request object ---------
+
+LAYER_MODULES = {
+    "Heartbeats": "heartbeats.py",
+    "Budget": "budget.py",
+    "PreferBackend": "prefer.py",
+    "Failover": "failover.py",
+    "Breaker": "breaker.py",
+    "SaturationWatchdog": "watchdog.py",
+    "Forwarder": "forwarder.py",
+}
+
+
+def request_fields() -> set[str]:
+    from tierchain.request import TierRequest
+
+    return {name for name in TierRequest.__slots__ if not name.startswith("_")}
+
+
+def uses_of_the_request(module: str) -> tuple[set[str], set[str], bool]:
+    """(fields read, fields written or appended to, whether it emits) by ``module``, on
+    expressions named ``req`` or ``<something>.req``."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    fields = request_fields()
+    reads: set[str] = set()
+    writes: set[str] = set()
+    emits = False
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = ast.unparse(node.value)
+        if owner != "req" and not owner.endswith(".req"):
+            continue
+        parent = parents.get(node)
+        if node.attr == "emit" and isinstance(parent, ast.Call):
+            emits = True
+        if node.attr not in fields:
+            continue
+        appended = isinstance(parent, ast.Attribute) and parent.attr == "append"
+        (writes if isinstance(node.ctx, ast.Store) or appended else reads).add(node.attr)
+    return reads, writes, emits
+
+
+def path_rows() -> dict[str, tuple[set[str], set[str], bool]]:
+    """Layer -> (fields its row reads, fields it writes, whether the row says it emits)."""
+    text = section(PAGE.read_text(), "One request's path")
+    fields = request_fields()
+    rows = {}
+    for layer, read, write, _ends in (row for row in table_rows(text) if len(row) == 4):
+        written_part = write.split("emits")[0]
+
+        def named(cell: str) -> set[str]:
+            # `attempt_error = None` names attempt_error; `when_all_open="..."` no field
+            found = {re.split(r"\W", name)[0] for name in re.findall(r"`([^`]+)`", cell)}
+            return found & fields
+
+        rows[layer] = (named(read), named(written_part), "emits" in write)
+    return rows
+
+
+def test_the_path_table_has_a_row_for_every_layer():
+    assert set(path_rows()) == set(LAYER_MODULES)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYER_MODULES))
+def test_the_path_table_says_what_each_layer_reads_and_writes_on_the_request(layer):
+    said_reads, said_writes, said_emits = path_rows()[layer]
+    reads, writes, emits = uses_of_the_request(LAYER_MODULES[layer])
+    assert said_writes == writes, (
+        f"docs/internals.md says {layer} writes {sorted(said_writes)}; "
+        f"{LAYER_MODULES[layer]} writes {sorted(writes)}"
+    )
+    assert said_reads <= reads, f"{layer} does not read {sorted(said_reads - reads)}"
+    unsaid = (reads - writes) - said_reads
+    assert not unsaid, f"docs/internals.md does not say {layer} reads {sorted(unsaid)}"
+    assert said_emits == emits, f"{layer}: the page and the code disagree on whether it emits"
