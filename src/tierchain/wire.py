@@ -140,14 +140,14 @@ def error_bytes(
         payload = {"type": "error", "error": {"type": kind, "message": message}}
         return b"event: error\ndata: " + _ENCODER.encode(payload).encode() + b"\n\n"
     if wire == RESPONSES:
-        payload = {
+        fields: dict[str, Any] = {
             "type": "error",
             "code": code,
             "message": message,
             "param": None,
             "error": {"type": type, "code": code, "message": message},
         }
-        return b"event: error\ndata: " + _ENCODER.encode(payload).encode() + b"\n\n"
+        return b"event: error\ndata: " + _ENCODER.encode(fields).encode() + b"\n\n"
     error = {"error": {"message": message, "type": type, "code": code}}
     return b"data: " + _ENCODER.encode(error).encode() + b"\n\n"
 
