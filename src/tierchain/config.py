@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 from .backend import Backend, Routes
 from .errors import ConfigError
 from .masking import MASK, mask_text, mask_url
+from .wire import FORMATS
 
 if TYPE_CHECKING:
     from .stack import build_stack
@@ -478,6 +479,7 @@ _ROUTE_KEYS = (
     "api_key_env",
     "forward_caller_auth",
     "max_in_flight",
+    "wire_format",
 )
 
 
@@ -832,14 +834,19 @@ def routes_from_toml(
         problems.append("routes: expected at least one [routes.<name>] table")
         raise ConfigError(problems)
     built: dict[str, list[Backend]] = {}
+    formats: dict[str, str] = {}
     for route, spec in table.items():
         where = f"routes.{route}"
         if not isinstance(spec, Mapping):
             problems.append(f"{where}: expected a table with a backends array")
             continue
         for key in spec:
-            if key != "backends":
-                problems.append(f"{where}.{key}: unknown key; expected only backends")
+            if key not in ("backends", "wire_format"):
+                problems.append(f"{where}.{key}: unknown key; expected backends or wire_format")
+        if "wire_format" in spec:
+            wire = _wire_format(f"{where}.wire_format", spec["wire_format"], problems)
+            if wire is not None:
+                formats[route] = wire
         backends = spec.get("backends")
         if not isinstance(backends, list) or not backends:
             problems.append(f"{where}.backends: expected at least one [[{where}.backends]] table")
@@ -862,7 +869,7 @@ def routes_from_toml(
     if problems:
         raise ConfigError(problems)
     try:
-        return Routes(built)
+        return Routes(built, wire_formats=formats)
     except ValueError as exc:  # pragma: no cover - checked above
         raise ConfigError([f"routes: {exc}"]) from None
 
@@ -931,6 +938,11 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
             ok = False
         else:
             fields["max_in_flight"] = limit
+    if "wire_format" in entry:
+        wire = _wire_format(f"{where}.wire_format", entry["wire_format"], problems)
+        if wire is None:
+            ok = False
+        fields["wire_format"] = wire
     if not ok:
         return None
     try:
@@ -945,6 +957,14 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
         shown = fields.get(key)
         problems.append(f"{where}.{key}={shown!r}: {message}")
         return None
+
+
+def _wire_format(where: str, value: Any, problems: list[str]) -> str | None:
+    """A routes-file ``wire_format`` value, checked (None: a problem was noted)."""
+    if isinstance(value, str) and value in FORMATS:
+        return value
+    problems.append(f"{where}={value!r}: expected one of {', '.join(FORMATS)}")
+    return None
 
 
 def __getattr__(name: str) -> Any:
