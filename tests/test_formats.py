@@ -534,3 +534,81 @@ async def test_every_format_passes_clean_through_tierchain_serve_and_a_broken_on
     assert attempts and all('outcome="ok"' in line for line in attempts), attempts
     failed = [e["outcome"] for e in served.events() if e.get("event") == "dispatch.stream_failed"]
     assert failed == ["stream_broken"]  # only the stream broken on purpose
+
+
+# -- through the examples ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("example", ["fastapi", "litestar"])
+async def test_every_format_passes_clean_through_the_examples(example, monkeypatch):
+    from asgi_lifespan import LifespanManager
+
+    from examples.fastapi_app import create_app as fastapi_app
+    from examples.litestar_app import create_app as litestar_app
+
+    monkeypatch.setenv("OPENAI_API_KEY", "dummy")
+    store = MemoryStore()
+
+    async def tower(ex: Exchange) -> None:
+        await by_path(ex)(ex)
+
+    async with FakeBackend("tower", tower) as t:
+        routes = Routes({"echo": [Backend(name="tower", url=t.url, regime="local")]})
+        build = fastapi_app if example == "fastapi" else litestar_app
+        app = build(routes, store=store)
+        async with LifespanManager(app), serve(app) as url:
+            clients = Gateway(url, store, t, t)
+            try:
+                assert await anthropic_text(clients.anthropic()) == "Hello"
+                async with clients.openai().responses.stream(model="echo", input="hi") as s:
+                    assert (await s.get_final_response()).output_text == "Hello"
+                assert await run_agent(url) == "Hello"
+                chat = await clients.ollama().chat(model="echo", messages=MESSAGES, stream=True)
+                assert "".join([(p.message.content or "") async for p in chat]) == "Hello"
+            finally:
+                await clients.aclose()
+        assert await clients.failures() == 0
+        assert [r.path for r in t.requests] == [
+            "/v1/messages",
+            "/v1/responses",
+            "/v1/responses",
+            "/api/chat",
+        ]
+
+
+def test_the_routes_file_takes_a_wire_format_per_backend_and_per_route():
+    from tierchain.config import ConfigError, routes_from_toml
+
+    routes = routes_from_toml(
+        {
+            "routes": {
+                "claude": {
+                    "wire_format": "anthropic",
+                    "backends": [
+                        {"name": "tower", "url": "http://127.0.0.1:1", "wire_format": "openai"},
+                        {"name": "hosted", "url": "http://127.0.0.1:2"},
+                    ],
+                },
+                "echo": {"backends": [{"name": "tower", "url": "http://127.0.0.1:1"}]},
+            }
+        }
+    )
+    assert routes.wire_format("claude") == "anthropic"
+    assert routes.wire_format("echo") is None
+    assert [b.wire_format for b in routes["claude"]] == ["openai", None]
+    with pytest.raises(ConfigError) as caught:
+        routes_from_toml(
+            {
+                "routes": {
+                    "echo": {
+                        "wire_format": "grpc",
+                        "backends": [{"name": "t", "url": "http://127.0.0.1:1", "wire_format": 3}],
+                    }
+                }
+            }
+        )
+    assert caught.value.problems == (
+        "routes.echo.wire_format='grpc': expected one of openai, responses, anthropic, ollama, plain",
+        "routes.echo.backends[0].wire_format=3: expected one of openai, responses, anthropic, "
+        "ollama, plain",
+    )
