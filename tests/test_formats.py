@@ -205,7 +205,7 @@ def test_each_format_is_complete_only_at_its_own_end():
     assert judged("responses", responses_stream(PIECES)[:-1]) == "truncated"
     # The upstream's own failed or incomplete answer is whole, not cut short.
     failed = b'event: response.failed\ndata: {"type":"response.failed","response":{}}\n\n'
-    assert judged("responses", responses_stream(PIECES)[:3] + [failed]) == "ok"
+    assert judged("responses", [*responses_stream(PIECES)[:3], failed]) == "ok"
     lines = ollama_chat_lines(PIECES)
     assert judged("ollama", lines, b"application/x-ndjson") == "ok"
     assert judged("ollama", lines[:-1], b"application/x-ndjson") == "truncated"
@@ -531,7 +531,8 @@ async def test_every_format_passes_clean_through_tierchain_serve_and_a_broken_on
     attempts = [
         line for line in metrics.splitlines() if line.startswith("tierchain_attempts_total{")
     ]
-    assert attempts and all('outcome="ok"' in line for line in attempts), attempts
+    assert attempts
+    assert all('outcome="ok"' in line for line in attempts), attempts
     failed = [e["outcome"] for e in served.events() if e.get("event") == "dispatch.stream_failed"]
     assert failed == ["stream_broken"]  # only the stream broken on purpose
 
@@ -608,7 +609,8 @@ def test_the_routes_file_takes_a_wire_format_per_backend_and_per_route():
             }
         )
     assert caught.value.problems == (
-        "routes.echo.wire_format='grpc': expected one of openai, responses, anthropic, ollama, plain",
+        "routes.echo.wire_format='grpc': expected one of openai, responses, anthropic, "
+        "ollama, plain",
         "routes.echo.backends[0].wire_format=3: expected one of openai, responses, anthropic, "
         "ollama, plain",
     )
