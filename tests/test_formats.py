@@ -614,3 +614,52 @@ def test_the_routes_file_takes_a_wire_format_per_backend_and_per_route():
         "routes.echo.backends[0].wire_format=3: expected one of openai, responses, anthropic, "
         "ollama, plain",
     )
+
+
+# -- pieces alone, and the format named in code ------------------------------------------
+
+
+async def test_a_breaker_alone_counts_five_healthy_anthropic_streams_as_successes():
+    store = MemoryStore()
+    async with FakeBackend("tower", sends(anthropic_stream(PIECES))) as t:
+        tower = Backend(name="tower", url=t.url)
+        forwarder = Forwarder(backend=tower)
+        app = Breaker(forwarder, store=store, failure_threshold=5, backend=tower)
+        try:
+            async with serve(app) as url:
+                client = anthropic.AsyncAnthropic(base_url=url, api_key="dummy", max_retries=0)
+                try:
+                    texts = [await anthropic_text(client) for _ in range(6)]
+                finally:
+                    await client.close()
+        finally:
+            await forwarder.aclose()
+    assert texts == ["Hello"] * 6
+    snapshot = await store.breaker_snapshot("", "tower")
+    assert (snapshot.state, snapshot.failures) == ("closed", 0)
+
+
+async def test_a_route_named_anthropic_in_code_is_judged_so_on_any_path():
+    events = anthropic_stream(PIECES)
+    async with FakeBackend("tower", sends(events)) as t, FakeBackend("other", sends(events)) as o:
+        routes = Routes(
+            {
+                "claude": [Backend(name="tower", url=t.url)],
+                "plain": [Backend(name="other", url=o.url)],
+            },
+            wire_formats={"claude": "anthropic"},
+        )
+        forwarder = Forwarder()
+        app = Failover(forwarder, routes=routes)
+        try:
+            async with serve(app) as url, httpx.AsyncClient(timeout=10) as client:
+                named = await client.post(url + "/gateway/claude", json={"model": "claude"})
+                guessed = await client.post(url + "/gateway/claude", json={"model": "plain"})
+        finally:
+            await forwarder.aclose()
+    assert named.content == b"".join(events)
+    assert named.headers["x-tierchain-attempts"] == "tower;outcome=ok"
+    # The same bytes on a route with no format named, on a path no format claims, are
+    # judged by OpenAI's rules: no [DONE], so the stream is truncated.
+    assert guessed.content.startswith(b"".join(events))
+    assert guessed.content.endswith(b'"code":"truncated"}}\n\n')
