@@ -663,3 +663,51 @@ async def test_a_route_named_anthropic_in_code_is_judged_so_on_any_path():
     # judged by OpenAI's rules: no [DONE], so the stream is truncated.
     assert guessed.content.startswith(b"".join(events))
     assert guessed.content.endswith(b'"code":"truncated"}}\n\n')
+
+
+async def test_every_tier_failing_after_an_early_commit_makes_the_responses_sdk_raise():
+    release = asyncio.Event()
+
+    async def tower(ex: Exchange) -> None:
+        await ex.head()
+        await release.wait()  # nothing until the gateway has committed on its own
+        await ex.reset()
+
+    async with gateway(tower, answers(500, b'{"error":"down"}')) as gw:
+        stream = await gw.openai().responses.create(model="echo", input="hi", stream=True)
+        release.set()
+        with pytest.raises(openai.APIError, match="all 2 backends"):
+            async for _ in stream:
+                pass
+
+
+async def test_an_ollama_request_every_tier_fails_gets_its_real_502_after_a_long_wait():
+    release = asyncio.Event()
+
+    async def tower(ex: Exchange) -> None:
+        if ex.request.path == "/v1/chat/completions":
+            await ex.head()  # a chat stream that stays quiet: Heartbeats commits it
+            await release.wait()
+            await ex.reset()
+            return
+        await ex.head(200, NDJSON)
+        await release.wait()
+        await ex.reset()
+
+    async with gateway(tower, answers(500, b'{"error":"down"}')) as gw:
+        client = gw.ollama()
+        chat = asyncio.create_task(
+            client.chat(model="echo", messages=MESSAGES, stream=True)  # type: ignore[arg-type]
+        )
+        async with httpx.AsyncClient(timeout=30) as raw:
+            quiet = await raw.send(
+                raw.build_request("POST", gw.url + "/v1/chat/completions", content=chat_request()),
+                stream=True,
+            )  # committed by Heartbeats: the Ollama request has waited longer than that
+            release.set()
+            with pytest.raises(ollama.ResponseError) as caught:
+                async for _ in await chat:
+                    pass
+            await quiet.aclose()
+    assert caught.value.status_code == 502
+    assert "all 2 backends for route 'echo' failed" in str(caught.value)
