@@ -65,14 +65,16 @@ from .wire_fakes import (
 PIECES = ["Hel", "lo"]
 
 
-def readme_gateway(routes: Routes, store: MemoryStore, forwarder: Forwarder) -> Any:
+def readme_gateway(
+    routes: Routes, store: MemoryStore, forwarder: Forwarder, slow_after: float = 45.0
+) -> Any:
     """The README's FastAPI stack, carrying ``/v1/*`` and ``/api/*`` at once."""
     from fastapi import FastAPI
 
     app = FastAPI()
     app.mount("/v1", forwarder)
     app.mount("/api", forwarder)
-    app.add_middleware(SaturationWatchdog, slow_after=45.0)
+    app.add_middleware(SaturationWatchdog, slow_after=slow_after)
     app.add_middleware(Breaker, store=store)
     app.add_middleware(Failover, routes=routes, paths=("/v1/", "/api/"))
     app.add_middleware(PreferBackend, store=store)
@@ -114,7 +116,9 @@ class Gateway:
 
 
 @contextlib.asynccontextmanager
-async def gateway(tower: Script, hosted: Script | None = None) -> AsyncIterator[Gateway]:
+async def gateway(
+    tower: Script, hosted: Script | None = None, *, slow_after: float = 45.0
+) -> AsyncIterator[Gateway]:
     store = MemoryStore()
     forwarder = Forwarder(connect_timeout=2.0)
     async with FakeBackend("tower", tower) as t, FakeBackend("hosted", hosted or tower) as h:
@@ -127,7 +131,7 @@ async def gateway(tower: Script, hosted: Script | None = None) -> AsyncIterator[
             }
         )
         try:
-            async with serve(readme_gateway(routes, store, forwarder)) as url:
+            async with serve(readme_gateway(routes, store, forwarder, slow_after)) as url:
                 gw = Gateway(url, store, t, h)
                 try:
                     yield gw
@@ -320,8 +324,9 @@ async def test_a_healthy_responses_stream_passes_clean_through_the_readme_stack(
         assert await gw.failures() == 0
 
 
-async def test_a_responses_stream_cut_after_four_events_makes_the_sdk_raise():
-    async with gateway(sends(responses_stream(PIECES), upto=4)) as gw:
+async def test_a_responses_stream_cut_short_makes_the_sdk_raise():
+    # Cut after its first text delta: committed, then ended without response.completed.
+    async with gateway(sends(responses_stream(PIECES), upto=5)) as gw:
         client = gw.openai()
         with pytest.raises(openai.APIError, match="truncated"):
             stream = await client.responses.create(model="echo", input="hi", stream=True)
@@ -330,6 +335,11 @@ async def test_a_responses_stream_cut_after_four_events_makes_the_sdk_raise():
         with pytest.raises(openai.APIError, match="truncated"):
             async with client.responses.stream(model="echo", input="hi") as s:
                 await s.get_final_response()
+        # Cut after its four opening events: no answer yet, so every tier was tried.
+        gw.tower.script = gw.hosted.script = sends(responses_stream(PIECES), upto=4)
+        with pytest.raises(openai.APIStatusError, match="all 2 backends") as caught:
+            await client.responses.create(model="echo", input="hi", stream=True)
+        assert caught.value.status_code == 502
 
 
 async def run_agent(base_url: str) -> str:
@@ -711,3 +721,50 @@ async def test_an_ollama_request_every_tier_fails_gets_its_real_502_after_a_long
             await quiet.aclose()
     assert caught.value.status_code == 502
     assert "all 2 backends for route 'echo' failed" in str(caught.value)
+
+
+# -- what counts as progress --------------------------------------------------------------
+
+
+def test_opening_events_and_pings_are_not_progress():
+    events = anthropic_stream(PIECES)
+    observer = Observer(wire="anthropic")
+    observer.start(200, [(b"content-type", b"text/event-stream")])
+    opening = b"".join(events[:3])  # message_start, content_block_start, ping
+    assert observer.body(opening) == opening  # passed on (Failover holds it), not progress
+    assert observer.first_data_at is None
+    assert observer.opened
+    observer.body(events[3])  # the first text delta
+    first = observer.first_data_at
+    assert first is not None
+    assert observer.last_event_at == first
+    observer.body(b'event: ping\ndata: {"type": "ping"}\n\n')
+    assert observer.last_event_at == first  # a ping never moves the stall clock
+    responses = Observer(wire="responses")
+    responses.start(200, [(b"content-type", b"text/event-stream")])
+    for event in responses_stream(PIECES)[:4]:  # created ... content_part.added
+        responses.body(event)
+    assert responses.first_data_at is None
+    responses.body(responses_stream(PIECES)[4])  # the first output_text.delta
+    assert responses.first_data_at is not None
+
+
+async def test_a_tower_that_opens_an_anthropic_answer_then_hangs_fails_over_unseen():
+    opening = anthropic_stream(PIECES)[:3]
+    hosted_events = anthropic_stream(["from ", "hosted"])
+
+    async def tower(ex: Exchange) -> None:
+        await ex.head()
+        for event in opening:  # at once, as a server does before its queue or prefill
+            await ex.write(event)
+        await ex.wait_closed_by_peer()
+        ex.finished = True
+
+    async with gateway(tower, sends(hosted_events), slow_after=0.5) as gw:
+        assert await anthropic_text(gw.anthropic()) == "from hosted"
+        async with httpx.AsyncClient(timeout=30) as raw:
+            body = {"model": "echo", "max_tokens": 64, "messages": MESSAGES, "stream": True}
+            got = await raw.post(gw.url + "/v1/messages", json=body)
+        assert await gw.failures("hosted") == 0
+    assert without_comments(got.content) == b"".join(hosted_events)  # nothing of the tower's
+    assert b'"state":"backend_saturated","backend":"tower"' in got.content

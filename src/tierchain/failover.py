@@ -705,7 +705,7 @@ class _Responder:
             if observer.first_data_at is None:
                 # Comments and pings before the first data event: held with it.
                 if out:
-                    if self._held_size + len(out) > _COMMENT_LIMIT:
+                    if self._held_size + len(out) > _COMMENT_LIMIT and not observer.opened:
                         self._held = None  # comments only, none of them progress
                         self._held_size = 0
                     self._hold(out)

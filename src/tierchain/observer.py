@@ -35,6 +35,7 @@ lines). tierchain's layers only ever add whole lines at event boundaries.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 
@@ -76,6 +77,7 @@ class Observer:
 
     __slots__ = (
         "_last",
+        "_opening",
         "_previous",
         "_searched",
         "_stream_end",
@@ -89,6 +91,7 @@ class Observer:
         "max_event",
         "ndjson",
         "on_first_data",
+        "opened",
         "pending",
         "pending_cr",
         "sse",
@@ -111,11 +114,15 @@ class Observer:
             stream_end = None  # plain: any clean end, unless a terminator was named
         self._stream_end = None if stream_end is None else stream_end.encode()
         self.wire = wire
+        self._opening = wire in _OPENING  # opening events to tell from progress
         self.max_event = max_event
         self.status: int | None = None
         self.headers: Headers = []
         self.sse = False
         self.ndjson = False
+        self.opened = False
+        """True once an event that opens the answer but is not progress passed (an
+        Anthropic ``message_start`` or ``ping``, a Responses ``response.created``)."""
         self.first_data_at: float | None = None
         self.last_event_at: float | None = None
         self.data_events = 0
@@ -252,6 +259,9 @@ class Observer:
     def _note(self, events: bytes) -> None:
         if not (events.startswith(b"data:") or has_data(events)):
             return  # comments, pings, other fields: not progress
+        if self._opening and _no_progress(self.wire, events, self):
+            self.opened = True  # kept for the first event that carries the answer
+            return
         now = self.last_event_at = time.monotonic()
         self.data_events += 1
         # Kept, not searched: the terminator is looked for once, at the end.
@@ -337,6 +347,41 @@ class Observer:
         if not self.ended:
             return "stream_broken"
         return "no_data" if self.first_data_at is None else "truncated"
+
+
+# Events that open an answer (or keep a connection busy) without carrying any of it: a
+# server sends them at once, before its queue or its prefill, so they are not progress.
+_OPENING = {
+    ANTHROPIC: frozenset({b"message_start", b"ping", b"content_block_start"}),
+    RESPONSES: frozenset(
+        {
+            b"response.created",
+            b"response.queued",
+            b"response.in_progress",
+            b"response.output_item.added",
+            b"response.content_part.added",
+        }
+    ),
+}
+_EVENT_NAME = re.compile(rb"(?:^|[\r\n])event:[ ]?([^\r\n]*)")
+
+
+def _no_progress(wire: str | None, events: bytes, observer: Observer) -> bool:
+    """True when every event in ``events`` only opens the answer (or is a ping).
+
+    Looked for until the first progress; after it, only a lone Anthropic ``ping``.
+    """
+    if observer.first_data_at is not None:
+        return (
+            wire == ANTHROPIC
+            and events.startswith(b"event: ping")
+            and (events.count(b"\n\n") + events.count(b"\r\n\r\n") == 1)
+        )
+    opening = _OPENING.get(wire or "")
+    if opening is None:
+        return False
+    names = _EVENT_NAME.findall(events)
+    return bool(names) and len(names) == len(data_values(events)) and set(names) <= opening
 
 
 _RESPONSES_ENDS = frozenset({"response.completed", "response.failed", "response.incomplete"})
