@@ -43,7 +43,6 @@ from urllib.parse import urlsplit
 from .backend import Backend, Routes
 from .errors import ConfigError
 from .masking import MASK, mask_text, mask_url
-from .wire import FORMATS
 
 if TYPE_CHECKING:
     from .stack import build_stack
@@ -961,6 +960,8 @@ def _backend(where: str, entry: Any, env: Mapping[str, str], problems: list[str]
 
 def _wire_format(where: str, value: Any, problems: list[str]) -> str | None:
     """A routes-file ``wire_format`` value, checked (None: a problem was noted)."""
+    from .wire import FORMATS  # (config's own imports stay backend, errors, masking)
+
     if isinstance(value, str) and value in FORMATS:
         return value
     problems.append(f"{where}={value!r}: expected one of {', '.join(FORMATS)}")
