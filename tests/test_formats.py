@@ -492,6 +492,8 @@ async def test_an_anthropic_529_overload_fails_over_to_hosted():
 def by_path(ex: Exchange) -> Script:
     path = ex.request.path
     if path.endswith("/messages"):
+        if not json.loads(ex.request.body).get("stream"):
+            return answers(200, anthropic_message("Hello"))
         return sends(anthropic_stream(PIECES))
     if path.endswith("/responses"):
         return sends(responses_stream(PIECES))
@@ -502,13 +504,25 @@ async def test_every_format_passes_clean_through_tierchain_serve_and_a_broken_on
     tmp_path: Path, monkeypatch
 ):
     monkeypatch.setenv("OPENAI_API_KEY", "dummy")
-    broken = {"on": False}
+    mode = {"now": "healthy"}
+    release = asyncio.Event()
 
     async def tower(ex: Exchange) -> None:
-        if broken["on"]:
+        now = mode["now"]
+        if now == "reset":
             await sends(anthropic_stream(PIECES), upto=4, then="reset")(ex)
-            return
-        await by_path(ex)(ex)
+        elif now == "cut":  # each format's stream, ended cleanly after its first text
+            path = ex.request.path
+            if path.endswith("/responses"):
+                await sends(responses_stream(PIECES), upto=5)(ex)
+            else:
+                await sends(ollama_chat_lines(PIECES)[:1], headers=NDJSON)(ex)
+        elif now == "held":
+            await ex.head()
+            await release.wait()
+            await ex.reset()
+        else:
+            await by_path(ex)(ex)
 
     async with FakeBackend("tower", tower) as t:
         routes = tmp_path / "routes.toml"
@@ -525,17 +539,45 @@ async def test_every_format_passes_clean_through_tierchain_serve_and_a_broken_on
             try:
                 client = clients.anthropic()
                 assert await anthropic_text(client) == "Hello"
-                async with clients.openai().responses.stream(model="echo", input="hi") as s:
+                async with client.messages.stream(
+                    model="echo", max_tokens=64, messages=MESSAGES
+                ) as stream:
+                    assert (await stream.get_final_message()).stop_reason == "end_turn"
+                message = await client.messages.create(
+                    model="echo", max_tokens=64, messages=MESSAGES
+                )
+                assert message.content[0].text == "Hello"  # type: ignore[union-attr]
+                oai = clients.openai()
+                events = await oai.responses.create(model="echo", input="hi", stream=True)
+                assert [e.type async for e in events][-1] == "response.completed"
+                async with oai.responses.stream(model="echo", input="hi") as s:
                     assert (await s.get_final_response()).output_text == "Hello"
                 assert await run_agent(url) == "Hello"
-                chat = await clients.ollama().chat(model="echo", messages=MESSAGES, stream=True)
+                local = clients.ollama()
+                chat = await local.chat(model="echo", messages=MESSAGES, stream=True)
                 parts = [p async for p in chat]
                 assert "".join(p.message.content or "" for p in parts) == "Hello"
                 async with httpx.AsyncClient(timeout=10) as raw:
                     metrics = (await raw.get(url + "/metrics")).text
-                broken["on"] = True
+
+                mode["now"] = "reset"
                 with pytest.raises(anthropic.APIStatusError, match="failed mid-stream"):
                     await anthropic_text(client)
+                mode["now"] = "cut"
+                with pytest.raises(openai.APIError, match="truncated"):
+                    async with oai.responses.stream(model="echo", input="hi") as s:
+                        await s.get_final_response()
+                with pytest.raises(ollama.ResponseError, match="truncated"):
+                    async for _ in await local.chat(model="echo", messages=MESSAGES, stream=True):
+                        pass
+                mode["now"] = "held"
+                held = await client.messages.create(
+                    model="echo", max_tokens=64, messages=MESSAGES, stream=True
+                )  # returns once serve's Heartbeats committed the stream on its own
+                release.set()
+                with pytest.raises(anthropic.APIStatusError, match="all 2 backends"):
+                    async for _ in held:
+                        pass
             finally:
                 await clients.aclose()
     attempts = [
@@ -544,7 +586,7 @@ async def test_every_format_passes_clean_through_tierchain_serve_and_a_broken_on
     assert attempts
     assert all('outcome="ok"' in line for line in attempts), attempts
     failed = [e["outcome"] for e in served.events() if e.get("event") == "dispatch.stream_failed"]
-    assert failed == ["stream_broken"]  # only the stream broken on purpose
+    assert failed == ["stream_broken", "truncated", "truncated"]  # only those broken on purpose
 
 
 # -- through the examples ---------------------------------------------------------------
@@ -649,13 +691,14 @@ async def test_a_breaker_alone_counts_five_healthy_anthropic_streams_as_successe
     assert (snapshot.state, snapshot.failures) == ("closed", 0)
 
 
-async def test_a_route_named_anthropic_in_code_is_judged_so_on_any_path():
+async def test_a_route_or_backend_named_anthropic_in_code_is_judged_so_on_any_path():
     events = anthropic_stream(PIECES)
     async with FakeBackend("tower", sends(events)) as t, FakeBackend("other", sends(events)) as o:
         routes = Routes(
             {
                 "claude": [Backend(name="tower", url=t.url)],
                 "plain": [Backend(name="other", url=o.url)],
+                "mine": [Backend(name="tower", url=t.url, wire_format="anthropic")],
             },
             wire_formats={"claude": "anthropic"},
         )
@@ -665,10 +708,12 @@ async def test_a_route_named_anthropic_in_code_is_judged_so_on_any_path():
             async with serve(app) as url, httpx.AsyncClient(timeout=10) as client:
                 named = await client.post(url + "/gateway/claude", json={"model": "claude"})
                 guessed = await client.post(url + "/gateway/claude", json={"model": "plain"})
+                backend = await client.post(url + "/gateway/claude", json={"model": "mine"})
         finally:
             await forwarder.aclose()
     assert named.content == b"".join(events)
     assert named.headers["x-tierchain-attempts"] == "tower;outcome=ok"
+    assert backend.content == b"".join(events)  # the backend's own wire_format, likewise
     # The same bytes on a route with no format named, on a path no format claims, are
     # judged by OpenAI's rules: no [DONE], so the stream is truncated.
     assert guessed.content.startswith(b"".join(events))
