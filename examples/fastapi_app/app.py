@@ -151,7 +151,7 @@ def create_app(
     store: MemoryStore | RedisStore | None = None,
     admin_token: str | None = None,
 ) -> FastAPI:
-    """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends.
+    """Build the gateway: ``/v1/*`` and ``/api/*`` POSTs go down each model's chain.
 
     The whole tierchain stack, in its fixed order. ``heartbeat_interval`` and
     ``commit_after`` are Heartbeats' options (docs/heartbeats.md), ``slow_after``
@@ -177,12 +177,14 @@ def create_app(
         app.mount("/admin/tierchain", Admin(routes=routes, store=store, token=admin_token))
 
     # The forwarding handler: every attempt goes to current_attempt(scope).backend.
+    # /v1: OpenAI chat and Responses, Anthropic Messages; /api: Ollama's native API.
     app.mount("/v1", forwarder)
+    app.mount("/api", forwarder)
 
     # Innermost first (FastAPI: the last one added is the outermost).
     app.add_middleware(SaturationWatchdog, slow_after=slow_after)
     app.add_middleware(Breaker, store=store)
-    app.add_middleware(Failover, routes=routes, paths=("/v1/",))
+    app.add_middleware(Failover, routes=routes, paths=("/v1/", "/api/"))
     app.add_middleware(StreamQuery)  # GET /v1/stream -> streaming POST, for EventSource
     app.add_middleware(PreferBackend, store=store)
     app.add_middleware(Budget, default=budget)

@@ -48,7 +48,7 @@ def create_app(
     budget: float | None = None,
     store: MemoryStore | RedisStore | None = None,
 ) -> Endpoints:
-    """Build the gateway: ``/v1/*`` POSTs go down each model's chain of backends.
+    """Build the gateway: ``/v1/*`` and ``/api/*`` POSTs go down each model's chain.
 
     The whole tierchain stack, in its fixed order (see the FastAPI example for
     the options). Litestar builds the middleware stack once per route handler,
@@ -63,14 +63,18 @@ def create_app(
     async def forward(scope: Scope, receive: Receive, send: Send) -> None:
         await forwarder(scope, receive, send)  # type: ignore[arg-type]
 
+    @asgi("/api", is_mount=True, copy_scope=True)  # Ollama's native API
+    async def forward_api(scope: Scope, receive: Receive, send: Send) -> None:
+        await forwarder(scope, receive, send)  # type: ignore[arg-type]
+
     app = Litestar(
-        route_handlers=[forward],
+        route_handlers=[forward, forward_api],
         # Outermost first.
         middleware=[
             DefineMiddleware(Heartbeats, interval=heartbeat_interval, commit_after=commit_after),
             DefineMiddleware(Budget, default=budget),
             DefineMiddleware(PreferBackend, store=store),
-            DefineMiddleware(Failover, routes=routes, paths=("/v1/",)),
+            DefineMiddleware(Failover, routes=routes, paths=("/v1/", "/api/")),
             DefineMiddleware(Breaker, store=store),
             DefineMiddleware(SaturationWatchdog, slow_after=slow_after, client=probe_client),
         ],

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from urllib.parse import urlsplit
 
 from .masking import MASK, SECRET_NAME, mask_text, mask_url
+from .wire import check_format
 
 __all__ = ["Backend", "Routes"]
 
@@ -55,6 +56,10 @@ class Backend:
     ``max_in_flight`` is how many attempts may be in flight at this backend at
     once, counted across replicas through the store (None: unlimited); one
     more is skipped at once as busy, unless the backend is the chain's last tier.
+    ``wire_format`` names the protocol this backend speaks (``"openai"``,
+    ``"responses"``, ``"anthropic"``, ``"ollama"``, ``"plain"``; see
+    :mod:`tierchain.wire`); None recognises it from the request's path.
+    ``stream_end`` applies to the ``openai`` and ``plain`` formats.
     """
 
     name: str
@@ -67,6 +72,7 @@ class Backend:
     stall_after: float | None = None
     forward_caller_auth: bool = False
     max_in_flight: int | None = None
+    wire_format: str | None = None
 
     def __repr__(self) -> str:
         shown = []
@@ -103,6 +109,7 @@ class Backend:
                 f"backend {self.name!r} stream_end must be a non-empty string or None, "
                 f"got {self.stream_end!r}"
             )
+        check_format(f"backend {self.name!r} wire_format", self.wire_format)
         limit = self.max_in_flight
         if limit is not None and (
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
@@ -130,12 +137,19 @@ class Routes(Mapping[str, tuple[Backend, ...]]):
 
     ``Routes({"echo": [Backend(...), Backend(...)]})``. An empty chain, a
     duplicate backend name within a chain, or a route name that is empty is a
-    ``ValueError`` naming the route.
+    ``ValueError`` naming the route. ``wire_formats`` maps a route to the wire
+    format its requests speak (see :mod:`tierchain.wire`), whatever their path;
+    a backend's own ``wire_format`` still wins for that backend.
     """
 
-    __slots__ = ("_routes",)
+    __slots__ = ("_formats", "_routes")
 
-    def __init__(self, routes: Mapping[str, Iterable[Backend]]) -> None:
+    def __init__(
+        self,
+        routes: Mapping[str, Iterable[Backend]],
+        *,
+        wire_formats: Mapping[str, str] | None = None,
+    ) -> None:
         built: dict[str, tuple[Backend, ...]] = {}
         for route, backends in routes.items():
             if not isinstance(route, str) or not route:
@@ -154,6 +168,12 @@ class Routes(Mapping[str, tuple[Backend, ...]]):
         if not built:
             raise ValueError("Routes needs at least one route")
         self._routes = built
+        formats: dict[str, str] = {}
+        for route, wire in (wire_formats or {}).items():
+            if route not in built:
+                raise ValueError(f"wire_formats names route {route!r}, which is not a route")
+            formats[route] = check_format(f"route {route!r} wire_format", wire) or ""
+        self._formats = {r: w for r, w in formats.items() if w}
 
     def __getitem__(self, route: str) -> tuple[Backend, ...]:
         return self._routes[route]
@@ -170,6 +190,10 @@ class Routes(Mapping[str, tuple[Backend, ...]]):
     def __repr__(self) -> str:
         inner = ", ".join(f"{r!r}: [{', '.join(b.name for b in c)}]" for r, c in self.items())
         return f"Routes({{{inner}}})"
+
+    def wire_format(self, route: str) -> str | None:
+        """The wire format set for ``route`` (None: recognised from each request's path)."""
+        return self._formats.get(route)
 
     def backend(self, route: str, name: str) -> Backend | None:
         """The backend called ``name`` in ``route``'s chain, or None."""

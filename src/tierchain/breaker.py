@@ -80,6 +80,7 @@ from .telemetry import (
     BREAKER_TRANSITIONS,
     log_event,
 )
+from .wire import recognise
 
 __all__ = ["Breaker"]
 
@@ -209,6 +210,8 @@ class Breaker:
             await self._answer_open(send, req, name, ticket)
             return
         guard = _Guard(self, route, name, ticket, req)
+        if guard.own:  # judged by the request's own wire format (a path check)
+            guard.observer.wire = recognise(scope.get("path", ""))
         try:
             await guard.run(scope, receive, send)
         except AttemptError as exc:

@@ -44,7 +44,7 @@ from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import BudgetExhausted
 from .observer import Observer, whole_events
 from .request import TRAIL_HEADER, TierRequest, format_trail
-from .sse import error_event, is_event_stream
+from .sse import is_event_stream
 from .telemetry import ATTR_OUTCOME, BUDGET_EXHAUSTED, log_event
 
 __all__ = ["Budget"]
@@ -252,19 +252,16 @@ class _Spend:
             )
             return
         observer = self._observer if self._observer is not None else req.observer
-        if observer is not None and observer.sse and not self.finished:
-            observer.drop_pending()  # a partial event never reaches the caller
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": error_event(
-                        f"the request's budget of {self.seconds:g}s was spent mid-stream",
-                        _REASON,
-                        _REASON,
-                    ),
-                    "more_body": False,
-                }
+        error = (
+            None
+            if observer is None or self.finished
+            else observer.error_bytes(
+                f"the request's budget of {self.seconds:g}s was spent mid-stream", _REASON, _REASON
             )
+        )  # in the request's wire format (an NDJSON line, an Anthropic error event, ...)
+        if observer is not None and error is not None:
+            observer.drop_pending()  # a partial event never reaches the caller
+            await send({"type": "http.response.body", "body": error, "more_body": False})
             return
         if not self.finished:
             raise BudgetExhausted(message)

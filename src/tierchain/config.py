@@ -939,6 +939,14 @@ def _toml_header_name(value: Any) -> str:
     return value
 
 
+def _toml_wire_format(value: Any) -> str:
+    from .wire import FORMATS  # (config's own imports stay backend, errors, masking)
+
+    if not isinstance(value, str) or value not in FORMATS:
+        raise ValueError
+    return value
+
+
 def _toml_prefix(value: Any) -> str:
     if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
         raise ValueError
@@ -971,6 +979,8 @@ BACKEND_KEYS: tuple[BackendKey, ...] = (
     BackendKey("stall_after", _toml_seconds(zero_ok=False), f"{_TOML_SECS}, > 0"),
     BackendKey("forward_caller_auth", _toml_bool, "true or false (no quotes)"),
     BackendKey("max_in_flight", _toml_count, "a whole number >= 1"),
+    BackendKey("wire_format", _toml_wire_format,
+               "one of openai, responses, anthropic, ollama, plain"),
     BackendKey("headers", lambda v: v, "a table of HTTP header names to strings", field=False),
     BackendKey("api_key_env", _toml_text, "the name of a variable", field=False),
     BackendKey("api_key_header", _toml_header_name,
@@ -981,7 +991,7 @@ BACKEND_KEYS: tuple[BackendKey, ...] = (
 # fmt: on
 
 _BACKEND_KEYS = {key.name: key for key in BACKEND_KEYS}
-ROUTE_TABLE_KEYS = ("backends",)
+ROUTE_TABLE_KEYS = ("backends", "wire_format")
 """The keys of a ``[routes.<name>]`` table."""
 _REQUIRED = ("name", "url")
 
@@ -1003,6 +1013,7 @@ def routes_from_toml(
     if not isinstance(table, Mapping) or not table:
         problems.append("routes: expected at least one [routes.<name>] table")
         table = {}
+    formats: dict[str, str] = {}
     for route, spec in table.items():
         where = f"routes.{route}"
         if not isinstance(spec, Mapping):
@@ -1012,6 +1023,14 @@ def routes_from_toml(
             if key not in ROUTE_TABLE_KEYS:
                 problems.append(
                     f"{where}.{key}: unknown key; expected one of {', '.join(ROUTE_TABLE_KEYS)}"
+                )
+        if "wire_format" in spec:
+            try:
+                formats[route] = _toml_wire_format(spec["wire_format"])
+            except ValueError:
+                problems.append(
+                    f"{where}.wire_format={spec['wire_format']!r}: expected "
+                    f"{_BACKEND_KEYS['wire_format'].expected}"
                 )
         backends = spec.get("backends")
         if not isinstance(backends, list) or not backends:
@@ -1038,7 +1057,7 @@ def routes_from_toml(
         prefix = f"{source}: " if source else ""
         raise ConfigError([prefix + p for p in problems])
     try:
-        return Routes(built)
+        return Routes(built, wire_formats=formats)
     except ValueError as exc:  # pragma: no cover - checked above
         raise ConfigError([f"{source or 'routes'}: {exc}"]) from None
 

@@ -13,12 +13,17 @@ receives whole events: an event is passed on once its blank line arrived.
 An attempt's ``http.response.start`` is held back until it is worth sending:
 
 - an event stream: until its first complete data event (comments before it
-  are held with it, up to 64 KiB);
+  are held with it, up to 64 KiB); an NDJSON stream (Ollama's): until its
+  first complete line;
 - any other answer: until it is complete (up to ``hold_limit`` bytes; a larger
   one streams on from there), so one cut short, stalled or reset fails over
   without the caller noticing;
-- a retryable status (429, 5xx): never; its ``Retry-After`` and message are
-  kept and the chain advances.
+- a retryable status (429, 5xx, Anthropic's 529): never; its ``Retry-After``
+  and message are kept and the chain advances;
+- a 400 that says the request does not fit the model's context window
+  (:func:`tierchain.wire.context_exceeded`), while a later tier exists: the
+  chain advances with outcome ``context_exceeded``, not a breaker failure.
+  Every other 400 passes straight through.
 
 Until then the attempt may still fail over: on an
 :class:`~tierchain.errors.AttemptError` (raised, or left in
@@ -26,8 +31,10 @@ Until then the attempt may still fail over: on an
 retryable status, or an event stream that ends with no data event
 (``no_data``). After the first byte has gone to the caller there is no
 failover: a later failure (``stream_broken``, ``truncated``, ``stalled``,
-``malformed_stream``) drops any partial event and ends an event stream with an
-OpenAI-style error event, and aborts any other body (the server then closes
+``malformed_stream``) drops any partial event and ends the stream with an error
+in the request's wire format (:func:`tierchain.wire.error_bytes`: an OpenAI
+error event, an Anthropic ``event: error``, a Responses ``error`` event, an
+NDJSON ``{"error": ...}`` line), and aborts any other body (the server then closes
 the connection, so the caller sees an incomplete response rather than a
 silently short one). Either way it counts against the backend.
 
@@ -71,7 +78,6 @@ from .errors import (
 )
 from .observer import Observer, nothing_sent
 from .request import TRAIL_HEADER, UNROUTED_KEY, Attempt, AttemptRecord, TierRequest, format_trail
-from .sse import error_event
 from .telemetry import (
     ATTEMPTS,
     ATTR_ATTEMPT_N,
@@ -87,10 +93,12 @@ from .telemetry import (
     start_span,
     tracing_enabled,
 )
+from .wire import context_exceeded, recognise
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "Failover", "ResolveError"]
 
-DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
+"""Statuses that advance the chain before commit (529: Anthropic's "overloaded")."""
 BACKEND_HEADER = b"x-tierchain-backend"
 _COMMENT_LIMIT = 64 * 1024  # comment bytes held before the first data event
 _REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its message
@@ -232,6 +240,7 @@ class Failover:
         req.route = route
         req.chain = chain
         req.in_chain = True
+        req.wire = self.routes.wire_format(route) or recognise(target.path)
 
         span = start_span("tierchain.request", {ATTR_ROUTE: route})
         guard = DisconnectGuard(receive)
@@ -442,7 +451,9 @@ class Failover:
         req.attempt = attempt
         req.attempt_error = None
         req.aborted = False
-        observer = req.observer = Observer(attempt.started, stream_end=backend.stream_end)
+        observer = req.observer = Observer(
+            attempt.started, stream_end=backend.stream_end, wire=backend.wire_format or req.wire
+        )
         req.emit("attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime)
         return _Responder(self, req, attempt, observer, send, guard, _attempt_span(attempt))
 
@@ -615,7 +626,7 @@ class _Responder:
             observer = self.observer
             chunk: bytes = message.get("body", b"")
             more = message.get("more_body", False)
-            if observer.sse:
+            if observer.sse or observer.ndjson:
                 try:
                     out = observer.body(chunk)
                 except StreamError as exc:
@@ -685,7 +696,7 @@ class _Responder:
         if self.committed:
             await self.send(message)  # a trailer-less body after commit: the usual path
             return
-        if observer.sse:
+        if observer.sse or observer.ndjson:
             try:
                 out = observer.body(chunk)
             except StreamError as exc:
@@ -694,7 +705,7 @@ class _Responder:
             if observer.first_data_at is None:
                 # Comments and pings before the first data event: held with it.
                 if out:
-                    if self._held_size + len(out) > _COMMENT_LIMIT:
+                    if self._held_size + len(out) > _COMMENT_LIMIT and not observer.opened:
                         self._held = None  # comments only, none of them progress
                         self._held_size = 0
                     self._hold(out)
@@ -748,16 +759,27 @@ class _Responder:
         if self.committed:
             if observer.ended and observer.complete:
                 return None
-            if observer.sse and observer.ended:
+            if observer.framed and observer.ended:
                 return StreamError("the stream ended without its terminator", reason="truncated")
             return BackendUnavailable("the response ended before it was whole", reason="truncated")
-        if observer.sse:
+        if observer.framed:
             if observer.first_data_at is None:
                 return StreamError("the event stream carried no data event", reason="no_data")
             return StreamError("the stream ended without its terminator", reason="truncated")
         if not observer.ended:
             return BackendUnavailable(
                 "the handler returned before the response was whole", reason="truncated"
+            )
+        if (
+            observer.status == 400
+            and not self.attempt.is_last
+            and self._held
+            and context_exceeded(b"".join(self._held))
+        ):
+            # The request does not fit this tier's context window: a later tier may
+            # have a larger one. Not the backend's failure (its breaker sees a 400).
+            return AttemptError(
+                "the request exceeds the backend's context window", reason="context_exceeded"
             )
         return None
 
@@ -806,7 +828,7 @@ class _Responder:
         elapsed = time.monotonic() - attempt.started
         labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(elapsed)
         headers: Headers = self.start["headers"]
-        if observer.sse or more_body:
+        if observer.sse or observer.ndjson or more_body:
             # The length may change (a partial event dropped, an error event added,
             # state lines put in front): let the server frame the body itself.
             headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
@@ -835,21 +857,16 @@ class _Responder:
             outcome=outcome,
             error=repr(exc),
         )
-        if not self.observer.sse:
-            raise exc  # not an event stream: let the server abort the connection
+        error = self.observer.error_bytes(
+            f"backend {attempt.backend.name!r} failed mid-stream ({outcome})",
+            "upstream_error",
+            outcome,
+        )
+        if error is None:
+            raise exc  # not a stream: let the server abort the connection
         self.observer.drop_pending()  # a partial event never reaches the caller
         self._guard.done = True
-        await self._send(
-            {
-                "type": "http.response.body",
-                "body": error_event(
-                    f"backend {attempt.backend.name!r} failed mid-stream ({outcome})",
-                    "upstream_error",
-                    outcome,
-                ),
-                "more_body": False,
-            }
-        )
+        await self._send({"type": "http.response.body", "body": error, "more_body": False})
 
 
 def _has_body(status: int | None) -> bool:

@@ -25,8 +25,17 @@ When the response commits (the commit rule)
     no-cache``, ``x-accel-buffering: no``. From then on the inner app's own
     ``http.response.start`` is swallowed when it is a 2xx (its headers, the
     ``x-tierchain-*`` trail among them, are lost), and any other answer (a 502
-    from Failover, a 504 from Budget, a 503 from Breaker) becomes one
-    ``data: {"error": {...}}`` event, after which the stream ends.
+    from Failover, a 504 from Budget, a 503 from Breaker) becomes one error
+    event in the request's wire format (:func:`tierchain.wire.error_bytes`:
+    ``data: {"error": {...}}`` for OpenAI chat, ``event: error`` for Anthropic
+    Messages and Responses), after which the stream ends.
+
+Wire formats without comments
+    A request whose wire format is Ollama's NDJSON (``/api/chat``,
+    ``/api/generate``, or a route or backend set to ``ollama``) gets no state
+    lines, no keepalives and no commit of our own: its response passes
+    through untouched, line by line, with its real status. See
+    docs/formats.md for what each format's caller is told while it waits.
 
 Framing and safety
     Comment lines go in only at event boundaries. Inside a Failover every
@@ -81,13 +90,9 @@ from ._loops import PerLoop
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .observer import Observer, nothing_sent, whole_events
 from .request import StateEvent, TierRequest
-from .sse import (
-    comment_line,
-    error_event,
-    error_json,
-    is_event_stream,
-)
+from .sse import comment_line, is_event_stream
 from .telemetry import STREAM_HEARTBEATS, labelled, log_event
+from .wire import ANTHROPIC, RESPONSES, SSE, allows_comments, error_bytes, recognise
 
 __all__ = ["TASK_NAME", "Heartbeats"]
 
@@ -139,25 +144,33 @@ def _check_seconds(name: str, value: float) -> float:
     return value
 
 
-def _late_answer_event(status: int, body: bytes) -> bytes:
-    """One SSE event standing for an answer that arrived after our own commit."""
+def _late_answer_event(status: int, body: bytes, wire: str) -> bytes:
+    """One SSE event standing for an answer that arrived after our own commit (an
+    error in the request's wire format)."""
     try:
         data: Any = json.loads(body) if body else None
     except (UnicodeDecodeError, ValueError):
         data = None
     if 200 <= status < 300 and isinstance(data, dict) and "error" not in data:
-        payload: Any = data  # a whole non-stream answer: one data event
-    elif isinstance(data, dict) and isinstance(data.get("error"), dict):
-        payload = {"error": data["error"]}
-    else:
-        message = f"the gateway answered {status}"
-        if isinstance(data, dict) and isinstance(data.get("error"), str):
-            message = data["error"]
-        elif data is None and body:
-            message += ": " + body[:500].decode("utf-8", "replace")
-        payload = error_json(message, "upstream_error", f"http_{status}")
-    text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, default=str)
-    return b"data: " + text.encode() + b"\n\n"
+        # A whole non-stream answer: one data event.
+        text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, default=str)
+        return b"data: " + text.encode() + b"\n\n"
+    message = f"the gateway answered {status}"
+    kind, code = "upstream_error", f"http_{status}"
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict) and wire not in (ANTHROPIC, RESPONSES):
+        # OpenAI's own shape: the error object as it came, every field kept.
+        text = json.dumps({"error": error}, separators=(",", ":"), ensure_ascii=False, default=str)
+        return b"data: " + text.encode() + b"\n\n"
+    if isinstance(error, dict):
+        message = str(error.get("message") or message)
+        kind = str(error.get("type") or kind)
+        code = str(error.get("code") or code)
+    elif isinstance(error, str):
+        message = error
+    elif data is None and body:
+        message += ": " + body[:500].decode("utf-8", "replace")
+    return error_bytes(wire, SSE, message, kind, code)
 
 
 class Heartbeats:
@@ -416,6 +429,7 @@ class _Stream:
         "live",
         "lock",
         "observer",
+        "path",
         "phase",
         "queue",
         "rearm_after",
@@ -436,6 +450,7 @@ class _Stream:
         self._receive = receive
         self._send = send
         self.req = TierRequest.of(scope)
+        self.path: str = scope.get("path", "")
         self.accept = accept
         self.phase = _WAITING
         # Made when the stream goes live (its first due time): until then no one
@@ -476,8 +491,18 @@ class _Stream:
 
     # -- the request ---------------------------------------------------------
 
+    def wire(self) -> str:
+        """The request's wire format: Failover's (from the route), else from the path."""
+        return self.req.wire or recognise(self.path)
+
     def streaming(self) -> bool | None:
-        """True/False once known; None while the body that says so is still arriving."""
+        """True/False once known; None while the body that says so is still arriving.
+
+        A request whose wire format has no comments (Ollama's NDJSON) is never
+        ours to commit or to put lines into: False.
+        """
+        if not allows_comments(self.wire()):
+            return False
         if self.accept:
             return True
         if self.req.streaming is not None:
@@ -716,7 +741,7 @@ class _Stream:
             chained.sse if chained is not None else is_event_stream(headers)
         )
         if sse and not self.req.in_chain and self.phase in (_WAITING, _OWN):
-            self.observer = Observer()  # alone: we pass on whole events ourselves
+            self.observer = Observer(wire=self.wire())  # alone: we pass on whole events
             self.observer.start(status, list(headers))
         if self.phase == _WAITING:
             if sse and self.streaming():
@@ -759,7 +784,7 @@ class _Stream:
                     self.late_size += len(chunk)
                 if not more:
                     body = b"".join(self.late_body or ())
-                    await self._finish_own(_late_answer_event(self.late_status, body))
+                    await self._finish_own(_late_answer_event(self.late_status, body, self.wire()))
                 return
             out = self._relayed(message)
             if out is not None:
@@ -960,7 +985,9 @@ class _Stream:
             if self.phase == _OWN and not self.gone:
                 log_event("stream.app_error", level=40, error=repr(exc))
                 await self._finish_own(
-                    error_event(
+                    error_bytes(
+                        self.wire(),
+                        SSE,
                         "the gateway failed while answering",
                         "internal_error",
                         "internal_error",
@@ -988,10 +1015,12 @@ class _Stream:
             if self.phase == _OWN and not self.gone:
                 if self.late_status is not None:
                     body = b"".join(self.late_body or ())
-                    await self._finish_own(_late_answer_event(self.late_status, body))
+                    await self._finish_own(_late_answer_event(self.late_status, body, self.wire()))
                 elif not self.inner_started:
                     await self._finish_own(
-                        error_event(
+                        error_bytes(
+                            self.wire(),
+                            SSE,
                             "the gateway ended without an answer",
                             "upstream_error",
                             "no_response",

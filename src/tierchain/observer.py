@@ -4,14 +4,20 @@ Exactly one ``send`` wrapper per attempt feeds an :class:`Observer`: Failover's,
 or, for a layer used without Failover, that layer's own. Every other layer reads
 the observer's facts instead of parsing the stream itself:
 
-- ``status``, ``headers`` and ``sse`` (the body is an event stream);
+- ``status``, ``headers``, ``sse`` (the body is an event stream) and ``ndjson``
+  (the body is newline-delimited JSON, as Ollama streams);
+- ``wire``: the request's wire format (:mod:`tierchain.wire`), which decides
+  what a complete stream is and how an error after commit is written;
 - ``first_data_at``: when the first *complete* event carrying ``data`` arrived
-  (for any other body, its first bytes). A partial line, a comment or the
-  headers are not progress;
+  (for NDJSON, the first complete line; for any other body, its first bytes).
+  A partial line, a comment or the headers are not progress;
 - ``last_event_at``: when the latest complete data event (or body bytes) arrived;
-- ``terminated``: the last data event was the stream's terminator (``data:
-  [DONE]`` for OpenAI shapes; a ``finish_reason`` in one of the last two data
-  events also completes one), judged once, at the end;
+- ``terminated``: the last data event was the stream's terminator, judged
+  once, at the end, by the wire format: ``data: [DONE]`` for OpenAI shapes (a
+  ``finish_reason`` in one of the last two data events also completes one);
+  ``event: message_stop`` for Anthropic; ``response.completed`` (or the
+  upstream's own ``response.failed`` / ``response.incomplete``) for Responses;
+  a line with ``"done": true`` for Ollama's NDJSON;
 - ``pending``: the bytes of an event not yet complete, which never reach the
   caller until its blank line arrives;
 - ``ended``: the final body message passed.
@@ -19,7 +25,7 @@ the observer's facts instead of parsing the stream itself:
 :meth:`Observer.body` returns the bytes that may go to the caller now: whole
 events only. An event that grows past ``max_event`` bytes without a boundary
 makes the stream malformed (:class:`~tierchain.errors.StreamError`,
-``malformed_stream``).
+``malformed_stream``). An NDJSON body is released in whole lines the same way.
 
 The one rule this needs from the host: nothing stacked between tierchain's
 layers may rewrite response bytes (compress, re-chunk into other events, add
@@ -28,12 +34,23 @@ lines). tierchain's layers only ever add whole lines at event boundaries.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Callable
 
 from ._types import Headers, Message
 from .errors import StreamError
-from .sse import data_values, has_data, has_finish_reason, is_event_stream, last_boundary
+from .sse import (
+    data_values,
+    has_data,
+    has_finish_reason,
+    is_event_stream,
+    is_ndjson,
+    last_boundary,
+    last_event,
+)
+from .wire import ANTHROPIC, NDJSON, OLLAMA, PLAIN, RESPONSES, SSE, error_bytes
 
 __all__ = ["MAX_EVENT", "OPENAI", "Observer", "nothing_sent", "whole_events"]
 
@@ -51,13 +68,16 @@ _now = time.monotonic
 class Observer:
     """Facts about one attempt's response, fed by the one ``send`` wrapper that owns it.
 
-    ``stream_end`` says when an event stream is complete: :data:`OPENAI`, another
-    string (a data event whose value is exactly that string), or None (any clean
-    end). See the module docstring for the facts it keeps.
+    ``wire`` is the request's wire format (None: OpenAI's rules). For the
+    ``openai`` and ``plain`` formats, ``stream_end`` says when an event stream is
+    complete: :data:`OPENAI`, another string (a data event whose value is exactly
+    that string), or None (any clean end; ``plain`` with the default). See the
+    module docstring for the facts it keeps.
     """
 
     __slots__ = (
         "_last",
+        "_opening",
         "_previous",
         "_searched",
         "_stream_end",
@@ -69,13 +89,16 @@ class Observer:
         "headers",
         "last_event_at",
         "max_event",
+        "ndjson",
         "on_first_data",
+        "opened",
         "pending",
         "pending_cr",
         "sse",
         "started",
         "status",
         "terminated",
+        "wire",
     )
 
     def __init__(
@@ -84,13 +107,22 @@ class Observer:
         *,
         stream_end: str | None = OPENAI,
         max_event: int = MAX_EVENT,
+        wire: str | None = None,
     ) -> None:
         self.started = time.monotonic() if started is None else started
+        if wire == PLAIN and stream_end == OPENAI:
+            stream_end = None  # plain: any clean end, unless a terminator was named
         self._stream_end = None if stream_end is None else stream_end.encode()
+        self.wire = wire
+        self._opening = wire in _OPENING  # opening events to tell from progress
         self.max_event = max_event
         self.status: int | None = None
         self.headers: Headers = []
         self.sse = False
+        self.ndjson = False
+        self.opened = False
+        """True once an event that opens the answer but is not progress passed (an
+        Anthropic ``message_start`` or ``ping``, a Responses ``response.created``)."""
         self.first_data_at: float | None = None
         self.last_event_at: float | None = None
         self.data_events = 0
@@ -111,6 +143,8 @@ class Observer:
         self.status = status
         self.headers = headers
         self.sse = is_event_stream(headers)
+        if not self.sse:
+            self.ndjson = is_ndjson(headers)
 
     def body(self, chunk: bytes) -> bytes:
         """Note a body chunk; return what may go to the caller now (whole events only).
@@ -133,6 +167,8 @@ class Observer:
                 self._first()
             return chunk
         if not self.sse:
+            if self.ndjson:
+                return self._lines(chunk)
             if chunk:
                 now = self.last_event_at = time.monotonic()
                 if self.first_data_at is None:
@@ -179,9 +215,53 @@ class Observer:
         self._note(events)
         return events
 
+    def _lines(self, chunk: bytes) -> bytes:
+        """NDJSON: release whole lines only; a complete line is progress."""
+        if not chunk:
+            return b""
+        at = chunk.rfind(b"\n")
+        if at < 0:
+            pending = self.pending = self.pending + chunk
+            if len(pending) > self.max_event:
+                raise StreamError(
+                    f"a line grew past {self.max_event} bytes without ending",
+                    reason="malformed_stream",
+                )
+            return b""
+        if self.pending:
+            lines = self.pending + chunk[: at + 1]
+        else:
+            lines = chunk if at == len(chunk) - 1 else chunk[: at + 1]
+        self.pending = chunk[at + 1 :]
+        if lines.strip():
+            now = self.last_event_at = time.monotonic()
+            self.data_events += 1
+            self._previous, self._last = self._last, lines
+            if self.first_data_at is None:
+                self.first_data_at = now
+                self._first()
+        return lines
+
+    @property
+    def framed(self) -> bool:
+        """True when the body is a stream of whole units (events or lines) judged at its end."""
+        return self.sse or self.ndjson
+
+    def error_bytes(self, message: str, type: str, code: str | None = None) -> bytes | None:
+        """An error to end this response with after commit, in its wire format's own
+        shape (None: the body is not a stream, so the connection must be aborted)."""
+        if self.sse:
+            return error_bytes(self.wire, SSE, message, type, code)
+        if self.ndjson:
+            return error_bytes(self.wire, NDJSON, message, type, code)
+        return None
+
     def _note(self, events: bytes) -> None:
         if not (events.startswith(b"data:") or has_data(events)):
             return  # comments, pings, other fields: not progress
+        if self._opening and _no_progress(self.wire, events, self):
+            self.opened = True  # kept for the first event that carries the answer
+            return
         now = self.last_event_at = time.monotonic()
         self.data_events += 1
         # Kept, not searched: the terminator is looked for once, at the end.
@@ -192,8 +272,18 @@ class Observer:
 
     def _terminate(self) -> None:
         """At the end: did the last data event carry the stream's terminator?"""
+        wire = self.wire
+        if self.data_events == 0:
+            return
+        if self.ndjson:
+            if wire == OLLAMA:
+                self.terminated = _done_line(self._last)
+            return
+        if wire in (ANTHROPIC, RESPONSES):
+            self.terminated = _format_end(wire, self._previous + self._last)
+            return
         end = self._stream_end
-        if end is None or self.data_events == 0:
+        if end is None:
             return
         last = self._last
         if end == b"openai" and (last == _DONE_EVENT or last.endswith(b"\n\n" + _DONE_EVENT)):
@@ -222,14 +312,22 @@ class Observer:
         """Note the final body message (and judge, once, whether the response is whole)."""
         if not self.ended:
             self.ended = True
-            if not self.sse:
+            if not self.sse and not self.ndjson:
                 self.complete = True
                 return
             self._terminate()
-            end = self._stream_end
-            self.complete = self.first_data_at is not None and (
-                end is None or self.terminated or (end == b"openai" and self.finish_seen)
-            )
+            if self.first_data_at is None:
+                return
+            wire = self.wire
+            if self.ndjson:
+                self.complete = self.terminated or wire != OLLAMA
+            elif wire in (ANTHROPIC, RESPONSES):
+                self.complete = self.terminated
+            else:
+                end = self._stream_end
+                self.complete = (
+                    end is None or self.terminated or (end == b"openai" and self.finish_seen)
+                )
 
     def drop_pending(self) -> bytes:
         """Forget the partial event held back (a failed attempt's); returns it."""
@@ -251,6 +349,71 @@ class Observer:
         return "no_data" if self.first_data_at is None else "truncated"
 
 
+# Events that open an answer (or keep a connection busy) without carrying any of it: a
+# server sends them at once, before its queue or its prefill, so they are not progress.
+_OPENING = {
+    ANTHROPIC: frozenset({b"message_start", b"ping", b"content_block_start"}),
+    RESPONSES: frozenset(
+        {
+            b"response.created",
+            b"response.queued",
+            b"response.in_progress",
+            b"response.output_item.added",
+            b"response.content_part.added",
+        }
+    ),
+}
+_EVENT_NAME = re.compile(rb"(?:^|[\r\n])event:[ ]?([^\r\n]*)")
+
+
+def _no_progress(wire: str | None, events: bytes, observer: Observer) -> bool:
+    """True when every event in ``events`` only opens the answer (or is a ping).
+
+    Looked for until the first progress; after it, only a lone Anthropic ``ping``.
+    """
+    if observer.first_data_at is not None:
+        return (
+            wire == ANTHROPIC
+            and events.startswith(b"event: ping")
+            and (events.count(b"\n\n") + events.count(b"\r\n\r\n") == 1)
+        )
+    opening = _OPENING.get(wire or "")
+    if opening is None:
+        return False
+    names = _EVENT_NAME.findall(events)
+    return bool(names) and len(names) == len(data_values(events)) and set(names) <= opening
+
+
+_RESPONSES_ENDS = frozenset({"response.completed", "response.failed", "response.incomplete"})
+
+
+def _format_end(wire: str, events: bytes) -> bool:
+    """Anthropic and Responses: does the last event (a ``[DONE]`` after it aside) end it?"""
+    name, data = last_event(events)
+    if wire == RESPONSES and data == b"[DONE]":
+        name, data = last_event(events, skip_last=True)
+    kind = name
+    if kind is None and data:
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            return False
+        kind = parsed.get("type") if isinstance(parsed, dict) else None
+    if wire == ANTHROPIC:
+        return kind == "message_stop"
+    return kind in _RESPONSES_ENDS
+
+
+def _done_line(lines: bytes) -> bool:
+    """Ollama: is the last line of ``lines`` an object with ``"done": true``?"""
+    last = lines.rstrip().rsplit(b"\n", 1)[-1]
+    try:
+        parsed = json.loads(last)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("done") is True
+
+
 def whole_events(observer: Observer, message: Message) -> Message | None:
     """For a layer used alone: the body message to pass on (whole events only), or None.
 
@@ -263,7 +426,7 @@ def whole_events(observer: Observer, message: Message) -> Message | None:
         out = observer.body(chunk)
     except StreamError:
         out = observer.drop_pending() + chunk
-        observer.sse = False  # stop splitting this stream
+        observer.sse = observer.ndjson = False  # stop splitting this stream
     if not more:
         observer.end()
         observer.drop_pending()

@@ -152,6 +152,7 @@ class TierRequest:
         "state",
         "streaming",
         "try_soonest",
+        "wire",
     )
 
     def __init__(self) -> None:
@@ -185,6 +186,9 @@ class TierRequest:
         """The backend an operator pin moved to the front, if any."""
         self.preference: Preference | None = None
         """What became of the caller's preference header, if it sent one."""
+        self.wire: str | None = None
+        """The request's wire format (:mod:`tierchain.wire`), set by Failover from the
+        route or the path; a backend's own ``wire_format`` wins for its attempts."""
 
     @classmethod
     def of(cls, scope: Scope) -> TierRequest:

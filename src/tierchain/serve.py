@@ -45,9 +45,11 @@ import uvicorn
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .config import ConfigError, Settings, config_warnings, from_env
-from .sse import error_event, is_event_stream
+from .request import TierRequest
+from .sse import is_event_stream, is_ndjson
 from .stack import build_stack
 from .telemetry import VERSION, log_event
+from .wire import NDJSON, SSE, error_bytes, recognise
 
 __all__ = ["Drain", "ServeOptions", "bind", "configure_logging", "run"]
 
@@ -139,13 +141,15 @@ class Drain:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = stream = ended = False
+        started = ended = False
+        stream = 0
 
         async def watched(message: Message) -> None:
             nonlocal started, stream, ended
             if message["type"] == "http.response.start":
                 started = True
-                stream = is_event_stream(message.get("headers", ()))
+                headers = message.get("headers", ())
+                stream = SSE if is_event_stream(headers) else NDJSON if is_ndjson(headers) else 0
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 ended = True
             await send(message)
@@ -163,7 +167,7 @@ class Drain:
                 logging.WARNING,
                 path=scope["path"][:200],
                 started=started,
-                stream=stream,
+                stream=bool(stream),
             )
             if ended:
                 return
@@ -176,8 +180,10 @@ class Drain:
                     "shutting_down",
                     headers=[(b"connection", b"close")],
                 )
-            elif stream:
-                body = error_event(_SHUTTING_DOWN, "server_error", "shutting_down")
+            elif stream:  # the error in the request's own wire format
+                req = TierRequest.find(scope)
+                wire = (req.wire if req is not None else None) or recognise(scope["path"])
+                body = error_bytes(wire, stream, _SHUTTING_DOWN, "server_error", "shutting_down")
                 await send({"type": "http.response.body", "body": body, "more_body": False})
             else:
                 raise

@@ -31,7 +31,9 @@ __all__ = [
     "has_data",
     "has_finish_reason",
     "is_event_stream",
+    "is_ndjson",
     "last_boundary",
+    "last_event",
 ]
 
 
@@ -40,6 +42,17 @@ def is_event_stream(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     for key, value in headers:
         if key.lower() == b"content-type":
             return value.split(b";", 1)[0].strip().lower() == b"text/event-stream"
+    return False
+
+
+_NDJSON_TYPES = frozenset({b"application/x-ndjson", b"application/ndjson", b"application/jsonl"})
+
+
+def is_ndjson(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """True when the response headers say newline-delimited JSON (``application/x-ndjson``)."""
+    for key, value in headers:
+        if key.lower() == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() in _NDJSON_TYPES
     return False
 
 
@@ -103,6 +116,32 @@ def data_values(events: bytes) -> list[bytes]:
             value = line[5:]
             lines.append(value[1:] if value.startswith(b" ") else value)
     return values
+
+
+def last_event(events: bytes, *, skip_last: bool = False) -> tuple[str | None, bytes]:
+    """The ``event`` name (None when it has none) and data of the last event in
+    ``events`` (whole events) that carries data; with ``skip_last``, of the one
+    before it. ``(None, b"")`` when there is none."""
+    found: list[tuple[str | None, bytes]] = []
+    name: str | None = None
+    lines: list[bytes] | None = None
+    for line in _EOL.split(events):
+        if not line:
+            if lines is not None:
+                found.append((name, b"\n".join(lines)))
+            name, lines = None, None
+        elif line.startswith(b"event:"):
+            value = line[6:]
+            name = (value[1:] if value.startswith(b" ") else value).decode("utf-8", "replace")
+        elif line == b"data" or line.startswith(b"data:"):
+            value = line[5:]
+            if lines is None:
+                lines = []
+            lines.append(value[1:] if value.startswith(b" ") else value)
+    want = 2 if skip_last else 1
+    if len(found) < want:
+        return None, b""
+    return found[-want]
 
 
 def has_finish_reason(events: bytes) -> bool:
