@@ -216,10 +216,6 @@ class SaturationWatchdog:
                 limits=Fullness(busy_waiting, float(busy_kv_cache), bool(busy_all_slots)),
             )
             shared_board(self.board)  # the Breaker reads it to recover by status
-            if self._client is None and self.ask_first > 0:
-                # Made now, not on the first request: building a client (its TLS
-                # context) takes longer than the whole ask_first bound.
-                _ = self.client
 
     @property
     def client(self) -> httpx.AsyncClient:
