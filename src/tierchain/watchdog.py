@@ -86,7 +86,7 @@ from .telemetry import (
     tracing_enabled,
 )
 
-__all__ = ["SaturationWatchdog", "SlowAfter"]
+__all__ = ["SaturationWatchdog", "SlowAfter", "window_warnings"]
 
 _EARLY = 1e-3  # a loop timer may fire a hair early; treat that as on time
 _RESERVE_SHARE = 0.5  # a reserve never takes more than this share of the whole budget
@@ -872,3 +872,45 @@ class _Watch:
             )
         else:
             raise BackendSaturated(message, waited=waited, why=reason)
+
+
+def window_warnings(
+    watchdog: SaturationWatchdog | None,
+    chains: Mapping[str, Any],
+    budget: float | None,
+) -> list[str]:
+    """What ``tierchain check-config`` warns about the first-chunk windows (issue 20).
+
+    ``chains`` maps each route to its chain; ``budget`` is the default budget
+    in seconds (None: none). A chain with a later tier and ``slow_after`` off
+    waits for a quiet first tier until the reserve ends it; a window longer
+    than the budget minus the reserve is always ended by the reserve instead.
+    """
+    later = sorted(route for route, chain in chains.items() if len(chain) > 1)
+    if not later:
+        return []
+    warnings: list[str] = []
+    if watchdog is None:
+        return [
+            "SaturationWatchdog is not in the stack: a quiet first tier on route(s) "
+            f"{', '.join(map(repr, later))} is waited on until the budget ends the request"
+        ]
+    if watchdog.off and watchdog.learned is None:
+        warnings.append(
+            f"slow_after is off (0) while route(s) {', '.join(map(repr, later))} have a later "
+            "tier: a quiet first tier is waited on until the reserve (or, without a budget, "
+            "the ceiling) ends it; set slow_after (TIERCHAIN_SLOW_AFTER=auto)"
+        )
+    if budget is not None:
+        reserve = min(watchdog.reserve, budget * _RESERVE_SHARE)
+        if watchdog.learned is not None:
+            window, what = watchdog.learned.maximum, "slow_after=auto's window until learned"
+        else:
+            window, what = watchdog.window(b""), "slow_after's smallest window"
+        if window > budget - reserve and not watchdog.off:
+            warnings.append(
+                f"{what} ({window:g}s) is longer than the budget minus the reserve "
+                f"({budget:g}s - {reserve:g}s): the reserve, not the window, ends a quiet "
+                "first tier's attempt"
+            )
+    return warnings
