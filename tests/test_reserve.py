@@ -462,3 +462,225 @@ async def test_a_glitch_after_the_terminator_is_a_whole_answer():
     snapshot = await gw.store.breaker_snapshot("echo", "tower")
     assert snapshot.state == "closed"
     assert snapshot.failures == 0
+
+
+# -- prevention from the first request (issue 20, item 7) ----------------------------
+
+
+def llamacpp_tower(metrics: Callable[[], bytes], chat: Callable[[Exchange], Any]):
+    """A one-slot llama-server: ``/metrics``, ``/props`` (``total_slots``: the field
+    ``get_props`` writes in tools/server/server-context.cpp) and chat."""
+
+    async def script(ex: Exchange) -> None:
+        if ex.request.path == "/metrics":
+            await ex.respond(200, metrics(), {"content-type": "text/plain; version=0.0.4"})
+        elif ex.request.path == "/props":
+            body = json.dumps({"default_generation_settings": {"n_ctx": 4096}, "total_slots": 1})
+            await ex.respond(200, body.encode())
+        else:
+            await chat(ex)
+
+    return script
+
+
+async def test_the_first_caller_after_a_quiet_spell_is_not_sent_to_a_full_one_slot_server():
+    # Another caller's generation holds the only slot: one processing, none deferred.
+    busy = lambda: llamacpp_metrics(1, 0, 500)  # noqa: E731
+    async with (
+        FakeBackend("tower", llamacpp_tower(busy, quiet)) as tower,
+        FakeBackend("hosted", hosted_script()) as h,
+    ):
+        gw = Gateway(
+            [
+                Backend("tower", tower.url, status_url=tower.url + "/metrics"),
+                Backend("hosted", h.url),
+            ],
+            budget=10.0,
+            slow_after=2.0,
+            status_interval=0.05,
+        )
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=10) as client:
+            response = await post(client, url, stream=True)
+        await gw.aclose()
+    assert response.content == HOSTED_STREAM
+    assert response.headers["x-tierchain-attempts"] == "tower;outcome=busy, hosted;outcome=ok"
+    assert [r.path for r in tower.requests if r.method == "POST"] == []  # never sent
+    assert gw.states("backend_busy") == [
+        {
+            "state": "backend_busy",
+            "backend": "tower",
+            "reason": "all slots busy",
+            "failing_over": True,
+        }
+    ]
+    assert (await gw.store.breaker_snapshot("echo", "tower")).saturations == 0
+
+
+async def test_a_slot_still_busy_with_our_cut_prefill_is_busy_not_a_saturation():
+    cut = asyncio.Event()
+
+    def metrics() -> bytes:  # idle until we cut our request; then its batch runs on
+        return llamacpp_metrics(1 if cut.is_set() else 0, 0, 500)
+
+    async def prefill_then_cut(ex: Exchange) -> None:
+        await ex.wait_closed_by_peer()
+        cut.set()
+
+    async with (
+        FakeBackend("tower", llamacpp_tower(metrics, prefill_then_cut)) as tower,
+        FakeBackend("hosted", hosted_script()) as h,
+    ):
+        gw = Gateway(
+            [
+                Backend("tower", tower.url, status_url=tower.url + "/metrics"),
+                Backend("hosted", h.url),
+            ],
+            budget=10.0,
+            slow_after=0.3,
+            status_interval=0.05,
+        )
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=10) as client:
+            first = await post(client, url, stream=True)
+            await asyncio.wait_for(cut.wait(), 5)
+            second = await post(client, url, stream=True)
+        await gw.aclose()
+    assert first.headers["x-tierchain-attempts"] == "tower;outcome=saturated, hosted;outcome=ok"
+    assert second.headers["x-tierchain-attempts"] == "tower;outcome=busy, hosted;outcome=ok"
+    busy = gw.states("backend_busy")
+    assert busy[0]["reason"] == "all slots busy, finishing a prompt batch of a request we cut"
+    snapshot = await gw.store.breaker_snapshot("echo", "tower")
+    assert snapshot.saturations == 1  # the busy slot after the cut counted nothing more
+
+
+# -- the pieces ------------------------------------------------------------------------
+
+
+def test_slots_report_our_prefilling_slots_prompt_progress():
+    from tierchain.probes import llamacpp_slots as read
+
+    status = read(llamacpp_slots(2048))
+    assert status is not None
+    assert status.prompt_done == 2048
+    assert status.prefilling == 1
+    generating = read(llamacpp_slots(2048, decoded=7))
+    assert generating is not None
+    assert generating.prompt_done is None  # generating: no prompt left to judge
+
+
+def test_llamacpp_metrics_report_requests_processing_and_props_the_slot_count():
+    from tierchain.probes import llamacpp_metrics as read
+    from tierchain.probes import total_slots
+
+    status = read(llamacpp_metrics(1, 0, 9))
+    assert status is not None
+    assert status.processing == 1
+    assert status.slots is None  # /metrics alone does not say how many slots there are
+    assert total_slots(b'{"total_slots": 1, "model_path": "m.gguf"}') == 1
+    assert total_slots(b'{"detail": "Not Found"}') is None
+
+
+def test_the_stall_window_is_learned_from_each_backends_gaps(metric):
+    from tierchain.learned import LearnedGap
+
+    gaps = LearnedGap(min_samples=3, floor=0.5, margin=10.0, maximum=120.0)
+    assert gaps.window("tower", None) == (120.0, False)  # the configured stall_after
+    for gap in (0.05, 0.06, 0.05):
+        gaps.observe("tower", None, gap)
+    window, learned = gaps.window("tower", None)
+    assert learned
+    assert 0.5 <= window < 1.0  # q99 (0.06 s, to within one bucket) x 10
+    gauge = metric("tierchain_learned_stall_after_seconds", backend="tower", bucket="1k")
+    assert gauge == window
+
+
+async def test_stall_after_auto_cuts_a_stream_at_its_learned_gap():
+    from tierchain.learned import LearnedGap
+
+    quick = openai_stream(["a", "b", "c", "d"])
+    gate = asyncio.Event()
+
+    async def tower_script(ex: Exchange) -> None:
+        if gate.is_set():  # learned: now it goes silent after its first event
+            await ex.head()
+            await ex.write(quick[0])
+            await ex.wait_closed_by_peer()
+            return
+        await streams(["a", "b", "c"])(ex)
+
+    async with FakeBackend("tower", tower_script) as tower, FakeBackend("h", hosted_script()) as h:
+        gw = Gateway(
+            [Backend("tower", tower.url), Backend("hosted", h.url)],
+            budget=30.0,
+            slow_after=5.0,
+            stall_after=LearnedGap(min_samples=3, floor=0.3),
+        )
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=20) as client:
+            for _ in range(3):
+                assert (await post(client, url, stream=True)).status_code == 200
+            gate.set()
+            stalled = await post(client, url, stream=True)
+        await gw.aclose()
+    error = json.loads(parse_sse(stalled.content)[-1]["data"])["error"]
+    assert error["code"] == "stalled"
+    assert gw.watchdog.learned_gap is not None
+    window, learned = gw.watchdog.learned_gap.window("tower", None)
+    assert learned
+    assert window == 0.3  # the floor: loopback gaps are far shorter
+    # Ended by the learned window, long before the configured 120 s or the budget.
+    assert gw.requests[-1].attempts[-1].elapsed < 15.0
+
+
+def test_check_config_warns_about_windows_and_the_reserve():
+    from tierchain.watchdog import window_warnings
+
+    chains = {"echo": ("tower", "hosted"), "solo": ("tower",)}
+    off = SaturationWatchdog(lambda *a: None, status_interval=0)  # type: ignore[arg-type]
+    (warning,) = window_warnings(off, chains, 170.0)
+    assert "slow_after is off (0) while route(s) 'echo' have a later tier" in warning
+    allowance = SaturationWatchdog(lambda *a: None, slow_after=Allowance(), status_interval=0)  # type: ignore[arg-type]
+    (warning,) = window_warnings(allowance, chains, 170.0)
+    assert warning.startswith(
+        "slow_after's smallest window (360s) is longer than the budget minus the reserve "
+        "(170s - 5s)"
+    )
+    fine = SaturationWatchdog(lambda *a: None, slow_after=45.0, status_interval=0)  # type: ignore[arg-type]
+    assert window_warnings(fine, chains, 170.0) == []
+    assert window_warnings(fine, {"solo": ("tower",)}, 10.0) == []  # no later tier
+    (missing,) = window_warnings(None, chains, None)
+    assert missing.startswith("SaturationWatchdog is not in the stack")
+
+
+def test_check_config_prints_the_warnings(tmp_path):
+    import io
+
+    from tierchain.__main__ import check_config
+
+    routes = tmp_path / "routes.toml"
+    routes.write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n\n'
+        '[[routes.echo.backends]]\nname = "hosted"\nurl = "https://api.example.com"\n'
+    )
+    env = {"TIERCHAIN_ROUTES_FILE": str(routes), "TIERCHAIN_SLOW_AFTER": "0"}
+    out = io.StringIO()
+    assert check_config(environ=env, out=out) == 0  # a warning is not a problem
+    assert "warning: slow_after is off (0) while route(s) 'echo' have a later tier" in (
+        out.getvalue()
+    )
+    out = io.StringIO()
+    assert check_config(as_json=True, environ=env, out=out) == 0
+    assert len(json.loads(out.getvalue())["warnings"]) == 1
+    out = io.StringIO()
+    assert check_config(environ={"TIERCHAIN_ROUTES_FILE": str(routes)}, out=out) == 0
+    assert "warning:" not in out.getvalue()  # serve's default, slow_after=auto, catches it
+
+
+def test_reserve_options_are_checked():
+    app: Any = lambda *a: None  # noqa: E731
+    with pytest.raises(ValueError, match="reserve must be seconds or 'auto'"):
+        SaturationWatchdog(app, reserve="most")
+    with pytest.raises(ValueError, match="stall_after must be seconds or 'auto'"):
+        SaturationWatchdog(app, stall_after="learned")
+    with pytest.raises(ValueError, match="normal_multiple"):
+        SaturationWatchdog(app, normal_multiple=0.5)
+    with pytest.raises(ValueError, match="reserve_floor"):
+        SaturationWatchdog(app, reserve_floor=-1)
