@@ -209,7 +209,7 @@ async def _no_app(scope: Any, receive: Any, send: Any) -> None:  # pragma: no co
 
 
 def _window_warnings(settings: Any) -> list[str]:
-    """check-config's warnings about the first-chunk windows and the reserve (issue 20)."""
+    """check-config's warnings about the first-chunk windows and the reserve."""
     from .watchdog import SaturationWatchdog, window_warnings
 
     if settings.routes is None or "Failover" not in settings.stack:

@@ -291,7 +291,7 @@ def slow_after_or_auto(raw: str) -> float | str:
 
 SERVE_DEFAULTS: dict[str, dict[str, Any]] = {"SaturationWatchdog": {"slow_after": _AUTO}}
 """Where ``tierchain serve`` differs from the classes' own defaults: a quiet first tier
-must be caught without any variable set (issue 20)."""
+must be caught without any variable set."""
 
 
 # -- the tables ---------------------------------------------------------------------

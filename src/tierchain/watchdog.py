@@ -879,7 +879,7 @@ def window_warnings(
     chains: Mapping[str, Any],
     budget: float | None,
 ) -> list[str]:
-    """What ``tierchain check-config`` warns about the first-chunk windows (issue 20).
+    """What ``tierchain check-config`` warns about the first-chunk windows.
 
     ``chains`` maps each route to its chain; ``budget`` is the default budget
     in seconds (None: none). A chain with a later tier and ``slow_after`` off
