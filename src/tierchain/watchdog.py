@@ -10,7 +10,8 @@ host handler, and bounds two waits, reading the attempt's
   anything else it is the first body bytes. A non-streaming completion sends
   nothing until it is complete, so there the window bounds the whole attempt,
   and ``slow_after`` must sit above the slowest legitimate completion on that
-  route.
+  route; inside a Failover such an answer is held until whole, so its first
+  bytes do not end the window.
 - the gap between data events once the stream has started, ``stall_after``
   (default 120 s; 0: off; a backend's own ``stall_after`` overrides it). A
   stream that is long is never cut; one that goes quiet for that long is
@@ -39,6 +40,14 @@ at ``busy_kv_cache``, every slot busy) the attempt is skipped before anything
 is sent, with :class:`~tierchain.errors.BackendBusy` and the reason. A stale,
 slow or failing status never blocks: unknown means try it. The last tier is
 never skipped.
+
+The reserve: while a later tier exists and nothing is committed, no wait
+before the first chunk (the window, every ``still_working`` extension, a held
+answer's wait) runs past ``deadline - reserve``; ending there is a saturation
+with reason ``reserve``. ``working`` is judged against the time left: a prompt
+whose observed progress cannot finish in time, or a wait past
+``normal_multiple`` times the learned normal, is ``too_slow``; no progress is
+judged over ``progress_span``, not between two close probes.
 
 The last tier (or a request with no Failover) is never cut by the window: it
 is recorded as slow and only the budget or the ceiling ends it. The ceiling
