@@ -684,3 +684,33 @@ def test_reserve_options_are_checked():
         SaturationWatchdog(app, normal_multiple=0.5)
     with pytest.raises(ValueError, match="reserve_floor"):
         SaturationWatchdog(app, reserve_floor=-1)
+
+
+async def test_a_middle_tier_with_no_time_before_the_reserve_is_passed_over_not_charged():
+    # Three tiers, a 2 s budget: the first keeps 1 s for the rest and is cut there; the
+    # second would start with nothing before its own reserve, so it is skipped as busy.
+    async with (
+        FakeBackend("tower", quiet) as tower,
+        FakeBackend("spare", quiet) as spare,
+        FakeBackend("hosted", hosted_script()) as h,
+    ):
+        gw = Gateway(
+            [Backend("tower", tower.url), Backend("spare", spare.url), Backend("hosted", h.url)],
+            budget=2.0,
+            slow_after=30.0,
+        )
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=10) as client:
+            response = await post(client, url, stream=True)
+        await gw.aclose()
+    assert response.content == HOSTED_STREAM
+    assert response.headers["x-tierchain-attempts"] == (
+        "tower;outcome=saturated, spare;outcome=busy, hosted;outcome=ok"
+    )
+    assert spare.requests == []
+    assert {
+        "state": "backend_busy",
+        "backend": "spare",
+        "reason": "reserve",
+        "failing_over": True,
+    } in gw.events
+    assert (await gw.store.breaker_snapshot("echo", "spare")).saturations == 0

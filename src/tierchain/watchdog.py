@@ -279,6 +279,11 @@ class SaturationWatchdog:
                 if room is not None:
                     await room
         watch = self._watch(req, attempt)
+        if watch is not None and watch.no_time():
+            name = attempt.backend.name if attempt is not None else ""
+            raise BackendBusy(
+                f"no time left for backend {name!r} before the reserve", why="reserve"
+            )
         # The attempt, in this frame (a waiting stream holds one frame of ours).
         try:
             if watch is None:
@@ -466,6 +471,11 @@ class _Watch:
             trace.get_current_span().set_attribute("tierchain.reserve_s", round(reserve, 3))
 
     # -- the attempt -------------------------------------------------------
+
+    def no_time(self) -> bool:
+        """True when the reserve's point has already passed: the attempt cannot start
+        (a later tier of a long chain after the earlier ones took their time)."""
+        return self._cut <= self.start
 
     def begin(self, send: Send) -> asyncio.Task[Any]:
         """Start timing the attempt; returns the task our timer may cancel."""
