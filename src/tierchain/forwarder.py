@@ -54,8 +54,9 @@ from .backend import Backend
 from .errors import BackendUnavailable, StreamError
 from .observer import Observer
 from .request import TierRequest
-from .sse import error_event, is_event_stream
+from .sse import is_event_stream
 from .telemetry import log_event, tracing_enabled
+from .wire import recognise
 
 __all__ = ["Forwarder"]
 
@@ -294,7 +295,7 @@ class Forwarder:
         try:
             headers = _response_headers(response)
             if not raise_errors and is_event_stream(headers):
-                observer = Observer()
+                observer = Observer(wire=recognise(scope.get("path", "")))
                 observer.start(response.status_code, headers)
             await send(
                 {"type": "http.response.start", "status": response.status_code, "headers": headers}
@@ -326,11 +327,12 @@ class Forwarder:
             await send(
                 {
                     "type": "http.response.body",
-                    "body": error_event(
+                    "body": observer.error_bytes(
                         f"backend {backend.name!r} failed mid-stream",
                         "upstream_error",
                         "stream_broken",
-                    ),
+                    )
+                    or b"",
                     "more_body": False,
                 }
             )
