@@ -663,8 +663,8 @@ def test_the_routes_file_takes_a_wire_format_per_backend_and_per_route():
     assert caught.value.problems == (
         "routes.echo.wire_format='grpc': expected one of openai, responses, anthropic, "
         "ollama, plain",
-        "routes.echo.backends[0].wire_format=3 (backend 't'): expected one of openai, responses, anthropic, "
-        "ollama, plain",
+        "routes.echo.backends[0].wire_format=3 (backend 't'): expected one of openai, responses, "
+        "anthropic, ollama, plain",
     )
 
 
