@@ -37,8 +37,12 @@ from tierchain.errors import BackendUnavailable
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any, *, lifespan: str = "off") -> AsyncIterator[str]:
-    """Run ``app`` on uvicorn on 127.0.0.1 (a free port); yield its base URL."""
+async def serve(app: Any, *, lifespan: str = "off", http: str = "h11") -> AsyncIterator[str]:
+    """Run ``app`` on uvicorn on 127.0.0.1 (a free port); yield its base URL.
+
+    ``http`` is uvicorn's HTTP protocol: ``h11`` unless a test asks for
+    ``httptools`` (uvicorn's ``auto`` picks httptools whenever it is installed).
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -46,6 +50,7 @@ async def serve(app: Any, *, lifespan: str = "off") -> AsyncIterator[str]:
     config = uvicorn.Config(
         app,
         lifespan=lifespan,
+        http=http,
         log_level="warning",
         timeout_graceful_shutdown=2,
         access_log=False,

@@ -392,6 +392,12 @@ LAYERS: tuple[Layer, ...] = (
         _o("hold_limit", "FAILOVER_HOLD_LIMIT", size, "a size in bytes such as 16MiB"),
         _o("lease", "FAILOVER_LEASE", seconds(zero_ok=False), _SECS_POS,
            help="How long an in-flight lease lives unless renewed (max_in_flight)."),
+        _o("max_headers", "FAILOVER_MAX_HEADERS", integer(1), _COUNT,
+           help="Header fields beyond which a request gets 431."),
+        _o("max_header_bytes", "FAILOVER_MAX_HEADER_BYTES", size, "a size in bytes such as 32k",
+           help="Header bytes beyond which a request gets 431."),
+        _o("body_timeout", "FAILOVER_BODY_TIMEOUT", seconds(zero_ok=False, optional=True),
+           f"{_SECS_POS}, or none", help="How long a request body may take to arrive (408)."),
     ), wired=frozenset({"routes", "store"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
@@ -442,6 +448,14 @@ LAYERS: tuple[Layer, ...] = (
     Layer("Forwarder", "tierchain.forwarder", "handler", (
         _o("connect_timeout", "FORWARDER_CONNECT_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
         _o("max_keepalive", "FORWARDER_MAX_KEEPALIVE", integer(0), "a whole number >= 0"),
+        _o("max_body", "FORWARDER_MAX_BODY", size, "a size in bytes such as 512k or 32MiB",
+           help="Alone (no Failover in the stack): the body size beyond which 413."),
+        _o("body_timeout", "FORWARDER_BODY_TIMEOUT", seconds(zero_ok=False, optional=True),
+           f"{_SECS_POS}, or none", help="Alone: how long a request body may take (408)."),
+        _o("max_headers", "FORWARDER_MAX_HEADERS", integer(1), _COUNT,
+           help="Alone: header fields beyond which 431."),
+        _o("max_header_bytes", "FORWARDER_MAX_HEADER_BYTES", size, "a size in bytes such as 32k",
+           help="Alone: header bytes beyond which 431."),
     ), code_only=frozenset({"backend", "client"}),
        help="The handler build_stack uses when it is given none."),
     Layer("Admin", "tierchain.admin", "app", (

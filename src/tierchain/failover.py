@@ -50,8 +50,10 @@ from typing import Any, NamedTuple
 
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 
-from ._body import CallerGone, read_body
+from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse
+from ._body import body_timeout as body_timeout_option
 from ._disconnect import DisconnectGuard
+from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._responses import error_detail, retry_after, send_json_error
 from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
@@ -63,7 +65,6 @@ from .errors import (
     BackendSaturated,
     BackendSkipped,
     BackendUnavailable,
-    BodyTooLarge,
     BudgetExhausted,
     ResolveError,
     RetryableStatus,
@@ -170,6 +171,12 @@ class Failover:
     path, a ``..`` segment, a backslash, a NUL, also percent-encoded) is answered
     400 before any routing, and ``paths`` is matched against the normalised path
     that the Forwarder sends upstream.
+
+    Before that, the caller's head: more than ``max_headers`` header fields or
+    ``max_header_bytes`` of them is answered 431, both ``Content-Length`` and
+    ``Transfer-Encoding`` 400 (see :mod:`tierchain._head`); and a routed
+    request's body must arrive whole within ``body_timeout`` seconds (408
+    otherwise; None: no deadline).
     """
 
     def __init__(
@@ -184,8 +191,13 @@ class Failover:
         hold_limit: int = 16 * 2**20,
         store: Any = None,
         lease: float = 30.0,
+        max_headers: int = DEFAULT_MAX_HEADERS,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
     ) -> None:
         self.app = app
+        self._head = HeadLimits(max_headers, max_header_bytes)
+        self.body_timeout = body_timeout_option(body_timeout)
         # Matched against the normalised raw path: routers (a Litestar mount) rewrite
         # scope["path"], and the Forwarder sends the same normalised path upstream.
         self.paths = tuple(p.encode() for p in paths)
@@ -206,6 +218,9 @@ class Failover:
             return await self.app(scope, receive, self._lifespan_send(send))
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        refused = self._head.problem(scope)
+        if refused is not None:
+            return await refuse_request(scope, send, *refused)
         try:
             target = request_target(scope)
         except BadTarget as exc:
@@ -214,14 +229,9 @@ class Failover:
             scope[UNROUTED_KEY] = True
             return await self.app(scope, receive, send)
         req = TierRequest.of(scope)
-        try:
-            body = await read_body(scope, receive, self.max_body)
-        except BodyTooLarge as exc:
-            return await send_json_error(
-                send, 413, str(exc), "request_too_large", "body_too_large", limit=exc.limit
-            )
-        except CallerGone:
-            return
+        body = await read_or_refuse(scope, receive, send, self.max_body, self.body_timeout)
+        if body is None:
+            return  # answered 413 or 408, or the caller left
         req.body = body
         route = self._route(scope, req, body)
         if isinstance(route, _Refusal):

@@ -278,6 +278,13 @@ TARGET_REJECTED = Counter(
     ["reason"],
 )
 
+REQUESTS_REFUSED = Counter(
+    "tierchain_requests_refused",
+    "Requests refused before any backend for what the caller sent (headers, framing, a slow "
+    "body, a missing key), by status and reason.",
+    ["status", "reason"],
+)
+
 
 def labelled(metric: Any, *values: str) -> Any:
     """``metric.labels(*values)``, memoised: the hot path pays a dict lookup, not a lock."""
