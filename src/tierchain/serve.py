@@ -281,6 +281,7 @@ def run(
         access_log=options.access_log,
         # Drain ends every request at the deadline; uvicorn's own cut is the backstop.
         timeout_graceful_shutdown=math.ceil(options.drain_timeout) + _BACKSTOP,
+        http=_http_protocol(),
     )
     server = _Server(config, drain=drain, drain_timeout=options.drain_timeout)
     try:
@@ -288,6 +289,15 @@ def run(
     except SystemExit as exc:  # uvicorn exits when it cannot bind, or the app fails to start
         return 1 if exc.code else 0
     return 0 if server.started else 1
+
+
+def _http_protocol() -> Any:
+    """httptools without trailer fields when it is installed (as uvicorn's ``auto``), else h11."""
+    try:
+        from .httptools_protocol import HttpToolsWithoutTrailers
+    except ImportError:
+        return "h11"
+    return HttpToolsWithoutTrailers
 
 
 def _print_problems(exc: ConfigError, err: TextIO) -> None:
