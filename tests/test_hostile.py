@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
+import os
+import subprocess
+import sys
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 
-from tierchain import Backend, Failover, Forwarder, Routes, Shed
+from tierchain import Backend, Failover, Forwarder, Heartbeats, Routes, Shed
 from tierchain.endpoints import Endpoints
 from tierchain.httptools_protocol import HttpToolsWithoutTrailers
+from tierchain.probes import auto_reader, fetch_status
 
 from .support import FakeBackend, chat_request, completion_body, serve
 
@@ -401,3 +408,107 @@ async def test_an_upstream_status_outside_100_to_599_is_a_502_json_error(alone: 
     assert answer.status == 502
     error = answer.json()["error"]
     assert "protocol_error" in json.dumps(error)
+
+
+# -- 6. the low findings ---------------------------------------------------------------------
+
+
+def _check_config(**env: str) -> subprocess.CompletedProcess[str]:
+    """``tierchain check-config`` as an operator runs it: a real process."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("TIERCHAIN_")}
+    environment.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "tierchain", "check-config"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "store_url",
+    ["redis//:s3cret-pw@127.0.0.1:6379/0", "redis:/user:s3cret-pw@127.0.0.1:6379/0"],
+)
+def test_check_config_masks_the_password_of_a_mistyped_scheme(store_url: str) -> None:
+    done = _check_config(TIERCHAIN_STORE_URL=store_url)
+    assert done.returncode == 2
+    printed = done.stdout + done.stderr
+    assert "TIERCHAIN_STORE_URL" in printed
+    assert "s3cret" not in printed
+    assert "***@127.0.0.1:6379/0" in printed
+
+
+def test_a_keepalive_interval_under_the_floor_is_refused_at_start_up(tmp_path: Any) -> None:
+    routes = tmp_path / "routes.toml"
+    routes.write_text('[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:9"\n')
+    done = _check_config(TIERCHAIN_HEARTBEAT_INTERVAL="1ms", TIERCHAIN_ROUTES_FILE=str(routes))
+    assert done.returncode == 2
+    assert "interval must be 0 (off) or >= 0.02s" in done.stdout + done.stderr
+    with pytest.raises(ValueError, match="interval must be 0"):
+        Heartbeats(Forwarder(), interval=0.001)
+    assert Heartbeats(Forwarder(), interval=0).interval == 0  # off stays allowed
+
+
+async def test_a_gzip_bomb_from_a_status_url_is_not_inflated() -> None:
+    """64 MiB of zeros, gzipped to ~64 KiB, as a status answer: read as unknown, and
+    the gateway never holds more than a small share of it."""
+    bomb = gzip.compress(b"\0" * 64 * 2**20, compresslevel=9)
+
+    async def status(ex: Any) -> None:
+        await ex.respond(200, bomb, {"content-encoding": "gzip"})
+
+    async with FakeBackend() as tower, httpx.AsyncClient() as client:
+        tower.script = status
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            found = await fetch_status(client, tower.url + "/slots", limit=10.0, reader=auto_reader)
+            peak = tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+    assert found is None
+    assert tower.requests[0].headers["accept-encoding"] == "identity"
+    assert peak < 8 * 2**20, f"{peak / 2**20:.1f} MiB"
+
+
+async def test_a_held_answer_costs_about_its_own_size() -> None:
+    """A 6 MiB non-stream answer held whole (hold_limit 8 MiB): the gateway's peak, traced,
+    as a ratio to the answer (it was 3-4x: chunks, their join, the server's copy)."""
+    size = 6 * 2**20
+    answer = b'{"x": "' + b"a" * (size - 9) + b'"}'
+
+    async def big(ex: Any) -> None:
+        await ex.head(200, sse=False)
+        view = memoryview(answer)
+        for i in range(0, len(answer), 65536):
+            await ex.write(bytes(view[i : i + 65536]))
+        await ex.end()
+
+    async with FakeBackend() as tower:
+        tower.script = big
+        forwarder = Forwarder()
+        app = Failover(
+            forwarder, routes=Routes({"echo": [Backend("tower", tower.url)]}), hold_limit=8 * 2**20
+        )
+        async with serve(app) as url:
+            host, port = url.removeprefix("http://").split(":")
+            raw = post(chat_request("echo", stream=False))
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(raw)
+                received = 0
+                while chunk := await asyncio.wait_for(reader.read(65536), 30):
+                    received += len(chunk)
+                    if received >= size:
+                        break
+                peak = tracemalloc.get_traced_memory()[1] - before
+            finally:
+                tracemalloc.stop()
+                writer.transport.abort()
+        await forwarder.aclose()
+    assert received >= size
+    assert peak / size < 1.6, f"peak {peak / size:.2f}x the answer"

@@ -724,7 +724,7 @@ class _Responder:
             return
         self._hold(chunk)
         if self._held_size > self._failover.hold_limit:
-            await self.commit(self.held_body(), more_body=True)  # too large to hold: stream on
+            await self.commit_held(more_body=True)  # too large to hold: stream on
 
     def _hold(self, chunk: bytes) -> None:
         if chunk:
@@ -778,7 +778,7 @@ class _Responder:
         failover, req, attempt = self._failover, self.req, self.attempt
         if error is None:
             if not self.committed:
-                await self.commit(self.held_body(), more_body=False)
+                await self.commit_held(more_body=False)
             failover._record(req, attempt, self.outcome)
             return True
         outcome = self.outcome = error.reason if isinstance(error, AttemptError) else "error"
@@ -807,8 +807,33 @@ class _Responder:
         lease, self.lease = self.lease, None
         return lease
 
-    async def commit(self, chunk: bytes, *, more_body: bool) -> None:
-        """Send the held start and ``chunk``: the point of no return."""
+    async def commit_held(self, *, more_body: bool) -> None:
+        """Commit what is held, in the pieces it came in: never joined, each let go once
+        sent, so a held answer costs about its own size (a join cost twice that, and the
+        server's copy of one large body a third time)."""
+        held, size = self._held, self._held_size
+        self._held = None
+        self._held_size = 0
+        if held is None or len(held) == 1:
+            return await self.commit(held[0] if held else b"", more_body=more_body)
+        last = len(held) - 1
+        await self.commit(held[0], more_body=True, length=None if more_body else size)
+        held[0] = b""
+        for i in range(1, last + 1):
+            chunk, held[i] = held[i], b""
+            if i == last and not more_body:
+                self._guard.done = True
+            message = {
+                "type": "http.response.body",
+                "body": chunk,
+                "more_body": more_body or i < last,
+            }
+            await self._send(message)
+
+    async def commit(self, chunk: bytes, *, more_body: bool, length: int | None = None) -> None:
+        """Send the held start and ``chunk``: the point of no return.
+
+        ``length``: the whole body's, when ``chunk`` is its first piece of several."""
         assert self.start is not None
         req, attempt, observer = self.req, self.attempt, self.observer
         self.committed = True
@@ -816,13 +841,15 @@ class _Responder:
         elapsed = time.monotonic() - attempt.started
         labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(elapsed)
         headers: Headers = self.start["headers"]
-        if observer.sse or more_body:
+        if observer.sse or (more_body and length is None):
             # The length may change (a partial event dropped, an error event added,
             # state lines put in front): let the server frame the body itself.
             headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
         elif _has_body(observer.status):
             headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
-            headers.append((b"content-length", str(len(chunk)).encode()))
+            headers.append(
+                (b"content-length", str(len(chunk) if length is None else length).encode())
+            )
         trail = format_trail(req.attempts, (attempt.backend.name, self.outcome))
         headers.append((TRAIL_HEADER, trail))
         headers.append((BACKEND_HEADER, attempt.backend.name.encode()))

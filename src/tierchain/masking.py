@@ -11,7 +11,9 @@ events, error bodies, ``repr()``) goes through :func:`mask_url`:
   unescaped ``#`` ends up there);
 - a URL that does not parse (a password with an unescaped ``/``, a port that is
   not a number, no host) is masked from its text, erring towards hiding too
-  much: everything before its last ``@`` becomes ``***``.
+  much: everything before its last ``@`` becomes ``***``. So is a URL whose
+  ``://`` is mistyped (``redis//:pw@host``, ``redis:/u:pw@host``) but that has
+  an ``@``.
 
 A message that may quote a URL (an exception's text) goes through
 :func:`mask_text`, which hides every secret :func:`url_secrets` finds in the
@@ -47,6 +49,8 @@ def _well_formed(url: str) -> bool:
         return False
     if "://" in url and not parts.hostname:
         return False
+    if "://" not in url and "@" in url:
+        return False  # a mistyped scheme (redis//:pw@host): no authority to tell it by
     # An "@" after the authority means a password with a "/", "?" or "#" in it.
     tail = url.partition("://")[2]
     authority_end = min((i for i in (tail.find(c) for c in "/?#") if i >= 0), default=len(tail))
