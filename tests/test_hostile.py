@@ -413,12 +413,12 @@ async def test_an_upstream_status_outside_100_to_599_is_a_502_json_error(alone: 
 # -- 6. the low findings ---------------------------------------------------------------------
 
 
-def _check_config(**env: str) -> subprocess.CompletedProcess[str]:
+def _check_config(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """``tierchain check-config`` as an operator runs it: a real process."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("TIERCHAIN_")}
     environment.update(env)
     return subprocess.run(
-        [sys.executable, "-m", "tierchain", "check-config"],
+        [sys.executable, "-m", "tierchain", "check-config", *args],
         env=environment,
         capture_output=True,
         text=True,

@@ -316,6 +316,12 @@ class Layer:
     help: str = ""
 
 
+def _api_keys(raw: str) -> Any:
+    from .keys import key_list  # the middleware's own parser (imported when used)
+
+    return key_list(raw)
+
+
 def _o(name: str, env: str, parse: Parser, expected: str, **kw: Any) -> Option:
     return Option(name, PREFIX + env, parse, expected, **kw)
 
@@ -369,6 +375,14 @@ LAYERS: tuple[Layer, ...] = (
         _o("retry_after", "SHED_RETRY_AFTER", seconds(), _SECS_NONNEG,
            help="The Retry-After a shed request is given."),
     )),
+    Layer("CallerKeys", "tierchain.keys", "middleware", (
+        _o("keys", "API_KEYS", _api_keys, "keys of 16 to 512 printable ASCII characters, "
+           "separated by commas", secret=True,
+           help="Caller keys: without one, 401 on the routed paths (see Caller keys)."),
+        _o("keys_file", "API_KEYS_FILE", text, "the path of a TOML file of [[keys]] tables",
+           help="Caller keys with what each may steer (see Caller keys)."),
+    ), wired=frozenset({"header"}),
+       help="In front of the routed stack when TIERCHAIN_API_KEYS or _FILE is set."),
     Layer("Heartbeats", "tierchain.heartbeats", "middleware", (
         _o("interval", "HEARTBEAT_INTERVAL", seconds(), f"{_SECS} (0: no keepalives)"),
         _o("commit_after", "HEARTBEAT_COMMIT_AFTER", seconds(), _SECS_NONNEG),
