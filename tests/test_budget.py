@@ -34,9 +34,11 @@ async def quiet(ex: Exchange) -> None:
 class Gateway:
     """Budget -> Failover -> SaturationWatchdog -> Forwarder."""
 
-    def __init__(self, chain: list[Backend], *, slow_after: float, **budget: Any) -> None:
+    def __init__(
+        self, chain: list[Backend], *, slow_after: float, reserve: Any = "auto", **budget: Any
+    ) -> None:
         self.forwarder = Forwarder()
-        self.watchdog = SaturationWatchdog(self.forwarder, slow_after=slow_after)
+        self.watchdog = SaturationWatchdog(self.forwarder, slow_after=slow_after, reserve=reserve)
         self.events: list[dict[str, Any]] = []
         inner = Budget(Failover(self.watchdog, routes=Routes({"echo": chain})), **budget)
 
@@ -63,7 +65,10 @@ async def test_a_spent_budget_answers_504_and_starts_no_new_attempt(metric):
     saturated = metric("tierchain_backend_saturated_total", route="echo", backend="tower")
     exhausted = metric("tierchain_budget_exhausted_total", route="echo")
     async with FakeBackend("tower", quiet) as tower, FakeBackend("hosted") as hosted:
-        gw = Gateway([Backend("tower", tower.url), Backend("hosted", hosted.url)], slow_after=0.4)
+        # No reserve kept for hosted (reserve=0): the budget ends the tower's attempt.
+        gw = Gateway(
+            [Backend("tower", tower.url), Backend("hosted", hosted.url)], slow_after=0.4, reserve=0
+        )
         async with serve(gw.app) as url:
             response, took = await post(url, chat_request(), headers={"x-request-timeout": "0.15"})
             await asyncio.wait_for(tower.connection_closed.wait(), 1)
@@ -99,11 +104,13 @@ async def test_a_slow_backend_with_budget_left_fails_over():
 
 
 async def test_a_window_that_would_outlast_the_budget_is_left_to_the_budget():
-    # slow_after equals the budget: the deadline wins, and it is not a saturation.
+    # slow_after equals the budget and no reserve is kept: the deadline wins, and it is
+    # not a saturation.
     async with FakeBackend("tower", quiet) as tower, FakeBackend("hosted") as hosted:
         gw = Gateway(
             [Backend("tower", tower.url), Backend("hosted", hosted.url)],
             slow_after=0.15,
+            reserve=0,
             default=0.15,
         )
         async with serve(gw.app) as url:
@@ -244,7 +251,7 @@ async def test_a_saturation_opens_the_breaker_but_a_spent_budget_does_not():
         FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
     ):
         forwarder = Forwarder()
-        watchdog = SaturationWatchdog(forwarder, slow_after=0.3)
+        watchdog = SaturationWatchdog(forwarder, slow_after=0.3, reserve=0)
         chain = [Backend("tower", tower.url), Backend("hosted", hosted.url)]
         app = Budget(
             Failover(Breaker(watchdog, saturation_threshold=1), routes=Routes({"echo": chain}))

@@ -154,7 +154,7 @@ async def test_every_slot_busy_is_full():
     assert gw.states("backend_busy")[0]["reason"] == "all slots busy"
 
 
-async def test_a_stale_slow_or_failing_status_never_blocks_a_backend():
+async def test_a_status_never_read_is_asked_first_and_a_stale_or_silent_one_never_blocks():
     tower = Tower(vllm(8, 6))
     async with (
         FakeBackend("tower", tower.script) as fake,
@@ -166,15 +166,15 @@ async def test_a_stale_slow_or_failing_status_never_blocks_a_backend():
         ]
         gw = Gateway(chain, status_stale=0.1)
         async with serve(gw.app) as url, httpx.AsyncClient(timeout=5) as client:
-            first = await post(client, url)  # no status yet: unknown, so try it
+            first = await post(client, url)  # no status yet: asked before sending (full)
             await tower.polled_with(vllm(8, 6))
             tower.hang_status = True  # from now on the status never answers
             await asyncio.sleep(0.15)  # the full status goes stale
-            later = await post(client, url)
+            later = await post(client, url)  # asked, no answer within ask_first: try it
         await gw.aclose()
-    assert first.content == TOWER
+    assert first.content == HOSTED
     assert later.content == TOWER
-    assert gw.states("backend_busy") == []
+    assert [e["reason"] for e in gw.states("backend_busy")] == ["6 waiting"]
 
 
 async def test_the_last_tier_is_never_skipped_for_a_full_status():

@@ -399,6 +399,7 @@ async def test_busy_without_progress_is_starved_not_working(metric):
                 Backend("hosted", hosted.url),
             ],
             slow_after=0.1,
+            progress_span=0.15,  # this fake's counters would move at every probe if alive
         )
         async with serve(gw.app) as url:
             response, took = await post(url, chat_request())

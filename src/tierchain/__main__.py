@@ -169,12 +169,14 @@ def check_config(
     from .identity import identity_fields
 
     fields = identity_fields(settings=settings)
+    warnings = _window_warnings(settings)
     if as_json:
         doc = {
             "ok": True,
             "stack": _stack_rows(settings),
             "routes": fields["routes"],
             "settings": fields["settings"],
+            "warnings": warnings,
         }
         print(json.dumps(doc, indent=2), file=out)
         return 0
@@ -197,7 +199,32 @@ def check_config(
         f"  {k}={_val(v)}" for k, v in fields["settings"]["options"].get("RedisStore", {}).items()
     )
     print(f"\nstore: {fields['settings']['store_url']}{store_opts}", file=out)
+    for warning in warnings:
+        print(f"warning: {warning}", file=out)
     return 0
+
+
+async def _no_app(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover
+    return None
+
+
+def _window_warnings(settings: Any) -> list[str]:
+    """check-config's warnings about the first-chunk windows and the reserve."""
+    from .watchdog import SaturationWatchdog, window_warnings
+
+    if settings.routes is None or "Failover" not in settings.stack:
+        return []
+    watchdog = None
+    if "SaturationWatchdog" in settings.stack:
+        kwargs = settings.middleware_kwargs("SaturationWatchdog")
+        kwargs["status_interval"] = 0  # only its windows are read: no status board
+        watchdog = SaturationWatchdog(_no_app, **kwargs)
+    budget = None
+    if "Budget" in settings.stack:
+        layer = settings.layers["Budget"]
+        budget = layer.options.get("default", layer.defaults.get("default"))
+    chains = {route: settings.routes[route] for route in settings.routes}
+    return window_warnings(watchdog, chains, budget)
 
 
 def _stack_rows(settings: Any) -> list[dict[str, Any]]:

@@ -426,15 +426,30 @@ class _Guard:
             await recording
 
     async def failed(self, exc: BaseException) -> None:
-        """The attempt raised (or was cancelled): record why, once."""
+        """The attempt raised (or was cancelled): record why, once.
+
+        A stream that reached its terminator is a success whatever broke after
+        it; one the budget ended while it was stalled (the watchdog left
+        ``stalled`` as the attempt's error) is a failure.
+        """
         req = self.req
-        cause = req.attempt_error if req is not None and req.aborted else None
+        if self.observer.reached_end():
+            await self.breaker.record(self.route, self.name, self.ticket, "success", None)
+            return
+        cause = (
+            req.attempt_error
+            if req is not None and (req.aborted or req.cancel_reason is not None)
+            else None
+        )
         await self.breaker.record(self.route, self.name, self.ticket, *_classify(cause or exc))
 
     def settle(self) -> Awaitable[None] | None:
         """The attempt returned: record what its response showed, once (the
         recording to await, or None when there is nothing to record)."""
         left = self.req.attempt_error if self.req is not None else None
+        if left is not None and self.observer.reached_end():
+            left = None  # the terminator arrived: a transport glitch after it is no failure
+            self.observer.end()
         outcome, retry_after = _classify(left) if left is not None else _judge(self.observer)
         if _nothing_to_record(self.ticket, outcome):
             return None

@@ -211,6 +211,7 @@ class _Spend:
             deadline, fixed = req.deadline, False
             delay = max(0.0, deadline - time.monotonic())
         req.deadline = deadline
+        req.budget = delay if req.budget is None else min(req.budget, delay)
         self._task = task
         return _deadlines.schedule(delay, self._fire, fixed=fixed)
 

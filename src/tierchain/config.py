@@ -281,6 +281,19 @@ def slow_after(raw: str) -> float | str:
     return value
 
 
+def slow_after_or_auto(raw: str) -> float | str:
+    """Seconds, or the word ``auto``."""
+    if raw.strip().lower() == _AUTO:
+        return _AUTO
+    value: float = seconds(zero_ok=True)(raw)
+    return value
+
+
+SERVE_DEFAULTS: dict[str, dict[str, Any]] = {"SaturationWatchdog": {"slow_after": _AUTO}}
+"""Where ``tierchain serve`` differs from the classes' own defaults: a quiet first tier
+must be caught without any variable set."""
+
+
 # -- the tables ---------------------------------------------------------------------
 
 Kind = Literal["middleware", "handler", "app", "component", "general"]
@@ -432,7 +445,16 @@ LAYERS: tuple[Layer, ...] = (
            f"{_SECS} (0: off), or the word allowance, or the word auto"),
         _o("ceiling", "WATCHDOG_CEILING", seconds(zero_ok=False), _SECS_POS),
         _o("probe_timeout", "WATCHDOG_PROBE_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
-        _o("stall_after", "WATCHDOG_STALL_AFTER", seconds(), f"{_SECS} (0: off)"),
+        _o("stall_after", "WATCHDOG_STALL_AFTER", slow_after_or_auto, f"{_SECS} (0: off), or auto"),
+        _o("reserve", "WATCHDOG_RESERVE", slow_after_or_auto, f"{_SECS}, or auto",
+           help="Time kept for the later tiers while nothing is committed."),
+        _o("reserve_floor", "WATCHDOG_RESERVE_FLOOR", seconds(), _SECS_NONNEG),
+        _o("progress_span", "WATCHDOG_PROGRESS_SPAN", seconds(), _SECS_NONNEG,
+           help="How long progress may not move before a status says no progress."),
+        _o("normal_multiple", "WATCHDOG_NORMAL_MULTIPLE", number_above_zero, "a number >= 1",
+           help="A working answer extends no further than this times the learned normal."),
+        _o("ask_first", "WATCHDOG_ASK_FIRST", seconds(), f"{_SECS} (0: off)",
+           help="Bound on asking a stale status before an attempt is sent."),
         _o("status_interval", "WATCHDOG_STATUS_INTERVAL", seconds(), f"{_SECS} (0: off)",
            help="How often a status URL is polled while traffic flows."),
         _o("status_stale", "WATCHDOG_STATUS_STALE", seconds(zero_ok=False), _SECS_POS,
@@ -735,6 +757,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
             continue
         parsed[layer.name][opt.name] = value
         sources[layer.name][opt.name] = key
+    for name, values in SERVE_DEFAULTS.items():
+        for option, value in values.items():
+            parsed[name].setdefault(option, value)
 
     general = parsed["tierchain"]
     explicit_stack: tuple[str, ...] | None = general.get("stack")

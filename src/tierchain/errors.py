@@ -97,13 +97,20 @@ class BackendBusy(AttemptError):
 
 
 class BackendSaturated(AttemptError):
-    """The backend accepted the request but produced no first chunk in time."""
+    """The backend accepted the request but produced no first chunk in time.
+
+    ``why`` is the watchdog's word for it (``no_first_chunk``, ``reserve``,
+    ``too_slow``, ``no_progress``, ``queued``, ``incomplete``, ``ceiling``...).
+    """
 
     reason = "saturated"
 
-    def __init__(self, message: str = "", *, waited: float | None = None) -> None:
+    def __init__(
+        self, message: str = "", *, waited: float | None = None, why: str | None = None
+    ) -> None:
         super().__init__(message)
         self.waited = waited
+        self.why = why
 
 
 class BackendUnavailable(AttemptError):

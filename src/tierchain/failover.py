@@ -96,6 +96,9 @@ BACKEND_HEADER = b"x-tierchain-backend"
 _COMMENT_LIMIT = 64 * 1024  # comment bytes held before the first data event
 _REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its message
 _REFUSED = frozenset({429, 503})
+# Saturations whose reason the backend_saturated state line carries (the words this
+# layer's callers may not know from the plain stopwatch).
+_SHOWN_WHY = frozenset({"reserve", "too_slow", "incomplete"})
 
 
 Resolver = Callable[[Scope, bytes], str]
@@ -497,7 +500,12 @@ class Failover:
                 failing_over=failing_over,
             )
         elif isinstance(exc, BackendSaturated):
-            req.emit("backend_saturated", backend=backend, failing_over=failing_over)
+            if exc.why in _SHOWN_WHY:
+                req.emit(
+                    "backend_saturated", backend=backend, reason=exc.why, failing_over=failing_over
+                )
+            else:
+                req.emit("backend_saturated", backend=backend, failing_over=failing_over)
         else:
             req.emit("backend_failed", backend=backend, reason=outcome, failing_over=failing_over)
         log_event(
@@ -779,6 +787,14 @@ class _Responder:
         if error is None:
             if not self.committed:
                 await self.commit_held(more_body=False)
+            failover._record(req, attempt, self.outcome)
+            return True
+        if self.committed and self.observer.reached_end():
+            # Every event and the terminator reached the caller; only the transport
+            # broke after: a whole answer, ended cleanly.
+            self.observer.end()
+            self._guard.done = True
+            await self._send({"type": "http.response.body", "body": b"", "more_body": False})
             failover._record(req, attempt, self.outcome)
             return True
         outcome = self.outcome = error.reason if isinstance(error, AttemptError) else "error"

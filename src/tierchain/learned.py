@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from .sketch import LogSketch
-from .telemetry import LEARNED_SLOW_AFTER, labelled, log_event
+from .telemetry import LEARNED_SLOW_AFTER, LEARNED_STALL_AFTER, labelled, log_event
 
-__all__ = ["BUCKETS", "Learned", "bucket_of"]
+__all__ = ["BUCKETS", "Learned", "LearnedGap", "bucket_of"]
 
 BUCKETS = ("1k", "4k", "16k", "64k", "more")
 _LIMITS = (1_000, 4_000, 16_000, 64_000)
@@ -71,6 +72,7 @@ class Learned:
     _normals: dict[tuple[str, str], _Normal] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _gauge: ClassVar[Any] = LEARNED_SLOW_AFTER
 
     def __post_init__(self) -> None:
         for name in ("maximum", "floor", "margin", "half_life"):
@@ -105,8 +107,15 @@ class Learned:
         if q is None:  # pragma: no cover - count > 0 means a sample
             return self.maximum, False
         value = min(self.maximum, max(self.floor, q * self.margin))
-        labelled(LEARNED_SLOW_AFTER, backend, bucket).set(value)
+        labelled(self._gauge, backend, bucket).set(value)
         return value, True
+
+    def normal(self, backend: str, body: bytes | None) -> float | None:
+        """The learned normal itself (the ``quantile``, no margin), or None until learned."""
+        normal = self._normals.get((backend, bucket_of(body)))
+        if normal is None or normal.sketch.count < self.min_samples:
+            return None
+        return normal.sketch.quantile(self.quantile)
 
     def observe(self, backend: str, body: bytes | None, first_data_s: float) -> None:
         """One successful attempt's time to its first data event."""
@@ -124,5 +133,25 @@ class Learned:
         if normal.saturated >= _FORGET_AFTER:
             normal.sketch.reset()
             normal.saturated = 0
-            labelled(LEARNED_SLOW_AFTER, backend, bucket).set(self.maximum)
+            labelled(self._gauge, backend, bucket).set(self.maximum)
             log_event("watchdog.normal_forgotten", backend=backend, bucket=bucket)
+
+
+@dataclass
+class LearnedGap(Learned):
+    """Learn each backend's normal gap between data events; ``stall_after="auto"``.
+
+    One sample per whole stream: its mean gap between data events (the gateway
+    does no per-event work to learn it). The stall window is the ``quantile``
+    of those gaps times ``margin``, between ``floor`` and ``maximum`` (the
+    configured ``stall_after``, used until ``min_samples`` streams were seen).
+    Exported as ``tierchain_learned_stall_after_seconds``. Not bucketed by
+    prompt size: pass ``None`` as the body.
+    """
+
+    maximum: float = 120.0
+    floor: float = 5.0
+    quantile: float = 0.99
+    margin: float = 10.0
+    min_samples: int = 20
+    _gauge: ClassVar[Any] = LEARNED_STALL_AFTER

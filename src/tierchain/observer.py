@@ -231,6 +231,19 @@ class Observer:
                 end is None or self.terminated or (end == b"openai" and self.finish_seen)
             )
 
+    def reached_end(self) -> bool:
+        """True when an event stream's last data event so far is its terminator
+        (``data: [DONE]``, or the configured ``stream_end``) with nothing after it:
+        the answer is whole, whatever then happens to the transport."""
+        if not self.sse or self.pending or self._stream_end is None or self.data_events == 0:
+            return False
+        if self.ended:
+            return self.terminated
+        self._terminate()
+        whole = self.terminated
+        self.terminated = self.finish_seen = False  # judged again, once, at the end
+        return whole
+
     def drop_pending(self) -> bytes:
         """Forget the partial event held back (a failed attempt's); returns it."""
         pending, self.pending = self.pending, b""

@@ -19,6 +19,9 @@ verdicts:
                 (or every slot is busy generating for others): the progress
                 it reports is someone else's, so ours is saturated
 ``unknown``     any error, timeout, non-200 answer or body no reader knows
+``too_slow``    moving, but far too slowly to produce a first token in the
+                time left (a starved GPU): given by the SaturationWatchdog,
+                which knows the time left, never by :func:`judge`
 =============== ===========================================================
 
 ``unknown`` is never treated as working: the caller falls back to the plain
@@ -84,10 +87,11 @@ __all__ = [
     "llamacpp_metrics",
     "llamacpp_slots",
     "parse_prometheus",
+    "total_slots",
     "vllm_metrics",
 ]
 
-Verdict = Literal["working", "idle", "unknown", "no_progress", "queued"]
+Verdict = Literal["working", "idle", "unknown", "no_progress", "queued", "too_slow"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +116,13 @@ class Status:
     """How many of them are busy."""
     prefilling: int | None = None
     """Busy slots still processing a prompt: one of them may be a request of ours."""
+    prompt_done: int | None = None
+    """Prompt tokens processed so far by the one slot still processing a prompt
+    (llama.cpp ``/slots`` ``n_prompt_tokens_processed``; None when the format does
+    not say, or when no slot or several are prefilling)."""
+    processing: int | None = None
+    """Requests being processed now (llama.cpp ``requests_processing``): with a known
+    slot count (``/props`` ``total_slots``) it says whether every slot is taken."""
 
     @property
     def queued(self) -> bool:
@@ -221,6 +232,10 @@ def llamacpp_slots(body: bytes) -> Status | None:
             sorted((str(i), d or 0, p) for (i, d), p in zip(busy_slots, prefill, strict=True))
         )
     prefilling = sum(1 for _, d in busy_slots if not d)
+    prompt_done = None
+    prefill_counts = [p for (_, d), p in zip(busy_slots, prefill, strict=True) if not d]
+    if len(prefill_counts) == 1:
+        prompt_done = prefill_counts[0]
     detail = f"{len(busy_slots)}/{len(data)} busy"
     if busy_slots and prefilling == 0 and len(busy_slots) == len(data):
         detail += ", all generating"
@@ -231,6 +246,7 @@ def llamacpp_slots(body: bytes) -> Status | None:
         slots=len(data),
         slots_busy=len(busy_slots),
         prefilling=prefilling,
+        prompt_done=prompt_done,
     )
 
 
@@ -298,6 +314,7 @@ def _metrics_status(
     progress_names: Iterable[str],
     waiting_name: str,
     kv_names: Iterable[str],
+    processing_name: str | None = None,
 ) -> Status | None:
     text = _text(body)
     if text is None:
@@ -312,7 +329,17 @@ def _metrics_status(
     waiting = int(values[waiting_name]) if waiting_name in values else None
     kv = next((values[name] for name in kv_names if name in values), None)
     detail = f"{active - waiting:g} running, {waiting} waiting" if waiting else f"{active:g} active"
-    return Status(busy=active > 0, progress=progress, detail=detail, waiting=waiting, kv_cache=kv)
+    processing = None
+    if processing_name is not None and processing_name in values:
+        processing = int(values[processing_name])
+    return Status(
+        busy=active > 0,
+        progress=progress,
+        detail=detail,
+        waiting=waiting,
+        kv_cache=kv,
+        processing=processing,
+    )
 
 
 def vllm_metrics(body: bytes) -> Status | None:
@@ -332,7 +359,11 @@ def vllm_metrics(body: bytes) -> Status | None:
 
 
 def llamacpp_metrics(body: bytes) -> Status | None:
-    """Read llama.cpp server's Prometheus ``GET /metrics``."""
+    """Read llama.cpp server's Prometheus ``GET /metrics``.
+
+    ``processing`` is ``llamacpp:requests_processing``: a server with that many
+    slots (``/props`` ``total_slots``, read by the status board) is full.
+    """
     return _metrics_status(
         body,
         ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
@@ -343,7 +374,21 @@ def llamacpp_metrics(body: bytes) -> Status | None:
         ),
         "llamacpp:requests_deferred",
         ("llamacpp:kv_cache_usage_ratio",),
+        processing_name="llamacpp:requests_processing",
     )
+
+
+def total_slots(body: bytes) -> int | None:
+    """A server's slot count from llama.cpp's ``GET /props`` (``total_slots``), else None.
+
+    The field is ``params.n_parallel`` in ``tools/server/server-context.cpp``
+    (``get_props``); older builds have the same key in ``server.cpp``.
+    """
+    data = _json(body)
+    if not isinstance(data, dict):
+        return None
+    count = _count(data.get("total_slots"))
+    return count if count else None
 
 
 _BUILT_IN: tuple[Reader, ...] = (gate_status, llamacpp_slots, vllm_metrics, llamacpp_metrics)

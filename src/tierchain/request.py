@@ -67,6 +67,9 @@ class Attempt:
     ``deadline`` is the monotonic time by which this attempt must end because
     the request's budget ends then (None: no budget). ``force`` asks an open
     breaker to let this attempt through anyway (the "try the soonest" policy).
+    ``reserve`` is the time this attempt leaves for the later tiers (set by the
+    SaturationWatchdog: 0 for the last tier or without a budget); ``verdict``
+    is the watchdog's latest word on the backend (``working``, ``too_slow``...).
     """
 
     n: int
@@ -76,6 +79,8 @@ class Attempt:
     deadline: float | None = None
     started: float = field(default_factory=time.monotonic)
     force: bool = False
+    reserve: float = 0.0
+    verdict: str | None = None
 
     def remaining(self) -> float | None:
         """Seconds left before the budget ends this attempt, or None without a budget."""
@@ -138,6 +143,7 @@ class TierRequest:
         "attempt_error",
         "attempts",
         "body",
+        "budget",
         "cancel_reason",
         "chain",
         "committed",
@@ -160,6 +166,8 @@ class TierRequest:
         self.attempt: Attempt | None = None
         self.attempts: list[AttemptRecord] = []
         self.deadline: float | None = None
+        self.budget: float | None = None
+        """The whole budget in seconds (set by Budget with :attr:`deadline`)."""
         self.body: bytes | None = None
         self.streaming: bool | None = None
         self.in_chain = False

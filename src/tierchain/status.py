@@ -26,13 +26,14 @@ saturation as soon as the backend reports idle (:func:`shared_board`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
 
 import httpx
 
-from .probes import Reader, Status, fetch_status
+from .probes import Reader, Status, fetch_status, total_slots
 
 __all__ = ["Fullness", "StatusBoard", "full", "idle", "shared_board"]
 
@@ -78,7 +79,17 @@ def idle(status: Status | None) -> bool:
 
 
 class _Poller:
-    __slots__ = ("asked", "at", "latest", "loop", "not_before", "reader", "task")
+    __slots__ = (
+        "asked",
+        "at",
+        "cut_until",
+        "latest",
+        "loop",
+        "not_before",
+        "reader",
+        "slots",
+        "task",
+    )
 
     def __init__(self, reader: Reader, loop: asyncio.AbstractEventLoop) -> None:
         self.reader = reader
@@ -86,8 +97,26 @@ class _Poller:
         self.latest: Status | None = None
         self.at = -math.inf
         self.not_before = -math.inf
+        self.cut_until = -math.inf
         self.asked = time.monotonic()
         self.task: asyncio.Task[None] | None = None
+        self.slots: int | None = None  # learned from llama.cpp's /props, for /metrics
+        """The server's slot count, once read from its ``/props`` (0: not there)."""
+
+
+def _props_url(url: str) -> str | None:
+    """llama.cpp's ``/props`` next to its ``/metrics``, or None for another URL."""
+    base, sep, tail = url.rpartition("/metrics")
+    if not sep or tail not in ("", "/"):
+        return None
+    return base + "/props"
+
+
+def _with_slots(status: Status | None, slots: int | None) -> Status | None:
+    """A ``/metrics`` status with the slot count it does not carry (from ``/props``)."""
+    if status is None or not slots or status.slots is not None or status.processing is None:
+        return status
+    return dataclasses.replace(status, slots=slots, slots_busy=min(status.processing, slots))
 
 
 class StatusBoard:
@@ -137,6 +166,49 @@ class StatusBoard:
             return None
         return poller.latest
 
+    async def ask(
+        self, url: str, reader: Reader, client: httpx.AsyncClient, limit: float
+    ) -> Status | None:
+        """Read ``url`` now, within ``limit`` seconds (a status that was stale or never
+        read, before an attempt is sent); the answer is kept as the latest."""
+        poller = self._pollers.get(url)
+        started = time.monotonic()
+        status = await fetch_status(client, url, limit=limit, reader=reader)
+        if poller is None or started < poller.not_before:
+            return status if poller is None else None
+        if status is not None and poller.slots is None:
+            props = _props_url(url)
+            if props is not None and status.slots is None and status.processing is not None:
+                await self._learn_slots(client, props, poller, limit)
+        status = _with_slots(status, poller.slots)
+        if status is not None and poller.at < started:
+            poller.latest, poller.at = status, time.monotonic()
+        return status
+
+    async def _learn_slots(
+        self, client: httpx.AsyncClient, props: str, poller: _Poller, limit: float
+    ) -> None:
+        count: list[int | None] = []
+
+        def read(body: bytes) -> Status | None:
+            count.append(total_slots(body))
+            return None
+
+        await fetch_status(client, props, limit=limit, reader=read)
+        poller.slots = (count[0] if count else None) or 0
+
+    def cut(self, url: str, span: float) -> None:
+        """We cut an attempt there before its first chunk: for up to ``span`` seconds
+        the server may still be finishing that prompt's batch (busy, not broken)."""
+        poller = self._pollers.get(url)
+        if poller is not None:
+            poller.cut_until = time.monotonic() + span
+
+    def finishing_cut(self, url: str) -> bool:
+        """True while a busy reading may be the server finishing a request we cut."""
+        poller = self._pollers.get(url)
+        return poller is not None and time.monotonic() < poller.cut_until
+
     def outdated(self, url: str) -> None:
         """An attempt at this backend just ended: what was read before no longer holds.
 
@@ -160,6 +232,11 @@ class StatusBoard:
             while time.monotonic() - poller.asked < self.idle_stop:
                 started = time.monotonic()
                 status = await fetch_status(client, url, limit=self.timeout, reader=poller.reader)
+                if status is not None and poller.slots is None:
+                    props = _props_url(url)
+                    if props is not None and status.slots is None and status.processing:
+                        await self._learn_slots(client, props, poller, self.timeout)
+                status = _with_slots(status, poller.slots)
                 if started < poller.not_before:
                     status = None  # asked before an attempt there ended: outdated
                 poller.latest = status

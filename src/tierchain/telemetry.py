@@ -219,7 +219,7 @@ BACKEND_SATURATED = Counter(
 )
 PROBE_ANSWERS = Counter(
     "tierchain_probe_answers",
-    "Status-probe answers by verdict (working, idle, unknown, no_progress).",
+    "Status-probe answers by verdict (working, idle, unknown, no_progress, queued, too_slow).",
     ["backend", "verdict"],
 )
 BUDGET_EXHAUSTED = Counter(
@@ -266,6 +266,16 @@ LEARNED_SLOW_AFTER = Gauge(
     "tierchain_learned_slow_after_seconds",
     "The learned first-chunk window in force (slow_after=auto), by backend and prompt size.",
     ["backend", "bucket"],
+)
+LEARNED_STALL_AFTER = Gauge(
+    "tierchain_learned_stall_after_seconds",
+    "The learned gap allowed between data events (stall_after=auto), by backend.",
+    ["backend", "bucket"],
+)
+RESERVE_ENDED = Counter(
+    "tierchain_reserve_ended",
+    "Attempts ended to keep the reserve for the later tiers (outcome saturated, reason reserve).",
+    ["route", "backend"],
 )
 BACKEND_PREFERENCE = Counter(
     "tierchain_backend_preference",

@@ -10,7 +10,8 @@ host handler, and bounds two waits, reading the attempt's
   anything else it is the first body bytes. A non-streaming completion sends
   nothing until it is complete, so there the window bounds the whole attempt,
   and ``slow_after`` must sit above the slowest legitimate completion on that
-  route.
+  route; inside a Failover such an answer is held until whole, so its first
+  bytes do not end the window.
 - the gap between data events once the stream has started, ``stall_after``
   (default 120 s; 0: off; a backend's own ``stall_after`` overrides it). A
   stream that is long is never cut; one that goes quiet for that long is
@@ -40,6 +41,14 @@ is sent, with :class:`~tierchain.errors.BackendBusy` and the reason. A stale,
 slow or failing status never blocks: unknown means try it. The last tier is
 never skipped.
 
+The reserve: while a later tier exists and nothing is committed, no wait
+before the first chunk (the window, every ``still_working`` extension, a held
+answer's wait) runs past ``deadline - reserve``; ending there is a saturation
+with reason ``reserve``. ``working`` is judged against the time left: a prompt
+whose observed progress cannot finish in time, or a wait past
+``normal_multiple`` times the learned normal, is ``too_slow``; no progress is
+judged over ``progress_span``, not between two close probes.
+
 The last tier (or a request with no Failover) is never cut by the window: it
 is recorded as slow and only the budget or the ceiling ends it. The ceiling
 (``ceiling`` seconds after the attempt started, on the monotonic clock) is
@@ -66,9 +75,9 @@ from . import _deadlines
 from ._deadlines import Deadline
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
-from .allowance import Allowance
+from .allowance import Allowance, estimate_tokens
 from .errors import BackendBusy, BackendSaturated, StreamError
-from .learned import Learned
+from .learned import Learned, LearnedGap
 from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, Status, auto_reader, fetch_status, judge
 from .request import UNROUTED_KEY, Attempt, TierRequest
@@ -79,14 +88,18 @@ from .telemetry import (
     ATTR_ROUTE,
     BACKEND_SATURATED,
     PROBE_ANSWERS,
+    RESERVE_ENDED,
     labelled,
     log_event,
     tracer,
+    tracing_enabled,
 )
 
-__all__ = ["SaturationWatchdog", "SlowAfter"]
+__all__ = ["SaturationWatchdog", "SlowAfter", "window_warnings"]
 
 _EARLY = 1e-3  # a loop timer may fire a hair early; treat that as on time
+_RESERVE_SHARE = 0.5  # a reserve never takes more than this share of the whole budget
+_SILENT = 5.0  # a committed stream silent this long (or its stall window) when the budget ends it
 
 SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float] | Learned | str
 """Seconds, a callable computing seconds from the request body (an :class:`Allowance`),
@@ -130,7 +143,12 @@ class SaturationWatchdog:
         slow_after: SlowAfter = 0.0,
         ceiling: float | timedelta = 1800.0,
         probe_timeout: float | timedelta = 4.0,
-        stall_after: float | timedelta = 120.0,
+        stall_after: float | timedelta | str | LearnedGap = 120.0,
+        reserve: float | timedelta | str = "auto",
+        reserve_floor: float | timedelta = 5.0,
+        progress_span: float | timedelta = 30.0,
+        normal_multiple: float = 4.0,
+        ask_first: float | timedelta = 0.1,
         readers: Mapping[str, Reader] | None = None,
         client: httpx.AsyncClient | None = None,
         status_interval: float | timedelta = 0.05,
@@ -159,7 +177,33 @@ class SaturationWatchdog:
             self.off = self.slow_after == 0
         self.ceiling = _seconds("ceiling", ceiling, zero_ok=False)
         self.probe_timeout = _seconds("probe_timeout", probe_timeout, zero_ok=False)
-        self.stall_after = _seconds("stall_after", stall_after, zero_ok=True)
+        self.learned_gap: LearnedGap | None = None
+        if isinstance(stall_after, str):
+            if stall_after != "auto":
+                raise ValueError(f"stall_after must be seconds or 'auto', got {stall_after!r}")
+            stall_after = LearnedGap()
+        if isinstance(stall_after, LearnedGap):
+            self.learned_gap = stall_after
+            self.stall_after = stall_after.maximum
+        else:
+            self.stall_after = _seconds("stall_after", stall_after, zero_ok=True)
+        self.reserve_auto = reserve == "auto"
+        if isinstance(reserve, str) and not self.reserve_auto:
+            raise ValueError(f"reserve must be seconds or 'auto', got {reserve!r}")
+        self.reserve_floor = _seconds("reserve_floor", reserve_floor, zero_ok=True)
+        self.reserve = (
+            self.reserve_floor if self.reserve_auto else _seconds("reserve", reserve, zero_ok=True)  # type: ignore[arg-type]
+        )
+        self.progress_span = _seconds("progress_span", progress_span, zero_ok=True)
+        if isinstance(normal_multiple, bool) or not (
+            isinstance(normal_multiple, int | float)
+            and math.isfinite(normal_multiple)
+            and normal_multiple >= 1
+        ):
+            raise ValueError(f"normal_multiple must be a number >= 1, got {normal_multiple!r}")
+        self.normal_multiple = float(normal_multiple)
+        self.ask_first = _seconds("ask_first", ask_first, zero_ok=True)
+        self._batch: dict[str, float] = {}  # per backend: the longest wait seen between two moves
         self.readers = dict(readers or {})
         for name, reader in self.readers.items():
             if not callable(reader):
@@ -228,15 +272,18 @@ class SaturationWatchdog:
         req = TierRequest.find(scope)
         attempt = req.attempt if req is not None else None
         board_url = None
-        if (
-            self.board is not None
-            and attempt is not None
-            and attempt.backend.status_url is not None
-            and not attempt.is_last
-        ):
+        if self.board is not None and attempt is not None and attempt.backend.status_url:
             board_url = attempt.backend.status_url
-            self._check_room(attempt.backend.name, board_url)
+            if not attempt.is_last:
+                room = self._check_room(attempt.backend.name, board_url)
+                if room is not None:
+                    await room
         watch = self._watch(req, attempt)
+        if watch is not None and watch.no_time():
+            name = attempt.backend.name if attempt is not None else ""
+            raise BackendBusy(
+                f"no time left for backend {name!r} before the reserve", why="reserve"
+            )
         # The attempt, in this frame (a waiting stream holds one frame of ours).
         try:
             if watch is None:
@@ -247,6 +294,8 @@ class SaturationWatchdog:
                 await self.app(scope, receive, watch.send if watch.own else send)
             except asyncio.CancelledError:
                 if watch.fired is None or task.uncancel() > 0:
+                    if watch.fired is None:
+                        watch.cancelled()
                     raise
                 await watch.verdict(send)
             else:
@@ -263,6 +312,9 @@ class SaturationWatchdog:
         finally:
             if board_url is not None and self.board is not None:
                 self.board.outdated(board_url)  # the slot it showed busy may have been ours
+                if watch is not None and watch.fired is not None and not watch.answered():
+                    # Our own prefill was cut: the server finishes its prompt batch first.
+                    self.board.cut(board_url, self.progress_span)
 
     def _watch(self, req: TierRequest | None, attempt: Attempt | None) -> _Watch | None:
         """The attempt's watch, or None when there is nothing to time."""
@@ -275,17 +327,52 @@ class SaturationWatchdog:
         stall = self.stall_after
         if attempt is not None and attempt.backend.stall_after is not None:
             stall = attempt.backend.stall_after
-        if window <= 0 and stall <= 0:
+        elif self.learned_gap is not None and attempt is not None:
+            stall = self.learned_gap.window(attempt.backend.name, None)[0]
+        reserve = self._reserve(req, attempt)
+        if window <= 0 and stall <= 0 and reserve <= 0:
             return None
-        return _Watch(self, req, window, stall, learned)
+        return _Watch(self, req, window, stall, learned, reserve)
 
-    def _check_room(self, name: str, url: str) -> None:
-        """Raise BackendBusy when the backend's polled status says it is full."""
+    def _reserve(self, req: TierRequest | None, attempt: Attempt | None) -> float:
+        """Seconds this attempt must leave for the later tiers (0: none to keep)."""
+        if attempt is None or req is None or req.deadline is None or attempt.is_last:
+            return 0.0
+        reserve = self.reserve
+        if self.reserve_auto and self.learned is not None and attempt.n < len(req.chain):
+            later = req.chain[attempt.n].name
+            window, learned = self.learned.window(later, req.body)
+            if learned:
+                reserve = max(reserve, window)
+        if req.budget is not None:
+            reserve = min(reserve, req.budget * _RESERVE_SHARE)
+        attempt.reserve = reserve
+        return reserve
+
+    def _check_room(self, name: str, url: str) -> Awaitable[None] | None:
+        """Raise BackendBusy when the backend's polled status says it is full; a status
+        that is stale or was never read is asked first (the awaitable that does it)."""
         board = self.board
         assert board is not None
-        status = board.peek(url, self.reader_for(name))
+        reader = self.reader_for(name)
+        status = board.peek(url, reader)
+        if status is None and self.ask_first > 0:
+            return self._ask_room(name, url, reader)
+        self._room(name, url, status)
+        return None
+
+    async def _ask_room(self, name: str, url: str, reader: Reader) -> None:
+        board = self.board
+        assert board is not None
+        self._room(name, url, await board.ask(url, reader, self.client, self.ask_first))
+
+    def _room(self, name: str, url: str, status: Status | None) -> None:
+        board = self.board
+        assert board is not None
         why = full(status, board.limits)
         if why is not None:
+            if board.finishing_cut(url):
+                why += ", finishing a prompt batch of a request we cut"
             raise BackendBusy(f"backend {name!r} is full ({why})", why=why)
 
     def _lifespan_send(self, send: Send) -> Send:
@@ -304,13 +391,21 @@ class _Watch:
     not a task: an attempt that answers in time costs one queue entry, and a
     streamed chunk costs the watchdog nothing. A task exists only while a
     status probe is out.
+
+    Three points in time bound the wait for the first chunk: the window's end
+    (extended by ``working`` answers), the ceiling (never extended) and the
+    reserve's point (``deadline - reserve``: never extended, absent on the
+    last tier). The timer is armed for the soonest.
     """
 
     __slots__ = (
         "_ceiling_at",
+        "_cut",
         "_handle",
+        "_moved_at",
         "_previous",
         "_prober",
+        "_rate_from",
         "_send",
         "_slow_logged",
         "_task",
@@ -318,11 +413,13 @@ class _Watch:
         "attempt",
         "backend",
         "fired",
+        "held",
         "last",
         "learned",
         "observer",
         "own",
         "req",
+        "reserve",
         "route",
         "stall",
         "start",
@@ -337,6 +434,7 @@ class _Watch:
         window: float,
         stall: float,
         learned: bool = False,
+        reserve: float = 0.0,
     ) -> None:
         self.watchdog = watchdog
         self.learned = learned
@@ -348,21 +446,36 @@ class _Watch:
         self.last = attempt is None or attempt.is_last
         self.window = window
         self.stall = stall
+        self.reserve = reserve
         shared = req.observer if req is not None and req.in_chain else None
         self.own = shared is None
+        # Inside a Failover a non-streaming answer is held until whole: its window
+        # covers the whole answer, not its first bytes.
+        self.held = not self.own
         self.observer = shared if shared is not None else Observer()
         self.start = time.monotonic()
         self.fired: str | None = None
         self._ceiling_at = self.start + watchdog.ceiling
         self._window_end = self.start + window if window > 0 else math.inf
+        deadline = self._deadline()
+        self._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
         self._previous: Hashable | None = None
+        self._moved_at = self.start
+        self._rate_from: tuple[float, int] | None = None
         self._slow_logged = False
         self._send: Send | None = None
         self._task: asyncio.Task[object] | None = None
         self._handle: Deadline | None = None
         self._prober: asyncio.Task[None] | None = None
+        if reserve > 0 and tracing_enabled():
+            trace.get_current_span().set_attribute("tierchain.reserve_s", round(reserve, 3))
 
     # -- the attempt -------------------------------------------------------
+
+    def no_time(self) -> bool:
+        """True when the reserve's point has already passed: the attempt cannot start
+        (a later tier of a long chain after the earlier ones took their time)."""
+        return self._cut <= self.start
 
     def begin(self, send: Send) -> asyncio.Task[Any]:
         """Start timing the attempt; returns the task our timer may cancel."""
@@ -390,19 +503,56 @@ class _Watch:
         return prober
 
     def learn(self) -> None:
-        """A successful attempt teaches the learned normal its time to first data."""
-        learned = self.watchdog.learned
+        """A successful attempt teaches the learned normals: its time to first data
+        (a held answer: to the whole answer) and its stream's mean gap."""
         observer = self.observer
         if (
-            learned is None
-            or self.backend is None
+            self.backend is None
             or observer.first_data_at is None
             or (self.req is not None and self.req.attempt_error is not None)
             or observer.verdict() != "ok"
         ):
             return
-        body = self.req.body if self.req is not None else None
-        learned.observe(self.backend, body, observer.first_data_at - self.start)
+        learned = self.watchdog.learned
+        if learned is not None:
+            body = self.req.body if self.req is not None else None
+            if observer.sse or not self.held:
+                first = observer.first_data_at - self.start
+            else:
+                first = time.monotonic() - self.start
+            learned.observe(self.backend, body, first)
+        gaps = self.watchdog.learned_gap
+        if gaps is not None and observer.sse and observer.data_events > 2:
+            last = observer.last_event_at or observer.first_data_at
+            mean = (last - observer.first_data_at) / (observer.data_events - 1)
+            gaps.observe(self.backend, None, mean)
+
+    def cancelled(self) -> None:
+        """Someone else cancelled the attempt (the budget, the caller): was it a stall?
+
+        A committed stream that has been silent for its stall window (or
+        ``_SILENT`` seconds, if shorter) when the budget ends it stalled: that
+        is the backend's fault, and left as the attempt's error for the Breaker.
+        """
+        req = self.req
+        observer = self.observer
+        if (
+            req is None
+            or req.cancel_reason != "budget_exhausted"
+            or not req.committed
+            or observer.first_data_at is None
+            or observer.ended
+            or self.stall <= 0
+        ):
+            return
+        gap = time.monotonic() - (observer.last_event_at or observer.first_data_at)
+        if gap < min(self.stall, _SILENT):
+            return
+        self._log_stall(gap)
+        req.attempt_error = StreamError(
+            f"backend {self.backend!r} sent no data event for {gap:.1f}s when the budget ended",
+            reason="stalled",
+        )
 
     def send(self, message: Message) -> Awaitable[None]:
         """Alone: feed the watchdog's own observer and pass on whole events."""
@@ -422,6 +572,8 @@ class _Watch:
 
     def _first_data(self) -> None:
         """The first chunk arrived: the window is over; time the gaps from here."""
+        if not self.observer.sse and self.held:
+            return  # a held answer's first bytes: its window runs on until it is whole
         handle = self._handle
         if self.stall <= 0:
             if handle is not None:
@@ -437,8 +589,14 @@ class _Watch:
             self._arm(self.stall, fixed=True)
 
     def answered(self) -> bool:
-        """True once the first chunk has arrived."""
-        return self.observer.first_data_at is not None
+        """True once the first chunk has arrived (for a held answer: all of it, or
+        so much that Failover sent it on)."""
+        observer = self.observer
+        if observer.first_data_at is None:
+            return False
+        if observer.sse or not self.held:
+            return True
+        return observer.ended or (self.req is not None and self.req.committed)
 
     # -- the timer ---------------------------------------------------------
 
@@ -449,29 +607,32 @@ class _Watch:
 
     def _start_timer(self) -> None:
         """Arm the first window (or the ceiling): the same delay for most attempts."""
-        if self._window_end <= self._ceiling_at:
+        due = min(self._window_end, self._ceiling_at, self._cut)
+        if due == math.inf:
+            return
+        deadline = self._deadline()
+        if deadline is not None and due >= deadline:
+            return  # the budget ends this attempt first: a deadline, not a saturation
+        if due == self._window_end:
             delay = self.window
             # A learned or computed window varies by request: not a recurring delay.
             fixed = not self.learned and not callable(self.watchdog.slow_after)
-        else:
+        elif due == self._ceiling_at:
             delay, fixed = self.watchdog.ceiling, True
-        if delay == math.inf:
-            return
-        deadline = self._deadline()
-        if deadline is not None and self.start + delay >= deadline:
-            return  # the budget ends this attempt first: a deadline, not a saturation
+        else:
+            delay, fixed = max(0.0, due - time.monotonic()), False
         self._arm(delay, fixed=fixed)
 
     def _schedule(self) -> None:
         """Arm the timer for the next thing that may fall due."""
         observer = self.observer
-        if observer.first_data_at is not None:
+        if self.answered():
             if self.stall <= 0 or observer.ended:
                 return
-            last = observer.last_event_at or observer.first_data_at
+            last = observer.last_event_at or observer.first_data_at or self.start
             due = last + self.stall
         else:
-            due = min(self._window_end, self._ceiling_at)
+            due = min(self._window_end, self._ceiling_at, self._cut)
             deadline = self._deadline()
             if deadline is not None and due >= deadline:
                 return  # the budget ends this attempt first: a deadline, not a saturation
@@ -491,8 +652,8 @@ class _Watch:
             return
         now = time.monotonic()
         observer = self.observer
-        if observer.first_data_at is not None:
-            last = observer.last_event_at or observer.first_data_at
+        if self.answered():
+            last = observer.last_event_at or observer.first_data_at or self.start
             if not observer.ended and now >= last + self.stall - _EARLY:
                 self._stalled(now - last)
             else:
@@ -500,6 +661,12 @@ class _Watch:
             return
         if now >= self._ceiling_at - _EARLY:
             self._fire("ceiling")
+            return
+        if now >= self._cut - _EARLY:
+            self._fire("reserve")
+            return
+        if now < self._window_end - _EARLY:
+            self._schedule()
             return
         if self.last:
             if not self._slow_logged:
@@ -510,11 +677,15 @@ class _Watch:
             return
         backend = self.attempt.backend if self.attempt is not None else None
         if backend is None or backend.status_url is None:
-            self._fire("no_first_chunk")
+            self._fire("no_first_chunk" if observer.first_data_at is None else "incomplete")
             return
         self._prober = asyncio.create_task(self._ask(now), name="tierchain-watchdog-probe")
 
     def _stalled(self, gap: float) -> None:
+        self._log_stall(gap)
+        self._fire("stalled")
+
+    def _log_stall(self, gap: float) -> None:
         log_event(
             "dispatch.backend_stalled",
             level=logging.WARNING,
@@ -526,7 +697,6 @@ class _Watch:
         trace.get_current_span().add_event(
             "tierchain.backend_stalled", {ATTR_BACKEND: self.backend or "", "idle_s": gap}
         )
-        self._fire("stalled")
 
     async def _ask(self, now: float) -> None:
         """Ask the backend whether it is still working; extend, or call it saturated."""
@@ -534,16 +704,19 @@ class _Watch:
         backend = self.attempt.backend
         assert backend.status_url is not None
         deadline = self._deadline()
-        limit = min(self.watchdog.probe_timeout, self._ceiling_at - now)
+        limit = min(self.watchdog.probe_timeout, self._ceiling_at - now, self._cut - now)
         if deadline is not None:
             limit = min(limit, deadline - now)
         status = await self._probe(backend.status_url, backend.name, limit)
         streaming = self.req is None or self.req.streaming is not False
-        verdict = judge(status, self._previous, streaming=streaming)
+        verdict: str = judge(status, self._previous, streaming=streaming)
+        now = time.monotonic()
+        if status is not None and verdict in ("working", "no_progress"):
+            verdict = self._against_time(status, verdict, now)
         labelled(PROBE_ANSWERS, backend.name, verdict).inc()
+        self.attempt.verdict = verdict
         if self.answered():
             return  # the first chunk arrived while we asked
-        now = time.monotonic()
         if deadline is not None and now >= deadline:
             return
         if verdict == "working":
@@ -557,12 +730,59 @@ class _Watch:
                 backend=backend.name,
                 elapsed_s=elapsed,
                 detail=status.detail,
+                reserve_s=round(self.reserve, 3) if self.reserve else None,
             )
             if self.req is not None:
                 self.req.emit("still_working", backend=backend.name, elapsed_s=elapsed)
             self._schedule()
             return
         self._fire("probe_unknown" if verdict == "unknown" else verdict)
+
+    def _against_time(self, status: Status, verdict: str, now: float) -> str:
+        """``working`` (or not moving yet) judged against the time: ``working``,
+        ``no_progress`` or ``too_slow``.
+
+        - Progress moves in steps (llama.cpp counts a prompt batch at a time):
+          "no progress" needs no move for ``progress_span`` seconds (or 1.5 times
+          the longest wait between two moves seen on this backend).
+        - Where the format reports our slot's prompt progress, the rate since the
+          first probe must finish the prompt before the time left runs out.
+        - Where this backend's normal time to first data is learned, a wait past
+          ``normal_multiple`` times it is too slow.
+        """
+        watchdog = self.watchdog
+        name = self.backend or ""
+        if verdict == "no_progress":
+            span = max(watchdog.progress_span, 1.5 * watchdog._batch.get(name, 0.0))
+            if now - self._moved_at < span:
+                verdict = "working"  # not moved yet, within one step of its granularity
+            else:
+                return verdict
+        elif status.progress is not None and self._previous is not None:
+            if self._moved_at > self.start:  # a move after a move: one step of its granularity
+                step = now - self._moved_at
+                if step > watchdog._batch.get(name, 0.0):
+                    watchdog._batch[name] = min(step, watchdog.ceiling)
+            self._moved_at = now
+        end = min(self._cut, self._ceiling_at, self._deadline() or math.inf)
+        done = status.prompt_done
+        if done is not None:
+            if self._rate_from is None:
+                self._rate_from = (now, done)
+            else:
+                then, before = self._rate_from
+                if done > before and now > then and end != math.inf:
+                    rate = (done - before) / (now - then)
+                    body = self.req.body if self.req is not None else None
+                    left = estimate_tokens(body or b"") - done
+                    if left > 0 and left / rate > end - now:
+                        return "too_slow"
+        learned = watchdog.learned
+        if learned is not None:
+            normal = learned.normal(name, self.req.body if self.req is not None else None)
+            if normal is not None and now - self.start > watchdog.normal_multiple * normal:
+                return "too_slow"
+        return verdict
 
     async def _probe(self, url: str, backend: str, limit: float) -> Status | None:
         with tracer.start_as_current_span(
@@ -617,7 +837,7 @@ class _Watch:
                 )
                 return
             raise StreamError(message, reason="stalled")
-        if self.observer.first_data_at is None:
+        if not self.answered():
             await self._saturated(send)
 
     async def _saturated(self, send: Send) -> None:
@@ -625,6 +845,9 @@ class _Watch:
         reason = self.fired or "no_first_chunk"
         backend = self.backend or ""
         labelled(BACKEND_SATURATED, self.route, backend).inc()
+        if reason == "reserve":
+            labelled(RESERVE_ENDED, self.route, backend).inc()
+        verdict = self.attempt.verdict if self.attempt is not None else None
         log_event(
             "dispatch.backend_saturated",
             level=logging.WARNING,
@@ -635,17 +858,24 @@ class _Watch:
             failing_over=not self.last,
             n=self.attempt.n if self.attempt is not None else None,
             of=self.attempt.of if self.attempt is not None else None,
+            reserve_s=round(self.reserve, 3) if self.reserve else None,
+            verdict=verdict,
         )
-        trace.get_current_span().add_event(
+        span = trace.get_current_span()
+        span.add_event(
             "tierchain.backend_saturated",
             {ATTR_BACKEND: backend, "reason": reason, "waited_s": round(waited, 3)},
         )
+        span.set_attribute("tierchain.saturated_reason", reason)
+        if verdict is not None:
+            span.set_attribute("tierchain.verdict", verdict)
         learned = self.watchdog.learned
-        if learned is not None and self.backend is not None:
+        if learned is not None and self.backend is not None and reason != "reserve":
             learned.saturated(self.backend, self.req.body if self.req else None, self.learned)
-        message = f"backend {backend!r} produced no first chunk in {waited:.1f}s ({reason})"
+        what = "no first chunk" if self.observer.first_data_at is None else "no whole answer"
+        message = f"backend {backend!r} produced {what} in {waited:.1f}s ({reason})"
         if self.attempt is not None:
-            raise BackendSaturated(message, waited=waited)
+            raise BackendSaturated(message, waited=waited, why=reason)
         # Alone (no Failover): only the ceiling ends an attempt; answer it ourselves.
         observer = self.observer
         if observer.status is None:
@@ -660,4 +890,46 @@ class _Watch:
                 }
             )
         else:
-            raise BackendSaturated(message, waited=waited)
+            raise BackendSaturated(message, waited=waited, why=reason)
+
+
+def window_warnings(
+    watchdog: SaturationWatchdog | None,
+    chains: Mapping[str, Any],
+    budget: float | None,
+) -> list[str]:
+    """What ``tierchain check-config`` warns about the first-chunk windows.
+
+    ``chains`` maps each route to its chain; ``budget`` is the default budget
+    in seconds (None: none). A chain with a later tier and ``slow_after`` off
+    waits for a quiet first tier until the reserve ends it; a window longer
+    than the budget minus the reserve is always ended by the reserve instead.
+    """
+    later = sorted(route for route, chain in chains.items() if len(chain) > 1)
+    if not later:
+        return []
+    warnings: list[str] = []
+    if watchdog is None:
+        return [
+            "SaturationWatchdog is not in the stack: a quiet first tier on route(s) "
+            f"{', '.join(map(repr, later))} is waited on until the budget ends the request"
+        ]
+    if watchdog.off and watchdog.learned is None:
+        warnings.append(
+            f"slow_after is off (0) while route(s) {', '.join(map(repr, later))} have a later "
+            "tier: a quiet first tier is waited on until the reserve (or, without a budget, "
+            "the ceiling) ends it; set slow_after (TIERCHAIN_SLOW_AFTER=auto)"
+        )
+    if budget is not None:
+        reserve = min(watchdog.reserve, budget * _RESERVE_SHARE)
+        if watchdog.learned is not None:
+            window, what = watchdog.learned.maximum, "slow_after=auto's window until learned"
+        else:
+            window, what = watchdog.window(b""), "slow_after's smallest window"
+        if window > budget - reserve and not watchdog.off:
+            warnings.append(
+                f"{what} ({window:g}s) is longer than the budget minus the reserve "
+                f"({budget:g}s - {reserve:g}s): the reserve, not the window, ends a quiet "
+                "first tier's attempt"
+            )
+    return warnings
