@@ -37,8 +37,12 @@ from tierchain.errors import BackendUnavailable
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any, *, lifespan: str = "off") -> AsyncIterator[str]:
-    """Run ``app`` on uvicorn on 127.0.0.1 (a free port); yield its base URL."""
+async def serve(app: Any, *, lifespan: str = "off", http: Any = "h11") -> AsyncIterator[str]:
+    """Run ``app`` on uvicorn on 127.0.0.1 (a free port); yield its base URL.
+
+    ``http`` is uvicorn's HTTP protocol: ``h11`` unless a test asks for
+    ``httptools`` (uvicorn's ``auto`` picks httptools whenever it is installed).
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -46,6 +50,7 @@ async def serve(app: Any, *, lifespan: str = "off") -> AsyncIterator[str]:
     config = uvicorn.Config(
         app,
         lifespan=lifespan,
+        http=http,
         log_level="warning",
         timeout_graceful_shutdown=2,
         access_log=False,
@@ -305,7 +310,8 @@ class FakeBackend:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> FakeBackend:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        # A head of up to 1 MiB (the default 64 KiB would refuse a request of many headers).
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, limit=2**20)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 

@@ -224,6 +224,14 @@ def _stack_rows(settings: Any) -> list[dict[str, Any]]:
             }
         )
     rows.append({"name": "Endpoints", "options": {"paths": list(ENDPOINT_PATHS)}, "sources": {}})
+    if settings.layers["CallerKeys"].options:
+        rows.append(
+            {
+                "name": "CallerKeys",
+                "options": effective.get("CallerKeys", {}),
+                "sources": dict(settings.layers["CallerKeys"].sources),
+            }
+        )
     for name in settings.stack:
         rows.append(
             {

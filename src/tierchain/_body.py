@@ -1,19 +1,51 @@
-"""Buffering the request body once so every attempt can replay it whole."""
+"""Buffering the request body once so every attempt can replay it whole.
+
+One helper for Failover and the standalone Forwarder alike
+(:func:`read_or_refuse`): at most ``limit`` bytes (413 beyond, a declared
+``content-length`` refused before reading), and the whole body within
+``within`` seconds of the first read (408 after, and the connection closed:
+a caller dripping a byte at a time holds nothing past it, nothing was sent to a
+backend, and what was read is dropped).
+"""
 
 from __future__ import annotations
 
-from ._types import Message, Receive, Scope
+import asyncio
+
+from ._head import refuse_request
+from ._types import Message, Receive, Scope, Send
 from .errors import BodyTooLarge
+
+DEFAULT_BODY_TIMEOUT = 60.0
+"""nginx's ``client_body_timeout``; here for the whole body, not between two reads."""
 
 
 class CallerGone(Exception):
     """The caller disconnected before the request body was complete."""
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+class BodyTimeout(Exception):
+    """The request body did not arrive whole in time."""
+
+
+def body_timeout(value: float | None) -> float | None:
+    """``value`` checked: seconds > 0, or None (no deadline)."""
+    if value is None:
+        return None
+    value = float(value)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"body_timeout must be a finite number of seconds > 0, got {value!r}")
+    return value
+
+
+async def read_body(
+    scope: Scope, receive: Receive, limit: int, within: float | None = None
+) -> bytes:
     """Read the whole request body, refusing more than ``limit`` bytes.
 
     A declared ``content-length`` over the limit is refused before reading.
+    With ``within``, the body must be whole within that many seconds
+    (:class:`BodyTimeout` otherwise).
     """
     for key, value in scope.get("headers", ()):
         if key == b"content-length":
@@ -24,6 +56,16 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             if declared > limit:
                 raise BodyTooLarge(limit)
             break
+    if within is None:
+        return await _read(receive, limit)
+    try:
+        async with asyncio.timeout(within):
+            return await _read(receive, limit)
+    except TimeoutError:
+        raise BodyTimeout from None
+
+
+async def _read(receive: Receive, limit: int) -> bytes:
     parts: list[bytes] = []
     size = 0
     while True:
@@ -41,3 +83,26 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             parts.append(chunk)
         if not message.get("more_body", False):
             return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def read_or_refuse(
+    scope: Scope, receive: Receive, send: Send, limit: int, within: float | None
+) -> bytes | None:
+    """The whole body; or None, once the caller is answered 413 or 408 (or has gone)."""
+    try:
+        return await read_body(scope, receive, limit, within)
+    except BodyTooLarge as exc:
+        await refuse_request(
+            scope, send, 413, str(exc), "body_too_large", type="request_too_large", limit=exc.limit
+        )
+    except BodyTimeout:
+        await refuse_request(
+            scope,
+            send,
+            408,
+            f"the request body did not arrive within {within:g}s",
+            "body_timeout",
+        )
+    except CallerGone:
+        pass
+    return None

@@ -342,6 +342,12 @@ class Layer:
     help: str = ""
 
 
+def _api_keys(raw: str) -> Any:
+    from .keys import key_list  # the middleware's own parser (imported when used)
+
+    return key_list(raw)
+
+
 def _o(name: str, env: str, parse: Parser, expected: str, **kw: Any) -> Option:
     return Option(name, PREFIX + env, parse, expected, **kw)
 
@@ -395,6 +401,14 @@ LAYERS: tuple[Layer, ...] = (
         _o("retry_after", "SHED_RETRY_AFTER", seconds(), _SECS_NONNEG,
            help="The Retry-After a shed request is given."),
     )),
+    Layer("CallerKeys", "tierchain.keys", "middleware", (
+        _o("keys", "API_KEYS", _api_keys, "keys of 16 to 512 printable ASCII characters, "
+           "separated by commas", secret=True,
+           help="Caller keys: without one, 401 on the routed paths (see Caller keys)."),
+        _o("keys_file", "API_KEYS_FILE", text, "the path of a TOML file of [[keys]] tables",
+           help="Caller keys with what each may steer (see Caller keys)."),
+    ), wired=frozenset({"header"}),
+       help="In front of the routed stack when TIERCHAIN_API_KEYS or _FILE is set."),
     Layer("Heartbeats", "tierchain.heartbeats", "middleware", (
         _o("interval", "HEARTBEAT_INTERVAL", seconds(), f"{_SECS} (0: no keepalives)"),
         _o("commit_after", "HEARTBEAT_COMMIT_AFTER", seconds(), _SECS_NONNEG),
@@ -418,6 +432,12 @@ LAYERS: tuple[Layer, ...] = (
         _o("hold_limit", "FAILOVER_HOLD_LIMIT", size, "a size in bytes such as 16MiB"),
         _o("lease", "FAILOVER_LEASE", seconds(zero_ok=False), _SECS_POS,
            help="How long an in-flight lease lives unless renewed (max_in_flight)."),
+        _o("max_headers", "FAILOVER_MAX_HEADERS", integer(1), _COUNT,
+           help="Header fields beyond which a request gets 431."),
+        _o("max_header_bytes", "FAILOVER_MAX_HEADER_BYTES", size, "a size in bytes such as 32k",
+           help="Header bytes beyond which a request gets 431."),
+        _o("body_timeout", "FAILOVER_BODY_TIMEOUT", seconds(zero_ok=False, optional=True),
+           f"{_SECS_POS}, or none", help="How long a request body may take to arrive (408)."),
     ), wired=frozenset({"routes", "store"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
@@ -477,6 +497,14 @@ LAYERS: tuple[Layer, ...] = (
     Layer("Forwarder", "tierchain.forwarder", "handler", (
         _o("connect_timeout", "FORWARDER_CONNECT_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
         _o("max_keepalive", "FORWARDER_MAX_KEEPALIVE", integer(0), "a whole number >= 0"),
+        _o("max_body", "FORWARDER_MAX_BODY", size, "a size in bytes such as 512k or 32MiB",
+           help="Alone (no Failover in the stack): the body size beyond which 413."),
+        _o("body_timeout", "FORWARDER_BODY_TIMEOUT", seconds(zero_ok=False, optional=True),
+           f"{_SECS_POS}, or none", help="Alone: how long a request body may take (408)."),
+        _o("max_headers", "FORWARDER_MAX_HEADERS", integer(1), _COUNT,
+           help="Alone: header fields beyond which 431."),
+        _o("max_header_bytes", "FORWARDER_MAX_HEADER_BYTES", size, "a size in bytes such as 32k",
+           help="Alone: header bytes beyond which 431."),
     ), code_only=frozenset({"backend", "client"}),
        help="The handler build_stack uses when it is given none."),
     Layer("Admin", "tierchain.admin", "app", (

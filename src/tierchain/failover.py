@@ -57,8 +57,10 @@ from typing import Any, NamedTuple
 
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 
-from ._body import CallerGone, read_body
+from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse
+from ._body import body_timeout as body_timeout_option
 from ._disconnect import DisconnectGuard
+from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._responses import error_detail, retry_after, send_json_error
 from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
@@ -70,7 +72,6 @@ from .errors import (
     BackendSaturated,
     BackendSkipped,
     BackendUnavailable,
-    BodyTooLarge,
     BudgetExhausted,
     ResolveError,
     RetryableStatus,
@@ -181,6 +182,12 @@ class Failover:
     path, a ``..`` segment, a backslash, a NUL, also percent-encoded) is answered
     400 before any routing, and ``paths`` is matched against the normalised path
     that the Forwarder sends upstream.
+
+    Before that, the caller's head: more than ``max_headers`` header fields or
+    ``max_header_bytes`` of them is answered 431, both ``Content-Length`` and
+    ``Transfer-Encoding`` 400 (see :mod:`tierchain._head`); and a routed
+    request's body must arrive whole within ``body_timeout`` seconds (408
+    otherwise; None: no deadline).
     """
 
     def __init__(
@@ -195,8 +202,13 @@ class Failover:
         hold_limit: int = 16 * 2**20,
         store: Any = None,
         lease: float = 30.0,
+        max_headers: int = DEFAULT_MAX_HEADERS,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
     ) -> None:
         self.app = app
+        self._head = HeadLimits(max_headers, max_header_bytes)
+        self.body_timeout = body_timeout_option(body_timeout)
         # Matched against the normalised raw path: routers (a Litestar mount) rewrite
         # scope["path"], and the Forwarder sends the same normalised path upstream.
         self.paths = tuple(p.encode() for p in paths)
@@ -217,6 +229,9 @@ class Failover:
             return await self.app(scope, receive, self._lifespan_send(send))
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        refused = self._head.problem(scope)
+        if refused is not None:
+            return await refuse_request(scope, send, *refused)
         try:
             target = request_target(scope)
         except BadTarget as exc:
@@ -225,14 +240,9 @@ class Failover:
             scope[UNROUTED_KEY] = True
             return await self.app(scope, receive, send)
         req = TierRequest.of(scope)
-        try:
-            body = await read_body(scope, receive, self.max_body)
-        except BodyTooLarge as exc:
-            return await send_json_error(
-                send, 413, str(exc), "request_too_large", "body_too_large", limit=exc.limit
-            )
-        except CallerGone:
-            return
+        body = await read_or_refuse(scope, receive, send, self.max_body, self.body_timeout)
+        if body is None:
+            return  # answered 413 or 408, or the caller left
         req.body = body
         route = self._route(scope, req, body)
         if isinstance(route, _Refusal):
@@ -733,7 +743,7 @@ class _Responder:
             return
         self._hold(chunk)
         if self._held_size > self._failover.hold_limit:
-            await self.commit(self.held_body(), more_body=True)  # too large to hold: stream on
+            await self.commit_held(more_body=True)  # too large to hold: stream on
 
     def _hold(self, chunk: bytes) -> None:
         if chunk:
@@ -798,7 +808,7 @@ class _Responder:
         failover, req, attempt = self._failover, self.req, self.attempt
         if error is None:
             if not self.committed:
-                await self.commit(self.held_body(), more_body=False)
+                await self.commit_held(more_body=False)
             failover._record(req, attempt, self.outcome)
             return True
         if self.committed and self.observer.reached_end():
@@ -835,8 +845,33 @@ class _Responder:
         lease, self.lease = self.lease, None
         return lease
 
-    async def commit(self, chunk: bytes, *, more_body: bool) -> None:
-        """Send the held start and ``chunk``: the point of no return."""
+    async def commit_held(self, *, more_body: bool) -> None:
+        """Commit what is held, in the pieces it came in: never joined, each let go once
+        sent, so a held answer costs about its own size (a join cost twice that, and the
+        server's copy of one large body a third time)."""
+        held, size = self._held, self._held_size
+        self._held = None
+        self._held_size = 0
+        if held is None or len(held) == 1:
+            return await self.commit(held[0] if held else b"", more_body=more_body)
+        last = len(held) - 1
+        await self.commit(held[0], more_body=True, length=None if more_body else size)
+        held[0] = b""
+        for i in range(1, last + 1):
+            chunk, held[i] = held[i], b""
+            if i == last and not more_body:
+                self._guard.done = True
+            message = {
+                "type": "http.response.body",
+                "body": chunk,
+                "more_body": more_body or i < last,
+            }
+            await self._send(message)
+
+    async def commit(self, chunk: bytes, *, more_body: bool, length: int | None = None) -> None:
+        """Send the held start and ``chunk``: the point of no return.
+
+        ``length``: the whole body's, when ``chunk`` is its first piece of several."""
         assert self.start is not None
         req, attempt, observer = self.req, self.attempt, self.observer
         self.committed = True
@@ -844,13 +879,15 @@ class _Responder:
         elapsed = time.monotonic() - attempt.started
         labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(elapsed)
         headers: Headers = self.start["headers"]
-        if observer.sse or observer.ndjson or more_body:
+        if observer.sse or observer.ndjson or (more_body and length is None):
             # The length may change (a partial event dropped, an error event added,
             # state lines put in front): let the server frame the body itself.
             headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
         elif _has_body(observer.status):
             headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
-            headers.append((b"content-length", str(len(chunk)).encode()))
+            headers.append(
+                (b"content-length", str(len(chunk) if length is None else length).encode())
+            )
         trail = format_trail(req.attempts, (attempt.backend.name, self.outcome))
         headers.append((TRAIL_HEADER, trail))
         headers.append((BACKEND_HEADER, attempt.backend.name.encode()))

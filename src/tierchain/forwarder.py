@@ -33,17 +33,21 @@ The upstream URL and the request-target check: see :mod:`tierchain._target`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
 from collections.abc import Mapping
+from http.cookiejar import CookieJar
 from typing import Any
 
 import httpx
 from opentelemetry import propagate
 
-from ._body import CallerGone, read_body
+from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse
+from ._body import body_timeout as body_timeout_option
 from ._disconnect import DisconnectGuard
+from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._lag import lag_since
 from ._lag import watch as watch_lag
 from ._pool import FlatTransport
@@ -115,14 +119,32 @@ class Forwarder:
         backend: Backend | None = None,
         client: httpx.AsyncClient | None = None,
         max_keepalive: int = 64,
+        max_body: int = 32 * 2**20,
+        body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
+        max_headers: int = DEFAULT_MAX_HEADERS,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     ) -> None:
         if connect_timeout <= 0:
             raise ValueError(f"connect_timeout must be > 0 seconds, got {connect_timeout}")
+        if max_body < 0:
+            raise ValueError(f"max_body must be >= 0, got {max_body}")
         self.connect_timeout = float(connect_timeout)
         self.backend = backend
+        self.max_body = int(max_body)
+        self.body_timeout = body_timeout_option(body_timeout)
+        self._head = HeadLimits(max_headers, max_header_bytes)
         self._own_client = client is None
         self._client = client
+        self._transport: FlatTransport | None = None
         self._max_keepalive = max_keepalive
+        self._timeouts = {
+            # connect_timeout itself is applied by _forward (with patience for the
+            # gateway's own lag); httpcore's bound is only a backstop.
+            "connect": self.connect_timeout * (_EXTENSIONS + 2),
+            "read": None,
+            "write": None,
+            "pool": None,
+        }
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -131,20 +153,15 @@ class Forwarder:
             limits = httpx.Limits(
                 max_connections=None, max_keepalive_connections=self._max_keepalive
             )
+            # Its cost per request does not grow with the streams held (see _pool).
+            self._transport = FlatTransport(limits=limits)
             self._client = httpx.AsyncClient(
-                # connect_timeout itself is applied by _forward (with patience for the
-                # gateway's own lag); httpx's bound is only a backstop.
-                timeout=httpx.Timeout(
-                    connect=self.connect_timeout * (_EXTENSIONS + 2),
-                    read=None,
-                    write=None,
-                    pool=None,
-                ),
+                timeout=httpx.Timeout(**self._timeouts),
                 limits=limits,
-                # Its cost per request does not grow with the streams held (see _pool).
-                transport=FlatTransport(limits=limits),
+                transport=self._transport,
                 follow_redirects=False,
                 trust_env=False,
+                cookies=_NoCookies(),
             )
         return self._client
 
@@ -179,12 +196,15 @@ class Forwarder:
         chained = req.body if req is not None and req.in_chain else None
         raise_errors = chained is not None
         if chained is not None:
-            body = chained  # Failover read it, and watches the caller
+            body = chained  # Failover read it (and checked the head), and watches the caller
         else:
-            try:
-                body = await read_body(scope, receive, 2**31)
-            except CallerGone:
-                return
+            refused = self._head.problem(scope)
+            if refused is not None:
+                return await refuse_request(scope, send, *refused)
+            read = await read_or_refuse(scope, receive, send, self.max_body, self.body_timeout)
+            if read is None:
+                return  # answered 413 or 408, or the caller left
+            body = read
             guard = DisconnectGuard(receive)
             guard.enter()
         # The request, in this frame (a request waiting on its backend holds one of ours).
@@ -194,7 +214,7 @@ class Forwarder:
             request.extensions["trace"] = setup.trace
             try:
                 async with setup.timer:
-                    response = await self.client.send(request, stream=True)
+                    response = await self._send(request)
             except (httpx.TransportError, TimeoutError) as exc:
                 return await self._unreached(scope, send, backend, exc, setup, raise_errors)
             finally:
@@ -202,6 +222,16 @@ class Forwarder:
                 # Set-up is over: nothing more to trace, and nothing kept for it while
                 # the answer streams or the backend keeps the request waiting.
                 del request.extensions["trace"]
+            if not 100 <= response.status_code <= 599:
+                await response.aclose()
+                return await self._unavailable(
+                    scope,
+                    send,
+                    backend,
+                    "protocol_error",
+                    raise_errors,
+                    detail=f"answered status {response.status_code}, which HTTP does not define",
+                )
             await self._relay(scope, response, backend, send, raise_errors)
             if guard is not None:
                 guard.done = True
@@ -225,6 +255,20 @@ class Forwarder:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        """Send ``request``; with our own client, straight to its transport.
+
+        The client's own ``send`` adds nothing the Forwarder needs and walks the
+        cookie jar on every response, at a cost quadratic in the request's header
+        count (httpx copies the headers into a dict key by key); a supplied
+        ``client`` is used as it is, cookies and hooks included.
+        """
+        client = self.client
+        transport = self._transport
+        if transport is None:
+            return await client.send(request, stream=True)
+        return await transport.handle_async_request(request)
+
     def _build(self, scope: Scope, target: Target, body: bytes, backend: Backend) -> httpx.Request:
         raw: Headers = scope.get("headers", [])
         dropped = _NOT_FORWARDED | _connection_tokens(raw)
@@ -245,7 +289,22 @@ class Forwarder:
         if backend.model is not None and body:
             body = _rewrite_model(body, backend.model)
         url = upstream_url(backend.url, target)
-        return self.client.build_request(scope["method"], url, headers=headers, content=body)
+        # Built as it is, without the client's default headers merged in (a merge that
+        # costs a scan of the headers per header) and without its cookies.
+        request = httpx.Request(
+            scope["method"],
+            url,
+            headers=headers,
+            content=body,
+            extensions={"timeout": self._timeouts},
+        )
+        if self.client is not None and self._transport is not None:
+            # What the client would do: the backend URL's userinfo as basic auth.
+            user, password = request.url.username, request.url.password
+            if user or password:
+                userpass = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+                request.headers["authorization"] = f"Basic {userpass}"
+        return request
 
     async def _unreached(
         self,
@@ -349,8 +408,11 @@ class Forwarder:
         *,
         gateway_fault: bool = False,
         lag: float = 0.0,
+        detail: str | None = None,
     ) -> None:
         message = f"backend {backend.name!r} is unreachable ({reason})"
+        if detail is not None:
+            message = f"backend {backend.name!r} {detail} ({reason})"
         if gateway_fault:
             message = (
                 f"backend {backend.name!r} was not reached in time because the gateway "
@@ -368,6 +430,20 @@ class Forwarder:
             _leave_cause(scope, cause)
             return  # Failover finds the cause; nothing was sent
         await send_json_error(send, 502, message, "upstream_unavailable", reason)
+
+
+class _NoCookies(CookieJar):
+    """A cookie jar that keeps nothing and adds nothing: an upstream's ``Set-Cookie``
+    is not the gateway's to keep, nor to send on with another caller's request."""
+
+    def add_cookie_header(self, request: Any) -> None:
+        return None
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+    def set_cookie(self, cookie: Any) -> None:
+        return None
 
 
 class _Setup:

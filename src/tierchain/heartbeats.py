@@ -137,6 +137,10 @@ def _sniff_stream(parts: list[bytes]) -> bool:
     return isinstance(data, dict) and data.get("stream") is True
 
 
+MIN_INTERVAL = 0.02
+"""The shortest keepalive interval: at most 50 keepalive lines a second per stream."""
+
+
 def _check_seconds(name: str, value: float) -> float:
     value = float(value)
     if not math.isfinite(value) or value < 0:
@@ -195,6 +199,9 @@ class Heartbeats:
     ) -> None:
         self.app = app
         self.interval = _check_seconds("interval", interval)
+        if 0 < self.interval < MIN_INTERVAL:
+            # A floor no configuration can go under: 1 ms wrote 26 MB to one caller.
+            raise ValueError(f"interval must be 0 (off) or >= {MIN_INTERVAL}s, got {interval!r}")
         self.commit_after = _check_seconds("commit_after", commit_after)
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued!r}")

@@ -11,11 +11,15 @@ events, error bodies, ``repr()``) goes through :func:`mask_url`:
   unescaped ``#`` ends up there);
 - a URL that does not parse (a password with an unescaped ``/``, a port that is
   not a number, no host) is masked from its text, erring towards hiding too
-  much: everything before its last ``@`` becomes ``***``.
+  much: everything before its last ``@`` becomes ``***``. So is a URL whose
+  ``://`` is mistyped (``redis//:pw@host``, ``redis:/u:pw@host``) but that has
+  an ``@``.
 
 A message that may quote a URL (an exception's text) goes through
 :func:`mask_text`, which hides every secret :func:`url_secrets` finds in the
-URLs it is given, and masks any URL written in the message itself.
+URLs it is given, masks any URL written in the message itself, and hides every
+secret registered with :func:`hide` (the caller keys of
+:class:`~tierchain.keys.CallerKeys`).
 
 The scheme, host, port and path are left as they are: they are what an
 operator needs to tell one backend from another.
@@ -26,7 +30,7 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote, unquote_plus, urlsplit
 
-__all__ = ["MASK", "SECRET_NAME", "mask_text", "mask_url", "url_secrets"]
+__all__ = ["MASK", "SECRET_NAME", "hide", "mask_text", "mask_url", "url_secrets"]
 
 MASK = "***"
 
@@ -37,6 +41,18 @@ SECRET_NAME = re.compile(
 
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
 _MIN_PIECE = 3  # secrets shorter than this are not hunted for in messages
+_HIDDEN: set[str] = set()
+
+
+def hide(secret: str) -> None:
+    """Mask ``secret`` wherever :func:`mask_text` runs from now on (a caller key)."""
+    if len(secret) >= _MIN_PIECE:
+        _HIDDEN.add(secret)
+
+
+def hidden() -> bool:
+    """True once a secret was registered with :func:`hide`."""
+    return bool(_HIDDEN)
 
 
 def _well_formed(url: str) -> bool:
@@ -47,6 +63,8 @@ def _well_formed(url: str) -> bool:
         return False
     if "://" in url and not parts.hostname:
         return False
+    if "://" not in url and "@" in url:
+        return False  # a mistyped scheme (redis//:pw@host): no authority to tell it by
     # An "@" after the authority means a password with a "/", "?" or "#" in it.
     tail = url.partition("://")[2]
     authority_end = min((i for i in (tail.find(c) for c in "/?#") if i >= 0), default=len(tail))
@@ -130,7 +148,7 @@ def url_secrets(url: str) -> tuple[str, ...]:
 
 def mask_text(text: str, *urls: str | None) -> str:
     """``text`` with the secrets of ``urls``, and of any URL written in it, replaced by ``***``."""
-    secrets: set[str] = set()
+    secrets: set[str] = set(_HIDDEN)
     for url in urls:
         if url:
             secrets.update(url_secrets(url))

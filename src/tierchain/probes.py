@@ -412,19 +412,24 @@ async def fetch_status(
 ) -> Status | None:
     """One GET of ``url`` within ``limit`` seconds, read by ``reader``.
 
-    Any error, timeout, non-200 answer, oversized body, or body the reader
+    Any error, timeout, non-200 answer, compressed or oversized body, or body the reader
     does not know (or raises on) gives ``None``: unknown.
     """
     if limit <= 0:
         return None
     try:
         async with asyncio.timeout(limit):
-            async with client.stream("GET", url, headers={"accept": "*/*"}) as response:
+            headers = {"accept": "*/*", "accept-encoding": "identity"}
+            async with client.stream("GET", url, headers=headers) as response:
                 if response.status_code != 200:
+                    return None
+                if response.headers.get("content-encoding", "identity").lower() != "identity":
+                    # Asked for none: a compressed answer is not read (a gzip bomb inflates
+                    # a whole raw chunk at once, past any bound on what it decodes to).
                     return None
                 chunks: list[bytes] = []
                 size = 0
-                async for chunk in response.aiter_bytes():
+                async for chunk in response.aiter_raw():
                     size += len(chunk)
                     if size > MAX_STATUS_BYTES:
                         return None

@@ -307,6 +307,7 @@ def run(
         access_log=options.access_log,
         # Drain ends every request at the deadline; uvicorn's own cut is the backstop.
         timeout_graceful_shutdown=math.ceil(options.drain_timeout) + _BACKSTOP,
+        http=_http_protocol(),
     )
     server = _Server(config, drain=drain, drain_timeout=options.drain_timeout)
     try:
@@ -342,6 +343,15 @@ def bind(host: str, port: int) -> list[socket.socket]:
             sock.close()
         raise
     return sockets
+
+
+def _http_protocol() -> Any:
+    """httptools without trailer fields when it is installed (as uvicorn's ``auto``), else h11."""
+    try:
+        from .httptools_protocol import HttpToolsWithoutTrailers
+    except ImportError:
+        return "h11"
+    return HttpToolsWithoutTrailers
 
 
 def _print_problems(exc: ConfigError, err: TextIO) -> None:

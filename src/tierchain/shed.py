@@ -10,6 +10,16 @@ broken. ``Shed`` counts the HTTP requests in flight in this process and, when
 passing it on. Clients that honour ``Retry-After`` (the OpenAI SDKs do) come
 back; a load balancer sends them elsewhere.
 
+A request that carries a body counts from the moment its body is in (its last
+``http.request`` message reached the app), not from its arrival: a caller that
+drips its body a byte at a time holds no place while it drips, so four slow
+uploads cannot take four places and shed everyone else. A request announcing
+no body (no ``content-length`` above 0, no ``transfer-encoding``) counts at
+once. The decision to shed is taken at arrival, against the requests counted
+then: a request is never answered 503 after its body was read (the app may
+already be answering it). How long a body may take is bounded where it is
+read: Failover's (or a lone Forwarder's) ``body_timeout`` answers 408.
+
 It belongs outermost, in front of Heartbeats, so that a shed request costs
 nothing but the answer. ``max_concurrent=None`` (the default) sheds nothing.
 """
@@ -17,9 +27,10 @@ nothing but the answer. ``max_concurrent=None`` (the default) sheds nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from ._responses import send_json_error
-from ._types import ASGIApp, Receive, Scope, Send
+from ._types import ASGIApp, Message, Receive, Scope, Send
 from .telemetry import SHED_REQUESTS
 
 __all__ = ["Shed"]
@@ -70,8 +81,45 @@ class Shed:
                 headers=[(b"retry-after", self._retry_header)],
             )
             return
-        self.in_flight += 1
+        if not _has_body(scope.get("headers", ())):
+            self.in_flight += 1
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.in_flight -= 1
+            return
+        counted = _CountOnceIn(self, receive)
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, counted, send)
         finally:
-            self.in_flight -= 1
+            if counted.counted:
+                self.in_flight -= 1
+
+
+def _has_body(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    for key, value in headers:
+        if key == b"transfer-encoding" or (key == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
+
+
+class _CountOnceIn:
+    """The request's ``receive``: counts the request in flight once its body is in."""
+
+    __slots__ = ("counted", "receive", "shed")
+
+    def __init__(self, shed: Shed, receive: Receive) -> None:
+        self.shed = shed
+        self.receive = receive
+        self.counted = False
+
+    async def __call__(self) -> Message:
+        message = await self.receive()
+        if (
+            not self.counted
+            and message["type"] == "http.request"
+            and not message.get("more_body", False)
+        ):
+            self.counted = True
+            self.shed.in_flight += 1
+        return message

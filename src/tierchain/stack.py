@@ -103,7 +103,8 @@ def build_stack(
 
     Outermost first: the identity line, the Admin mount (when a token is set),
     the :class:`~tierchain.endpoints.Endpoints` (answered here, never
-    forwarded), then Shed (when ``TIERCHAIN_SHED_MAX_CONCURRENT`` is set),
+    forwarded), then :class:`~tierchain.keys.CallerKeys` (when keys are set),
+    then Shed (when ``TIERCHAIN_SHED_MAX_CONCURRENT`` is set),
     Heartbeats, Budget, PreferBackend, Failover, Breaker, SaturationWatchdog:
     each that is enabled, with its configured options. One
     store (``store``, or one made from ``TIERCHAIN_STORE_URL``) is shared by
@@ -119,9 +120,10 @@ def build_stack(
     if made_store:
         store = make_store(settings)
 
-    def construct(name: str, *args: Any) -> Any:
+    def construct(name: str, *args: Any, **wired: Any) -> Any:
         try:
-            return layer_class(name)(*args, **settings.middleware_kwargs(name, store=store))
+            kwargs = settings.middleware_kwargs(name, store=store)
+            return layer_class(name)(*args, **kwargs, **wired)
         except (TypeError, ValueError) as exc:
             given = ", ".join(
                 f"{env}={display_value(name, opt, settings.layers[name].options[opt])!r}"
@@ -139,6 +141,12 @@ def build_stack(
         shed = construct("Shed", inner)  # outermost of the middlewares
         if shed is not None:
             inner = shed
+    if settings.layers["CallerKeys"].options:
+        # Keys before anything else routed (Shed included); the endpoints stay open.
+        prefer = settings.layers["PreferBackend"].options.get("header", "X-Prefer-Backend")
+        keyed = construct("CallerKeys", inner, header=prefer)
+        if keyed is not None:
+            inner = keyed
     inner = Endpoints(
         inner,
         routes=settings.routes,

@@ -32,7 +32,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricF
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from .masking import mask_text
+from .masking import hidden, mask_text
 
 try:
     VERSION = version("tierchain")
@@ -288,6 +288,13 @@ TARGET_REJECTED = Counter(
     ["reason"],
 )
 
+REQUESTS_REFUSED = Counter(
+    "tierchain_requests_refused",
+    "Requests refused before any backend for what the caller sent (headers, framing, a slow "
+    "body, a missing key), by status and reason.",
+    ["status", "reason"],
+)
+
 
 def labelled(metric: Any, *values: str) -> Any:
     """``metric.labels(*values)``, memoised: the hot path pays a dict lookup, not a lock."""
@@ -320,14 +327,16 @@ def start_span(name: str, attributes: dict[str, Any] | None = None) -> trace.Spa
 def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
     """Log one structured event: ``event key=value ...``.
 
-    A URL in a string field is masked (:func:`tierchain.masking.mask_text`).
+    A URL in a string field is masked (:func:`tierchain.masking.mask_text`), and
+    so is any string field once caller keys are registered (:func:`~tierchain.masking.hide`).
     The fields are also attached as ``record.tierchain`` (a dict) and the event
     name as ``record.event``, for JSON formatters.
     """
     if not logger.isEnabledFor(level):
         return
+    every = hidden()  # caller keys registered: every string field is checked
     for key, value in fields.items():
-        if isinstance(value, str) and "://" in value:
+        if isinstance(value, str) and (every or "://" in value):
             fields[key] = mask_text(value)
     text = " ".join(
         f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"

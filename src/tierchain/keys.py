@@ -1,0 +1,205 @@
+"""CallerKeys: no key, no route; and per key, who may steer toward which backend.
+
+``tierchain serve`` puts it in front of the routed stack when
+``TIERCHAIN_API_KEYS`` or ``TIERCHAIN_API_KEYS_FILE`` is set (inside the health,
+readiness, metrics and model-list endpoints, which stay open, and outside Shed).
+A request presents its key the way the SDKs send one: ``Authorization: Bearer
+<key>`` (OpenAI) or ``x-api-key: <key>`` (Anthropic; ``api-key`` for Azure
+OpenAI clients). Without one, or with one that is not configured, it gets
+``401`` with an OpenAI-style JSON error (``authentication_error``,
+``missing_key`` or ``unknown_key``) and nothing behind runs.
+
+Per key:
+
+- ``prefer``: whether the caller's ``X-Prefer-Backend`` header is honoured.
+  Without it the header is removed before PreferBackend sees it, so a caller
+  cannot move itself up to a paid tier.
+- ``backend``: the backend its requests go to first, as if it had sent
+  ``X-Prefer-Backend: <backend>`` (reorder, never filter: the rest of the
+  chain stays behind it).
+
+The header that carried a valid key is removed before the request goes on: the
+gateway's key is never forwarded, not even to a backend with
+``forward_caller_auth``. Keys are compared in constant time (SHA-256 digests
+through :func:`hmac.compare_digest`, every configured key each time); they are
+registered with the masker (:func:`tierchain.masking.hide`), so no log line,
+error or ``check-config`` output shows one; a log line names the key's
+``name``, never the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ._head import refuse_request
+from ._types import ASGIApp, Receive, Scope, Send
+from .masking import hide
+
+__all__ = ["CallerKey", "CallerKeys", "key_list", "load_keys_file"]
+
+_KEY = re.compile(r"[\x21-\x7e]{16,512}")
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_CARRIERS = (b"authorization", b"x-api-key", b"api-key")
+_CHALLENGE = [(b"www-authenticate", b'Bearer realm="tierchain"')]
+
+
+@dataclass(frozen=True, slots=True)
+class CallerKey:
+    """One caller key: its ``name`` (shown in logs), the ``key`` itself, and what it may do."""
+
+    name: str
+    key: str = field(repr=False)
+    prefer: bool = False
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise ValueError(f"a key name is 1-64 of A-Z a-z 0-9 . _ -, got {self.name!r}")
+        if not _KEY.fullmatch(self.key) or "," in self.key:
+            raise ValueError(
+                f"key {self.name!r} must be 16 to 512 printable ASCII characters, "
+                "no spaces or commas"
+            )
+        if self.backend is not None and not _NAME.fullmatch(self.backend):
+            raise ValueError(f"key {self.name!r}: backend must be a backend name")
+
+
+def key_list(raw: str) -> tuple[CallerKey, ...]:
+    """``TIERCHAIN_API_KEYS``: keys separated by commas, named ``key-1``, ``key-2``, ...
+
+    They may use the routes, but not ``X-Prefer-Backend``; give a key more in a keys file.
+    """
+    pieces = [p.strip() for p in raw.split(",") if p.strip()]
+    if not pieces:
+        raise ValueError("no key given")
+    return tuple(CallerKey(f"key-{i}", p) for i, p in enumerate(pieces, 1))
+
+
+def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple[CallerKey, ...]:
+    """A TOML file of ``[[keys]]`` tables: ``name``, ``key`` or ``key_env``, ``prefer``,
+    ``backend``. ``key_env`` names the variable that holds the key."""
+    env = os.environ if environ is None else environ
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    tables = data.get("keys")
+    if not isinstance(tables, list) or not tables:
+        raise ValueError(f"{path}: expected one or more [[keys]] tables")
+    keys = []
+    for n, table in enumerate(tables, 1):
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: [[keys]] entry {n} is not a table")
+        unknown = set(table) - {"name", "key", "key_env", "prefer", "backend"}
+        if unknown:
+            raise ValueError(f"{path}: [[keys]] entry {n} has unknown fields {sorted(unknown)}")
+        name = table.get("name", f"key-{n}")
+        key = table.get("key")
+        if key is None and "key_env" in table:
+            key = env.get(str(table["key_env"]))
+            if key is None:
+                raise ValueError(f"{path}: key {name!r}: {table['key_env']} is not set")
+        if not isinstance(key, str):
+            raise ValueError(f"{path}: key {name!r} needs key or key_env")
+        prefer = table.get("prefer", False)
+        if not isinstance(prefer, bool):
+            raise ValueError(f"{path}: key {name!r}: prefer must be true or false")
+        keys.append(CallerKey(str(name), key, prefer, table.get("backend")))
+    names = [k.name for k in keys]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: key names must differ")
+    return tuple(keys)
+
+
+class CallerKeys:
+    """Answer ``401`` to a request without a configured key; apply the key's steering.
+
+    ``keys``: :class:`CallerKey` objects (or plain key strings, which may route but
+    not steer). ``keys_file``: a TOML file of more (see :func:`load_keys_file`).
+    ``header``: PreferBackend's header (``X-Prefer-Backend``).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        keys: Iterable[CallerKey | str] = (),
+        keys_file: str | None = None,
+        header: str = "X-Prefer-Backend",
+    ) -> None:
+        self.app = app
+        given = [
+            k if isinstance(k, CallerKey) else CallerKey(f"key-{i}", k)
+            for i, k in enumerate(keys, 1)
+        ]
+        if keys_file is not None:
+            given.extend(load_keys_file(keys_file))
+        if not given:
+            raise ValueError("CallerKeys needs at least one key (keys= or keys_file=)")
+        self.header = header.lower().encode("latin-1")
+        self._keys = tuple((hashlib.sha256(k.key.encode()).digest(), k) for k in given)
+        for key in given:
+            hide(key.key)
+
+    def __repr__(self) -> str:
+        return f"CallerKeys(keys=[{', '.join(k.name for _, k in self._keys)}])"
+
+    def match(self, presented: bytes) -> CallerKey | None:
+        """The configured key equal to ``presented`` (every key compared, in constant time)."""
+        digest = hashlib.sha256(presented).digest()
+        found: CallerKey | None = None
+        for known, key in self._keys:
+            if hmac.compare_digest(known, digest):
+                found = key
+        return found
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+        presented, carrier = _presented(headers)
+        if presented is None:
+            return await refuse_request(
+                scope,
+                send,
+                401,
+                "this gateway needs an API key: send it as Authorization: Bearer <key>",
+                "missing_key",
+                type="authentication_error",
+                headers=_CHALLENGE,
+            )
+        key = self.match(presented)
+        if key is None:
+            return await refuse_request(
+                scope,
+                send,
+                401,
+                "the API key is not valid for this gateway",
+                "unknown_key",
+                type="authentication_error",
+                headers=_CHALLENGE,
+            )
+        prefer = self.header
+        kept = [(k, v) for k, v in headers if k != carrier and (key.prefer or k != prefer)]
+        if key.backend is not None and not any(k == prefer for k, _ in kept):
+            kept.append((prefer, key.backend.encode()))
+        scope["headers"] = kept
+        await self.app(scope, receive, send)
+
+
+def _presented(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
+    """The key a request presents, and the header it came in."""
+    for name, value in headers:
+        if name in _CARRIERS:
+            if name == b"authorization":
+                scheme, _, rest = value.partition(b" ")
+                if scheme.lower() != b"bearer" or not rest.strip():
+                    continue
+                return rest.strip(), name
+            if value.strip():
+                return value.strip(), name
+    return None, None
