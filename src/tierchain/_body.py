@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
+from . import _deadlines
 from ._head import refuse_request
 from ._types import Message, Receive, Scope, Send
 from .errors import BodyTooLarge
@@ -58,11 +59,21 @@ async def read_body(
             break
     if within is None:
         return await _read(receive, limit)
+    # On the shared loop timer (tierchain._deadlines), not asyncio.timeout: the
+    # deadline almost never fires, and an asyncio timer per request costs more
+    # than the rest of the body's reading.
+    task = asyncio.current_task()
+    assert task is not None
+    entry = _deadlines.schedule(within, task.cancel)
     try:
-        async with asyncio.timeout(within):
-            return await _read(receive, limit)
-    except TimeoutError:
+        return await _read(receive, limit)
+    except asyncio.CancelledError:
+        # The entry's callback is None once it fired (or was cancelled: not yet, here).
+        if entry[2] is not None or task.uncancel() > 0:
+            raise
         raise BodyTimeout from None
+    finally:
+        _deadlines.cancel(entry)
 
 
 async def _read(receive: Receive, limit: int) -> bytes:
