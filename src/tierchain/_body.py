@@ -64,12 +64,14 @@ async def read_body(
     # than the rest of the body's reading.
     task = asyncio.current_task()
     assert task is not None
+    baseline = task.cancelling()
     entry = _deadlines.schedule(within, task.cancel)
     try:
         return await _read(receive, limit)
     except asyncio.CancelledError:
         # The entry's callback is None once it fired (or was cancelled: not yet, here).
-        if entry[2] is not None or task.uncancel() > 0:
+        # Ours only if the count is back to what it was on entry, as asyncio.timeout does.
+        if entry[2] is not None or task.uncancel() > baseline:
             raise
         raise BodyTimeout from None
     finally:
