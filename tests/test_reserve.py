@@ -182,7 +182,9 @@ def assert_reached_hosted_with_the_reserve(
     for i in range(2):
         left, reserve = gw.left_after_tower(i)
         assert reserve > 0
-        assert left >= reserve - 0.005  # the tower left the later tier its reserve
+        # The tower left the later tier its reserve: cut at the reserve, less the few
+        # milliseconds of closing its upstream (a twentieth of the reserve on a busy machine).
+        assert left >= reserve * 0.95
     saturated = gw.states("backend_saturated")
     assert (
         saturated[:2]
