@@ -42,11 +42,12 @@ from collections.abc import Callable
 from ._types import Headers, Message
 from .errors import StreamError
 from .sse import (
+    EVENT_STREAM,
+    NDJSON_LINES,
     data_values,
+    framing,
     has_data,
     has_finish_reason,
-    is_event_stream,
-    is_ndjson,
     last_boundary,
     last_event,
 )
@@ -142,9 +143,9 @@ class Observer:
         """Note the response's status and headers."""
         self.status = status
         self.headers = headers
-        self.sse = is_event_stream(headers)
-        if not self.sse:
-            self.ndjson = is_ndjson(headers)
+        kind = framing(headers)
+        self.sse = kind == EVENT_STREAM
+        self.ndjson = kind == NDJSON_LINES
 
     def body(self, chunk: bytes) -> bytes:
         """Note a body chunk; return what may go to the caller now (whole events only).

@@ -46,7 +46,7 @@ from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .config import ConfigError, Settings, config_warnings, from_env
 from .request import TierRequest
-from .sse import is_event_stream, is_ndjson
+from .sse import EVENT_STREAM, NDJSON_LINES, framing
 from .stack import build_stack
 from .telemetry import VERSION, log_event
 from .wire import NDJSON, SSE, error_bytes, recognise
@@ -149,7 +149,8 @@ class Drain:
             if message["type"] == "http.response.start":
                 started = True
                 headers = message.get("headers", ())
-                stream = SSE if is_event_stream(headers) else NDJSON if is_ndjson(headers) else 0
+                kind = framing(headers)
+                stream = SSE if kind == EVENT_STREAM else NDJSON if kind == NDJSON_LINES else 0
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 ended = True
             await send(message)

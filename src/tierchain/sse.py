@@ -24,10 +24,13 @@ from typing import Any
 from .masking import mask_text
 
 __all__ = [
+    "EVENT_STREAM",
+    "NDJSON_LINES",
     "comment_line",
     "data_values",
     "error_event",
     "error_json",
+    "framing",
     "has_data",
     "has_finish_reason",
     "is_event_stream",
@@ -39,21 +42,44 @@ __all__ = [
 
 def is_event_stream(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     """True when the response headers say ``content-type: text/event-stream``."""
-    for key, value in headers:
-        if key.lower() == b"content-type":
-            return value.split(b";", 1)[0].strip().lower() == b"text/event-stream"
-    return False
-
-
-_NDJSON_TYPES = frozenset({b"application/x-ndjson", b"application/ndjson", b"application/jsonl"})
+    return framing(headers) == EVENT_STREAM
 
 
 def is_ndjson(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     """True when the response headers say newline-delimited JSON (``application/x-ndjson``)."""
+    return framing(headers) == NDJSON_LINES
+
+
+EVENT_STREAM = 1
+""":func:`framing`: ``text/event-stream``."""
+NDJSON_LINES = 2
+""":func:`framing`: newline-delimited JSON (``application/x-ndjson`` and its aliases)."""
+
+_NDJSON_TYPES = frozenset({b"application/x-ndjson", b"application/ndjson", b"application/jsonl"})
+
+
+def framing(headers: Iterable[tuple[bytes, bytes]]) -> int:
+    """How the body is framed, from its ``content-type``: :data:`EVENT_STREAM`,
+    :data:`NDJSON_LINES`, or 0 (anything else, or none)."""
     for key, value in headers:
-        if key.lower() == b"content-type":
-            return value.split(b";", 1)[0].strip().lower() in _NDJSON_TYPES
-    return False
+        if key == b"content-type" or key.lower() == b"content-type":
+            kind = _FRAMINGS.get(value)
+            if kind is None:
+                kind = _framing_of(value)
+                if len(_FRAMINGS) < 64:  # upstreams send a handful of values
+                    _FRAMINGS[value] = kind
+            return kind
+    return 0
+
+
+def _framing_of(value: bytes) -> int:
+    media = value.split(b";", 1)[0].strip().lower()
+    if media == b"text/event-stream":
+        return EVENT_STREAM
+    return NDJSON_LINES if media in _NDJSON_TYPES else 0
+
+
+_FRAMINGS: dict[bytes, int] = {}
 
 
 _BOUNDARY = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r)")
