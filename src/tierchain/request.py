@@ -144,6 +144,8 @@ class TierRequest:
         "attempts",
         "body",
         "budget",
+        "caller_blocked_since",
+        "caller_unblocked_at",
         "cancel_reason",
         "chain",
         "committed",
@@ -194,6 +196,16 @@ class TierRequest:
         """The backend an operator pin moved to the front, if any."""
         self.preference: Preference | None = None
         """What became of the caller's preference header, if it sent one."""
+        self.caller_blocked_since: float | None = None
+        """While a send to the caller is out (the relay handing it a chunk), when it
+        started (monotonic seconds); None while none is. A caller that stops reading
+        keeps that send out: meanwhile nothing is read from the upstream, so its
+        silence is not the upstream's (the watchdog's stall gap skips it), and past
+        Failover's ``send_timeout`` the caller is cut. Left set when the send never
+        came back (the request ended while the caller was not reading)."""
+        self.caller_unblocked_at = 0.0
+        """When the last send to the caller came back (monotonic seconds; 0: none yet):
+        the upstream's silence is timed from then at the earliest."""
         self.wire: str | None = None
         """The request's wire format (:mod:`tierchain.wire`), set by Failover from the
         route or the path; a backend's own ``wire_format`` wins for its attempts."""
