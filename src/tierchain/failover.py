@@ -62,7 +62,7 @@ from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._loops import slack
-from ._responses import error_detail, retry_after, send_json_error
+from ._responses import caller_cut, error_detail, retry_after, send_json_error
 from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .admission import Admission
@@ -80,7 +80,15 @@ from .errors import (
     StreamError,
 )
 from .observer import Observer, nothing_sent
-from .request import TRAIL_HEADER, UNROUTED_KEY, Attempt, AttemptRecord, TierRequest, format_trail
+from .request import (
+    DEFAULT_SEND_TIMEOUT,
+    TRAIL_HEADER,
+    UNROUTED_KEY,
+    Attempt,
+    AttemptRecord,
+    TierRequest,
+    format_trail,
+)
 from .telemetry import (
     ATTEMPTS,
     ATTR_ATTEMPT_N,
@@ -90,7 +98,6 @@ from .telemetry import (
     ATTR_REGIME,
     ATTR_ROUTE,
     BACKEND_BUSY,
-    CALLERS_CUT,
     TIME_TO_FIRST_CHUNK,
     labelled,
     log_event,
@@ -103,8 +110,6 @@ __all__ = ["DEFAULT_RETRY_STATUSES", "DEFAULT_SEND_TIMEOUT", "Failover", "Resolv
 
 DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
 """Statuses that advance the chain before commit (529: Anthropic's "overloaded")."""
-DEFAULT_SEND_TIMEOUT = 30.0
-"""How long one send to the caller may be out before the caller counts as stalled."""
 BACKEND_HEADER = b"x-tierchain-backend"
 _COMMENT_LIMIT = 64 * 1024  # comment bytes held before the first data event
 _REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its message
@@ -260,6 +265,7 @@ class Failover:
         if body is None:
             return  # answered 413 or 408, or the caller left
         req.body = body
+        req.send_timeout = self.send_timeout
         route = self._route(scope, req, body)
         if isinstance(route, _Refusal):
             return await send_json_error(send, *route)
@@ -958,17 +964,8 @@ class _Responder:
         """The caller stopped reading: record it (never the backend's failure), give
         the lease back, and raise, so the server drops the connection. Nothing more is
         written: it would wait on the same caller."""
-        attempt = self.attempt
         self.outcome = error.reason
-        self._failover._record(self.req, attempt, error.reason)
-        labelled(CALLERS_CUT, attempt.route or "", attempt.backend.name).inc()
-        log_event(
-            "dispatch.caller_stalled",
-            level=30,
-            route=attempt.route,
-            backend=attempt.backend.name,
-            send_timeout_s=self._failover.send_timeout,
-        )
+        self._failover._record(self.req, self.attempt, error.reason)
         lease, self.lease = self.lease, None
         if lease is not None:
             await self._failover.admission.leave(lease)
@@ -1020,9 +1017,7 @@ class _Responder:
         if task is None or task.done() or req.aborted:
             return  # on its way out already
         self.caller_cut = True
-        req.attempt_error = CallerStalled(
-            f"the caller took no data for {now - since:.1f}s (send_timeout={timeout:g}s)"
-        )
+        req.attempt_error = caller_cut(req, "relay")
         req.aborted = True
         task.cancel("tierchain: caller_stalled")
 
