@@ -48,9 +48,12 @@ STALL_AFTER = 0.2  # shorter than the send timeout: a stall would be found first
 EVENT = chunk_event("x" * 16_000)  # one 16 KB event
 
 
-async def floods(ex: Exchange) -> None:
-    """A tower that streams until the gateway hangs up (far more than any buffer)."""
+async def floods(ex: Exchange, *, after: float = 0.0) -> None:
+    """A tower that streams until the gateway hangs up (far more than any buffer),
+    its first event ``after`` seconds after its head."""
     await ex.head()
+    if after:
+        await asyncio.sleep(after)
     for _ in range(4096):  # 64 MB at most
         await ex.write(EVENT)
     for event in openai_stream(["end"]):
@@ -94,7 +97,16 @@ async def silent_callers(url: str, n: int) -> AsyncIterator[list[socket.socket]]
 class Gateway:
     """The README's stack, Shed in front, a tower with max_in_flight and a paid tier."""
 
-    def __init__(self, store: Any, tower: str, hosted: str) -> None:
+    def __init__(
+        self,
+        store: Any,
+        tower: str,
+        hosted: str,
+        *,
+        send_timeout: float = SEND_TIMEOUT,
+        budget: float = 60.0,
+        commit_after: float = 1.0,
+    ) -> None:
         self.store = store
         self.forwarder = Forwarder()
         self.watchdog = SaturationWatchdog(self.forwarder, stall_after=STALL_AFTER)
@@ -107,8 +119,12 @@ class Gateway:
                 ]
             }
         )
-        failover = Failover(breaker, routes=routes, store=store, send_timeout=SEND_TIMEOUT)
-        heartbeats = Heartbeats(Budget(PreferBackend(failover), default=60.0), interval=10.0)
+        failover = Failover(breaker, routes=routes, store=store, send_timeout=send_timeout)
+        heartbeats = Heartbeats(
+            Budget(PreferBackend(failover), default=budget),
+            interval=10.0,
+            commit_after=commit_after,
+        )
         self.shed = Shed(heartbeats, max_concurrent=CALLERS + 1)
         self.app = self.shed
 
@@ -130,19 +146,31 @@ async def store(request: Any) -> AsyncIterator[Any]:
         await redis.aclose()
 
 
-@pytest.mark.parametrize("http", ["h11", "httptools"])
+@pytest.mark.parametrize(
+    ("http", "heartbeats_first"),
+    [("h11", False), ("httptools", False), ("h11", True)],
+    ids=["h11", "httptools", "heartbeats-committed"],
+)
 async def test_callers_that_stop_reading_are_cut_without_blaming_the_tower(
-    store: Any, http: str, metric: Any
+    store: Any, http: str, heartbeats_first: bool, metric: Any
 ) -> None:
+    """Five callers that stop reading leave the tower's breaker closed and every lease
+    at 0; a caller that reads is answered by the tower afterwards. (With
+    ``heartbeats_first``, Heartbeats has committed the response itself before the
+    tower's first event.)"""
     cut_before = metric("tierchain_callers_cut_total", route="echo", backend="tower")
     stalled_before = metric(
         "tierchain_attempts_total", route="echo", backend="tower", outcome="stalled"
     )
+
+    async def script(ex: Exchange) -> None:
+        await floods(ex, after=0.3 if heartbeats_first else 0.0)
+
     async with (
-        FakeBackend("tower", floods) as tower,
+        FakeBackend("tower", script) as tower,
         FakeBackend("hosted") as hosted,
     ):
-        gw = Gateway(store, tower.url, hosted.url)
+        gw = Gateway(store, tower.url, hosted.url, commit_after=0.05 if heartbeats_first else 1.0)
         async with serve(gw.app, http=http) as url, silent_callers(url, CALLERS):
 
             async def all_cut() -> bool:
@@ -175,6 +203,38 @@ async def test_callers_that_stop_reading_are_cut_without_blaming_the_tower(
     assert answer.headers["x-tierchain-backend"] == "tower"
     assert answer.content.endswith(b"data: [DONE]\n\n")
     assert hosted.requests == []
+
+
+async def test_the_budget_ending_a_caller_that_stopped_reading_is_bounded_and_no_stall(
+    metric: Any,
+) -> None:
+    """The budget ends streams whose callers stopped reading: the tower is not charged
+    with a stall, and the budget's error event, which those callers never take, is
+    bounded by send_timeout: every lease and Shed slot comes back."""
+    store = MemoryStore()
+    cut_before = metric("tierchain_callers_cut_total", route="echo", backend="tower")
+    spent_before = metric(
+        "tierchain_attempts_total", route="echo", backend="tower", outcome="budget_exhausted"
+    )
+    async with FakeBackend("tower", floods) as tower, FakeBackend("hosted") as hosted:
+        # The budget ends each stream while its send to the caller is out, well before
+        # send_timeout would; its error event then waits on the same caller.
+        gw = Gateway(store, tower.url, hosted.url, send_timeout=1.0, budget=0.5)
+        async with serve(gw.app) as url, silent_callers(url, CALLERS):
+
+            async def all_cut() -> bool:
+                cut = metric("tierchain_callers_cut_total", route="echo", backend="tower")
+                return cut - cut_before == CALLERS and gw.shed.in_flight == 0
+
+            await until(all_cut, "every silent caller cut at its budget's error event")
+            assert await store.lease_count("tower") == 0
+            snapshot = await store.breaker_snapshot("echo", "tower")
+            assert (snapshot.state, snapshot.failures) == ("closed", 0)
+        await gw.aclose()
+    spent = metric(
+        "tierchain_attempts_total", route="echo", backend="tower", outcome="budget_exhausted"
+    )
+    assert spent - spent_before == CALLERS
 
 
 async def _short_stream(ex: Exchange) -> None:
