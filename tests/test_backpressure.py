@@ -310,3 +310,62 @@ async def test_the_stall_gap_is_not_judged_while_a_send_to_the_caller_is_out() -
         await watchdog.aclose()
     assert seen == ["released"]
     assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+async def test_the_lease_goes_back_before_the_final_error_event_and_that_write_is_bounded(
+    metric: Any,
+) -> None:
+    """A backend breaks mid-stream; the caller does not take the error event: the
+    lease is already back while that write waits, and the write is cut at
+    send_timeout (CallerStalled) instead of holding the request forever."""
+    from tierchain.errors import BackendUnavailable, CallerStalled
+
+    store = MemoryStore()
+    tower = Backend("tower", "http://127.0.0.1:9", max_in_flight=1)
+
+    async def breaks_mid_stream(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        start = {"type": "http.response.start", "status": 200}
+        await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": EVENT, "more_body": True})
+        TierRequest.of(scope).attempt_error = BackendUnavailable(
+            "the stream broke", reason="stream_broken"
+        )
+
+    app = Failover(
+        breaks_mid_stream, routes=Routes({"echo": [tower]}), store=store, send_timeout=0.3
+    )
+    waiting = asyncio.Event()
+    leases_while_waiting: list[int] = []
+
+    async def send(message: Any) -> None:
+        if b'"error"' in message.get("body", b""):
+            leases_while_waiting.append(await store.lease_count("tower"))
+            waiting.set()
+            await asyncio.Event().wait()  # a caller that never takes it
+
+    body = chat_request(stream=True)
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> Any:
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    cut_before = metric("tierchain_callers_cut_total", route="echo", backend="tower")
+    with pytest.raises(CallerStalled):
+        async with asyncio.timeout(30):  # (a hang guard: unbounded, this never returns)
+            await app(scope, receive, send)
+    assert waiting.is_set()
+    assert leases_while_waiting == [0]
+    assert metric("tierchain_callers_cut_total", route="echo", backend="tower") == cut_before + 1
+    req = TierRequest.of(scope)
+    assert [(r.backend, r.outcome) for r in req.attempts] == [("tower", "stream_broken")]
