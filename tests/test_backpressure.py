@@ -180,11 +180,10 @@ async def test_callers_that_stop_reading_are_cut_without_blaming_the_tower(
             await until(all_cut, "every silent caller cut")
 
             async def leases_back() -> bool:
-                return await store.lease_count("tower") == 0
+                return await store.lease_count("tower") == 0 and gw.shed.in_flight == 0
 
-            await until(leases_back, "every lease given back")
-            # Cut while their sockets are still open: their Shed slots are free again.
-            assert gw.shed.in_flight == 0
+            # Cut while their sockets are still open: every lease and Shed slot is back.
+            await until(leases_back, "every lease and Shed slot given back")
             snapshot = await store.breaker_snapshot("echo", "tower")
             assert snapshot.state == "closed"
             assert snapshot.failures == 0
