@@ -29,13 +29,16 @@ class BodyTimeout(Exception):
     """The request body did not arrive whole in time."""
 
 
-def body_timeout(value: float | None) -> float | None:
-    """``value`` checked: seconds > 0, or None (no deadline)."""
+def timeout_option(name: str, value: float | None) -> float | None:
+    """The option ``name``'s ``value`` checked: seconds > 0, or None (no deadline).
+
+    The one check for the caller-facing deadlines (``body_timeout``, ``send_timeout``).
+    """
     if value is None:
         return None
     value = float(value)
     if not value > 0 or value == float("inf"):
-        raise ValueError(f"body_timeout must be a finite number of seconds > 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
     return value
 
 

@@ -1,15 +1,20 @@
-"""Small helpers to answer a request ourselves."""
+"""Small helpers to answer a request ourselves, and to end one whose caller stopped reading."""
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import json
+import logging
 import math
 import time
 from typing import Any
 
-from ._types import Headers, Send
+from ._types import Headers, Message, Send
+from .errors import CallerStalled
+from .request import TierRequest
 from .sse import error_json
+from .telemetry import CALLERS_CUT, labelled, log_event
 
 
 async def send_json_error(
@@ -82,3 +87,54 @@ def error_detail(body: bytes) -> str | None:
         text = body.decode("utf-8", "replace")
     text = " ".join(text.split())
     return text if len(text) <= 300 else text[:300] + "..."
+
+
+async def send_final(send: Send, message: Message, req: TierRequest) -> None:
+    """A last write to a caller whose response has started (an error event), bounded
+    by the request's ``send_timeout`` (see :class:`FinalWrites`)."""
+    async with FinalWrites(req):
+        await send(message)
+
+
+class FinalWrites:
+    """``async with FinalWrites(req):`` the last writes to a caller, bounded by the
+    request's ``send_timeout``: a caller that does not take them in time is cut
+    (:class:`~tierchain.errors.CallerStalled`, counted and logged) rather than
+    waited on."""
+
+    __slots__ = ("bound", "req")
+
+    def __init__(self, req: TierRequest) -> None:
+        self.req = req
+        self.bound = asyncio.timeout(req.send_timeout)
+
+    async def __aenter__(self) -> None:
+        await self.bound.__aenter__()
+
+    async def __aexit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            await self.bound.__aexit__(kind, exc, tb)
+        except TimeoutError:
+            if not self.bound.expired():
+                raise
+            raise caller_cut(self.req, "final_write") from None
+
+
+def caller_cut(req: TierRequest, where: str) -> CallerStalled:
+    """Count and log a caller cut for not reading; the exception that ends its request.
+
+    ``where``: what was waiting on it (``relay``, ``final_write``)."""
+    attempt = req.attempt
+    backend = attempt.backend.name if attempt is not None else ""
+    labelled(CALLERS_CUT, req.route or "", backend).inc()
+    log_event(
+        "dispatch.caller_stalled",
+        level=logging.WARNING,
+        route=req.route,
+        backend=backend or None,
+        waiting=where,
+        send_timeout_s=req.send_timeout,
+    )
+    return CallerStalled(
+        f"the caller took no data for {req.send_timeout:g}s (send_timeout)",
+    )

@@ -59,6 +59,7 @@ from .errors import (
     BackendSaturated,
     BackendSkipped,
     BackendUnavailable,
+    CallerStalled,
     RetryableStatus,
     TierchainError,
 )
@@ -373,6 +374,8 @@ def _classify(exc: BaseException) -> tuple[Outcome, float | None]:
         return "neutral", None  # an inner breaker's verdict, or no room: not a failure
     if isinstance(exc, BackendUnavailable) and exc.gateway_fault:
         return "neutral", None  # the gateway's own slowness, not this backend's
+    if isinstance(exc, CallerStalled):
+        return "neutral", None  # the caller stopped reading: the backend waited on it
     if isinstance(exc, AttemptError):
         return "failure", None
     if isinstance(exc, TierchainError):

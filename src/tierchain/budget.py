@@ -39,7 +39,7 @@ from typing import Any
 from opentelemetry import trace
 
 from . import _deadlines
-from ._responses import send_json_error
+from ._responses import send_final, send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import BudgetExhausted
 from .observer import Observer, whole_events
@@ -262,7 +262,10 @@ class _Spend:
         )  # in the request's wire format (an NDJSON line, an Anthropic error event, ...)
         if observer is not None and error is not None:
             observer.drop_pending()  # a partial event never reaches the caller
-            await send({"type": "http.response.body", "body": error, "more_body": False})
+            # Bounded: a caller that stopped reading is cut, not waited on.
+            await send_final(
+                send, {"type": "http.response.body", "body": error, "more_body": False}, req
+            )
             return
         if not self.finished:
             raise BudgetExhausted(message)

@@ -438,6 +438,9 @@ LAYERS: tuple[Layer, ...] = (
            help="Header bytes beyond which a request gets 431."),
         _o("body_timeout", "FAILOVER_BODY_TIMEOUT", seconds(zero_ok=False, optional=True),
            f"{_SECS_POS}, or none", help="How long a request body may take to arrive (408)."),
+        _o("send_timeout", "FAILOVER_SEND_TIMEOUT", seconds(zero_ok=False, optional=True),
+           f"{_SECS_POS}, or none",
+           help="How long a send to a caller that stopped reading may wait before it is cut."),
     ), wired=frozenset({"routes", "store"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),

@@ -14,7 +14,9 @@ is a different fact and a different branch of the tree::
     │   ├── BackendUnavailable  refused, reset, connect timeout, broken stream
     │   ├── StreamError         the stream went wrong: no_data, truncated, stalled,
     │   │                       malformed_stream
-    │   └── RetryableStatus     a retryable status arrived before anything was sent
+    │   ├── RetryableStatus     a retryable status arrived before anything was sent
+    │   └── CallerStalled       the caller stopped reading past send_timeout: the
+    │                           request is cut, never counted against the backend
     ├── BudgetExhausted         the request's deadline is spent: 504, never a failover
     ├── BodyTooLarge            the request body exceeds what can be replayed: 413
     ├── ResolveError            (also a ValueError) a resolver found no route in the
@@ -43,6 +45,7 @@ __all__ = [
     "BackendUnavailable",
     "BodyTooLarge",
     "BudgetExhausted",
+    "CallerStalled",
     "ConfigError",
     "ResolveError",
     "RetryableStatus",
@@ -163,6 +166,16 @@ class RetryableStatus(AttemptError):
 
 class BudgetExhausted(TierchainError):
     """The whole request's deadline is spent. Answered with 504; never a failover."""
+
+
+class CallerStalled(AttemptError):
+    """The caller stopped reading: a send to it was out for longer than Failover's
+    ``send_timeout``. The request is cut (the server drops the connection), its
+    lease and slot are given back, and no breaker counts it: the backend was
+    waiting on the caller, not the other way round. ``reason`` is ``caller_stalled``.
+    """
+
+    reason = "caller_stalled"
 
 
 class BodyTooLarge(TierchainError):

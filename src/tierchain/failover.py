@@ -57,11 +57,12 @@ from typing import Any, NamedTuple
 
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 
-from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse
-from ._body import body_timeout as body_timeout_option
+from . import _deadlines
+from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
-from ._responses import error_detail, retry_after, send_json_error
+from ._loops import slack
+from ._responses import caller_cut, error_detail, retry_after, send_json_error
 from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .admission import Admission
@@ -73,12 +74,21 @@ from .errors import (
     BackendSkipped,
     BackendUnavailable,
     BudgetExhausted,
+    CallerStalled,
     ResolveError,
     RetryableStatus,
     StreamError,
 )
 from .observer import Observer, nothing_sent
-from .request import TRAIL_HEADER, UNROUTED_KEY, Attempt, AttemptRecord, TierRequest, format_trail
+from .request import (
+    DEFAULT_SEND_TIMEOUT,
+    TRAIL_HEADER,
+    UNROUTED_KEY,
+    Attempt,
+    AttemptRecord,
+    TierRequest,
+    format_trail,
+)
 from .telemetry import (
     ATTEMPTS,
     ATTR_ATTEMPT_N,
@@ -96,7 +106,7 @@ from .telemetry import (
 )
 from .wire import context_exceeded, recognise
 
-__all__ = ["DEFAULT_RETRY_STATUSES", "Failover", "ResolveError"]
+__all__ = ["DEFAULT_RETRY_STATUSES", "DEFAULT_SEND_TIMEOUT", "Failover", "ResolveError"]
 
 DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
 """Statuses that advance the chain before commit (529: Anthropic's "overloaded")."""
@@ -188,6 +198,15 @@ class Failover:
     ``Transfer-Encoding`` 400 (see :mod:`tierchain._head`); and a routed
     request's body must arrive whole within ``body_timeout`` seconds (408
     otherwise; None: no deadline).
+
+    Once the response has started, a caller that stops reading is the caller's
+    problem: a send to it that is out for longer than ``send_timeout`` seconds
+    (None: no bound) cuts the request with outcome ``caller_stalled``. No error
+    event is written (it would wait on the same caller), the server drops the
+    connection, the attempt's in-flight lease is given back at once, and no
+    breaker counts it against the backend. The final error event after a
+    backend failed mid-stream is bounded the same way, and sent after the lease
+    is given back.
     """
 
     def __init__(
@@ -205,10 +224,12 @@ class Failover:
         max_headers: int = DEFAULT_MAX_HEADERS,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
+        send_timeout: float | None = DEFAULT_SEND_TIMEOUT,
     ) -> None:
         self.app = app
         self._head = HeadLimits(max_headers, max_header_bytes)
-        self.body_timeout = body_timeout_option(body_timeout)
+        self.body_timeout = timeout_option("body_timeout", body_timeout)
+        self.send_timeout = timeout_option("send_timeout", send_timeout)
         # Matched against the normalised raw path: routers (a Litestar mount) rewrite
         # scope["path"], and the Forwarder sends the same normalised path upstream.
         self.paths = tuple(p.encode() for p in paths)
@@ -244,6 +265,7 @@ class Failover:
         if body is None:
             return  # answered 413 or 408, or the caller left
         req.body = body
+        req.send_timeout = self.send_timeout
         route = self._route(scope, req, body)
         if isinstance(route, _Refusal):
             return await send_json_error(send, *route)
@@ -597,12 +619,15 @@ class _Responder:
     """One attempt's ``send``: feeds its observer, holds the start until it is worth sending."""
 
     __slots__ = (
+        "_caller_watch",
         "_failover",
         "_guard",
         "_held",
         "_held_size",
         "_send",
+        "_task",
         "attempt",
+        "caller_cut",
         "committed",
         "lease",
         "observer",
@@ -637,6 +662,9 @@ class _Responder:
         self.refusal: list[bytes] | None = None  # a retryable answer's body, being kept
         self._held: list[bytes] | None = None  # made when something is held
         self._held_size = 0
+        self._caller_watch: _deadlines.Deadline | None = None  # send_timeout, from commit
+        self._task: asyncio.Task[Any] | None = None  # the request's task, for the cut
+        self.caller_cut = False  # the watch cut the caller (its cancellation is ours)
 
     def send(self, message: Message) -> Awaitable[None]:
         """The inner app's send. A committed stream's events go straight on."""
@@ -806,6 +834,8 @@ class _Responder:
         answer, end a broken one, or count the failure. True when the caller has
         its answer (the chain stops); False to fail over."""
         failover, req, attempt = self._failover, self.req, self.attempt
+        if isinstance(error, CallerStalled):
+            await self.caller_stalled(error)  # raises: the server drops the connection
         if error is None:
             if not self.committed:
                 await self.commit_held(more_body=False)
@@ -816,7 +846,7 @@ class _Responder:
             # broke after: a whole answer, ended cleanly.
             self.observer.end()
             self._guard.done = True
-            await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._to_caller({"type": "http.response.body", "body": b"", "more_body": False})
             failover._record(req, attempt, self.outcome)
             return True
         outcome = self.outcome = error.reason if isinstance(error, AttemptError) else "error"
@@ -836,6 +866,9 @@ class _Responder:
 
     def end(self) -> Any:
         """The attempt is over: end its span. Returns its in-flight lease to give back."""
+        if self._caller_watch is not None:
+            _deadlines.cancel(self._caller_watch)
+            self._caller_watch = None
         span = self.span
         if span is not INVALID_SPAN:  # (no SDK: nothing to record)
             span.set_attribute(ATTR_OUTCOME, self.outcome)
@@ -866,7 +899,7 @@ class _Responder:
                 "body": chunk,
                 "more_body": more_body or i < last,
             }
-            await self._send(message)
+            await self._to_caller(message)
 
     async def commit(self, chunk: bytes, *, more_body: bool, length: int | None = None) -> None:
         """Send the held start and ``chunk``: the point of no return.
@@ -893,10 +926,11 @@ class _Responder:
         headers.append((BACKEND_HEADER, attempt.backend.name.encode()))
         self.start["headers"] = headers
         req.emit("generating", backend=attempt.backend.name)
-        await self._send(self.start)
+        self._watch_caller()
+        await self._to_caller(self.start)
         if not more_body:
             self._guard.done = True
-        await self._send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+        await self._to_caller({"type": "http.response.body", "body": chunk, "more_body": more_body})
 
     async def fail_after_commit(self, exc: BaseException, outcome: str) -> None:
         """End a committed response after its attempt failed mid-way."""
@@ -919,7 +953,73 @@ class _Responder:
             raise exc  # not a stream: let the server abort the connection
         self.observer.drop_pending()  # a partial event never reaches the caller
         self._guard.done = True
-        await self._send({"type": "http.response.body", "body": error, "more_body": False})
+        # The backend is done with: its place goes back before the caller is written
+        # to, and that write is bounded by send_timeout like every other.
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await self._failover.admission.leave(lease)
+        await self._to_caller({"type": "http.response.body", "body": error, "more_body": False})
+
+    async def caller_stalled(self, error: CallerStalled) -> None:
+        """The caller stopped reading: record it (never the backend's failure), give
+        the lease back, and raise, so the server drops the connection. Nothing more is
+        written: it would wait on the same caller."""
+        self.outcome = error.reason
+        self._failover._record(self.req, self.attempt, error.reason)
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await self._failover.admission.leave(lease)
+        raise error
+
+    # -- the caller's side: send_timeout -------------------------------------------
+
+    async def _to_caller(self, message: Message) -> None:
+        """One of Failover's own sends to the caller, marked as out while it is
+        (``TierRequest.caller_blocked_since``); the cut turns into CallerStalled."""
+        req = self.req
+        req.caller_blocked_since = time.monotonic()
+        try:
+            await self._send(message)
+        except asyncio.CancelledError:
+            if not self.caller_cut or not _own_abort(req):
+                raise
+            error = req.attempt_error
+            assert isinstance(error, CallerStalled)
+            raise error from None
+        req.caller_blocked_since = None
+        req.caller_unblocked_at = time.monotonic()
+
+    def _watch_caller(self) -> None:
+        """From the commit on: look every ``send_timeout`` for a send out that long."""
+        timeout = self._failover.send_timeout
+        if timeout is None or self._caller_watch is not None:
+            return
+        self._task = asyncio.current_task()
+        self._caller_watch = _deadlines.schedule(timeout, self._caller_due)
+
+    def _caller_due(self) -> None:
+        """The watch's call: cut the caller if a send has been out for send_timeout,
+        else look again when the send out now would reach it."""
+        self._caller_watch = None
+        timeout = self._failover.send_timeout
+        assert timeout is not None
+        req = self.req
+        since = req.caller_blocked_since
+        if since is None:
+            self._caller_watch = _deadlines.schedule(timeout, self._caller_due)
+            return
+        now = time.monotonic()
+        left = since + timeout - now
+        if left > slack(asyncio.get_running_loop()):
+            self._caller_watch = _deadlines.schedule(left, self._caller_due, fixed=False)
+            return
+        task = self._task
+        if task is None or task.done() or req.aborted:
+            return  # on its way out already
+        self.caller_cut = True
+        req.attempt_error = caller_cut(req, "relay")
+        req.aborted = True
+        task.cancel("tierchain: caller_stalled")
 
 
 def _has_body(status: int | None) -> bool:

@@ -44,8 +44,7 @@ from typing import Any
 import httpx
 from opentelemetry import propagate
 
-from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse
-from ._body import body_timeout as body_timeout_option
+from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._lag import lag_since
@@ -89,6 +88,7 @@ _LAG_SHARE = 0.25
 # A backend is given at most this many fresh connect windows for the gateway's lag.
 _EXTENSIONS = 3
 _EARLY = 0.001  # the lag check runs this long before the deadline it may move
+_now = time.monotonic
 _HEADERS_SENT = frozenset(
     {"http11.send_request_headers.started", "http2.send_request_headers.started"}
 )
@@ -131,7 +131,7 @@ class Forwarder:
         self.connect_timeout = float(connect_timeout)
         self.backend = backend
         self.max_body = int(max_body)
-        self.body_timeout = body_timeout_option(body_timeout)
+        self.body_timeout = timeout_option("body_timeout", body_timeout)
         self._head = HeadLimits(max_headers, max_header_bytes)
         self._own_client = client is None
         self._client = client
@@ -363,12 +363,30 @@ class Forwarder:
             # per-chunk bookkeeping (a re-chunker that does nothing here, a byte count).
             stream = response.stream
             assert isinstance(stream, httpx.AsyncByteStream)
+            # While a send to the caller is out, nothing is read from the upstream: the
+            # request says so (TierRequest.caller_blocked_since), for the watchdog's
+            # stall gap and Failover's send_timeout. Two clock reads a chunk, no task.
+            req = TierRequest.find(scope)
             async for chunk in stream:
                 if observer is not None:
                     chunk = observer.body(chunk)
                 if chunk:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    message = {"type": "http.response.body", "body": chunk, "more_body": True}
+                    if req is None:
+                        await send(message)
+                    else:
+                        req.caller_blocked_since = _now()
+                        await send(message)
+                        req.caller_blocked_since = None
+                        req.caller_unblocked_at = _now()
+            end = {"type": "http.response.body", "body": b"", "more_body": False}
+            if req is None:
+                await send(end)
+            else:
+                req.caller_blocked_since = _now()
+                await send(end)
+                req.caller_blocked_since = None
+                req.caller_unblocked_at = _now()
         except (httpx.TransportError, StreamError) as exc:
             if raise_errors:
                 # Said without raising: a framework around this handler (Litestar's)

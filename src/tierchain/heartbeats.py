@@ -87,7 +87,9 @@ from opentelemetry import trace
 
 from ._deadlines import Fifo
 from ._loops import PerLoop
+from ._responses import FinalWrites
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
+from .errors import CallerStalled
 from .observer import Observer, nothing_sent, whole_events
 from .request import StateEvent, TierRequest
 from .sse import comment_line, is_event_stream
@@ -987,8 +989,14 @@ class _Stream:
         self.entry = clock.first(self, first_due)
 
     async def app_failed(self, exc: Exception) -> None:
-        """The inner app raised: end our own response, if we committed one, with an error."""
-        async with self.lock:
+        """The inner app raised: end our own response, if we committed one, with an error.
+
+        Not for a caller cut for not reading (nothing more is written to it); and
+        bounded by the request's ``send_timeout`` (the lock may be held by a write
+        that waits on that same caller)."""
+        if isinstance(exc, CallerStalled):
+            return
+        async with FinalWrites(self.req), self.lock:
             if self.phase == _OWN and not self.gone:
                 log_event("stream.app_error", level=40, error=repr(exc))
                 await self._finish_own(
@@ -1017,8 +1025,9 @@ class _Stream:
         return None
 
     async def finish(self) -> None:
-        """The inner app returned: end our own response if we committed one."""
-        async with self.lock:
+        """The inner app returned: end our own response if we committed one (within
+        the request's ``send_timeout``)."""
+        async with FinalWrites(self.req), self.lock:
             if self.phase == _OWN and not self.gone:
                 if self.late_status is not None:
                     body = b"".join(self.late_body or ())

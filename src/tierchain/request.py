@@ -31,6 +31,7 @@ from .errors import AttemptError
 from .observer import Observer
 
 __all__ = [
+    "DEFAULT_SEND_TIMEOUT",
     "SCOPE_KEY",
     "TRAIL_HEADER",
     "UNROUTED_KEY",
@@ -43,6 +44,9 @@ __all__ = [
     "current_attempt",
     "format_trail",
 ]
+
+DEFAULT_SEND_TIMEOUT = 30.0
+"""How long one send to the caller may be out before the caller counts as stalled."""
 
 SCOPE_KEY = "tierchain.request"
 """The scope key under which the :class:`TierRequest` lives."""
@@ -144,6 +148,8 @@ class TierRequest:
         "attempts",
         "body",
         "budget",
+        "caller_blocked_since",
+        "caller_unblocked_at",
         "cancel_reason",
         "chain",
         "committed",
@@ -154,6 +160,7 @@ class TierRequest:
         "preference",
         "reorderers",
         "route",
+        "send_timeout",
         "started",
         "state",
         "streaming",
@@ -194,6 +201,20 @@ class TierRequest:
         """The backend an operator pin moved to the front, if any."""
         self.preference: Preference | None = None
         """What became of the caller's preference header, if it sent one."""
+        self.caller_blocked_since: float | None = None
+        """While a send to the caller is out (the relay handing it a chunk), when it
+        started (monotonic seconds); None while none is. A caller that stops reading
+        keeps that send out: meanwhile nothing is read from the upstream, so its
+        silence is not the upstream's (the watchdog's stall gap skips it), and past
+        Failover's ``send_timeout`` the caller is cut. Left set when the send never
+        came back (the request ended while the caller was not reading)."""
+        self.send_timeout: float | None = DEFAULT_SEND_TIMEOUT
+        """How long a send to the caller may be out before the caller is cut (Failover's
+        ``send_timeout``; None: no bound). Also bounds the last writes of the layers
+        outside Failover (Budget's and Heartbeats' error events)."""
+        self.caller_unblocked_at = 0.0
+        """When the last send to the caller came back (monotonic seconds; 0: none yet):
+        the upstream's silence is timed from then at the earliest."""
         self.wire: str | None = None
         """The request's wire format (:mod:`tierchain.wire`), set by Failover from the
         route or the path; a backend's own ``wire_format`` wins for its attempts."""

@@ -295,6 +295,14 @@ REQUESTS_REFUSED = Counter(
     ["status", "reason"],
 )
 
+CALLERS_CUT = Counter(
+    "tierchain_callers_cut",
+    "Requests cut because the caller stopped reading (a send to it was out past Failover's "
+    "send_timeout), by route and the backend whose answer it was not taking; never counted "
+    "against that backend.",
+    ["route", "backend"],
+)
+
 
 def labelled(metric: Any, *values: str) -> Any:
     """``metric.labels(*values)``, memoised: the hot path pays a dict lookup, not a lock."""

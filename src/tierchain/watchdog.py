@@ -17,6 +17,10 @@ host handler, and bounds two waits, reading the attempt's
   stream that is long is never cut; one that goes quiet for that long is
   ``stalled``: the attempt is cancelled (closing the upstream connection),
   the caller gets an error event, and the backend is charged a failure.
+  Time spent waiting for the caller to take a chunk
+  (``TierRequest.caller_blocked_since``: a caller that stopped reading) is not
+  the upstream's silence: the gap is never judged while such a send is out, and
+  is timed from when it came back at the earliest.
 
 When the window expires on a tier that has a later tier behind it:
 
@@ -535,6 +539,8 @@ class _Watch:
         A committed stream that has been silent for its stall window (or
         ``_SILENT`` seconds, if shorter) when the budget ends it stalled: that
         is the backend's fault, and left as the attempt's error for the Breaker.
+        Not while a send to the caller is out: then the caller was not reading,
+        and the silence was ours.
         """
         req = self.req
         observer = self.observer
@@ -545,9 +551,10 @@ class _Watch:
             or observer.first_data_at is None
             or observer.ended
             or self.stall <= 0
+            or req.caller_blocked_since is not None  # the caller's backpressure, not a stall
         ):
             return
-        gap = time.monotonic() - (observer.last_event_at or observer.first_data_at)
+        gap = time.monotonic() - self._quiet_since()
         if gap < min(self.stall, _SILENT):
             return
         self._log_stall(gap)
@@ -631,8 +638,7 @@ class _Watch:
         if self.answered():
             if self.stall <= 0 or observer.ended:
                 return
-            last = observer.last_event_at or observer.first_data_at or self.start
-            due = last + self.stall
+            due = self._quiet_since() + self.stall
         else:
             due = min(self._window_end, self._ceiling_at, self._cut)
             deadline = self._deadline()
@@ -641,6 +647,17 @@ class _Watch:
         if due == math.inf:
             return
         self._arm(max(0.0, due - time.monotonic()), fixed=False)
+
+    def _quiet_since(self) -> float:
+        """Since when the upstream has sent nothing that we read: its last data event,
+        or the moment the caller took our last send back if that came later (while a
+        send to the caller is out, nothing is read from the upstream)."""
+        observer = self.observer
+        last = observer.last_event_at or observer.first_data_at or self.start
+        req = self.req
+        if req is not None and req.caller_unblocked_at > last:
+            return req.caller_unblocked_at
+        return last
 
     def _arm(self, delay: float, *, fixed: bool) -> None:
         # Our callbacks log, emit and may start a probe: in the request's context.
@@ -655,7 +672,14 @@ class _Watch:
         now = time.monotonic()
         observer = self.observer
         if self.answered():
-            last = observer.last_event_at or observer.first_data_at or self.start
+            req = self.req
+            if req is not None and req.caller_blocked_since is not None and not observer.ended:
+                # The caller is not reading, so neither are we: the upstream's silence
+                # is not its own (Failover's send_timeout judges the caller). Look again
+                # one stall window later.
+                self._arm(self.stall, fixed=True)
+                return
+            last = self._quiet_since()
             if not observer.ended and now >= last + self.stall - _EARLY:
                 self._stalled(now - last)
             else:
