@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 from ._deadlines import Fifo
@@ -65,6 +66,9 @@ class _Starter:
             if guard is not None:
                 guard._starter = None
                 guard.start_watching()
+                then, guard.then = guard.then, None
+                if then is not None:
+                    then()
         nxt = self.fifo.next_due(pending)  # (guards closed meanwhile: no need to wake)
         if nxt < math.inf:
             self.loop.call_later(max(0.0, nxt - _now()), self._tick)
@@ -93,6 +97,7 @@ class DisconnectGuard:
         "_task",
         "_watcher",
         "done",
+        "then",
     )
 
     def __init__(self, receive: Receive) -> None:
@@ -104,6 +109,10 @@ class DisconnectGuard:
         self._gone: asyncio.Event | None = None  # made when first needed
         self._starter: _Starter | None = None  # while queued for its watcher
         self._queued = 0
+        self.then: Callable[[], object] | None = None
+        """Called once when the request has run ``WATCH_AFTER`` seconds (if still
+        guarded): work for a request that lives that long, not paid by one answered
+        sooner (Failover's send_timeout watch)."""
 
     @property
     def gone(self) -> asyncio.Event:
@@ -120,6 +129,16 @@ class DisconnectGuard:
         """Start guarding the running task (what ``async with`` does on entry)."""
         self._task = asyncio.current_task()
         _starter().add(self)
+
+    @property
+    def young(self) -> bool:
+        """True until the request has run ``WATCH_AFTER`` seconds (:attr:`then` still due)."""
+        return self._starter is not None
+
+    @property
+    def task(self) -> asyncio.Task[object] | None:
+        """The task this guard cancels (the request's), once entered."""
+        return self._task
 
     def start_watching(self) -> None:
         """Start the watcher task (once the request has run ``WATCH_AFTER`` seconds).

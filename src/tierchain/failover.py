@@ -620,6 +620,7 @@ class _Responder:
 
     __slots__ = (
         "_caller_watch",
+        "_ended",
         "_failover",
         "_guard",
         "_held",
@@ -665,6 +666,7 @@ class _Responder:
         self._caller_watch: _deadlines.Deadline | None = None  # send_timeout, from commit
         self._task: asyncio.Task[Any] | None = None  # the request's task, for the cut
         self.caller_cut = False  # the watch cut the caller (its cancellation is ours)
+        self._ended = False
 
     def send(self, message: Message) -> Awaitable[None]:
         """The inner app's send. A committed stream's events go straight on."""
@@ -866,6 +868,10 @@ class _Responder:
 
     def end(self) -> Any:
         """The attempt is over: end its span. Returns its in-flight lease to give back."""
+        self._ended = True
+        guard = self._guard
+        if guard.then is not None:
+            guard.then = None  # (only the committed attempt sets it)
         if self._caller_watch is not None:
             _deadlines.cancel(self._caller_watch)
             self._caller_watch = None
@@ -990,11 +996,24 @@ class _Responder:
         req.caller_unblocked_at = time.monotonic()
 
     def _watch_caller(self) -> None:
-        """From the commit on: look every ``send_timeout`` for a send out that long."""
-        timeout = self._failover.send_timeout
-        if timeout is None or self._caller_watch is not None:
+        """From the commit on: look every ``send_timeout`` for a send out that long.
+
+        A request younger than the disconnect guard's ``WATCH_AFTER`` (20 ms) starts
+        its watch then, from the guard's own queue: most answers are over by then and
+        never pay for a deadline (a cut comes at most that much later)."""
+        if self._failover.send_timeout is None or self._caller_watch is not None:
             return
-        self._task = asyncio.current_task()
+        guard = self._guard
+        if guard.young:
+            guard.then = self._arm_caller_watch
+        else:
+            self._arm_caller_watch()
+
+    def _arm_caller_watch(self) -> None:
+        timeout = self._failover.send_timeout
+        if timeout is None or self._caller_watch is not None or self._ended:
+            return
+        self._task = self._guard.task
         self._caller_watch = _deadlines.schedule(timeout, self._caller_due)
 
     def _caller_due(self) -> None:
