@@ -434,6 +434,18 @@ def answering(tower: str) -> Any:
     return handler
 
 
+def chat_scope() -> dict[str, Any]:
+    """An HTTP scope for ``POST /v1/chat/completions`` with a JSON body, as a server sends it."""
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+
+
 async def one_request(app: Any) -> list[dict[str, Any]]:
     """One streaming chat request through ``app`` in memory; what it sent back."""
     sent: list[dict[str, Any]] = []
@@ -450,15 +462,7 @@ async def one_request(app: Any) -> list[dict[str, Any]]:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-    }
-    await app(scope, receive, send)
+    await app(chat_scope(), receive, send)
     over.set()
     await asyncio.sleep(0)  # the loop's turn between requests, as a server gives it
     return sent

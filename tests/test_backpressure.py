@@ -40,7 +40,15 @@ from tierchain import (
 from tierchain.observer import Observer
 from tierchain.request import Attempt, TierRequest
 
-from .support import Exchange, FakeBackend, chat_request, chunk_event, openai_stream, serve
+from .support import (
+    Exchange,
+    FakeBackend,
+    chat_request,
+    chat_scope,
+    chunk_event,
+    openai_stream,
+    serve,
+)
 
 CALLERS = 5
 SEND_TIMEOUT = 0.5
@@ -351,14 +359,7 @@ async def test_the_lease_goes_back_before_the_final_error_event_and_that_write_i
             return messages.pop()
         await asyncio.Event().wait()
 
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-    }
+    scope = chat_scope()
     cut_before = metric("tierchain_callers_cut_total", route="echo", backend="tower")
     with pytest.raises(CallerStalled):
         async with asyncio.timeout(30):  # (a hang guard: unbounded, this never returns)
