@@ -61,7 +61,7 @@ from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse
 from ._body import body_timeout as body_timeout_option
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
-from ._responses import error_detail, retry_after, send_json_error
+from ._responses import error_detail, header, retry_after, send_json_error
 from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .admission import Admission
@@ -78,6 +78,7 @@ from .errors import (
     StreamError,
 )
 from .observer import Observer, nothing_sent
+from .picker import Picker, PickWeights
 from .request import TRAIL_HEADER, UNROUTED_KEY, Attempt, AttemptRecord, TierRequest, format_trail
 from .telemetry import (
     ATTEMPTS,
@@ -88,6 +89,7 @@ from .telemetry import (
     ATTR_REGIME,
     ATTR_ROUTE,
     BACKEND_BUSY,
+    SAME_TIER_RETRIES,
     TIME_TO_FIRST_CHUNK,
     labelled,
     log_event,
@@ -107,6 +109,12 @@ _REFUSED = frozenset({429, 503})
 # Saturations whose reason the backend_saturated state line carries (the words this
 # layer's callers may not know from the plain stopwatch).
 _SHOWN_WHY = frozenset({"reserve", "too_slow", "incomplete"})
+# Faults worth a second try of the same backend before commit: a connection that
+# broke under the request (a reused keep-alive connection the server had closed),
+# and a proxy in front of the model server answering 502, or 503 without
+# Retry-After with a body typed other than JSON (a model server's own 503 is JSON:
+# it is busy, and the chain moves on).
+_TRANSIENT = frozenset({"connection_reset", "http_502", "http_503"})
 
 
 Resolver = Callable[[Scope, bytes], str]
@@ -188,6 +196,20 @@ class Failover:
     ``Transfer-Encoding`` 400 (see :mod:`tierchain._head`); and a routed
     request's body must arrive whole within ``body_timeout`` seconds (408
     otherwise; None: no deadline).
+
+    A :class:`~tierchain.Pool` in a chain: each time the chain reaches it, its
+    replicas are ordered by their live state with the weights ``pick`` (a
+    :class:`~tierchain.picker.PickWeights`; see :mod:`tierchain.picker`), and a
+    replica that fails before commit is followed by the next one, then by the
+    next tier. After a backend that ``shares`` hardware was saturated or busy,
+    the backends of the same group are passed over (outcome ``busy``, reason
+    ``shares``).
+
+    ``retries``: how many times one request may send an attempt again to the
+    same backend after a transient fault before commit (``connection_reset``,
+    a 502, a 503 with no ``Retry-After`` and a body typed other than JSON: a
+    proxy's, not the model server's own "busy"); never for a saturation, never past
+    the reserve kept for the later tiers; the last tier too. 0: never.
     """
 
     def __init__(
@@ -205,6 +227,8 @@ class Failover:
         max_headers: int = DEFAULT_MAX_HEADERS,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
+        pick: PickWeights | None = None,
+        retries: int = 1,
     ) -> None:
         self.app = app
         self._head = HeadLimits(max_headers, max_header_bytes)
@@ -223,6 +247,15 @@ class Failover:
         self.retry_statuses = frozenset(retry_statuses)
         self._known = ", ".join(sorted(self.routes))
         self.admission = Admission(store, lease=lease)
+        if pick is not None and not isinstance(pick, PickWeights):
+            raise ValueError(f"pick must be a tierchain.picker.PickWeights, got {pick!r}")
+        self.picker = Picker(pick or PickWeights(), admission=self.admission, store=store)
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be a whole number >= 0, got {retries!r}")
+        self.retries = retries
+        # Routes whose chain holds a pool or a backend that shares hardware: only
+        # their requests take the slower path (a chain of single backends does not).
+        self._special = self.routes.pooled | self.routes.shared
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -251,6 +284,9 @@ class Failover:
         for reorder in req.reorderers:
             chain = await self._reordered(route, chain, reorder)
         req.route = route
+        special = route in self._special if self._special else False
+        if special:
+            chain = _gathered(chain)
         req.chain = chain
         req.in_chain = True
         req.wire = self.routes.wire_format(route) or recognise(target.path)
@@ -271,9 +307,15 @@ class Failover:
             pristine = tuple(scope.values())
             first = True
             attempt: Attempt | None = Attempt(1, len(chain), chain[0], route)
+            plan = _Plan(req) if special else None
+            if plan is not None and chain[0].pool is not None:
+                attempt = await self._picked(req, plan, Attempt(1, len(chain), chain[0], route))
+            retried = 0
             while attempt is not None:
                 responder = self._begin(req, guard, send, attempt)
                 recorded = len(req.attempts)
+                if plan is not None and attempt.backend.pool is not None:
+                    self.picker.started(route, attempt.backend)
                 try:
                     error: BaseException | None = None
                     try:
@@ -323,9 +365,27 @@ class Failover:
                     # would wait for the garbage collector together.
                     error = None
                     lease = responder.end()
+                    if plan is not None and attempt.backend.pool is not None:
+                        self._picked_ended(req, attempt, responder, recorded)
                     if lease is not None:
                         await self.admission.leave(lease)
-                attempt = self._next(req, attempt)
+                fault = responder.fault
+                if (
+                    fault is not None
+                    and fault.startswith("transient:")
+                    and retried < self.retries
+                    and _may_retry(req, attempt)
+                ):
+                    retried += 1
+                    labelled(SAME_TIER_RETRIES, route, attempt.backend.name, fault[10:]).inc()
+                    attempt = Attempt(
+                        attempt.n, attempt.of, attempt.backend, route, retry=attempt.retry + 1
+                    )
+                    continue
+                if plan is None:
+                    attempt = self._next(req, attempt)
+                else:
+                    attempt = await self._next_planned(req, plan, attempt, fault)
             guard.done = True
             if span is not INVALID_SPAN:
                 span.set_attribute(ATTR_OUTCOME, "all_failed")
@@ -402,6 +462,67 @@ class Failover:
             return Attempt(of, of, soonest, req.route, force=True)
         return None
 
+    async def _next_planned(
+        self, req: TierRequest, plan: _Plan, attempt: Attempt, fault: str | None
+    ) -> Attempt | None:
+        """The next attempt of a chain with a pool or shared hardware: the next replica
+        picked by live state, past every backend whose hardware is known taken."""
+        if fault is not None and fault.startswith("holds:"):
+            plan.held.add(fault[6:])
+        nxt = self._next(req, attempt)
+        while nxt is not None and not nxt.force:
+            if nxt.backend.pool is not None:
+                nxt = await self._picked(req, plan, nxt)
+            shares = nxt.backend.shares
+            if shares is None or shares not in plan.held:
+                break
+            self._record(req, nxt, "busy")
+            labelled(BACKEND_BUSY, req.route or "", nxt.backend.name, "shares").inc()
+            req.emit(
+                "backend_busy",
+                **_named(nxt.backend),
+                reason="shares",
+                shares=shares,
+                failing_over=not nxt.is_last,
+            )
+            nxt = self._next(req, nxt)
+        return nxt
+
+    async def _picked(self, req: TierRequest, plan: _Plan, attempt: Attempt) -> Attempt:
+        """``attempt`` at the best replica left of its pool (the chain reordered to say so)."""
+        chain = req.chain
+        i = attempt.n - 1
+        pool = chain[i].pool
+        j = i + 1
+        while j < len(chain) and chain[j].pool == pool:
+            j += 1
+        run = chain[i:j]
+        if len(run) < 2:
+            return attempt
+        entering = i == 0 or chain[i - 1].pool != pool
+        if entering and run[0].name in plan.preferred:
+            # A preferred or pinned replica leads; the rest are ordered after it.
+            order = [run[0], *await self.picker.order(req.route or "", run[1:], req.body)]
+        else:
+            order = await self.picker.order(req.route or "", run, req.body)
+        req.chain = (*chain[:i], *order, *chain[j:])
+        return Attempt(attempt.n, attempt.of, order[0], attempt.route, force=attempt.force)
+
+    def _picked_ended(
+        self, req: TierRequest, attempt: Attempt, responder: _Responder, recorded: int
+    ) -> None:
+        """Tell the picker how an attempt at a replica ended."""
+        record = req.attempts[recorded] if len(req.attempts) > recorded else None
+        observer = responder.observer
+        first = observer.first_data_at
+        self.picker.ended(
+            attempt.backend,
+            record.outcome if record is not None else responder.outcome,
+            body=req.body,
+            first_data_s=None if first is None else first - attempt.started,
+            retry_in=record.retry_after if record is not None else None,
+        )
+
     async def _all_failed(self, req: TierRequest, send: Send, of: int) -> None:
         """No tier answered: the caller's 503, 429 or 502."""
         skipped = _skipped(req)
@@ -467,7 +588,22 @@ class Failover:
         observer = req.observer = Observer(
             attempt.started, stream_end=backend.stream_end, wire=backend.wire_format or req.wire
         )
-        req.emit("attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime)
+        if backend.pool is None and not attempt.retry:
+            req.emit(
+                "attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime
+            )
+        else:
+            fields: dict[str, Any] = {"pool": backend.pool} if backend.pool is not None else {}
+            if attempt.retry:
+                fields["retry"] = attempt.retry
+            req.emit(
+                "attempt",
+                n=attempt.n,
+                of=attempt.of,
+                backend=backend.name,
+                regime=backend.regime,
+                **fields,
+            )
         return _Responder(self, req, attempt, observer, send, guard, _attempt_span(attempt))
 
     def _record(
@@ -479,12 +615,20 @@ class Failover:
         detail: str | None = None,
     ) -> None:
         elapsed = time.monotonic() - attempt.started
+        backend = attempt.backend
         req.attempts.append(
-            AttemptRecord(attempt.n, attempt.backend.name, outcome, elapsed, retry_after, detail)
+            AttemptRecord(
+                attempt.n, backend.name, outcome, elapsed, retry_after, detail, backend.pool
+            )
         )
         labelled(ATTEMPTS, attempt.route or "", attempt.backend.name, outcome).inc()
 
-    def _failed(self, req: TierRequest, attempt: Attempt, exc: BaseException, outcome: str) -> None:
+    def _failed(
+        self, req: TierRequest, attempt: Attempt, exc: BaseException, outcome: str
+    ) -> str | None:
+        """Record and announce a failed attempt. Returns what the next step must know:
+        ``holds:<group>`` when the backend's shared hardware is taken (saturated or
+        busy), ``transient:<reason>`` for a fault worth a second try, else None."""
         retry: float | None = None
         detail: str | None = None
         if isinstance(exc, BackendSkipped):
@@ -493,32 +637,38 @@ class Failover:
             retry, detail = exc.retry_after, exc.detail
         self._record(req, attempt, outcome, retry, detail)
         backend = attempt.backend.name
+        named = _named(attempt.backend)
         failing_over = not attempt.is_last
+        fault: str | None = None
         if isinstance(exc, BackendBusy):
             why = "max_in_flight" if exc.why == "max_in_flight" else "status"
             labelled(BACKEND_BUSY, attempt.route or "", backend, why).inc()
-            fields: dict[str, Any] = {"backend": backend}
+            fields: dict[str, Any] = dict(named)
             if exc.in_flight is not None:
                 fields["in_flight"] = exc.in_flight
             else:
                 fields["reason"] = exc.why
             req.emit("backend_busy", **fields, failing_over=failing_over)
+            if exc.why != "reserve":  # (passed over for time: its hardware is not known taken)
+                fault = _holds(attempt.backend)
         elif isinstance(exc, BackendSkipped):
             req.emit(
                 "backend_skipped",
-                backend=backend,
+                **named,
                 retry_in_s=None if retry is None else round(retry, 1),
                 failing_over=failing_over,
             )
         elif isinstance(exc, BackendSaturated):
             if exc.why in _SHOWN_WHY:
-                req.emit(
-                    "backend_saturated", backend=backend, reason=exc.why, failing_over=failing_over
-                )
+                req.emit("backend_saturated", **named, reason=exc.why, failing_over=failing_over)
             else:
-                req.emit("backend_saturated", backend=backend, failing_over=failing_over)
+                req.emit("backend_saturated", **named, failing_over=failing_over)
+            if exc.why != "reserve":
+                fault = _holds(attempt.backend)
         else:
-            req.emit("backend_failed", backend=backend, reason=outcome, failing_over=failing_over)
+            req.emit("backend_failed", **named, reason=outcome, failing_over=failing_over)
+            if outcome in _TRANSIENT and (outcome != "http_503" or _proxy_503(req, retry)):
+                fault = "transient:" + outcome
         log_event(
             "dispatch.attempt_failed",
             route=attempt.route,
@@ -528,6 +678,65 @@ class Failover:
             outcome=outcome,
             failing_over=failing_over,
         )
+        return fault
+
+
+class _Plan:
+    """A request's facts for a chain with a pool or shared hardware."""
+
+    __slots__ = ("held", "preferred")
+
+    def __init__(self, req: TierRequest) -> None:
+        self.held: set[str] = set()  # the shares groups known taken
+        preferred = set()
+        if req.pin is not None:
+            preferred.add(req.pin)
+        if req.preference is not None and req.preference.applied:
+            preferred.add(req.preference.requested)
+        self.preferred = frozenset(preferred)
+
+
+def _gathered(chain: tuple[Backend, ...]) -> tuple[Backend, ...]:
+    """``chain`` with each pool's replicas side by side, where its first one stands
+    (a preference may have moved one replica ahead of the rest)."""
+    out: list[Backend] = []
+    done: set[str] = set()
+    for backend in chain:
+        pool = backend.pool
+        if pool is None:
+            out.append(backend)
+        elif pool not in done:
+            done.add(pool)
+            out.extend(b for b in chain if b.pool == pool)
+    return tuple(out)
+
+
+def _named(backend: Backend) -> dict[str, Any]:
+    """A state line's naming fields: the backend, and its pool when it has one."""
+    if backend.pool is None:
+        return {"backend": backend.name}
+    return {"backend": backend.name, "pool": backend.pool}
+
+
+def _holds(backend: Backend) -> str | None:
+    return None if backend.shares is None else "holds:" + backend.shares
+
+
+def _proxy_503(req: TierRequest, retry_after: float | None) -> bool:
+    """True when a 503 looks like a proxy's: no Retry-After, a body that says its type
+    and it is not JSON (nginx's HTML page, Envoy's "no healthy upstream")."""
+    if retry_after is not None or req.observer is None:
+        return False
+    kind = header(req.observer.headers, b"content-type")
+    return kind is not None and b"json" not in kind.lower()
+
+
+def _may_retry(req: TierRequest, attempt: Attempt) -> bool:
+    """True when a second try of the same backend keeps the reserve (and the budget)."""
+    if req.committed or req.cancel_reason is not None:
+        return False
+    left = req.remaining()
+    return left is None or left > attempt.reserve
 
 
 def _current(span: Span) -> AbstractContextManager[object]:
@@ -569,6 +778,8 @@ def _skipped(req: TierRequest) -> dict[str, float | None]:
 
 def _attempt_json(record: AttemptRecord) -> dict[str, Any]:
     item: dict[str, Any] = {"backend": record.backend, "outcome": record.outcome}
+    if record.pool is not None:
+        item["pool"] = record.pool
     if record.retry_after is not None:
         item["retry_after_s"] = round(record.retry_after, 1)
     if record.detail is not None:
@@ -604,6 +815,7 @@ class _Responder:
         "_send",
         "attempt",
         "committed",
+        "fault",
         "lease",
         "observer",
         "outcome",
@@ -634,6 +846,7 @@ class _Responder:
         self.start: Message | None = None
         self.committed = False
         self.outcome = "ok"
+        self.fault: str | None = None  # what a failure tells the next step (Failover._failed)
         self.refusal: list[bytes] | None = None  # a retryable answer's body, being kept
         self._held: list[bytes] | None = None  # made when something is held
         self._held_size = 0
@@ -831,7 +1044,7 @@ class _Responder:
                 backend=attempt.backend.name,
                 error=repr(error),
             )
-        failover._failed(req, attempt, error, outcome)
+        self.fault = failover._failed(req, attempt, error, outcome)
         return False
 
     def end(self) -> Any:
@@ -888,11 +1101,18 @@ class _Responder:
             headers.append(
                 (b"content-length", str(len(chunk) if length is None else length).encode())
             )
-        trail = format_trail(req.attempts, (attempt.backend.name, self.outcome))
+        backend = attempt.backend
+        if backend.pool is None:
+            trail = format_trail(req.attempts, (backend.name, self.outcome))
+            req.emit("generating", backend=backend.name)
+        else:
+            trail = format_trail(
+                req.attempts, (f"{backend.name};pool={backend.pool}", self.outcome)
+            )
+            req.emit("generating", backend=backend.name, pool=backend.pool)
         headers.append((TRAIL_HEADER, trail))
-        headers.append((BACKEND_HEADER, attempt.backend.name.encode()))
+        headers.append((BACKEND_HEADER, backend.name.encode()))
         self.start["headers"] = headers
-        req.emit("generating", backend=attempt.backend.name)
         await self._send(self.start)
         if not more_body:
             self._guard.done = True

@@ -70,6 +70,8 @@ class Attempt:
     ``reserve`` is the time this attempt leaves for the later tiers (set by the
     SaturationWatchdog: 0 for the last tier or without a budget); ``verdict``
     is the watchdog's latest word on the backend (``working``, ``too_slow``...).
+    ``retry`` counts the tries of the same backend before this one in the same
+    request (Failover's ``retries``, after a transient fault).
     """
 
     n: int
@@ -81,6 +83,7 @@ class Attempt:
     force: bool = False
     reserve: float = 0.0
     verdict: str | None = None
+    retry: int = 0
 
     def remaining(self) -> float | None:
         """Seconds left before the budget ends this attempt, or None without a budget."""
@@ -99,10 +102,18 @@ TRAIL_HEADER = b"x-tierchain-attempts"
 
 
 def format_trail(records: list[AttemptRecord], extra: tuple[str, str] | None = None) -> bytes:
-    """The trail header's value for ``records`` (plus an attempt still running, ``extra``)."""
+    """The trail header's value for ``records`` (plus an attempt still running, ``extra``).
+
+    A replica of a pool is listed with its pool: ``tower-a;pool=tower;outcome=ok``
+    (``extra``'s name then carries its ``;pool=`` already)."""
     if not records and extra is not None:  # the usual case: the first tier answered
         return f"{extra[0]};outcome={extra[1]}".encode()
-    parts = [f"{r.backend};outcome={r.outcome}" for r in records]
+    parts = [
+        f"{r.backend};outcome={r.outcome}"
+        if r.pool is None
+        else f"{r.backend};pool={r.pool};outcome={r.outcome}"
+        for r in records
+    ]
     if extra is not None:
         parts.append(f"{extra[0]};outcome={extra[1]}")
     return ", ".join(parts).encode()
@@ -113,7 +124,8 @@ class AttemptRecord:
     """How one attempt ended, for the trail header, the error body and the demo.
 
     ``retry_after`` is when the backend (its ``Retry-After``) or its breaker said
-    to come back, in seconds; ``detail`` is the backend's own message, if any.
+    to come back, in seconds; ``detail`` is the backend's own message, if any;
+    ``pool`` the pool the backend is a replica of (None: a backend on its own).
     """
 
     n: int
@@ -122,6 +134,7 @@ class AttemptRecord:
     elapsed: float
     retry_after: float | None = None
     detail: str | None = None
+    pool: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

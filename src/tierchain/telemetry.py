@@ -272,6 +272,16 @@ LEARNED_STALL_AFTER = Gauge(
     "The learned gap allowed between data events (stall_after=auto), by backend.",
     ["backend", "bucket"],
 )
+POOL_PICKS = Counter(
+    "tierchain_pool_picks",
+    "Attempts at a pool's replicas, by route, pool and the replica picked.",
+    ["route", "pool", "backend"],
+)
+SAME_TIER_RETRIES = Counter(
+    "tierchain_same_tier_retries",
+    "Attempts sent again to the same backend after a transient fault, by the fault.",
+    ["route", "backend", "reason"],
+)
 RESERVE_ENDED = Counter(
     "tierchain_reserve_ended",
     "Attempts ended to keep the reserve for the later tiers (outcome saturated, reason reserve).",

@@ -1,0 +1,207 @@
+"""Picking a pool's replica by its live state.
+
+:class:`Failover` asks a :class:`Picker` for the order in which to try the
+replicas of a :class:`~tierchain.Pool` each time the chain reaches the pool (and
+again, among those left, after a replica failed). Everything it reads is what
+the gateway already knows; nothing is asked of the backends on the way:
+
+- the attempts in flight at each replica: this process's own count, or, for a
+  replica with ``max_in_flight``, its leases in the store (every gateway
+  replica's attempts);
+- the replica's polled status, when a SaturationWatchdog polls its
+  ``status_url`` (:func:`tierchain.status.shared_board`): requests waiting,
+  KV-cache use, busy slots;
+- its time to first data, learned from this process's answers (the median of
+  recent ones, once three were seen);
+- its breaker: open in the store the Failover was given, or skipped as open
+  here within its ``retry_in``.
+
+Each replica falls into a class, tried in this order: free, then full (its
+``max_in_flight`` reached, or its status past the watchdog's fullness
+thresholds), then open. Within a class the lowest score goes first::
+
+    score = in_flight  * attempts in flight
+          + waiting    * requests waiting (status)
+          + kv_cache   * KV-cache use, 0..1 (status)
+          + slots      * share of slots busy, 0..1 (status)
+          + first_data * learned time to first data, in seconds
+
+with the weights of :class:`PickWeights` (``Failover(pick=PickWeights(...))``); a fact
+that is not known adds nothing. Scores are compared in steps of ``resolution``
+(0.1: a few milliseconds' difference in learned time to first data is no
+difference), and equal steps are ordered at random, so equal idle replicas
+share the load. A replica named by a preference or a pin is
+tried first whatever its score.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .backend import Backend
+from .learned import Learned
+from .probes import auto_reader
+from .status import full, shared_board
+from .store import Store
+from .telemetry import POOL_PICKS, labelled
+
+__all__ = ["PickWeights", "Picker"]
+
+_FREE, _FULL, _OPEN = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class PickWeights:
+    """The weight of each fact in a replica's score (see :mod:`tierchain.picker`)."""
+
+    in_flight: float = 1.0
+    """Per attempt in flight at the replica."""
+    waiting: float = 1.0
+    """Per request its status says is waiting."""
+    kv_cache: float = 2.0
+    """Times its KV-cache use (0..1)."""
+    slots: float = 1.0
+    """Times the share of its slots that are busy (0..1)."""
+    first_data: float = 0.1
+    """Per second of its learned time to first data."""
+    resolution: float = 0.1
+    """Scores closer than this are compared as equal (ordered at random)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ValueError(
+                    f"pick weight {f.name} must be a finite number >= 0, got {value!r}"
+                )
+        if self.resolution <= 0:
+            raise ValueError(f"pick resolution must be > 0, got {self.resolution!r}")
+
+
+class Picker:
+    """Orders a pool's replicas for one request; learns from each attempt's end.
+
+    ``store`` is the store whose breakers and leases it reads (None: only what
+    this process saw); ``admission`` the Failover's in-flight leases.
+    """
+
+    __slots__ = ("_admission", "_breakers", "_in_flight", "_learned", "_open", "weights")
+
+    def __init__(self, weights: PickWeights, *, admission: Any, store: Any = None) -> None:
+        self.weights = weights
+        self._admission = admission
+        self._breakers: Store | None = store if isinstance(store, Store) else None
+        self._in_flight: dict[str, int] = {}
+        self._open: dict[str, float] = {}  # replica -> when its breaker said to come back
+        self._learned = Learned(
+            maximum=3600.0, floor=0.001, quantile=0.5, margin=1.0, min_samples=3
+        )
+
+    async def order(
+        self,
+        route: str,
+        replicas: Sequence[Backend],
+        body: bytes | None,
+        first: str | None = None,
+    ) -> list[Backend]:
+        """``replicas`` best first; ``first`` (a preferred or pinned name) leads."""
+        if len(replicas) == 1:
+            return list(replicas)
+        ranked = await asyncio.gather(*(self._rank(route, b, body) for b in replicas))
+        keyed = sorted(
+            zip(ranked, [random.random() for _ in replicas], replicas, strict=True),
+            key=lambda item: (item[0][0], item[0][1], item[1]),
+        )
+        out = [b for _, _, b in keyed]
+        if first is not None:
+            for i, b in enumerate(out):
+                if b.name == first:
+                    out.insert(0, out.pop(i))
+                    break
+        return out
+
+    async def _rank(self, route: str, backend: Backend, body: bytes | None) -> tuple[int, int]:
+        """(class, score in steps of ``resolution``) of one replica."""
+        w = self.weights
+        name = backend.name
+        cls = _FREE
+        in_flight = self._in_flight.get(name, 0)
+        if backend.max_in_flight is not None:
+            try:
+                in_flight = max(in_flight, await self._admission.in_flight(name))
+            except Exception:  # a store must never fail a request: this process's count
+                pass
+            if in_flight >= backend.max_in_flight:
+                cls = _FULL
+        score = w.in_flight * in_flight
+        url = backend.status_url
+        board = shared_board() if url is not None else None
+        if board is not None and url is not None:
+            status = board.peek(url, auto_reader)
+            if status is not None:
+                if full(status, board.limits) is not None:
+                    cls = max(cls, _FULL)
+                if status.waiting is not None:
+                    score += w.waiting * status.waiting
+                if status.kv_cache is not None:
+                    score += w.kv_cache * status.kv_cache
+                if status.slots and status.slots_busy is not None:
+                    score += w.slots * status.slots_busy / status.slots
+        normal = self._learned.normal(name, body)
+        if normal is not None:
+            score += w.first_data * normal
+        if self._open.get(name, -math.inf) > time.monotonic():
+            cls = _OPEN
+        elif self._breakers is not None:
+            try:
+                snap = await self._breakers.breaker_snapshot(route, name)
+            except Exception:  # unknown: not open
+                pass
+            else:
+                if snap.state == "open":
+                    cls = _OPEN
+        return cls, math.floor(score / w.resolution)
+
+    def started(self, route: str, backend: Backend) -> None:
+        """An attempt at ``backend`` begins."""
+        name = backend.name
+        self._in_flight[name] = self._in_flight.get(name, 0) + 1
+        labelled(POOL_PICKS, route, backend.pool or "", name).inc()
+
+    def ended(
+        self,
+        backend: Backend,
+        outcome: str,
+        *,
+        body: bytes | None,
+        first_data_s: float | None = None,
+        retry_in: float | None = None,
+    ) -> None:
+        """The attempt at ``backend`` ended with ``outcome``."""
+        name = backend.name
+        left = self._in_flight.get(name, 0) - 1
+        if left > 0:
+            self._in_flight[name] = left
+        else:
+            self._in_flight.pop(name, None)
+        if outcome == "skipped":
+            self._open[name] = time.monotonic() + (retry_in if retry_in is not None else 1.0)
+        else:
+            self._open.pop(name, None)
+        if outcome == "ok" and first_data_s is not None:
+            self._learned.observe(name, body, first_data_s)
+
+    def in_flight(self, name: str) -> int:
+        """Attempts in flight at replica ``name`` from this process."""
+        return self._in_flight.get(name, 0)
