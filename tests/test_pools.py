@@ -569,3 +569,21 @@ def test_no_second_try_once_only_the_reserve_is_left() -> None:
     attempt.reserve = 0.0
     req.deadline = time.monotonic() - 0.1  # spent
     assert not _may_retry(req, attempt)
+
+
+async def test_when_every_backend_left_shares_the_taken_gpu_none_of_them_is_tried() -> None:
+    async with FakeBackend("w2") as w2, FakeBackend("small") as small:
+        w2.script = quiet
+        gw = Gateway(
+            [
+                Backend(name="w2", url=w2.url, shares="gpu0"),
+                Backend(name="small", url=small.url, shares="gpu0"),
+            ],
+            slow_after=0.3,
+        )
+        async with serve(gw.app) as url, httpx.AsyncClient() as client:
+            r = await post(client, url)
+        await gw.aclose()
+    assert r.status_code == 502
+    assert trail(r) == ["w2;outcome=saturated", "small;outcome=busy"]
+    assert small.requests == []  # not even as the chain's last backend

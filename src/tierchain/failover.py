@@ -663,8 +663,7 @@ class Failover:
                 req.emit("backend_saturated", **named, reason=exc.why, failing_over=failing_over)
             else:
                 req.emit("backend_saturated", **named, failing_over=failing_over)
-            if exc.why != "reserve":
-                fault = _holds(attempt.backend)
+            fault = _holds(attempt.backend)
         else:
             req.emit("backend_failed", **named, reason=outcome, failing_over=failing_over)
             if outcome in _TRANSIENT and (outcome != "http_503" or _proxy_503(req, retry)):
