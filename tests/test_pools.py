@@ -10,6 +10,7 @@ over onto, and a second try of the same tier after a transient fault.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -89,10 +90,13 @@ class Gateway:
         return [e for e in self.events if e["state"] == name]
 
 
+_ASKED = iter(range(10**9))
+
+
 async def post(client: httpx.AsyncClient, url: str, **headers: str) -> httpx.Response:
-    return await client.post(
-        url + "/v1/chat/completions", content=chat_request(stream=True), headers=headers
-    )
+    """A streaming chat request, each with a question of its own (no prefix in common)."""
+    body = chat_request(stream=True, content=f"question {next(_ASKED)}")
+    return await client.post(url + "/v1/chat/completions", content=body, headers=headers)
 
 
 def trail(response: httpx.Response) -> list[str]:
@@ -587,3 +591,135 @@ async def test_when_every_backend_left_shares_the_taken_gpu_none_of_them_is_trie
     assert r.status_code == 502
     assert trail(r) == ["w2;outcome=saturated", "small;outcome=busy"]
     assert small.requests == []  # not even as the chain's last backend
+
+
+# -- prefix affinity ---------------------------------------------------------------------
+
+
+def turns(conversation: int, n: int) -> bytes:
+    """Turn ``n`` (from 1) of a conversation: the system prompt, the earlier turns, a new one."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are terse."}]
+    for i in range(1, n + 1):
+        question = f"conversation {conversation} turn {i}: " + "tell me more. " * 40
+        messages.append({"role": "user", "content": question})
+        if i < n:
+            messages.append({"role": "assistant", "content": f"answer {i}"})
+    return json.dumps({"model": "echo", "stream": True, "messages": messages}).encode()
+
+
+async def say(client: httpx.AsyncClient, url: str, body: bytes, **headers: str) -> str:
+    r = await client.post(url + "/v1/chat/completions", content=body, headers=headers)
+    assert r.status_code == 200
+    return trail(r)[-1].split(";")[0]
+
+
+async def test_a_conversation_stays_on_its_replica_while_load_is_even() -> None:
+    async with FakeBackend("a") as a, FakeBackend("b") as b:
+        gw = Gateway([tower(a, b)])
+        async with serve(gw.app) as url, httpx.AsyncClient() as client:
+            placed = {}
+            for c in range(8):
+                first = await say(client, url, turns(c, 1))
+                later = [await say(client, url, turns(c, n)) for n in (2, 3, 4)]
+                assert later == [first] * 3, c
+                placed[c] = first
+        await gw.aclose()
+    assert set(placed.values()) == {"tower-a", "tower-b"}  # first turns spread (2 in 2**8: not)
+
+
+async def test_a_conversation_leaves_its_replica_when_it_is_far_more_loaded() -> None:
+    gate = asyncio.Event()
+    arrived = asyncio.Event()
+    async with FakeBackend("a") as a, FakeBackend("b") as b:
+        gw = Gateway([tower(a, b)])
+        async with serve(gw.app) as url, httpx.AsyncClient() as client:
+            assert (
+                await say(client, url, turns(1, 1), **{"X-Prefer-Backend": "tower-a"}) == "tower-a"
+            )
+            a.script = held(gate, arrived)
+            held_requests = []
+            for _ in range(2):  # two in flight at tower-a: within the threshold (2.0)
+                arrived.clear()
+                held_requests.append(
+                    asyncio.create_task(post(client, url, **{"X-Prefer-Backend": "tower-a"}))
+                )
+                await arrived.wait()
+            kept = len(a.requests)
+            arrived.clear()
+            affine = asyncio.create_task(say(client, url, turns(1, 2)))
+            await arrived.wait()  # it went to tower-a, and waits there
+            assert len(a.requests) == kept + 1
+            # A third held request: tower-a is now 3 above tower-b, past the threshold.
+            arrived.clear()
+            held_requests.append(
+                asyncio.create_task(post(client, url, **{"X-Prefer-Backend": "tower-a"}))
+            )
+            await arrived.wait()
+            moved = await say(client, url, turns(1, 3))
+            gate.set()
+            assert await affine == "tower-a"
+            for task in held_requests:
+                await task
+        await gw.aclose()
+    assert moved == "tower-b"
+
+
+async def test_two_gateways_sharing_one_redis_send_a_conversation_to_the_same_replica(
+    redis_server: Any,
+) -> None:
+    from tierchain import RedisStore
+
+    async with FakeBackend("a") as a, FakeBackend("b") as b:
+        stores = [RedisStore(redis_server.url), RedisStore(redis_server.url)]
+        gateways = []
+        for store in stores:
+            forwarder = Forwarder()
+            failover = Failover(
+                Breaker(forwarder, store=store), routes=Routes({"echo": [tower(a, b)]}), store=store
+            )
+            gateways.append((failover, forwarder))
+        async with (
+            serve(gateways[0][0]) as one,
+            serve(gateways[1][0]) as two,
+            httpx.AsyncClient() as client,
+        ):
+            for c in range(8):
+                first = await say(client, one, turns(c, 1))
+                assert await say(client, two, turns(c, 2)) == first, c
+                assert await say(client, one, turns(c, 3)) == first, c
+        for _, forwarder in gateways:
+            await forwarder.aclose()
+        for store in stores:
+            await store.aclose()
+
+
+def test_prefix_keys_hash_the_leading_blocks_of_every_prompt_shape() -> None:
+    from tierchain.picker import prefix_keys
+
+    one = prefix_keys(turns(1, 1)).keys
+    two = prefix_keys(turns(1, 2)).keys
+    assert len(one) == 2  # the system prompt, the first turn
+    assert two[:2] == one  # the second turn starts with the first
+    assert prefix_keys(turns(2, 1)).keys[0] == one[0]  # the same system prompt
+    assert prefix_keys(turns(2, 1)).keys[1] != one[1]
+    anthropic = json.dumps({"system": "terse", "messages": [{"role": "user", "content": "x"}]})
+    assert len(prefix_keys(anthropic.encode()).keys) == 2
+    responses = json.dumps({"instructions": "terse", "input": "x" * 5000})
+    assert prefix_keys(responses.encode()).sizes[1:] == [
+        7 + 2048,
+        7 + 4096,
+        7 + 5000,
+    ]  # "terse", then 2 KiB pieces
+    assert prefix_keys(b"not json").keys == []
+
+
+async def test_the_memory_index_of_prefixes_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierchain import store as store_module
+
+    monkeypatch.setattr(store_module, "AFFINITY_ENTRIES", 4)
+    store = MemoryStore()
+    for i in range(10):
+        await store.affinity_set("echo", [f"k{i}"], "tower-a", 60.0)
+    assert await store.affinity_get("echo", ["k0"]) is None  # the oldest went first
+    assert await store.affinity_get("echo", ["k9"]) == "tower-a"
+    assert len(store._affinity) == 4

@@ -78,7 +78,7 @@ from .errors import (
     StreamError,
 )
 from .observer import Observer, nothing_sent
-from .picker import Picker, PickWeights
+from .picker import Picker, PickWeights, Prefix, prefix_keys
 from .request import TRAIL_HEADER, UNROUTED_KEY, Attempt, AttemptRecord, TierRequest, format_trail
 from .telemetry import (
     ATTEMPTS,
@@ -366,7 +366,7 @@ class Failover:
                     error = None
                     lease = responder.end()
                     if plan is not None and attempt.backend.pool is not None:
-                        self._picked_ended(req, attempt, responder, recorded)
+                        await self._picked_ended(req, plan, attempt, responder, recorded)
                     if lease is not None:
                         await self.admission.leave(lease)
                 fault = responder.fault
@@ -500,28 +500,40 @@ class Failover:
         if len(run) < 2:
             return attempt
         entering = i == 0 or chain[i - 1].pool != pool
+        if plan.prefix is None:
+            plan.prefix = prefix_keys(req.body)
+        route = req.route or ""
         if entering and run[0].name in plan.preferred:
             # A preferred or pinned replica leads; the rest are ordered after it.
-            order = [run[0], *await self.picker.order(req.route or "", run[1:], req.body)]
+            order = [run[0], *await self.picker.order(route, run[1:], req.body, plan.prefix)]
         else:
-            order = await self.picker.order(req.route or "", run, req.body)
+            order = await self.picker.order(route, run, req.body, plan.prefix)
         req.chain = (*chain[:i], *order, *chain[j:])
         return Attempt(attempt.n, attempt.of, order[0], attempt.route, force=attempt.force)
 
-    def _picked_ended(
-        self, req: TierRequest, attempt: Attempt, responder: _Responder, recorded: int
+    async def _picked_ended(
+        self,
+        req: TierRequest,
+        plan: _Plan,
+        attempt: Attempt,
+        responder: _Responder,
+        recorded: int,
     ) -> None:
-        """Tell the picker how an attempt at a replica ended."""
+        """Tell the picker how an attempt at a replica ended (and, when it answered,
+        that the replica now holds the request's prompt prefix)."""
         record = req.attempts[recorded] if len(req.attempts) > recorded else None
+        outcome = record.outcome if record is not None else responder.outcome
         observer = responder.observer
         first = observer.first_data_at
         self.picker.ended(
             attempt.backend,
-            record.outcome if record is not None else responder.outcome,
+            outcome,
             body=req.body,
             first_data_s=None if first is None else first - attempt.started,
             retry_in=record.retry_after if record is not None else None,
         )
+        if outcome == "ok" and plan.prefix is not None:
+            await self.picker.remember(req.route or "", attempt.backend, plan.prefix)
 
     async def _all_failed(self, req: TierRequest, send: Send, of: int) -> None:
         """No tier answered: the caller's 503, 429 or 502."""
@@ -683,10 +695,11 @@ class Failover:
 class _Plan:
     """A request's facts for a chain with a pool or shared hardware."""
 
-    __slots__ = ("held", "preferred")
+    __slots__ = ("held", "preferred", "prefix")
 
     def __init__(self, req: TierRequest) -> None:
         self.held: set[str] = set()  # the shares groups known taken
+        self.prefix: Prefix | None = None  # the prompt's prefix hashes, once a pool needs them
         preferred = set()
         if req.pin is not None:
             preferred.add(req.pin)

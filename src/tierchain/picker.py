@@ -32,28 +32,101 @@ that is not known adds nothing. Scores are compared in steps of ``resolution``
 difference), and equal steps are ordered at random, so equal idle replicas
 share the load. A replica named by a preference or a pin is
 tried first whatever its score.
+
+Prefix affinity: a request's prompt is cut into blocks (the system prompt or
+instructions, then each message; a plain prompt in pieces of 2 KiB), and each
+leading run of blocks is hashed (no tokenizer needed). When a replica answered
+a request with the same leading blocks recently (``AFFINITY_TTL``), it
+probably still holds that prefix in its KV cache and skips its prefill: it goes
+first while it is in the best class and its score is within ``affinity`` of the
+least loaded replica's (Ray Serve's imbalance threshold); otherwise the least
+loaded goes first. The index lives in the Failover's store: a bounded map in
+memory (:data:`~tierchain.store.AFFINITY_ENTRIES`) or, with a RedisStore, in
+Redis, so every gateway replica sends a conversation to the same backend
+replica.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import math
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from .backend import Backend
 from .learned import Learned
 from .probes import auto_reader
 from .status import full, shared_board
-from .store import Store
-from .telemetry import POOL_PICKS, labelled
+from .store import AffinityStore, MemoryStore, Store
+from .telemetry import POOL_AFFINITY, POOL_PICKS, labelled
 
-__all__ = ["PickWeights", "Picker"]
+__all__ = ["AFFINITY_TTL", "PickWeights", "Picker", "Prefix", "prefix_keys"]
 
 _FREE, _FULL, _OPEN = 0, 1, 2
+AFFINITY_TTL = 600.0
+"""Seconds a replica stays the one for a prefix after it last answered it."""
+_BLOCK = 2048  # characters of a plain prompt per block
+_LOOKED_UP = 64  # the longest prefixes looked up
+_RECORDED = 32  # the longest prefixes recorded (and the first, the system prompt's)
+
+
+def _canon(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _blocks(body: bytes | None) -> list[bytes]:
+    """A request's prompt as blocks, in order: system or instructions, then each message
+    (OpenAI and Ollama ``messages``, Anthropic ``system`` and ``messages``, Responses
+    ``instructions`` and ``input``), or a plain ``prompt`` in pieces."""
+    if not body:
+        return []
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return []
+    if not isinstance(data, dict):
+        return []
+    blocks: list[bytes] = []
+    for key in ("system", "instructions"):
+        value = data.get(key)
+        if value:
+            blocks.append(_canon(value))
+    turns = data.get("messages", data.get("input"))
+    if isinstance(turns, list):
+        blocks.extend(_canon(turn) for turn in turns)
+    elif isinstance(turns, str):
+        blocks.extend(turns[i : i + _BLOCK].encode() for i in range(0, len(turns), _BLOCK))
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        blocks.extend(prompt[i : i + _BLOCK].encode() for i in range(0, len(prompt), _BLOCK))
+    return blocks
+
+
+class Prefix(NamedTuple):
+    """A prompt's leading runs of blocks: each one's hash and its size in bytes."""
+
+    keys: list[str]
+    sizes: list[int]
+
+
+def prefix_keys(body: bytes | None) -> Prefix:
+    """The hash (and the size) of each leading run of the prompt's blocks, shortest first."""
+    h = hashlib.blake2b(digest_size=16)
+    keys: list[str] = []
+    sizes: list[int] = []
+    size = 0
+    for block in _blocks(body):
+        h.update(len(block).to_bytes(8, "big"))
+        h.update(block)
+        size += len(block)
+        keys.append(h.hexdigest())
+        sizes.append(size)
+    return Prefix(keys, sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +145,12 @@ class PickWeights:
     """Per second of its learned time to first data."""
     resolution: float = 0.1
     """Scores closer than this are compared as equal (ordered at random)."""
+    affinity: float = 2.0
+    """How far above the least loaded replica's score the replica holding the request's
+    prompt prefix may be and still go first (0: only while it is the least loaded)."""
+    affinity_match: float = 0.1
+    """The least share of the prompt (in bytes) a recently served prefix must cover to
+    count: a short system prompt alone in front of a long new question does not."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -96,12 +175,23 @@ class Picker:
     this process saw); ``admission`` the Failover's in-flight leases.
     """
 
-    __slots__ = ("_admission", "_breakers", "_in_flight", "_learned", "_open", "weights")
+    __slots__ = (
+        "_admission",
+        "_affinity",
+        "_breakers",
+        "_in_flight",
+        "_learned",
+        "_open",
+        "weights",
+    )
 
     def __init__(self, weights: PickWeights, *, admission: Any, store: Any = None) -> None:
         self.weights = weights
         self._admission = admission
         self._breakers: Store | None = store if isinstance(store, Store) else None
+        if not isinstance(store, AffinityStore):  # the admission's own (a MemoryStore)
+            store = getattr(admission, "store", None)
+        self._affinity: AffinityStore = store if isinstance(store, AffinityStore) else MemoryStore()
         self._in_flight: dict[str, int] = {}
         self._open: dict[str, float] = {}  # replica -> when its breaker said to come back
         self._learned = Learned(
@@ -113,26 +203,64 @@ class Picker:
         route: str,
         replicas: Sequence[Backend],
         body: bytes | None,
-        first: str | None = None,
+        prefix: Prefix | None = None,
     ) -> list[Backend]:
-        """``replicas`` best first; ``first`` (a preferred or pinned name) leads."""
+        """``replicas`` best first; ``prefix`` is the request's :func:`prefix_keys`."""
         if len(replicas) == 1:
             return list(replicas)
+        affine = await self._affine(route, prefix) if prefix and prefix.keys else None
         ranked = await asyncio.gather(*(self._rank(route, b, body) for b in replicas))
+        step = self.weights.resolution
         keyed = sorted(
             zip(ranked, [random.random() for _ in replicas], replicas, strict=True),
-            key=lambda item: (item[0][0], item[0][1], item[1]),
+            key=lambda item: (item[0][0], math.floor(item[0][1] / step), item[1]),
         )
         out = [b for _, _, b in keyed]
-        if first is not None:
-            for i, b in enumerate(out):
-                if b.name == first:
-                    out.insert(0, out.pop(i))
-                    break
+        if prefix and prefix.keys:
+            pool = replicas[0].pool or ""
+            where = next((i for i, b in enumerate(out) if b.name == affine), None)
+            if where is None:
+                labelled(POOL_AFFINITY, route, pool, "miss").inc()
+            else:
+                best_class, least = keyed[0][0]
+                its_class, its_score = keyed[where][0]
+                if its_class == best_class and its_score <= least + self.weights.affinity:
+                    out.insert(0, out.pop(where))
+                    labelled(POOL_AFFINITY, route, pool, "hit").inc()
+                else:
+                    labelled(POOL_AFFINITY, route, pool, "loaded").inc()
         return out
 
-    async def _rank(self, route: str, backend: Backend, body: bytes | None) -> tuple[int, int]:
-        """(class, score in steps of ``resolution``) of one replica."""
+    async def _affine(self, route: str, prefix: Prefix) -> str | None:
+        """The replica that last answered the longest of the request's prefixes, when
+        that prefix covers at least ``affinity_match`` of the prompt."""
+        keys, sizes = prefix
+        whole = sizes[-1] or 1
+        least = self.weights.affinity_match * whole
+        # Longest first, and only those long enough to count.
+        looked = [k for k, size in zip(keys, sizes, strict=True) if size >= least]
+        if not looked:
+            return None
+        try:
+            found = await self._affinity.affinity_get(route, looked[::-1][:_LOOKED_UP])
+        except Exception:  # a store must never fail a request: no affinity
+            return None
+        return found
+
+    async def remember(self, route: str, backend: Backend, prefix: Prefix) -> None:
+        """``backend`` answered a request with these prefixes: it holds them now."""
+        keys = prefix.keys[-_RECORDED:]
+        if not keys:
+            return
+        if len(prefix.keys) > _RECORDED:
+            keys.insert(0, prefix.keys[0])
+        try:
+            await self._affinity.affinity_set(route, keys, backend.name, AFFINITY_TTL)
+        except Exception:  # a store must never fail a request
+            pass
+
+    async def _rank(self, route: str, backend: Backend, body: bytes | None) -> tuple[int, float]:
+        """(class, score) of one replica."""
         w = self.weights
         name = backend.name
         cls = _FREE
@@ -171,7 +299,7 @@ class Picker:
             else:
                 if snap.state == "open":
                     cls = _OPEN
-        return cls, math.floor(score / w.resolution)
+        return cls, score
 
     def started(self, route: str, backend: Backend) -> None:
         """An attempt at ``backend`` begins."""

@@ -277,6 +277,12 @@ POOL_PICKS = Counter(
     "Attempts at a pool's replicas, by route, pool and the replica picked.",
     ["route", "pool", "backend"],
 )
+POOL_AFFINITY = Counter(
+    "tierchain_pool_affinity",
+    "Pool picks for a request with a prompt prefix: hit (the replica that holds it went "
+    "first), loaded (it was too loaded or full), miss (no replica known).",
+    ["route", "pool", "result"],
+)
 SAME_TIER_RETRIES = Counter(
     "tierchain_same_tier_retries",
     "Attempts sent again to the same backend after a transient fault, by the fault.",
