@@ -723,3 +723,90 @@ async def test_the_memory_index_of_prefixes_is_bounded(monkeypatch: pytest.Monke
     assert await store.affinity_get("echo", ["k0"]) is None  # the oldest went first
     assert await store.affinity_get("echo", ["k9"]) == "tower-a"
     assert len(store._affinity) == 4
+
+
+def test_the_pools_page_states_the_weights_and_limits_the_code_has() -> None:
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from tierchain import store as store_module
+    from tierchain.picker import AFFINITY_TTL
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    page = (docs / "pools.md").read_text()
+    table = dict(re.findall(r"^\| `(\w+)` \| ([0-9.]+) \|", page, re.M))
+    defaults = {f.name: f.default for f in dataclasses.fields(PickWeights)}
+    assert {k: float(v) for k, v in table.items()} == defaults
+    assert AFFINITY_TTL == 600.0 and "in the last 10 minutes" in page  # noqa: PT018
+    assert store_module.AFFINITY_ENTRIES == 65536 and "65,536" in page  # noqa: PT018
+    config = (docs / "configuration.md").read_text()
+    [listed] = re.findall(r"`TIERCHAIN_FAILOVER_PICK` \| `pick` \| (\S+) \|", config)
+    from tierchain.config import pick_weights
+
+    assert pick_weights(listed) == PickWeights()
+
+
+async def test_a_store_that_fails_never_fails_the_pick() -> None:
+    class Broken(MemoryStore):
+        async def affinity_get(self, route: str, keys: Any) -> str | None:
+            raise ConnectionError("away")
+
+        async def affinity_set(self, route: str, keys: Any, backend: str, ttl: float) -> None:
+            raise ConnectionError("away")
+
+    picker = Picker(PickWeights(), admission=None, store=Broken())
+    replicas = [_b("x"), _b("y")]
+    from tierchain.picker import prefix_keys
+
+    prefix = prefix_keys(turns(1, 2))
+    await picker.remember("m", replicas[0], prefix)
+    assert sorted(b.name for b in await picker.order("m", replicas, b"", prefix)) == ["x", "y"]
+
+
+async def test_an_operator_pin_may_name_a_pool_and_its_replicas_go_first() -> None:
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    from tierchain import Admin
+
+    token = "s3cret-operator-token-0123456789"
+    async with FakeBackend("a") as a, FakeBackend("b") as b, FakeBackend("hosted") as hosted:
+        store = MemoryStore()
+        routes = Routes({"echo": [Backend(name="hosted", url=hosted.url), tower(a, b)]})
+        forwarder = Forwarder()
+        gateway = PreferBackend(Failover(forwarder, routes=routes, store=store), store=store)
+        admin = Admin(routes=routes, store=store, token=token)
+        app = Starlette(routes=[Mount("/admin", admin), Mount("/", gateway)])
+        async with serve(app) as url, httpx.AsyncClient() as client:
+            pinned = await client.put(
+                url + "/admin/pins/echo",
+                json={"backend": "tower", "ttl": 60},
+                headers={"Authorization": f"Bearer {token}"},
+            )
+            r = await post(client, url)
+        await forwarder.aclose()
+    assert pinned.status_code == 200, pinned.text
+    assert trail(r)[0].split(";")[1:] == ["pool=tower", "outcome=ok"]
+    assert hosted.requests == []
+
+
+def test_check_config_names_a_replica_by_its_place_in_its_pool(tmp_path: Any) -> None:
+    import io
+
+    from tierchain.__main__ import check_config
+
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        '[[routes.echo.backends]]\nname = "hosted"\nurl = "http://127.0.0.1:3"\n\n'
+        '[[routes.echo.backends]]\npool = "tower"\n'
+        '[[routes.echo.backends.backends]]\nname = "tower-a"\nurl = "http://127.0.0.1:1"\n'
+        '[[routes.echo.backends.backends]]\nname = "tower-b"\nurl = "http://127.0.0.1:2/v1"\n'
+    )
+    out = io.StringIO()
+    assert check_config(environ={"TIERCHAIN_ROUTES_FILE": str(path)}, out=out) == 0
+    warning = out.getvalue().rsplit("1 warning(s):\n", 1)[1]
+    assert warning.startswith(
+        f"  - {path}: routes.echo.backends[1].backends[1].url='http://127.0.0.1:2/v1' "
+        "(backend 'tower-b')"
+    )

@@ -881,19 +881,30 @@ def _v1_twice(settings: Settings) -> Iterator[str]:
     given = failover.sources.get("paths")
     how = f"{given}={','.join(paths)}" if given else f"Failover paths {','.join(paths)}"
     prefix = f"{settings.routes_file}: " if settings.routes_file else ""
-    for route, chain in settings.routes.items():
-        for i, backend in enumerate(chain):
+    for route in settings.routes:
+        for at, backend in _placed(settings.routes, route):
             parts = urlsplit(backend.url)
             if not parts.path.rstrip("/").endswith("/v1"):
                 continue
             base = mask_url(parts._replace(path=parts.path.rstrip("/")[: -len("/v1")]).geturl())
             shown = mask_url(backend.url)
             yield (
-                f"{prefix}routes.{route}.backends[{i}].url={shown!r} (backend {backend.name!r}): "
+                f"{prefix}routes.{route}.{at}.url={shown!r} (backend {backend.name!r}): "
                 f"its path ends in /v1 and the requests sent to it already start with /v1 ({how}), "
                 f"so /v1/chat/completions would go to {shown.rstrip('/')}/v1/chat/completions, "
                 f"a 404 on every request; expected the base URL without /v1: {base!r}"
             )
+
+
+def _placed(routes: Routes, route: str) -> Iterator[tuple[str, Backend]]:
+    """Each backend of ``route`` with its key path in the routes file (``backends[1]``, or
+    ``backends[0].backends[1]`` for a pool's replica)."""
+    for i, tier in enumerate(routes.tiers(route)):
+        if isinstance(tier, Pool):
+            for j, replica in enumerate(tier.backends):
+                yield f"backends[{i}].backends[{j}]", replica
+        else:
+            yield f"backends[{i}]", tier
 
 
 def _windows(settings: Settings) -> Iterable[str]:
