@@ -810,3 +810,53 @@ def test_check_config_names_a_replica_by_its_place_in_its_pool(tmp_path: Any) ->
         f"  - {path}: routes.echo.backends[1].backends[1].url='http://127.0.0.1:2/v1' "
         "(backend 'tower-b')"
     )
+
+
+def vllm_metrics(waiting: int, kv: float) -> bytes:
+    return (
+        f'vllm:num_requests_running{{model_name="m"}} 1.0\n'
+        f'vllm:num_requests_waiting{{model_name="m"}} {waiting}.0\n'
+        f'vllm:kv_cache_usage_perc{{model_name="m"}} {kv}\n'
+        f'vllm:generation_tokens_total{{model_name="m"}} 10.0\n'
+    ).encode()
+
+
+def with_metrics(body: bytes, served: asyncio.Event) -> Callable[[Exchange], Any]:
+    async def script(ex: Exchange) -> None:
+        if ex.request.path == "/metrics":
+            await ex.respond(200, body, {"content-type": "text/plain"})
+            served.set()
+        else:
+            await streams(["from ", "replica"])(ex)
+
+    return script
+
+
+@pytest.mark.parametrize(
+    ("busy", "why"),
+    [(vllm_metrics(6, 0.2), "waiting past the threshold"), (vllm_metrics(0, 0.9), "KV cache")],
+)
+async def test_a_replica_whose_status_says_full_is_not_picked_while_another_is_free(
+    busy: bytes, why: str
+) -> None:
+    async with FakeBackend("a") as a, FakeBackend("b") as b:
+        polled = [asyncio.Event(), asyncio.Event()]
+        a.script = with_metrics(busy, polled[0])
+        b.script = with_metrics(vllm_metrics(1, 0.3), polled[1])
+        pool = Pool(
+            name="tower",
+            backends=[
+                Backend(name="tower-a", url=a.url, status_url=a.url + "/metrics"),
+                Backend(name="tower-b", url=b.url, status_url=b.url + "/metrics"),
+            ],
+        )
+        gw = Gateway([pool], status_interval=0.02)
+        async with serve(gw.app) as url, httpx.AsyncClient() as client:
+            await post(client, url)  # the first request starts the pollers
+            for event in polled:  # a poll answered, and then another: the first was read
+                await event.wait()
+                event.clear()
+                await event.wait()
+            later = [await post(client, url) for _ in range(8)]
+        await gw.aclose()
+    assert all(trail(r) == ["tower-b;pool=tower;outcome=ok"] for r in later), why

@@ -86,7 +86,9 @@ from .telemetry import (
     ATTR_ATTEMPT_OF,
     ATTR_BACKEND,
     ATTR_OUTCOME,
+    ATTR_POOL,
     ATTR_REGIME,
+    ATTR_RETRY,
     ATTR_ROUTE,
     BACKEND_BUSY,
     SAME_TIER_RETRIES,
@@ -770,6 +772,10 @@ def _attempt_span(attempt: Attempt) -> Span:
     }
     if backend.regime:
         attrs[ATTR_REGIME] = backend.regime
+    if backend.pool is not None:
+        attrs[ATTR_POOL] = backend.pool
+    if attempt.retry:
+        attrs[ATTR_RETRY] = attempt.retry
     return start_span("tierchain.attempt", attrs)
 
 
