@@ -182,6 +182,7 @@ class Picker:
         "_in_flight",
         "_learned",
         "_open",
+        "_remote",
         "weights",
     )
 
@@ -192,6 +193,11 @@ class Picker:
         if not isinstance(store, AffinityStore):  # the admission's own (a MemoryStore)
             store = getattr(admission, "store", None)
         self._affinity: AffinityStore = store if isinstance(store, AffinityStore) else MemoryStore()
+        # A store across the network: the replicas' facts are asked for all at once.
+        leases = getattr(admission, "store", None)
+        self._remote = any(
+            s is not None and not isinstance(s, MemoryStore) for s in (self._breakers, leases)
+        )
         self._in_flight: dict[str, int] = {}
         self._open: dict[str, float] = {}  # replica -> when its breaker said to come back
         self._learned = Learned(
@@ -209,7 +215,10 @@ class Picker:
         if len(replicas) == 1:
             return list(replicas)
         affine = await self._affine(route, prefix) if prefix and prefix.keys else None
-        ranked = await asyncio.gather(*(self._rank(route, b, body) for b in replicas))
+        if self._remote:
+            ranked = await asyncio.gather(*(self._rank(route, b, body) for b in replicas))
+        else:  # (in memory nothing waits: no task per replica)
+            ranked = [await self._rank(route, b, body) for b in replicas]
         step = self.weights.resolution
         keyed = sorted(
             zip(ranked, [random.random() for _ in replicas], replicas, strict=True),
