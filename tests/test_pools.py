@@ -740,6 +740,9 @@ def test_the_pools_page_states_the_weights_and_limits_the_code_has() -> None:
     assert {k: float(v) for k, v in table.items()} == defaults
     assert AFFINITY_TTL == 600.0 and "in the last 10 minutes" in page  # noqa: PT018
     assert store_module.AFFINITY_ENTRIES == 65536 and "65,536" in page  # noqa: PT018
+    from tierchain.failover import _WAIT_POLL
+
+    assert _WAIT_POLL == 0.25 and "every\n  quarter of a second" in page  # noqa: PT018
     config = (docs / "configuration.md").read_text()
     [listed] = re.findall(r"`TIERCHAIN_FAILOVER_PICK` \| `pick` \| (\S+) \|", config)
     from tierchain.config import pick_weights

@@ -182,6 +182,14 @@ def header_name(raw: str) -> str:
     return text
 
 
+def name_list(raw: str) -> tuple[str, ...]:
+    """Names separated by commas: ``high,normal,low``."""
+    names = tuple(p.strip() for p in raw.split(",") if p.strip())
+    if not names or len({n.lower() for n in names}) != len(names):
+        raise ValueError
+    return names
+
+
 def text(raw: str) -> str:
     """Any non-empty text."""
     if not raw.strip():
@@ -466,6 +474,15 @@ LAYERS: tuple[Layer, ...] = (
            help="The weights of a pool replica's score (see Pools)."),
         _o("retries", "FAILOVER_RETRIES", integer(0), "a whole number >= 0",
            help="Tries of the same backend again after a transient fault, per request."),
+        _o("waiting_room", "FAILOVER_WAITING_ROOM", boolean, _BOOL,
+           help="Wait at the gateway while every backend of the chain is full (see Pools)."),
+        _o("max_wait", "FAILOVER_MAX_WAIT", seconds(zero_ok=False), _SECS_POS,
+           help="How long a request waits in the waiting room at most."),
+        _o("priority_header", "FAILOVER_PRIORITY_HEADER", header_name,
+           "an HTTP header name such as X-Priority",
+           help="The header naming a request's priority band in the waiting room."),
+        _o("priority_bands", "FAILOVER_PRIORITY_BANDS", name_list,
+           "names separated by commas, highest first, such as high,normal,low"),
     ), wired=frozenset({"routes", "store"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),

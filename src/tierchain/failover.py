@@ -51,7 +51,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
@@ -98,6 +98,7 @@ from .telemetry import (
     start_span,
     tracing_enabled,
 )
+from .waiting import WaitingRoom
 from .wire import context_exceeded, recognise
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "Failover", "ResolveError"]
@@ -117,6 +118,7 @@ _SHOWN_WHY = frozenset({"reserve", "too_slow", "incomplete"})
 # Retry-After with a body typed other than JSON (a model server's own 503 is JSON:
 # it is busy, and the chain moves on).
 _TRANSIENT = frozenset({"connection_reset", "http_502", "http_503"})
+_WAIT_POLL = 0.25  # how often the first in the waiting room looks again unwoken
 
 
 Resolver = Callable[[Scope, bytes], str]
@@ -212,6 +214,12 @@ class Failover:
     a 502, a 503 with no ``Retry-After`` and a body typed other than JSON: a
     proxy's, not the model server's own "busy"); never for a saturation, never past
     the reserve kept for the later tiers; the last tier too. 0: never.
+
+    ``waiting_room``: on a route whose every backend has a ``max_in_flight``
+    or a ``status_url``, a request that finds every one of them full waits at
+    the gateway (see :mod:`tierchain.waiting`), at most ``max_wait`` seconds,
+    first come first served within the band its ``priority_header`` names (one
+    of ``priority_bands``, highest first; None: one band for all).
     """
 
     def __init__(
@@ -231,6 +239,10 @@ class Failover:
         body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
         pick: PickWeights | None = None,
         retries: int = 1,
+        waiting_room: bool = False,
+        max_wait: float = 30.0,
+        priority_header: str | None = None,
+        priority_bands: Sequence[str] = ("high", "normal", "low"),
     ) -> None:
         self.app = app
         self._head = HeadLimits(max_headers, max_header_bytes)
@@ -258,6 +270,22 @@ class Failover:
         # Routes whose chain holds a pool or a backend that shares hardware: only
         # their requests take the slower path (a chain of single backends does not).
         self._special = self.routes.pooled | self.routes.shared
+        self.waiting = (
+            WaitingRoom(bands=priority_bands, max_wait=max_wait, poll=_WAIT_POLL)
+            if waiting_room
+            else None
+        )
+        self._priority = priority_header.lower().encode() if priority_header else None
+        # The routes whose every backend can say it is full: the only ones that wait.
+        self._waitable = (
+            frozenset(
+                r
+                for r, chain in self.routes.items()
+                if all(b.max_in_flight is not None or b.status_url is not None for b in chain)
+            )
+            if waiting_room
+            else frozenset()
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -297,6 +325,8 @@ class Failover:
         guard = DisconnectGuard(receive)
         guard.enter()  # (as ``async with guard``, without its two coroutines)
         try:
+            if self._waitable and route in self._waitable:
+                await self._wait(scope, req, route)
             # The chain, attempt by attempt, in this frame: a waiting stream holds one
             # frame of ours.
             # The scope as it came, for the attempts after the first (routers such as
@@ -371,6 +401,8 @@ class Failover:
                         await self._picked_ended(req, plan, attempt, responder, recorded)
                     if lease is not None:
                         await self.admission.leave(lease)
+                        if self.waiting is not None:
+                            self.waiting.notify()  # a lease freed: the first in line looks
                 fault = responder.fault
                 if (
                     fault is not None
@@ -463,6 +495,20 @@ class Failover:
             soonest = next(b for b in chain if b.name == name)
             return Attempt(of, of, soonest, req.route, force=True)
         return None
+
+    async def _wait(self, scope: Scope, req: TierRequest, route: str) -> None:
+        """Wait in the waiting room while every backend of the chain is full."""
+        room = self.waiting
+        assert room is not None
+        band = room.default_band
+        if self._priority is not None:
+            band = room.band(header(scope["headers"], self._priority))
+        chain = req.chain
+
+        async def full() -> bool:
+            return await self.picker.all_full(chain)
+
+        await room.wait(req, route, full, band)
 
     async def _next_planned(
         self, req: TierRequest, plan: _Plan, attempt: Attempt, fault: str | None

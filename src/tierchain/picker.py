@@ -310,6 +310,30 @@ class Picker:
                     cls = _OPEN
         return cls, score
 
+    async def all_full(self, chain: Sequence[Backend]) -> bool:
+        """True when every backend of ``chain`` is known to be full now: its
+        ``max_in_flight`` leases are all taken, or its polled status says so. One
+        that cannot say (no limit, no status, a status not read yet) has room."""
+        board = shared_board()
+        for backend in chain:
+            limit = backend.max_in_flight
+            if limit is not None:
+                try:
+                    taken = await self._admission.in_flight(backend.name)
+                except Exception:  # a store must never fail a request: not known full
+                    return False
+                if taken >= limit:
+                    continue
+            url = backend.status_url
+            if (
+                url is not None
+                and board is not None
+                and full(board.peek(url, auto_reader), board.limits) is not None
+            ):
+                continue
+            return False
+        return True
+
     def started(self, route: str, backend: Backend) -> None:
         """An attempt at ``backend`` begins."""
         name = backend.name

@@ -285,6 +285,18 @@ POOL_AFFINITY = Counter(
     "first), loaded (it was too loaded or full), miss (no replica known).",
     ["route", "pool", "result"],
 )
+WAITING_ROOM_REQUESTS = Gauge(
+    "tierchain_waiting_room_requests",
+    "Requests waiting in the waiting room for a backend with room.",
+    ["route"],
+)
+WAITING_ROOM_WAIT = Histogram(
+    "tierchain_waiting_room_wait_seconds",
+    "Seconds each request waited in the waiting room, by how the wait ended "
+    "(released, max_wait, cancelled).",
+    ["route", "outcome"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
 SAME_TIER_RETRIES = Counter(
     "tierchain_same_tier_retries",
     "Attempts sent again to the same backend after a transient fault, by the fault.",
