@@ -476,7 +476,6 @@ async def reset_at_once(ex: Exchange) -> None:
     [
         (answers(502), "http_502"),
         (answers(503, b"<html>no upstream</html>", **{"content-type": "text/html"}), "http_503"),
-        (reset_at_once, "connection_reset"),
     ],
 )
 async def test_a_transient_fault_is_tried_again_on_the_same_tier(first: Any, outcome: str) -> None:
@@ -529,6 +528,7 @@ async def test_retries_stop_at_their_number_per_request() -> None:
         (answers(503), {}),  # a model server's own JSON 503: busy, not transient
         (answers(502), {"retries": 0}),
         (answers(500), {}),
+        (reset_at_once, {}),  # a reset on a new connection: the backend's own failure
     ],
 )
 async def test_no_second_try_where_none_is_due(first: Any, failover: dict[str, Any]) -> None:
@@ -863,3 +863,16 @@ async def test_a_replica_whose_status_says_full_is_not_picked_while_another_is_f
             later = [await post(client, url) for _ in range(8)]
         await gw.aclose()
     assert all(trail(r) == ["tower-b;pool=tower;outcome=ok"] for r in later), why
+
+
+async def test_a_proxy_fault_on_a_replica_goes_to_the_next_replica_not_the_same_one() -> None:
+    async with FakeBackend("a") as a, FakeBackend("b") as b:
+        a.script = b.script = once_then(answers(502))
+        gw = Gateway([tower(a, b)], threshold=5)
+        async with serve(gw.app) as url, httpx.AsyncClient() as client:
+            r = await post(client, url)
+        await gw.aclose()
+    # The first replica picked answered 502; the other replica is the second try.
+    [first, second] = [t.split(";")[0] for t in trail(r)]
+    assert first != second
+    assert trail(r)[0].endswith("outcome=http_502")

@@ -112,12 +112,13 @@ _REFUSED = frozenset({429, 503})
 # Saturations whose reason the backend_saturated state line carries (the words this
 # layer's callers may not know from the plain stopwatch).
 _SHOWN_WHY = frozenset({"reserve", "too_slow", "incomplete"})
-# Faults worth a second try of the same backend before commit: a connection that
-# broke under the request (a reused keep-alive connection the server had closed),
-# and a proxy in front of the model server answering 502, or 503 without
-# Retry-After with a body typed other than JSON (a model server's own 503 is JSON:
-# it is busy, and the chain moves on).
-_TRANSIENT = frozenset({"connection_reset", "http_502", "http_503"})
+# Faults worth a second try of the same backend before commit: a proxy in front of
+# the model server answering 502, or 503 without Retry-After with a body typed other
+# than JSON (a model server's own 503 is JSON: it is busy, and the chain moves on).
+# A reset on a reused keep-alive connection never gets here: the Forwarder's pool
+# tries it once more on a new connection itself (_pool.FlatPool); a reset on a new
+# connection is the backend's own failure, and the chain moves on.
+_TRANSIENT = frozenset({"http_502", "http_503"})
 _WAIT_POLL = 0.25  # how often the first in the waiting room looks again unwoken
 
 
@@ -210,10 +211,12 @@ class Failover:
     ``shares``).
 
     ``retries``: how many times one request may send an attempt again to the
-    same backend after a transient fault before commit (``connection_reset``,
-    a 502, a 503 with no ``Retry-After`` and a body typed other than JSON: a
-    proxy's, not the model server's own "busy"); never for a saturation, never past
-    the reserve kept for the later tiers; the last tier too. 0: never.
+    same backend after a transient fault before commit (a 502, a 503 with no
+    ``Retry-After`` and a body typed other than JSON: a proxy's, not the model
+    server's own "busy"; a reset on a reused connection is retried by the
+    Forwarder's pool itself); never for a saturation, never past the reserve
+    kept for the later tiers, never while another replica of the same pool is
+    left to try; the last tier too. 0: never.
 
     ``waiting_room``: on a route whose every backend has a ``max_in_flight``
     or a ``status_url``, a request that finds every one of them full waits at
@@ -409,6 +412,7 @@ class Failover:
                     and fault.startswith("transient:")
                     and retried < self.retries
                     and _may_retry(req, attempt)
+                    and not (plan is not None and _sibling_left(req, attempt))
                 ):
                     retried += 1
                     labelled(SAME_TIER_RETRIES, route, attempt.backend.name, fault[10:]).inc()
@@ -789,6 +793,12 @@ def _proxy_503(req: TierRequest, retry_after: float | None) -> bool:
         return False
     kind = header(req.observer.headers, b"content-type")
     return kind is not None and b"json" not in kind.lower()
+
+
+def _sibling_left(req: TierRequest, attempt: Attempt) -> bool:
+    """True when another replica of the attempt's pool comes next: it is the retry."""
+    pool = attempt.backend.pool
+    return pool is not None and attempt.n < len(req.chain) and req.chain[attempt.n].pool == pool
 
 
 def _may_retry(req: TierRequest, attempt: Attempt) -> bool:
