@@ -79,7 +79,15 @@ from .errors import (
 )
 from .observer import Observer, nothing_sent
 from .picker import Picker, PickWeights, Prefix, prefix_keys
-from .request import TRAIL_HEADER, UNROUTED_KEY, Attempt, AttemptRecord, TierRequest, format_trail
+from .request import (
+    TRAIL_HEADER,
+    UNROUTED_KEY,
+    Attempt,
+    AttemptRecord,
+    ReplicaRecord,
+    TierRequest,
+    format_trail,
+)
 from .telemetry import (
     ATTEMPTS,
     ATTR_ATTEMPT_N,
@@ -317,9 +325,10 @@ class Failover:
         for reorder in req.reorderers:
             chain = await self._reordered(route, chain, reorder)
         req.route = route
-        special = route in self._special if self._special else False
-        if special:
+        plan: _Plan | None = None
+        if self._special and route in self._special:  # (a pool or shared hardware)
             chain = _gathered(chain)
+            plan = _Plan(req)
         req.chain = chain
         req.in_chain = True
         req.wire = self.routes.wire_format(route) or recognise(target.path)
@@ -342,7 +351,6 @@ class Failover:
             pristine = tuple(scope.values())
             first = True
             attempt: Attempt | None = Attempt(1, len(chain), chain[0], route)
-            plan = _Plan(req) if special else None
             if plan is not None and chain[0].pool is not None:
                 attempt = await self._picked(req, plan, Attempt(1, len(chain), chain[0], route))
             retried = 0
@@ -680,12 +688,14 @@ class Failover:
     ) -> None:
         elapsed = time.monotonic() - attempt.started
         backend = attempt.backend
-        req.attempts.append(
-            AttemptRecord(
+        if backend.pool is None:
+            record = AttemptRecord(attempt.n, backend.name, outcome, elapsed, retry_after, detail)
+        else:
+            record = ReplicaRecord(
                 attempt.n, backend.name, outcome, elapsed, retry_after, detail, backend.pool
             )
-        )
-        labelled(ATTEMPTS, attempt.route or "", attempt.backend.name, outcome).inc()
+        req.attempts.append(record)
+        labelled(ATTEMPTS, attempt.route or "", backend.name, outcome).inc()
 
     def _failed(
         self, req: TierRequest, attempt: Attempt, exc: BaseException, outcome: str

@@ -23,7 +23,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ._types import Scope
 from .backend import Backend
@@ -38,6 +38,7 @@ __all__ = [
     "AttemptRecord",
     "Preference",
     "Reorder",
+    "ReplicaRecord",
     "StateEvent",
     "TierRequest",
     "current_attempt",
@@ -125,7 +126,8 @@ class AttemptRecord:
 
     ``retry_after`` is when the backend (its ``Retry-After``) or its breaker said
     to come back, in seconds; ``detail`` is the backend's own message, if any;
-    ``pool`` the pool the backend is a replica of (None: a backend on its own).
+    ``pool`` the pool the backend is a replica of (None: a backend on its own;
+    a replica's record is a :class:`ReplicaRecord`).
     """
 
     n: int
@@ -134,7 +136,15 @@ class AttemptRecord:
     elapsed: float
     retry_after: float | None = None
     detail: str | None = None
-    pool: str | None = None
+    pool: ClassVar[str | None] = None
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaRecord(AttemptRecord):
+    """How one attempt at a pool's replica ended: an :class:`AttemptRecord` with its ``pool``
+    (a record of its own, so that a backend alone pays nothing for the field)."""
+
+    pool: str | None = None  # type: ignore[misc]
 
 
 @dataclass(slots=True, frozen=True)
