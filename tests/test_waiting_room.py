@@ -34,6 +34,7 @@ class Gate:
         self.go: list[asyncio.Event] = []
         self.bodies: list[bytes] = []
         self.any = asyncio.Event()
+        self.free: bytes | None = None  # a request whose body holds this is answered at once
 
     def script(self) -> Callable[[Exchange], Any]:
         async def script(ex: Exchange) -> None:
@@ -41,7 +42,8 @@ class Gate:
             self.go.append(go)
             self.bodies.append(ex.request.body)
             self.any.set()
-            await go.wait()
+            if self.free is None or self.free not in ex.request.body:
+                await go.wait()
             await streams(["ok"])(ex)
 
         return script
@@ -217,3 +219,39 @@ async def test_a_route_with_a_backend_that_cannot_say_it_is_full_never_waits() -
         await gw.aclose()
     assert r.status_code == 200
     assert gw.queued() == []
+
+
+async def test_a_waiting_stream_hears_its_place_in_line_as_a_heartbeat_line() -> None:
+    import json
+
+    from tierchain import Heartbeats
+
+    gate = Gate()
+    gate.free = b"waiting"
+    async with FakeBackend("a") as a, FakeBackend("b") as b:
+        a.script = b.script = gate.script()
+        forwarder = Forwarder()
+        failover = Failover(
+            forwarder, routes=Routes({"echo": [two_full_replicas(a, b)]}), waiting_room=True
+        )
+        app = Heartbeats(failover, commit_after=0.05, interval=0)
+        async with serve(app) as url, httpx.AsyncClient(timeout=10) as client:
+            held = await fill(client, url, gate)
+            body = chat_request(stream=True, content="waiting")
+            async with client.stream("POST", url + "/v1/chat/completions", content=body) as r:
+                raw = b""
+                released = False
+                async for chunk in r.aiter_raw():
+                    raw += chunk
+                    if not released and b'"state":"queued"' in raw:
+                        released = True
+                        gate.go[0].set()  # a lease frees: the waiting stream goes on and ends
+            for go in gate.go:
+                go.set()
+            for task in held:
+                assert (await task).status_code == 200
+        await forwarder.aclose()
+    lines = [json.loads(line[2:]) for line in raw.decode().splitlines() if line.startswith(": {")]
+    queued = next(line for line in lines if line["state"] == "queued")
+    assert (queued["position"], queued["waiting"]) == (1, 1)
+    assert [line["state"] for line in lines][-1] == "generating"
