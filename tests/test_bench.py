@@ -58,3 +58,38 @@ def test_the_waiting_streams_benchmark_holds_every_stream_and_each_hears_from_th
     assert line is not None, out
     assert [int(n) for n in line.groups()] == [40, 0, 40, 0], out
     assert "breaker closed" in out, out
+
+
+def test_the_pools_benchmark_compares_the_picker_with_round_robin_and_random():
+    out = run(str(BENCH / "pools.py"), "--quick")
+    rows = re.findall(
+        r"replicas (\d)  (\S+)\s+p50 ([0-9.]+) s  p99 ([0-9.]+) s  cache hits (\d+)%", out
+    )
+    assert {(n, mode) for n, mode, *_ in rows} == {
+        (n, mode) for n in "24" for mode in ("tierchain", "round-robin", "random")
+    }, out
+    hits = {(n, mode): int(h) for n, mode, _, _, h in rows}
+    for n in "24":
+        # A conversation stays on the replica that holds its history; at random it cannot.
+        assert hits[n, "tierchain"] > hits[n, "random"], out
+
+
+def test_the_benchmarks_page_describes_the_fake_replicas_as_they_are():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_pools", BENCH / "pools.py")
+    assert spec is not None
+    assert spec.loader is not None
+    pools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pools)
+    page = (BENCH.parent / "docs" / "benchmarks.md").read_text()
+    assert pools.PER_BYTE == 20e-6
+    assert "20 µs a byte" in page
+    assert pools.CACHED_SHARE == 0.1
+    assert "a tenth of an uncached one" in page
+    assert pools.SLOTS == 4
+    assert "4 requests at once" in page
+    assert pools.CONTENTION == 0.25
+    assert "by a quarter" in page
+    assert 4000 <= len(pools.SYSTEM) <= 4300
+    assert 900 <= len(pools.TURN) <= 1100

@@ -10,7 +10,7 @@ attempt, or is simply :class:`Forwarder`.
 
 from .admin import Admin
 from .allowance import Allowance
-from .backend import Backend, Routes
+from .backend import Backend, Pool, Routes
 from .breaker import Breaker
 from .budget import Budget
 from .endpoints import Endpoints
@@ -34,6 +34,7 @@ from .forwarder import Forwarder
 from .heartbeats import Heartbeats
 from .identity import StartupIdentity
 from .learned import Learned
+from .picker import PickWeights
 from .prefer import PreferBackend
 from .redis_store import RedisStore
 from .request import Attempt, TierRequest, current_attempt
@@ -64,6 +65,8 @@ __all__ = [
     "Heartbeats",
     "Learned",
     "MemoryStore",
+    "PickWeights",
+    "Pool",
     "PreferBackend",
     "RedisStore",
     "ResolveError",

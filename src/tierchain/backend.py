@@ -1,10 +1,18 @@
-"""`Backend` and `Routes`: what a request may be sent to, in which order."""
+"""`Backend`, `Pool` and `Routes`: what a request may be sent to, in which order.
+
+A chain's positions (its tiers) each hold a :class:`Backend` or a :class:`Pool`
+of replicas. :class:`Routes` keeps both views: ``routes[route]`` is every
+backend of the chain in order, a pool's replicas side by side (what breakers,
+leases, readiness and pins are keyed by), and :meth:`Routes.tiers` the tiers as
+given. Each replica of a pool knows its pool (``Backend.pool``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from urllib.parse import urlsplit
@@ -12,7 +20,7 @@ from urllib.parse import urlsplit
 from .masking import MASK, SECRET_NAME, mask_text, mask_url
 from .wire import check_format
 
-__all__ = ["Backend", "Routes"]
+__all__ = ["Backend", "Pool", "Routes"]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -60,6 +68,12 @@ class Backend:
     ``"responses"``, ``"anthropic"``, ``"ollama"``, ``"plain"``; see
     :mod:`tierchain.wire`); None recognises it from the request's path.
     ``stream_end`` applies to the ``openai`` and ``plain`` formats.
+    ``shares`` names the hardware this backend shares with others (any
+    string, such as ``"gpu0"``): when one backend of the group is saturated,
+    busy or starved, a request never fails over to another backend of the same
+    group (on a single-GPU host it would evict the first model), and goes on to
+    a tier that does not share it. ``pool`` is set by :class:`Pool` on its
+    replicas (None for a backend standing alone).
     """
 
     name: str
@@ -73,12 +87,16 @@ class Backend:
     forward_caller_auth: bool = False
     max_in_flight: int | None = None
     wire_format: str | None = None
+    shares: str | None = None
+    pool: str | None = field(default=None, init=False, compare=False)
 
     def __repr__(self) -> str:
         shown = []
         for f in fields(self):
             if f.repr:
                 value = getattr(self, f.name)
+                if f.name == "pool" and value is None:
+                    continue
                 if f.name.endswith("url") and isinstance(value, str):
                     value = mask_url(value)
                 elif SECRET_NAME.search(f.name) and isinstance(value, str) and value:
@@ -110,6 +128,11 @@ class Backend:
                 f"got {self.stream_end!r}"
             )
         check_format(f"backend {self.name!r} wire_format", self.wire_format)
+        if self.shares is not None and (not isinstance(self.shares, str) or not self.shares):
+            raise ValueError(
+                f"backend {self.name!r} shares must be a non-empty string such as 'gpu0' or None, "
+                f"got {self.shares!r}"
+            )
         limit = self.max_in_flight
         if limit is not None and (
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
@@ -132,42 +155,125 @@ class Backend:
                 )
 
 
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """Several replicas standing in one tier of a chain.
+
+    ``Pool(name="tower", backends=[Backend(...), Backend(...)])`` stands where a
+    :class:`Backend` stands in a :class:`Routes` chain. An attempt at the pool
+    picks one replica by its live state (see :mod:`tierchain.picker`); a replica
+    that fails before anything reached the caller is followed by another replica
+    of the pool, then by the next tier. ``name`` follows the backend name rules
+    and names the pool in heartbeat lines, the attempt trail and a preference
+    header; each replica keeps its own name, breaker, leases and learned normals.
+    ``backends`` holds copies of the given backends with ``pool`` set to ``name``.
+    """
+
+    name: str
+    backends: Sequence[Backend]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ValueError(
+                f"pool name {self.name!r} must be 1-64 characters from A-Z a-z 0-9 . _ -"
+            )
+        given = self.backends
+        if isinstance(given, Backend | str | bytes) or not isinstance(given, Iterable):
+            raise ValueError(f"pool {self.name!r} backends must be a list of Backend")
+        replicas = []
+        seen: set[str] = set()
+        for backend in given:
+            if not isinstance(backend, Backend):
+                raise ValueError(f"pool {self.name!r} holds {backend!r}, which is not a Backend")
+            if backend.name in seen:
+                raise ValueError(f"pool {self.name!r} names backend {backend.name!r} twice")
+            if backend.name == self.name:
+                raise ValueError(
+                    f"pool {self.name!r} holds a backend of the same name; give each its own"
+                )
+            seen.add(backend.name)
+            replica = dataclasses.replace(backend)
+            object.__setattr__(replica, "pool", self.name)
+            replicas.append(replica)
+        if not replicas:
+            raise ValueError(f"pool {self.name!r} has no backends; give it at least one")
+        object.__setattr__(self, "backends", tuple(replicas))
+
+    def __repr__(self) -> str:
+        return f"Pool(name={self.name!r}, backends=[{', '.join(b.name for b in self.backends)}])"
+
+
+Tier = Backend | Pool
+"""What stands in one position of a chain."""
+
+
 class Routes(Mapping[str, tuple[Backend, ...]]):
     """Logical model name -> its chain of backends, in order.
 
-    ``Routes({"echo": [Backend(...), Backend(...)]})``. An empty chain, a
-    duplicate backend name within a chain, or a route name that is empty is a
-    ``ValueError`` naming the route. ``wire_formats`` maps a route to the wire
+    ``Routes({"echo": [Backend(...), Backend(...)]})``; a :class:`Pool` may stand
+    where a Backend stands, and ``routes[route]`` then lists its replicas side
+    by side (:meth:`tiers` gives the chain as written). An empty chain, a
+    duplicate backend or pool name within a chain, or a route name that is
+    empty is a ``ValueError`` naming the route. ``wire_formats`` maps a route to the wire
     format its requests speak (see :mod:`tierchain.wire`), whatever their path;
     a backend's own ``wire_format`` still wins for that backend.
     """
 
-    __slots__ = ("_formats", "_routes")
+    __slots__ = ("_formats", "_routes", "_tiers", "pooled", "shared")
 
     def __init__(
         self,
-        routes: Mapping[str, Iterable[Backend]],
+        routes: Mapping[str, Iterable[Backend | Pool]],
         *,
         wire_formats: Mapping[str, str] | None = None,
     ) -> None:
         built: dict[str, tuple[Backend, ...]] = {}
+        tiers: dict[str, tuple[Backend | Pool, ...]] = {}
+        pooled: set[str] = set()
+        shared: set[str] = set()
         for route, backends in routes.items():
             if not isinstance(route, str) or not route:
                 raise ValueError(f"route name {route!r} must be a non-empty string")
-            chain = tuple(backends)
-            if not chain:
+            given = tuple(backends)
+            if not given:
                 raise ValueError(f"route {route!r} has an empty chain; give it a backend")
             seen: set[str] = set()
-            for backend in chain:
-                if not isinstance(backend, Backend):
-                    raise ValueError(f"route {route!r} holds {backend!r}, which is not a Backend")
-                if backend.name in seen:
-                    raise ValueError(f"route {route!r} names backend {backend.name!r} twice")
-                seen.add(backend.name)
-            built[route] = chain
+            chain: list[Backend] = []
+            for tier in given:
+                if isinstance(tier, Pool):
+                    if tier.name in seen:
+                        raise ValueError(f"route {route!r} names {tier.name!r} twice")
+                    seen.add(tier.name)
+                    members = tier.backends
+                    pooled.add(route)
+                elif isinstance(tier, Backend):
+                    if tier.pool is not None:
+                        raise ValueError(
+                            f"route {route!r} holds backend {tier.name!r} of pool {tier.pool!r} "
+                            "on its own; put the Pool in the chain"
+                        )
+                    members = (tier,)
+                else:
+                    raise ValueError(
+                        f"route {route!r} holds {tier!r}, which is not a Backend or a Pool"
+                    )
+                for backend in members:
+                    if backend.name in seen:
+                        raise ValueError(f"route {route!r} names backend {backend.name!r} twice")
+                    seen.add(backend.name)
+                    if backend.shares is not None:
+                        shared.add(route)
+                    chain.append(backend)
+            built[route] = tuple(chain)
+            tiers[route] = given
         if not built:
             raise ValueError("Routes needs at least one route")
         self._routes = built
+        self._tiers = tiers
+        self.pooled: frozenset[str] = frozenset(pooled)
+        """The routes with a pool in their chain."""
+        self.shared: frozenset[str] = frozenset(shared)
+        """The routes with a backend that ``shares`` hardware."""
         formats: dict[str, str] = {}
         for route, wire in (wire_formats or {}).items():
             if route not in built:
@@ -188,8 +294,14 @@ class Routes(Mapping[str, tuple[Backend, ...]]):
         return len(self._routes)
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{r!r}: [{', '.join(b.name for b in c)}]" for r, c in self.items())
+        inner = ", ".join(
+            f"{r!r}: [{', '.join(_shown(t) for t in c)}]" for r, c in self._tiers.items()
+        )
         return f"Routes({{{inner}}})"
+
+    def tiers(self, route: str) -> tuple[Backend | Pool, ...]:
+        """``route``'s chain as given: a Backend or a Pool per tier."""
+        return self._tiers[route]
 
     def wire_format(self, route: str) -> str | None:
         """The wire format set for ``route`` (None: recognised from each request's path)."""
@@ -201,3 +313,9 @@ class Routes(Mapping[str, tuple[Backend, ...]]):
             if backend.name == name:
                 return backend
         return None
+
+
+def _shown(tier: Backend | Pool) -> str:
+    if isinstance(tier, Pool):
+        return f"{tier.name}({', '.join(b.name for b in tier.backends)})"
+    return tier.name

@@ -34,6 +34,7 @@ still importable from here for code written against that path.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import math
@@ -48,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from .backend import _NAME as _BACKEND_NAME
-from .backend import Backend, Routes
+from .backend import Backend, Pool, Routes
 from .backend import _check_url as check_url
 from .errors import ConfigError
 from .masking import MASK, mask_text, mask_url
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKEND_KEYS",
     "LAYERS",
+    "POOL_KEYS",
     "STACK_ORDER",
     "WARNINGS",
     "BackendKey",
@@ -180,6 +182,14 @@ def header_name(raw: str) -> str:
     return text
 
 
+def name_list(raw: str) -> tuple[str, ...]:
+    """Names separated by commas: ``high,normal,low``."""
+    names = tuple(p.strip() for p in raw.split(",") if p.strip())
+    if not names or len({n.lower() for n in names}) != len(names):
+        raise ValueError
+    return names
+
+
 def text(raw: str) -> str:
     """Any non-empty text."""
     if not raw.strip():
@@ -220,6 +230,26 @@ def token(raw: str) -> str:
     if not re.fullmatch(r"[\x21-\x7e]{16,512}", raw):
         raise ValueError
     return raw
+
+
+def pick_weights(raw: str) -> Any:
+    """Pick weights as ``name=number`` pairs separated by commas:
+    ``in_flight=1,waiting=1,kv_cache=2,slots=1,first_data=0.1`` (a name left out
+    keeps its default)."""
+    from .picker import PickWeights  # (the picker's own check, imported when used)
+
+    values: dict[str, float] = {}
+    for part in raw.split(","):
+        if not part.strip():
+            continue
+        name, eq, number = part.partition("=")
+        if not eq:
+            raise ValueError
+        values[name.strip()] = float(number.strip())
+    try:
+        return PickWeights(**values)
+    except TypeError:  # a name that is not a weight
+        raise ValueError from None
 
 
 def path_list(raw: str) -> tuple[str, ...]:
@@ -441,6 +471,21 @@ LAYERS: tuple[Layer, ...] = (
         _o("send_timeout", "FAILOVER_SEND_TIMEOUT", seconds(zero_ok=False, optional=True),
            f"{_SECS_POS}, or none",
            help="How long a send to a caller that stopped reading may wait before it is cut."),
+        _o("pick", "FAILOVER_PICK", pick_weights,
+           "weights name=number separated by commas, such as in_flight=1,waiting=1,kv_cache=2,"
+           "slots=1,first_data=0.1",
+           help="The weights of a pool replica's score (see Pools)."),
+        _o("retries", "FAILOVER_RETRIES", integer(0), "a whole number >= 0",
+           help="Tries of the same backend again after a transient fault, per request."),
+        _o("waiting_room", "FAILOVER_WAITING_ROOM", boolean, _BOOL,
+           help="Wait at the gateway while every backend of the chain is full (see Pools)."),
+        _o("max_wait", "FAILOVER_MAX_WAIT", seconds(zero_ok=False), _SECS_POS,
+           help="How long a request waits in the waiting room at most."),
+        _o("priority_header", "FAILOVER_PRIORITY_HEADER", header_name,
+           "an HTTP header name such as X-Priority",
+           help="The header naming a request's priority band in the waiting room."),
+        _o("priority_bands", "FAILOVER_PRIORITY_BANDS", name_list,
+           "names separated by commas, highest first, such as high,normal,low"),
     ), wired=frozenset({"routes", "store"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
@@ -856,19 +901,30 @@ def _v1_twice(settings: Settings) -> Iterator[str]:
     given = failover.sources.get("paths")
     how = f"{given}={','.join(paths)}" if given else f"Failover paths {','.join(paths)}"
     prefix = f"{settings.routes_file}: " if settings.routes_file else ""
-    for route, chain in settings.routes.items():
-        for i, backend in enumerate(chain):
+    for route in settings.routes:
+        for at, backend in _placed(settings.routes, route):
             parts = urlsplit(backend.url)
             if not parts.path.rstrip("/").endswith("/v1"):
                 continue
             base = mask_url(parts._replace(path=parts.path.rstrip("/")[: -len("/v1")]).geturl())
             shown = mask_url(backend.url)
             yield (
-                f"{prefix}routes.{route}.backends[{i}].url={shown!r} (backend {backend.name!r}): "
+                f"{prefix}routes.{route}.{at}.url={shown!r} (backend {backend.name!r}): "
                 f"its path ends in /v1 and the requests sent to it already start with /v1 ({how}), "
                 f"so /v1/chat/completions would go to {shown.rstrip('/')}/v1/chat/completions, "
                 f"a 404 on every request; expected the base URL without /v1: {base!r}"
             )
+
+
+def _placed(routes: Routes, route: str) -> Iterator[tuple[str, Backend]]:
+    """Each backend of ``route`` with its key path in the routes file (``backends[1]``, or
+    ``backends[0].backends[1]`` for a pool's replica)."""
+    for i, tier in enumerate(routes.tiers(route)):
+        if isinstance(tier, Pool):
+            for j, replica in enumerate(tier.backends):
+                yield f"backends[{i}].backends[{j}]", replica
+        else:
+            yield f"backends[{i}]", tier
 
 
 def _windows(settings: Settings) -> Iterable[str]:
@@ -1060,6 +1116,7 @@ BACKEND_KEYS: tuple[BackendKey, ...] = (
     BackendKey("max_in_flight", _toml_count, "a whole number >= 1"),
     BackendKey("wire_format", _toml_wire_format,
                "one of openai, responses, anthropic, ollama, plain"),
+    BackendKey("shares", _toml_text, "a non-empty string naming the hardware, such as gpu0"),
     BackendKey("headers", lambda v: v, "a table of HTTP header names to strings", field=False),
     BackendKey("api_key_env", _toml_text, "the name of a variable", field=False),
     BackendKey("api_key_header", _toml_header_name,
@@ -1088,7 +1145,7 @@ def routes_from_toml(
         if key != "routes":
             problems.append(f"{key}: unknown top-level key; expected only [routes.<name>] tables")
     table = data.get("routes")
-    built: dict[str, list[Backend]] = {}
+    built: dict[str, list[Backend | Pool]] = {}
     if not isinstance(table, Mapping) or not table:
         problems.append("routes: expected at least one [routes.<name>] table")
         table = {}
@@ -1115,19 +1172,16 @@ def routes_from_toml(
         if not isinstance(backends, list) or not backends:
             problems.append(f"{where}.backends: expected at least one [[{where}.backends]] table")
             continue
-        chain: list[Backend] = []
-        names: dict[str, int] = {}
+        chain: list[Backend | Pool] = []
+        named = functools.partial(_note_name, problems, where, {})
         for i, entry in enumerate(backends):
             at = f"{where}.backends[{i}]"
-            name = entry.get("name") if isinstance(entry, Mapping) else None
-            if isinstance(name, str) and name in names:
-                problems.append(
-                    f"{at}.name={name!r}: this name is already in {where} "
-                    f"(backends[{names[name]}]); expected each backend of a route to have its "
-                    "own name"
-                )
-            elif isinstance(name, str):
-                names[name] = i
+            if isinstance(entry, Mapping) and "pool" in entry:
+                pool = _pool(at, entry, env, problems, named)
+                if pool is not None:
+                    chain.append(pool)
+                continue
+            named(at, entry.get("name") if isinstance(entry, Mapping) else None)
             backend = _backend(at, entry, env, problems)
             if backend is not None:
                 chain.append(backend)
@@ -1139,6 +1193,62 @@ def routes_from_toml(
         return Routes(built, wire_formats=formats)
     except ValueError as exc:  # pragma: no cover - checked above
         raise ConfigError([f"{source or 'routes'}: {exc}"]) from None
+
+
+def _note_name(problems: list[str], where: str, names: dict[str, str], at: str, name: Any) -> None:
+    """Note a backend's or pool's name in a route; a second of the same is a problem."""
+    if isinstance(name, str) and name in names:
+        problems.append(
+            f"{at}.name={name!r}: this name is already in {where} "
+            f"({names[name]}); expected each backend and pool of a route to have its own name"
+        )
+    elif isinstance(name, str):
+        names[name] = at[len(where) + 1 :]
+
+
+POOL_KEYS = ("pool", "backends")
+"""The keys of a pool's entry in a route's ``backends`` array."""
+
+
+def _pool(
+    where: str,
+    entry: Mapping[str, Any],
+    env: Mapping[str, str],
+    problems: list[str],
+    named: Callable[[str, Any], None],
+) -> Pool | None:
+    """A pool entry (``pool = "tower"`` and its own ``backends`` array), checked whole."""
+    found = len(problems)
+    name = entry.get("pool")
+    who = f" (pool {name!r})" if isinstance(name, str) else ""
+    for key in entry:
+        if key not in POOL_KEYS:
+            problems.append(
+                f"{where}.{key}{who}: unknown key for a pool; expected {', '.join(POOL_KEYS)} "
+                "(a replica's own keys go in its [[...backends]] table)"
+            )
+    if not isinstance(name, str) or not _BACKEND_NAME.fullmatch(name):
+        problems.append(f"{where}.pool={name!r}: expected {_BACKEND_KEYS['name'].expected}")
+    else:
+        named(where, name)
+    replicas = entry.get("backends")
+    members: list[Backend] = []
+    if not isinstance(replicas, list) or not replicas:
+        problems.append(f"{where}.backends{who}: expected at least one backend table in the pool")
+    else:
+        for i, replica in enumerate(replicas):
+            at = f"{where}.backends[{i}]"
+            named(at, replica.get("name") if isinstance(replica, Mapping) else None)
+            backend = _backend(at, replica, env, problems)
+            if backend is not None:
+                members.append(backend)
+    if len(problems) > found or not isinstance(name, str):
+        return None
+    try:
+        return Pool(name=name, backends=members)
+    except ValueError as exc:
+        problems.append(f"{where}{who}: {exc}")
+        return None
 
 
 def _shown_toml(key: str, value: Any) -> str:

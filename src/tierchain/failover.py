@@ -51,7 +51,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
@@ -62,7 +62,7 @@ from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._loops import slack
-from ._responses import caller_cut, error_detail, retry_after, send_json_error
+from ._responses import caller_cut, error_detail, header, retry_after, send_json_error
 from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .admission import Admission
@@ -80,12 +80,14 @@ from .errors import (
     StreamError,
 )
 from .observer import Observer, nothing_sent
+from .picker import Picker, PickWeights, Prefix, prefix_keys
 from .request import (
     DEFAULT_SEND_TIMEOUT,
     TRAIL_HEADER,
     UNROUTED_KEY,
     Attempt,
     AttemptRecord,
+    ReplicaRecord,
     TierRequest,
     format_trail,
 )
@@ -95,15 +97,19 @@ from .telemetry import (
     ATTR_ATTEMPT_OF,
     ATTR_BACKEND,
     ATTR_OUTCOME,
+    ATTR_POOL,
     ATTR_REGIME,
+    ATTR_RETRY,
     ATTR_ROUTE,
     BACKEND_BUSY,
+    SAME_TIER_RETRIES,
     TIME_TO_FIRST_CHUNK,
     labelled,
     log_event,
     start_span,
     tracing_enabled,
 )
+from .waiting import WaitingRoom
 from .wire import context_exceeded, recognise
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "DEFAULT_SEND_TIMEOUT", "Failover", "ResolveError"]
@@ -117,6 +123,14 @@ _REFUSED = frozenset({429, 503})
 # Saturations whose reason the backend_saturated state line carries (the words this
 # layer's callers may not know from the plain stopwatch).
 _SHOWN_WHY = frozenset({"reserve", "too_slow", "incomplete"})
+# Faults worth a second try of the same backend before commit: a proxy in front of
+# the model server answering 502, or 503 without Retry-After with a body typed other
+# than JSON (a model server's own 503 is JSON: it is busy, and the chain moves on).
+# A reset on a reused keep-alive connection never gets here: the Forwarder's pool
+# tries it once more on a new connection itself (_pool.FlatPool); a reset on a new
+# connection is the backend's own failure, and the chain moves on.
+_TRANSIENT = frozenset({"http_502", "http_503"})
+_WAIT_POLL = 0.25  # how often the first in the waiting room looks again unwoken
 
 
 Resolver = Callable[[Scope, bytes], str]
@@ -207,6 +221,28 @@ class Failover:
     breaker counts it against the backend. The final error event after a
     backend failed mid-stream is bounded the same way, and sent after the lease
     is given back.
+
+    A :class:`~tierchain.Pool` in a chain: each time the chain reaches it, its
+    replicas are ordered by their live state with the weights ``pick`` (a
+    :class:`~tierchain.picker.PickWeights`; see :mod:`tierchain.picker`), and a
+    replica that fails before commit is followed by the next one, then by the
+    next tier. After a backend that ``shares`` hardware was saturated or busy,
+    the backends of the same group are passed over (outcome ``busy``, reason
+    ``shares``).
+
+    ``retries``: how many times one request may send an attempt again to the
+    same backend after a transient fault before commit (a 502, a 503 with no
+    ``Retry-After`` and a body typed other than JSON: a proxy's, not the model
+    server's own "busy"; a reset on a reused connection is retried by the
+    Forwarder's pool itself); never for a saturation, never past the reserve
+    kept for the later tiers, never while another replica of the same pool is
+    left to try; the last tier too. 0: never.
+
+    ``waiting_room``: on a route whose every backend has a ``max_in_flight``
+    or a ``status_url``, a request that finds every one of them full waits at
+    the gateway (see :mod:`tierchain.waiting`), at most ``max_wait`` seconds,
+    first come first served within the band its ``priority_header`` names (one
+    of ``priority_bands``, highest first; None: one band for all).
     """
 
     def __init__(
@@ -225,6 +261,12 @@ class Failover:
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
         send_timeout: float | None = DEFAULT_SEND_TIMEOUT,
+        pick: PickWeights | None = None,
+        retries: int = 1,
+        waiting_room: bool = False,
+        max_wait: float = 30.0,
+        priority_header: str | None = None,
+        priority_bands: Sequence[str] = ("high", "normal", "low"),
     ) -> None:
         self.app = app
         self._head = HeadLimits(max_headers, max_header_bytes)
@@ -244,6 +286,31 @@ class Failover:
         self.retry_statuses = frozenset(retry_statuses)
         self._known = ", ".join(sorted(self.routes))
         self.admission = Admission(store, lease=lease)
+        if pick is not None and not isinstance(pick, PickWeights):
+            raise ValueError(f"pick must be a tierchain.picker.PickWeights, got {pick!r}")
+        self.picker = Picker(pick or PickWeights(), admission=self.admission, store=store)
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be a whole number >= 0, got {retries!r}")
+        self.retries = retries
+        # Routes whose chain holds a pool or a backend that shares hardware: only
+        # their requests take the slower path (a chain of single backends does not).
+        self._special = self.routes.pooled | self.routes.shared
+        self.waiting = (
+            WaitingRoom(bands=priority_bands, max_wait=max_wait, poll=_WAIT_POLL)
+            if waiting_room
+            else None
+        )
+        self._priority = priority_header.lower().encode() if priority_header else None
+        # The routes whose every backend can say it is full: the only ones that wait.
+        self._waitable = (
+            frozenset(
+                r
+                for r, chain in self.routes.items()
+                if all(b.max_in_flight is not None or b.status_url is not None for b in chain)
+            )
+            if waiting_room
+            else frozenset()
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -273,6 +340,10 @@ class Failover:
         for reorder in req.reorderers:
             chain = await self._reordered(route, chain, reorder)
         req.route = route
+        plan: _Plan | None = None
+        if self._special and route in self._special:  # (a pool or shared hardware)
+            chain = _gathered(chain)
+            plan = _Plan(req)
         req.chain = chain
         req.in_chain = True
         req.wire = self.routes.wire_format(route) or recognise(target.path)
@@ -281,6 +352,8 @@ class Failover:
         guard = DisconnectGuard(receive)
         guard.enter()  # (as ``async with guard``, without its two coroutines)
         try:
+            if self._waitable and route in self._waitable:
+                await self._wait(scope, req, route)
             # The chain, attempt by attempt, in this frame: a waiting stream holds one
             # frame of ours.
             # The scope as it came, for the attempts after the first (routers such as
@@ -293,9 +366,14 @@ class Failover:
             pristine = tuple(scope.values())
             first = True
             attempt: Attempt | None = Attempt(1, len(chain), chain[0], route)
+            if plan is not None and chain[0].pool is not None:
+                attempt = await self._picked(req, plan, Attempt(1, len(chain), chain[0], route))
+            retried = 0
             while attempt is not None:
                 responder = self._begin(req, guard, send, attempt)
                 recorded = len(req.attempts)
+                if plan is not None and attempt.backend.pool is not None:
+                    self.picker.started(route, attempt.backend)
                 try:
                     error: BaseException | None = None
                     try:
@@ -345,9 +423,30 @@ class Failover:
                     # would wait for the garbage collector together.
                     error = None
                     lease = responder.end()
+                    if plan is not None and attempt.backend.pool is not None:
+                        await self._picked_ended(req, plan, attempt, responder, recorded)
                     if lease is not None:
                         await self.admission.leave(lease)
-                attempt = self._next(req, attempt)
+                        if self.waiting is not None:
+                            self.waiting.notify()  # a lease freed: the first in line looks
+                fault = responder.fault
+                if (
+                    fault is not None
+                    and fault.startswith("transient:")
+                    and retried < self.retries
+                    and _may_retry(req, attempt)
+                    and not (plan is not None and _sibling_left(req, attempt))
+                ):
+                    retried += 1
+                    labelled(SAME_TIER_RETRIES, route, attempt.backend.name, fault[10:]).inc()
+                    attempt = Attempt(
+                        attempt.n, attempt.of, attempt.backend, route, retry=attempt.retry + 1
+                    )
+                    continue
+                if plan is None:
+                    attempt = self._next(req, attempt)
+                else:
+                    attempt = await self._next_planned(req, plan, attempt, fault)
             guard.done = True
             if span is not INVALID_SPAN:
                 span.set_attribute(ATTR_OUTCOME, "all_failed")
@@ -424,6 +523,93 @@ class Failover:
             return Attempt(of, of, soonest, req.route, force=True)
         return None
 
+    async def _wait(self, scope: Scope, req: TierRequest, route: str) -> None:
+        """Wait in the waiting room while every backend of the chain is full."""
+        room = self.waiting
+        assert room is not None
+        band = room.default_band
+        if self._priority is not None:
+            band = room.band(header(scope["headers"], self._priority))
+        chain = req.chain
+
+        async def full() -> bool:
+            return await self.picker.all_full(chain)
+
+        await room.wait(req, route, full, band)
+
+    async def _next_planned(
+        self, req: TierRequest, plan: _Plan, attempt: Attempt, fault: str | None
+    ) -> Attempt | None:
+        """The next attempt of a chain with a pool or shared hardware: the next replica
+        picked by live state, past every backend whose hardware is known taken."""
+        if fault is not None and fault.startswith("holds:"):
+            plan.held.add(fault[6:])
+        nxt = self._next(req, attempt)
+        while nxt is not None and not nxt.force:
+            if nxt.backend.pool is not None:
+                nxt = await self._picked(req, plan, nxt)
+            shares = nxt.backend.shares
+            if shares is None or shares not in plan.held:
+                break
+            self._record(req, nxt, "busy")
+            labelled(BACKEND_BUSY, req.route or "", nxt.backend.name, "shares").inc()
+            req.emit(
+                "backend_busy",
+                **_named(nxt.backend),
+                reason="shares",
+                shares=shares,
+                failing_over=not nxt.is_last,
+            )
+            nxt = self._next(req, nxt)
+        return nxt
+
+    async def _picked(self, req: TierRequest, plan: _Plan, attempt: Attempt) -> Attempt:
+        """``attempt`` at the best replica left of its pool (the chain reordered to say so)."""
+        chain = req.chain
+        i = attempt.n - 1
+        pool = chain[i].pool
+        j = i + 1
+        while j < len(chain) and chain[j].pool == pool:
+            j += 1
+        run = chain[i:j]
+        if len(run) < 2:
+            return attempt
+        entering = i == 0 or chain[i - 1].pool != pool
+        if plan.prefix is None:
+            plan.prefix = prefix_keys(req.body)
+        route = req.route or ""
+        if entering and run[0].name in plan.preferred:
+            # A preferred or pinned replica leads; the rest are ordered after it.
+            order = [run[0], *await self.picker.order(route, run[1:], req.body, plan.prefix)]
+        else:
+            order = await self.picker.order(route, run, req.body, plan.prefix)
+        req.chain = (*chain[:i], *order, *chain[j:])
+        return Attempt(attempt.n, attempt.of, order[0], attempt.route, force=attempt.force)
+
+    async def _picked_ended(
+        self,
+        req: TierRequest,
+        plan: _Plan,
+        attempt: Attempt,
+        responder: _Responder,
+        recorded: int,
+    ) -> None:
+        """Tell the picker how an attempt at a replica ended (and, when it answered,
+        that the replica now holds the request's prompt prefix)."""
+        record = req.attempts[recorded] if len(req.attempts) > recorded else None
+        outcome = record.outcome if record is not None else responder.outcome
+        observer = responder.observer
+        first = observer.first_data_at
+        self.picker.ended(
+            attempt.backend,
+            outcome,
+            body=req.body,
+            first_data_s=None if first is None else first - attempt.started,
+            retry_in=record.retry_after if record is not None else None,
+        )
+        if outcome == "ok" and plan.prefix is not None:
+            await self.picker.remember(req.route or "", attempt.backend, plan.prefix)
+
     async def _all_failed(self, req: TierRequest, send: Send, of: int) -> None:
         """No tier answered: the caller's 503, 429 or 502."""
         skipped = _skipped(req)
@@ -489,7 +675,22 @@ class Failover:
         observer = req.observer = Observer(
             attempt.started, stream_end=backend.stream_end, wire=backend.wire_format or req.wire
         )
-        req.emit("attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime)
+        if backend.pool is None and not attempt.retry:
+            req.emit(
+                "attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime
+            )
+        else:
+            fields: dict[str, Any] = {"pool": backend.pool} if backend.pool is not None else {}
+            if attempt.retry:
+                fields["retry"] = attempt.retry
+            req.emit(
+                "attempt",
+                n=attempt.n,
+                of=attempt.of,
+                backend=backend.name,
+                regime=backend.regime,
+                **fields,
+            )
         return _Responder(self, req, attempt, observer, send, guard, _attempt_span(attempt))
 
     def _record(
@@ -501,12 +702,22 @@ class Failover:
         detail: str | None = None,
     ) -> None:
         elapsed = time.monotonic() - attempt.started
-        req.attempts.append(
-            AttemptRecord(attempt.n, attempt.backend.name, outcome, elapsed, retry_after, detail)
-        )
-        labelled(ATTEMPTS, attempt.route or "", attempt.backend.name, outcome).inc()
+        backend = attempt.backend
+        if backend.pool is None:
+            record = AttemptRecord(attempt.n, backend.name, outcome, elapsed, retry_after, detail)
+        else:
+            record = ReplicaRecord(
+                attempt.n, backend.name, outcome, elapsed, retry_after, detail, backend.pool
+            )
+        req.attempts.append(record)
+        labelled(ATTEMPTS, attempt.route or "", backend.name, outcome).inc()
 
-    def _failed(self, req: TierRequest, attempt: Attempt, exc: BaseException, outcome: str) -> None:
+    def _failed(
+        self, req: TierRequest, attempt: Attempt, exc: BaseException, outcome: str
+    ) -> str | None:
+        """Record and announce a failed attempt. Returns what the next step must know:
+        ``holds:<group>`` when the backend's shared hardware is taken (saturated or
+        busy), ``transient:<reason>`` for a fault worth a second try, else None."""
         retry: float | None = None
         detail: str | None = None
         if isinstance(exc, BackendSkipped):
@@ -515,32 +726,37 @@ class Failover:
             retry, detail = exc.retry_after, exc.detail
         self._record(req, attempt, outcome, retry, detail)
         backend = attempt.backend.name
+        named = _named(attempt.backend)
         failing_over = not attempt.is_last
+        fault: str | None = None
         if isinstance(exc, BackendBusy):
             why = "max_in_flight" if exc.why == "max_in_flight" else "status"
             labelled(BACKEND_BUSY, attempt.route or "", backend, why).inc()
-            fields: dict[str, Any] = {"backend": backend}
+            fields: dict[str, Any] = dict(named)
             if exc.in_flight is not None:
                 fields["in_flight"] = exc.in_flight
             else:
                 fields["reason"] = exc.why
             req.emit("backend_busy", **fields, failing_over=failing_over)
+            if exc.why != "reserve":  # (passed over for time: its hardware is not known taken)
+                fault = _holds(attempt.backend)
         elif isinstance(exc, BackendSkipped):
             req.emit(
                 "backend_skipped",
-                backend=backend,
+                **named,
                 retry_in_s=None if retry is None else round(retry, 1),
                 failing_over=failing_over,
             )
         elif isinstance(exc, BackendSaturated):
             if exc.why in _SHOWN_WHY:
-                req.emit(
-                    "backend_saturated", backend=backend, reason=exc.why, failing_over=failing_over
-                )
+                req.emit("backend_saturated", **named, reason=exc.why, failing_over=failing_over)
             else:
-                req.emit("backend_saturated", backend=backend, failing_over=failing_over)
+                req.emit("backend_saturated", **named, failing_over=failing_over)
+            fault = _holds(attempt.backend)
         else:
-            req.emit("backend_failed", backend=backend, reason=outcome, failing_over=failing_over)
+            req.emit("backend_failed", **named, reason=outcome, failing_over=failing_over)
+            if outcome in _TRANSIENT and (outcome != "http_503" or _proxy_503(req, retry)):
+                fault = "transient:" + outcome
         log_event(
             "dispatch.attempt_failed",
             route=attempt.route,
@@ -550,6 +766,72 @@ class Failover:
             outcome=outcome,
             failing_over=failing_over,
         )
+        return fault
+
+
+class _Plan:
+    """A request's facts for a chain with a pool or shared hardware."""
+
+    __slots__ = ("held", "preferred", "prefix")
+
+    def __init__(self, req: TierRequest) -> None:
+        self.held: set[str] = set()  # the shares groups known taken
+        self.prefix: Prefix | None = None  # the prompt's prefix hashes, once a pool needs them
+        preferred = set()
+        if req.pin is not None:
+            preferred.add(req.pin)
+        if req.preference is not None and req.preference.applied:
+            preferred.add(req.preference.requested)
+        self.preferred = frozenset(preferred)
+
+
+def _gathered(chain: tuple[Backend, ...]) -> tuple[Backend, ...]:
+    """``chain`` with each pool's replicas side by side, where its first one stands
+    (a preference may have moved one replica ahead of the rest)."""
+    out: list[Backend] = []
+    done: set[str] = set()
+    for backend in chain:
+        pool = backend.pool
+        if pool is None:
+            out.append(backend)
+        elif pool not in done:
+            done.add(pool)
+            out.extend(b for b in chain if b.pool == pool)
+    return tuple(out)
+
+
+def _named(backend: Backend) -> dict[str, Any]:
+    """A state line's naming fields: the backend, and its pool when it has one."""
+    if backend.pool is None:
+        return {"backend": backend.name}
+    return {"backend": backend.name, "pool": backend.pool}
+
+
+def _holds(backend: Backend) -> str | None:
+    return None if backend.shares is None else "holds:" + backend.shares
+
+
+def _proxy_503(req: TierRequest, retry_after: float | None) -> bool:
+    """True when a 503 looks like a proxy's: no Retry-After, a body that says its type
+    and it is not JSON (nginx's HTML page, Envoy's "no healthy upstream")."""
+    if retry_after is not None or req.observer is None:
+        return False
+    kind = header(req.observer.headers, b"content-type")
+    return kind is not None and b"json" not in kind.lower()
+
+
+def _sibling_left(req: TierRequest, attempt: Attempt) -> bool:
+    """True when another replica of the attempt's pool comes next: it is the retry."""
+    pool = attempt.backend.pool
+    return pool is not None and attempt.n < len(req.chain) and req.chain[attempt.n].pool == pool
+
+
+def _may_retry(req: TierRequest, attempt: Attempt) -> bool:
+    """True when a second try of the same backend keeps the reserve (and the budget)."""
+    if req.committed or req.cancel_reason is not None:
+        return False
+    left = req.remaining()
+    return left is None or left > attempt.reserve
 
 
 def _current(span: Span) -> AbstractContextManager[object]:
@@ -571,6 +853,10 @@ def _attempt_span(attempt: Attempt) -> Span:
     }
     if backend.regime:
         attrs[ATTR_REGIME] = backend.regime
+    if backend.pool is not None:
+        attrs[ATTR_POOL] = backend.pool
+    if attempt.retry:
+        attrs[ATTR_RETRY] = attempt.retry
     return start_span("tierchain.attempt", attrs)
 
 
@@ -591,6 +877,8 @@ def _skipped(req: TierRequest) -> dict[str, float | None]:
 
 def _attempt_json(record: AttemptRecord) -> dict[str, Any]:
     item: dict[str, Any] = {"backend": record.backend, "outcome": record.outcome}
+    if record.pool is not None:
+        item["pool"] = record.pool
     if record.retry_after is not None:
         item["retry_after_s"] = round(record.retry_after, 1)
     if record.detail is not None:
@@ -630,6 +918,7 @@ class _Responder:
         "attempt",
         "caller_cut",
         "committed",
+        "fault",
         "lease",
         "observer",
         "outcome",
@@ -660,6 +949,7 @@ class _Responder:
         self.start: Message | None = None
         self.committed = False
         self.outcome = "ok"
+        self.fault: str | None = None  # what a failure tells the next step (Failover._failed)
         self.refusal: list[bytes] | None = None  # a retryable answer's body, being kept
         self._held: list[bytes] | None = None  # made when something is held
         self._held_size = 0
@@ -863,7 +1153,7 @@ class _Responder:
                 backend=attempt.backend.name,
                 error=repr(error),
             )
-        failover._failed(req, attempt, error, outcome)
+        self.fault = failover._failed(req, attempt, error, outcome)
         return False
 
     def end(self) -> Any:
@@ -927,11 +1217,18 @@ class _Responder:
             headers.append(
                 (b"content-length", str(len(chunk) if length is None else length).encode())
             )
-        trail = format_trail(req.attempts, (attempt.backend.name, self.outcome))
+        backend = attempt.backend
+        if backend.pool is None:
+            trail = format_trail(req.attempts, (backend.name, self.outcome))
+            req.emit("generating", backend=backend.name)
+        else:
+            trail = format_trail(
+                req.attempts, (f"{backend.name};pool={backend.pool}", self.outcome)
+            )
+            req.emit("generating", backend=backend.name, pool=backend.pool)
         headers.append((TRAIL_HEADER, trail))
-        headers.append((BACKEND_HEADER, attempt.backend.name.encode()))
+        headers.append((BACKEND_HEADER, backend.name.encode()))
         self.start["headers"] = headers
-        req.emit("generating", backend=attempt.backend.name)
         self._watch_caller()
         await self._to_caller(self.start)
         if not more_body:

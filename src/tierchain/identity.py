@@ -96,6 +96,10 @@ def _routes(routes: Routes | Mapping[str, Any]) -> dict[str, list[dict[str, Any]
                 entry["headers"] = sorted(backend.headers)  # names only, never values
             if backend.forward_caller_auth:
                 entry["forward_caller_auth"] = True  # this tier receives callers' credentials
+            if backend.pool is not None:
+                entry["pool"] = backend.pool
+            if backend.shares is not None:
+                entry["shares"] = backend.shares
             entries.append(entry)
         out[route] = entries
     return out

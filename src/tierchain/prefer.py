@@ -1,7 +1,7 @@
 """PreferBackend: let a caller (and an operator's pin) put one backend first.
 
-Reorder, never filter. The named backend moves to the front of this request's
-chain and every other tier stays behind it in its order, so a preferred backend
+Reorder, never filter. The named backend (or pool) moves to the front of this
+request's chain and every other tier stays behind it in its order, so a preferred backend
 that fails still falls back exactly as before. The layer registers a reorderer
 on the per-request object; :class:`~tierchain.Failover` applies it once the
 route is known and refuses any result that is not a permutation.
@@ -90,10 +90,17 @@ def parse_preference(values: list[bytes]) -> _Preference:
 
 
 def _to_front(chain: tuple[Backend, ...], name: str) -> tuple[Backend, ...] | None:
-    """``chain`` with ``name`` moved to the front, or None when it is not there."""
+    """``chain`` with ``name`` moved to the front, or None when it is not there.
+
+    ``name`` may name a pool: its replicas move to the front together (Failover
+    then picks among them); a replica's own name moves its whole pool, that
+    replica first."""
     for i, backend in enumerate(chain):
         if backend.name == name:
             return (backend, *chain[:i], *chain[i + 1 :])
+    members = tuple(b for b in chain if b.pool == name)
+    if members:
+        return (*members, *(b for b in chain if b.pool != name))
     return None
 
 

@@ -9,7 +9,9 @@ replica shares (``clock=`` replaces it, for tests only). Keys live under
 ``prefix`` (``tierchain:``): ``tierchain:breaker:<route>:<backend>`` (a hash)
 and ``tierchain:pin:<route>`` (a string); route and backend names are
 percent-encoded; in-flight leases are a sorted set per backend,
-``tierchain:inflight:<backend>`` (member: the lease token, score: its expiry).
+``tierchain:inflight:<backend>`` (member: the lease token, score: its expiry);
+a pool's prefix affinity is a string per prompt-prefix hash,
+``tierchain:affinity:<route>:<hash>`` (the replica that served it).
 Every key carries a TTL, so nothing lingers forever.
 
 When Redis cannot be reached, the store logs ONE warning, serves breaker
@@ -25,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
@@ -581,6 +583,40 @@ class RedisStore:
             return int(await self._call(lambda: self._lease_count(keys=[key], args=[self._args()])))
         except Exception as exc:
             return await self._went_away(exc).lease_count(backend)
+
+    # -- prefix affinity ---------------------------------------------------------------
+
+    def _affinity_key(self, route: str, key: str) -> str:
+        return f"{self.prefix}affinity:{quote(route, safe='')}:{key}"
+
+    async def affinity_get(self, route: str, keys: Sequence[str]) -> str | None:
+        local = self._local()
+        if local is not None:
+            return await local.affinity_get(route, keys)
+        if not keys:
+            return None
+        names = [self._affinity_key(route, k) for k in keys]
+        try:
+            values = await self._call(lambda: self._redis.mget(names))
+        except Exception as exc:
+            return await self._went_away(exc).affinity_get(route, keys)
+        return next((v for v in values if v is not None), None)
+
+    async def affinity_set(self, route: str, keys: Sequence[str], backend: str, ttl: float) -> None:
+        local = self._local()
+        if local is not None:
+            return await local.affinity_set(route, keys, backend, ttl)
+
+        async def write() -> None:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.set(self._affinity_key(route, key), backend, px=max(1, int(ttl * 1000)))
+                await pipe.execute()
+
+        try:
+            await self._shielded(write)
+        except Exception as exc:
+            await self._went_away(exc).affinity_set(route, keys, backend, ttl)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

@@ -23,7 +23,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ._types import Scope
 from .backend import Backend
@@ -39,6 +39,7 @@ __all__ = [
     "AttemptRecord",
     "Preference",
     "Reorder",
+    "ReplicaRecord",
     "StateEvent",
     "TierRequest",
     "current_attempt",
@@ -74,6 +75,8 @@ class Attempt:
     ``reserve`` is the time this attempt leaves for the later tiers (set by the
     SaturationWatchdog: 0 for the last tier or without a budget); ``verdict``
     is the watchdog's latest word on the backend (``working``, ``too_slow``...).
+    ``retry`` counts the tries of the same backend before this one in the same
+    request (Failover's ``retries``, after a transient fault).
     """
 
     n: int
@@ -85,6 +88,7 @@ class Attempt:
     force: bool = False
     reserve: float = 0.0
     verdict: str | None = None
+    retry: int = 0
 
     def remaining(self) -> float | None:
         """Seconds left before the budget ends this attempt, or None without a budget."""
@@ -103,10 +107,18 @@ TRAIL_HEADER = b"x-tierchain-attempts"
 
 
 def format_trail(records: list[AttemptRecord], extra: tuple[str, str] | None = None) -> bytes:
-    """The trail header's value for ``records`` (plus an attempt still running, ``extra``)."""
+    """The trail header's value for ``records`` (plus an attempt still running, ``extra``).
+
+    A replica of a pool is listed with its pool: ``tower-a;pool=tower;outcome=ok``
+    (``extra``'s name then carries its ``;pool=`` already)."""
     if not records and extra is not None:  # the usual case: the first tier answered
         return f"{extra[0]};outcome={extra[1]}".encode()
-    parts = [f"{r.backend};outcome={r.outcome}" for r in records]
+    parts = [
+        f"{r.backend};outcome={r.outcome}"
+        if r.pool is None
+        else f"{r.backend};pool={r.pool};outcome={r.outcome}"
+        for r in records
+    ]
     if extra is not None:
         parts.append(f"{extra[0]};outcome={extra[1]}")
     return ", ".join(parts).encode()
@@ -117,7 +129,9 @@ class AttemptRecord:
     """How one attempt ended, for the trail header, the error body and the demo.
 
     ``retry_after`` is when the backend (its ``Retry-After``) or its breaker said
-    to come back, in seconds; ``detail`` is the backend's own message, if any.
+    to come back, in seconds; ``detail`` is the backend's own message, if any;
+    ``pool`` the pool the backend is a replica of (None: a backend on its own;
+    a replica's record is a :class:`ReplicaRecord`).
     """
 
     n: int
@@ -126,6 +140,15 @@ class AttemptRecord:
     elapsed: float
     retry_after: float | None = None
     detail: str | None = None
+    pool: ClassVar[str | None] = None
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaRecord(AttemptRecord):
+    """How one attempt at a pool's replica ended: an :class:`AttemptRecord` with its ``pool``
+    (a record of its own, so that a backend alone pays nothing for the field)."""
+
+    pool: str | None = None  # type: ignore[misc]
 
 
 @dataclass(slots=True, frozen=True)

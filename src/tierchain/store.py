@@ -24,11 +24,14 @@ them). Per (route, backend) a ledger holds:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 __all__ = [
+    "AFFINITY_ENTRIES",
+    "AffinityStore",
     "BreakerChange",
     "BreakerPolicy",
     "BreakerSnapshot",
@@ -341,6 +344,27 @@ class LeaseStore(Protocol):
         ...
 
 
+@runtime_checkable
+class AffinityStore(Protocol):
+    """What prefix affinity needs from a store: which replica served a prompt prefix.
+
+    ``keys`` are the hashes of a request's prompt prefixes (see
+    :mod:`tierchain.picker`); an entry lives ``ttl`` seconds from its last write.
+    """
+
+    async def affinity_get(self, route: str, keys: Sequence[str]) -> str | None:
+        """The replica recorded for the first of ``keys`` that has one, or None."""
+        ...
+
+    async def affinity_set(self, route: str, keys: Sequence[str], backend: str, ttl: float) -> None:
+        """Record ``backend`` as the replica that served each of ``keys``."""
+        ...
+
+
+AFFINITY_ENTRIES = 65536
+"""How many prefix entries a MemoryStore keeps (the least recently used go first)."""
+
+
 class MemoryStore:
     """The embedded default store: in this process only, no service needed.
 
@@ -353,6 +377,7 @@ class MemoryStore:
         self._pins: dict[str, tuple[str, float]] = {}
         self._ledgers: dict[tuple[str, str], Ledger] = {}
         self._leases: dict[str, dict[str, float]] = {}
+        self._affinity: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         self._clock = clock
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
@@ -463,6 +488,31 @@ class MemoryStore:
 
     async def lease_count(self, backend: str) -> int:
         return len(self._live(backend))
+
+    # -- prefix affinity -----------------------------------------------------------
+
+    async def affinity_get(self, route: str, keys: Sequence[str]) -> str | None:
+        index = self._affinity
+        now = time.monotonic()
+        for key in keys:
+            entry = index.get((route, key))
+            if entry is None:
+                continue
+            if entry[1] <= now:
+                del index[route, key]
+                continue
+            index.move_to_end((route, key))
+            return entry[0]
+        return None
+
+    async def affinity_set(self, route: str, keys: Sequence[str], backend: str, ttl: float) -> None:
+        index = self._affinity
+        until = time.monotonic() + ttl
+        for key in keys:
+            index[route, key] = (backend, until)
+            index.move_to_end((route, key))
+        while len(index) > AFFINITY_ENTRIES:
+            index.popitem(last=False)
 
 
 _CLOSED = Ticket(True, "closed", clean=True)

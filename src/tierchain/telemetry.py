@@ -46,6 +46,8 @@ logger = logging.getLogger("tierchain")
 ATTR_ROUTE = "tierchain.route"
 ATTR_BACKEND = "tierchain.backend"
 ATTR_REGIME = "tierchain.backend.regime"
+ATTR_POOL = "tierchain.pool"
+ATTR_RETRY = "tierchain.attempt.retry"
 ATTR_ATTEMPT_N = "tierchain.attempt.n"
 ATTR_ATTEMPT_OF = "tierchain.attempt.of"
 ATTR_OUTCOME = "tierchain.outcome"
@@ -271,6 +273,34 @@ LEARNED_STALL_AFTER = Gauge(
     "tierchain_learned_stall_after_seconds",
     "The learned gap allowed between data events (stall_after=auto), by backend.",
     ["backend", "bucket"],
+)
+POOL_PICKS = Counter(
+    "tierchain_pool_picks",
+    "Attempts at a pool's replicas, by route, pool and the replica picked.",
+    ["route", "pool", "backend"],
+)
+POOL_AFFINITY = Counter(
+    "tierchain_pool_affinity",
+    "Pool picks for a request with a prompt prefix: hit (the replica that holds it went "
+    "first), loaded (it was too loaded or full), miss (no replica known).",
+    ["route", "pool", "result"],
+)
+WAITING_ROOM_REQUESTS = Gauge(
+    "tierchain_waiting_room_requests",
+    "Requests waiting in the waiting room for a backend with room.",
+    ["route"],
+)
+WAITING_ROOM_WAIT = Histogram(
+    "tierchain_waiting_room_wait_seconds",
+    "Seconds each request waited in the waiting room, by how the wait ended "
+    "(released, max_wait, cancelled).",
+    ["route", "outcome"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+SAME_TIER_RETRIES = Counter(
+    "tierchain_same_tier_retries",
+    "Attempts sent again to the same backend after a transient fault, by the fault.",
+    ["route", "backend", "reason"],
 )
 RESERVE_ENDED = Counter(
     "tierchain_reserve_ended",

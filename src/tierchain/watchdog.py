@@ -759,7 +759,12 @@ class _Watch:
                 reserve_s=round(self.reserve, 3) if self.reserve else None,
             )
             if self.req is not None:
-                self.req.emit("still_working", backend=backend.name, elapsed_s=elapsed)
+                if backend.pool is None:
+                    self.req.emit("still_working", backend=backend.name, elapsed_s=elapsed)
+                else:
+                    self.req.emit(
+                        "still_working", backend=backend.name, pool=backend.pool, elapsed_s=elapsed
+                    )
             self._schedule()
             return
         self._fire("probe_unknown" if verdict == "unknown" else verdict)
@@ -844,7 +849,11 @@ class _Watch:
             "tierchain.backend_slow", {ATTR_BACKEND: self.backend or "", "waited_s": waited}
         )
         if self.req is not None and self.backend is not None:
-            self.req.emit("backend_slow", backend=self.backend, waited_s=waited, failing_over=False)
+            pool = self.attempt.backend.pool if self.attempt is not None else None
+            named: dict[str, Any] = {"backend": self.backend}
+            if pool is not None:
+                named["pool"] = pool
+            self.req.emit("backend_slow", **named, waited_s=waited, failing_over=False)
 
     # -- the verdict -------------------------------------------------------
 

@@ -361,8 +361,12 @@ class _Call:
             raise _Invalid(f"unknown route {_shown(route)!r}; known routes: {known}")
 
     def _check_backend(self, route: str, backend: str) -> None:
-        if self.admin.routes.backend(route, backend) is None:
-            names = ", ".join(b.name for b in self.admin.routes[route])
+        chain = self.admin.routes[route]
+        # A pin names a backend, a pool's replica, or a pool (its replicas go first).
+        if self.admin.routes.backend(route, backend) is None and not any(
+            b.pool == backend for b in chain
+        ):
+            names = ", ".join(b.name for b in chain)
             raise _Invalid(
                 f"unknown backend {_shown(backend)!r} for route {route!r}; its chain is: {names}"
             )

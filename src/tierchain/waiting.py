@@ -1,0 +1,159 @@
+"""The waiting room: when every backend of a chain is full, a request waits at the gateway.
+
+Without it, a request whose every tier is full goes to the chain's last backend
+anyway and waits in that backend's own queue, where nothing can reorder it or
+move it when another backend frees up ("no-regret scheduling": do not commit a
+request to one replica's queue). With ``Failover(waiting_room=True)``, such a
+request waits here instead:
+
+- only on a route whose every backend can say it is full: each has a
+  ``max_in_flight`` (its leases) or a ``status_url`` (its polled status);
+- first come, first served within a priority band; with ``priority_header``
+  set, a request names its band (``priority_bands``, highest first; one that
+  names none, or an unknown one, is in the middle band);
+- the first in line is let go the moment a lease of this process frees (and
+  checks again every ``poll`` seconds, for a lease freed by another gateway
+  process or a status that changed);
+- bounded by the request's budget (a spent budget is the caller's 504, as
+  anywhere), and by ``max_wait``: after that long the request goes on as it
+  would without a waiting room;
+- while it waits, ``{"state":"queued","position":N,...}`` state lines (and
+  their keepalives) tell the caller where it stands.
+
+``tierchain_waiting_room_requests{route}`` is how many wait now and
+``tierchain_waiting_room_wait_seconds{route,outcome}`` how long each waited
+(``released``, ``max_wait``, ``cancelled``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from . import _deadlines
+from .request import TierRequest
+from .telemetry import WAITING_ROOM_REQUESTS, WAITING_ROOM_WAIT, labelled
+
+__all__ = ["WaitingRoom"]
+
+
+class _Waiter:
+    __slots__ = ("event", "key")
+
+    def __init__(self, band: int, seq: int) -> None:
+        self.key = (band, seq)
+        self.event = asyncio.Event()
+
+
+class WaitingRoom:
+    """One queue per route of requests waiting for a backend with room.
+
+    ``bands`` are the priority bands, highest first; ``max_wait`` (seconds) is
+    how long a request waits at most; ``poll`` how often the first in line
+    checks again without being woken.
+    """
+
+    def __init__(
+        self, *, bands: Sequence[str] = ("high", "normal", "low"), max_wait: float, poll: float
+    ) -> None:
+        for name, value in (("max_wait", max_wait), ("poll", poll)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        bands = tuple(bands)
+        if not bands or not all(isinstance(b, str) and b for b in bands):
+            raise ValueError(f"priority_bands must be non-empty names, got {bands!r}")
+        self.bands = bands
+        self._band_of = {b.lower(): i for i, b in enumerate(bands)}
+        self.default_band = len(bands) // 2
+        self.max_wait = float(max_wait)
+        self.poll = float(poll)
+        self._queues: dict[str, list[_Waiter]] = {}
+        self._seq = itertools.count()
+
+    def band(self, value: bytes | None) -> int:
+        """The band a header value names (the middle one for none or an unknown name)."""
+        if value is None:
+            return self.default_band
+        try:
+            name = value.decode("ascii").strip().lower()
+        except UnicodeDecodeError:
+            return self.default_band
+        return self._band_of.get(name, self.default_band)
+
+    def waiting(self, route: str) -> int:
+        """How many requests wait for ``route`` now."""
+        return len(self._queues.get(route, ()))
+
+    def notify(self) -> None:
+        """A lease was given back: the first in line of every route looks again."""
+        for queue in self._queues.values():
+            queue[0].event.set()
+
+    async def wait(
+        self,
+        req: TierRequest,
+        route: str,
+        full: Callable[[], Awaitable[bool]],
+        band: int,
+    ) -> bool:
+        """Wait while ``full()`` says every backend is full (or others are ahead).
+
+        Returns True when the request waited, False when it went straight on."""
+        queue = self._queues.get(route)
+        if not queue and not await full():
+            return False
+        queue = self._queues.setdefault(route, [])
+        waiter = _Waiter(band, next(self._seq))
+        bisect.insort(queue, waiter, key=lambda w: w.key)
+        gauge = labelled(WAITING_ROOM_REQUESTS, route)
+        gauge.set(len(queue))
+        started = time.monotonic()
+        give_up = started + self.max_wait
+        outcome = "cancelled"
+        shown = 0
+        timer: _deadlines.Deadline | None = None
+        try:
+            while True:
+                position = queue.index(waiter) + 1
+                if position != shown:
+                    shown = position
+                    req.emit(
+                        "queued",
+                        position=position,
+                        waiting=len(queue),
+                        band=self.bands[band],
+                        waited_s=round(time.monotonic() - started, 1),
+                    )
+                if position == 1 and not await full():
+                    outcome = "released"
+                    break
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    outcome = "max_wait"
+                    break
+                waiter.event.clear()
+                timer = _deadlines.schedule(
+                    min(self.poll, left), waiter.event.set, fixed=left >= self.poll
+                )
+                await waiter.event.wait()
+                _deadlines.cancel(timer)
+                timer = None
+        finally:
+            _deadlines.cancel(timer)
+            queue.remove(waiter)
+            if queue:
+                queue[0].event.set()  # the next in line looks at once
+            elif self._queues.get(route) is queue:
+                del self._queues[route]
+            gauge.set(len(queue))
+            labelled(WAITING_ROOM_WAIT, route, outcome).observe(time.monotonic() - started)
+        return True
