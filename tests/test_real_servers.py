@@ -364,17 +364,18 @@ CPULIMIT = shutil.which("cpulimit")
 STARVED_PERCENT = 5  # of one CPU
 BUDGET = 20.0
 SLOW_AFTER = 0.5  # far shorter than the idle prefill: the status probe decides
-PROMPT_WORDS = 160  # about 200 tokens: one prompt batch, seconds on this CPU
+IDLE_PREFILL = 3.0  # seconds the idle server should take to read the prompt
+MAX_WORDS = 1500  # about 1,800 tokens: one prompt batch (2,048), under CONTEXT
 LIGHTHOUSE = "the keeper climbed the stairs to light the lamp before the storm came"
 HOSTED_STREAM = b"".join(openai_stream(["from ", "hosted"]))
 HOSTED_WHOLE = completion_body("from hosted")
 
 
-def long_prompt() -> str:
+def long_prompt(n_words: int) -> str:
     """A long prompt that starts with a word of its own, so the server's prompt
     cache (kept per slot) has nothing of it from an earlier request."""
     words = LIGHTHOUSE.split(" ")
-    body = " ".join(words[i % len(words)] for i in range(PROMPT_WORDS))
+    body = " ".join(words[i % len(words)] for i in range(n_words))
     return f"{uuid.uuid4().hex} Summarise this in one word: {body}"
 
 
@@ -390,15 +391,39 @@ def wait_idle(url: str) -> None:
     raise RuntimeError("the llama-server slot did not become idle in 120 s")
 
 
+@pytest.fixture(scope="module")
+def prompt_words(llama_server_process: Server) -> int:
+    """Words for a prompt the idle server reads in about IDLE_PREFILL seconds: from
+    its own prompt rate on this machine now (load varies; a fixed length either
+    outlasts the budget on a busy machine or ends before slow_after on a quiet one)."""
+    sample = 200
+    body = json.loads(chat(long_prompt(sample), 1, stream=False))
+    url = llama_server_process.url + "/v1/chat/completions"
+    timings = httpx.post(url, json=body, timeout=120).json()["timings"]
+    tokens_per_word = timings["prompt_n"] / sample
+    rate = timings["prompt_per_second"]
+    words = max(sample, min(int(IDLE_PREFILL * rate / tokens_per_word), MAX_WORDS))
+    tokens = int(words * tokens_per_word)
+    print(f"\n[real-server] idle prompt rate {rate:.0f} tokens/s: {words} words, ~{tokens} tokens")
+    return words
+
+
+@dataclass(frozen=True)
+class Tower:
+    url: str
+    pid: int
+    prompt_words: int
+
+
 @pytest.fixture
-def idle_server(llama_server_process: Server) -> Iterator[Server]:
+def idle_server(llama_server_process: Server, prompt_words: int) -> Iterator[Tower]:
     wait_idle(llama_server_process.url)
-    yield llama_server_process
+    yield Tower(llama_server_process.url, llama_server_process.pid, prompt_words)
     wait_idle(llama_server_process.url)
 
 
 @pytest.fixture
-def starved_server(idle_server: Server) -> Iterator[Server]:
+def starved_server(idle_server: Tower) -> Iterator[Tower]:
     """The server limited to STARVED_PERCENT of one CPU until the test ends."""
     if not CPULIMIT:
         pytest.skip("cpulimit is not installed (apt-get install cpulimit; .ci/run does)")
@@ -487,11 +512,11 @@ class ReadmeGateway:
         return [e for e in self.events if e["state"] == name]
 
 
-async def through_the_readme_stack(server: Server, path: str, *, stream: bool) -> Any:
+async def through_the_readme_stack(server: Tower, path: str, *, stream: bool) -> Any:
     async with FakeBackend("hosted", hosted_script()) as hosted:
         tower = Backend("tower", server.url, regime="local", status_url=server.url + path)
         gw = ReadmeGateway(tower, hosted.url)
-        body = chat(long_prompt(), 4, stream=stream)
+        body = chat(long_prompt(server.prompt_words), 4, stream=stream)
         async with serve(gw.app) as url, httpx.AsyncClient(timeout=120) as client:
             response = await client.post(url + "/v1/chat/completions", content=body, headers=JSON)
         await gw.aclose()
