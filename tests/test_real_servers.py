@@ -361,10 +361,13 @@ async def test_a_full_llama_server_is_skipped_before_sending(llama_server, path)
 # prefill on our own slot and must be answered by the tower.
 
 CPULIMIT = shutil.which("cpulimit")
-STARVED_PERCENT = 5  # of one CPU
-BUDGET = 20.0
-SLOW_AFTER = 0.5  # far shorter than the idle prefill: the status probe decides
-IDLE_PREFILL = 3.0  # seconds the idle server should take to read the prompt
+STARVED_PERCENT = 3  # of one CPU
+BUDGET = 24.0
+SLOW_AFTER = 0.25  # far shorter than the idle prefill: the status probe decides
+IDLE_PREFILL = 2.0  # seconds the idle server should take to read the prompt
+# Starved, the server needs about 4 ms of CPU per prompt token on this machine: at 3%
+# of a CPU 400 tokens take about a minute, far past the budget whatever the load.
+MIN_WORDS = 300  # about 400 tokens
 MAX_WORDS = 1500  # about 1,800 tokens: one prompt batch (2,048), under CONTEXT
 LIGHTHOUSE = "the keeper climbed the stairs to light the lamp before the storm came"
 HOSTED_STREAM = b"".join(openai_stream(["from ", "hosted"]))
@@ -393,10 +396,10 @@ def wait_idle(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def prompt_words(llama_server_process: Server) -> int:
-    """Words for a prompt the idle server reads in about IDLE_PREFILL seconds: from
-    its own prompt rate on this machine now (load varies; a fixed length either
-    outlasts the budget on a busy machine or ends before slow_after on a quiet one)."""
-    sample = 200
+    """Words for a prompt the idle server reads in about IDLE_PREFILL seconds, from
+    its own prompt rate on this machine now (it varies fivefold with the load), and
+    never fewer than MIN_WORDS (so that starved, it needs far more than the budget)."""
+    sample = MIN_WORDS
     body = json.loads(chat(long_prompt(sample), 1, stream=False))
     url = llama_server_process.url + "/v1/chat/completions"
     timings = httpx.post(url, json=body, timeout=120).json()["timings"]
@@ -516,7 +519,7 @@ async def through_the_readme_stack(server: Tower, path: str, *, stream: bool) ->
     async with FakeBackend("hosted", hosted_script()) as hosted:
         tower = Backend("tower", server.url, regime="local", status_url=server.url + path)
         gw = ReadmeGateway(tower, hosted.url)
-        body = chat(long_prompt(server.prompt_words), 4, stream=stream)
+        body = chat(long_prompt(server.prompt_words), 2, stream=stream)
         async with serve(gw.app) as url, httpx.AsyncClient(timeout=120) as client:
             response = await client.post(url + "/v1/chat/completions", content=body, headers=JSON)
         await gw.aclose()
