@@ -550,7 +550,9 @@ async def test_a_starved_llama_server_reaches_hosted_with_the_reserve_left(
     assert len(hosted.requests) == 1
     report(
         f"starved to {STARVED_PERCENT}% of a CPU, status_url={path}, "
-        f"{'stream' if stream else 'non-stream'}, ended for {saturated['reason']}",
+        f"{'stream' if stream else 'non-stream'}, ended for {saturated['reason']} after "
+        f"{len(gw.states('still_working'))} still_working, last verdict "
+        f"{gw.attempts[-1][0].verdict}",
         tower=gw.requests[-1].attempts[0].elapsed,
         budget_left_after_tower=left,
         reserve=reserve,

@@ -285,6 +285,7 @@ async def test_a_status_probe_still_waiting_at_the_reserve_ends_the_attempt_for_
         await gw.aclose()
     assert_reached_hosted_with_the_reserve(gw, responses, stream=stream, reason="reserve")
     assert "/slots" in [r.path for r in tower.requests if r.method == "GET"]  # it was asked
+    assert gw.attempts[0][0].verdict is None  # cut short at the reserve: no verdict
     assert metric("tierchain_reserve_ended_total", route="echo", backend="tower") == before + 2
 
 

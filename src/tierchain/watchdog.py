@@ -716,9 +716,15 @@ class _Watch:
         if deadline is not None:
             limit = min(limit, deadline - now)
         status = await self._probe(backend.status_url, backend.name, limit)
+        now = time.monotonic()
+        if status is None and (self.fired is not None or now >= self._cut - _EARLY):
+            # Cut short at the reserve's point (a starved server answers its status
+            # slowly too): no answer, so no verdict; the reserve ends the attempt.
+            if self.fired is None and not self.answered():
+                self._fire("reserve")
+            return
         streaming = self.req is None or self.req.streaming is not False
         verdict: str = judge(status, self._previous, streaming=streaming)
-        now = time.monotonic()
         if status is not None and verdict in ("working", "no_progress"):
             verdict = self._against_time(status, verdict, now)
         labelled(PROBE_ANSWERS, backend.name, verdict).inc()
@@ -730,11 +736,6 @@ class _Watch:
         if self._handle is not None:  # the reserve's or the ceiling's timer
             _deadlines.cancel(self._handle)
             self._handle = None
-        if status is None and now >= self._cut - _EARLY:
-            # The probe was cut short at the reserve's point (a starved server
-            # answers its status slowly too): the reserve ended the attempt.
-            self._fire("reserve")
-            return
         if verdict == "working":
             assert status is not None
             self._previous = status.progress
