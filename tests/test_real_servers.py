@@ -364,12 +364,11 @@ CPULIMIT = shutil.which("cpulimit")
 STARVED_PERCENT = 3  # of one CPU
 BUDGET = 30.0
 SLOW_AFTER = 0.25  # far shorter than the idle prefill: the status probe decides
-IDLE_PREFILL = 2.0  # seconds the idle server should take to read the prompt
-# The server needs more than 5 ms of CPU per prompt token on this machine, and
-# ``cpulimit -l 3`` lets it have 5 to 6% of a CPU (its control loop overshoots at
-# such small shares): 660 tokens take more than a minute, past the budget by far.
-MIN_WORDS = 500  # about 660 tokens
-MAX_WORDS = 1500  # about 1,800 tokens: one prompt batch (2,048), under CONTEXT
+# About 660 tokens, one prompt batch (2,048). Idle, the server reads them in 1.5 s on
+# a quiet machine and in about 11 s on a busy one. It needs more than 5 ms of CPU a
+# token, and ``cpulimit -l 3`` lets it have 5 to 6% of a CPU (its control loop
+# overshoots at such small shares): starved, they take more than a minute.
+PROMPT_WORDS = 500
 LIGHTHOUSE = "the keeper climbed the stairs to light the lamp before the storm came"
 HOSTED_STREAM = b"".join(openai_stream(["from ", "hosted"]))
 HOSTED_WHOLE = completion_body("from hosted")
@@ -402,40 +401,18 @@ def wait_idle(url: str) -> None:
     raise RuntimeError("the llama-server slot did not become idle in 120 s")
 
 
-@pytest.fixture(scope="module")
-def prompt_words(llama_server_process: Server) -> int:
-    """Words for a prompt the idle server reads in about IDLE_PREFILL seconds, from
-    its own prompt rate on this machine now (it varies fivefold with the load), and
-    never fewer than MIN_WORDS (so that starved, it needs far more than the budget)."""
-    sample = MIN_WORDS
-    url = llama_server_process.url + "/v1/chat/completions"
-    httpx.post(url, json=json.loads(chat("hi", 1, stream=False)), timeout=120)  # loads
-    body = json.loads(chat(long_prompt(sample), 1, stream=False))
-    timings = httpx.post(url, json=body, timeout=120).json()["timings"]
-    tokens_per_word = timings["prompt_n"] / sample
-    rate = timings["prompt_per_second"]
-    words = max(sample, min(int(IDLE_PREFILL * rate / tokens_per_word), MAX_WORDS))
-    tokens = int(words * tokens_per_word)
-    print(f"\n[real-server] idle prompt rate {rate:.0f} tokens/s: {words} words, ~{tokens} tokens")
-    return words
-
-
-@dataclass(frozen=True)
-class Tower:
-    url: str
-    pid: int
-    prompt_words: int
+@pytest.fixture
+def idle_server(llama_server_process: Server) -> Iterator[Server]:
+    url = llama_server_process.url
+    wait_idle(url)
+    # The first request after a start pays for loading the model; not ours.
+    httpx.post(url + "/v1/chat/completions", content=chat("hi", 1), headers=JSON, timeout=120)
+    yield llama_server_process
+    wait_idle(url)
 
 
 @pytest.fixture
-def idle_server(llama_server_process: Server, prompt_words: int) -> Iterator[Tower]:
-    wait_idle(llama_server_process.url)
-    yield Tower(llama_server_process.url, llama_server_process.pid, prompt_words)
-    wait_idle(llama_server_process.url)
-
-
-@pytest.fixture
-def starved_server(idle_server: Tower) -> Iterator[Tower]:
+def starved_server(idle_server: Server) -> Iterator[Server]:
     """The server limited to STARVED_PERCENT of one CPU until the test ends."""
     if not CPULIMIT:
         pytest.skip("cpulimit is not installed (apt-get install cpulimit; .ci/run does)")
@@ -524,11 +501,11 @@ class ReadmeGateway:
         return [e for e in self.events if e["state"] == name]
 
 
-async def through_the_readme_stack(server: Tower, path: str, *, stream: bool) -> Any:
+async def through_the_readme_stack(server: Server, path: str, *, stream: bool) -> Any:
     async with FakeBackend("hosted", hosted_script()) as hosted:
         tower = Backend("tower", server.url, regime="local", status_url=server.url + path)
         gw = ReadmeGateway(tower, hosted.url)
-        body = chat(long_prompt(server.prompt_words), 2, stream=stream)
+        body = chat(long_prompt(PROMPT_WORDS), 2, stream=stream)
         async with serve(gw.app) as url, httpx.AsyncClient(timeout=120) as client:
             response = await client.post(url + "/v1/chat/completions", content=body, headers=JSON)
         await gw.aclose()
@@ -555,7 +532,7 @@ async def test_a_starved_llama_server_reaches_hosted_with_the_reserve_left(
     assert saturated["reason"] in ("reserve", "too_slow")
     left, reserve = gw.left_after(0)
     assert reserve > 0
-    assert left >= reserve - 0.005  # the tower left hosted its reserve
+    assert left >= 0.99 * reserve  # the tower left hosted its reserve (its end takes a moment)
     hosted_left, _ = gw.left_after(1)
     assert hosted_left > 0  # and hosted answered inside the budget
     assert len(hosted.requests) == 1
