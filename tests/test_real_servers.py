@@ -366,7 +366,7 @@ BUDGET = 30.0
 SLOW_AFTER = 0.25  # far shorter than the idle prefill: the status probe decides
 # About 660 tokens, one prompt batch (2,048). Idle, the server reads them in 1.5 s on
 # a quiet machine and in about 11 s on a busy one. It needs more than 5 ms of CPU a
-# token, and ``cpulimit -l 3`` lets it have 5 to 6% of a CPU (its control loop
+# token, and ``cpulimit -l 3`` lets it have 5 to 9% of a CPU (its control loop
 # overshoots at such small shares): starved, they take more than a minute.
 PROMPT_WORDS = 500
 LIGHTHOUSE = "the keeper climbed the stairs to light the lamp before the storm came"
