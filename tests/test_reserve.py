@@ -269,6 +269,29 @@ async def test_a_starved_tower_whose_metrics_move_a_little_ends_at_the_reserve(s
 
 
 @pytest.mark.parametrize("stream", [True, False])
+async def test_a_status_probe_still_waiting_at_the_reserve_ends_the_attempt_for_it(metric, stream):
+    # A starved server answers its status slowly too (seen on a real llama-server
+    # under cpulimit): the probe is given until the reserve's point, no further, and
+    # when it has no answer by then it is the reserve that ended the attempt.
+    before = metric("tierchain_reserve_ended_total", route="echo", backend="tower")
+    async with FakeBackend("tower", quiet) as tower, FakeBackend("hosted", hosted_script()) as h:
+        gw = Gateway(
+            [
+                Backend("tower", tower.url, status_url=tower.url + "/slots"),
+                Backend("hosted", h.url),
+            ],
+            budget=2.0,
+            slow_after=0.2,  # the probe at 0.2 s would wait 4 s; the reserve's point is at 1 s
+        )
+        responses = await three_requests(gw, stream=stream)
+        await gw.aclose()
+    assert_reached_hosted_with_the_reserve(gw, responses, stream=stream, reason="reserve")
+    assert "/slots" in [r.path for r in tower.requests if r.method == "GET"]  # it was asked
+    assert gw.attempts[0][0].verdict is None  # cut short at the reserve: no verdict
+    assert metric("tierchain_reserve_ended_total", route="echo", backend="tower") == before + 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
 async def test_a_prompt_progressing_far_too_slowly_is_too_slow(metric, stream):
     # Our slot's prompt moves 2 tokens a probe (about 20 a second); it has about
     # 1,000, so it would need some 50 s where 15 s are left before the reserve.

@@ -706,6 +706,12 @@ class _Watch:
             self._fire("no_first_chunk" if observer.first_data_at is None else "incomplete")
             return
         self._prober = asyncio.create_task(self._ask(now), name="tierchain-watchdog-probe")
+        # A starved server answers its status slowly too: the reserve's point and
+        # the ceiling stay on the timer while the probe is out.
+        due = min(self._cut, self._ceiling_at)
+        deadline = self._deadline()
+        if due != math.inf and (deadline is None or due < deadline):
+            self._arm(max(0.0, due - now), fixed=False)
 
     def _stalled(self, gap: float) -> None:
         self._log_stall(gap)
@@ -734,17 +740,26 @@ class _Watch:
         if deadline is not None:
             limit = min(limit, deadline - now)
         status = await self._probe(backend.status_url, backend.name, limit)
+        now = time.monotonic()
+        if status is None and (self.fired is not None or now >= self._cut - _EARLY):
+            # Cut short at the reserve's point (a starved server answers its status
+            # slowly too): no answer, so no verdict; the reserve ends the attempt.
+            if self.fired is None and not self.answered():
+                self._fire("reserve")
+            return
         streaming = self.req is None or self.req.streaming is not False
         verdict: str = judge(status, self._previous, streaming=streaming)
-        now = time.monotonic()
         if status is not None and verdict in ("working", "no_progress"):
             verdict = self._against_time(status, verdict, now)
         labelled(PROBE_ANSWERS, backend.name, verdict).inc()
         self.attempt.verdict = verdict
-        if self.answered():
-            return  # the first chunk arrived while we asked
+        if self.fired is not None or self.answered():
+            return  # the reserve or the ceiling fell due, or the first chunk arrived
         if deadline is not None and now >= deadline:
             return
+        if self._handle is not None:  # the reserve's or the ceiling's timer
+            _deadlines.cancel(self._handle)
+            self._handle = None
         if verdict == "working":
             assert status is not None
             self._previous = status.progress
