@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from ._checks import duration
 from .endpoints import PATHS as ENDPOINT_PATHS
 from .telemetry import VERSION
 
@@ -298,8 +299,10 @@ def burst_probe(
         print(f"tierchain burst-probe: {mask_text(str(exc), url)}", file=err)
         return 2
     shown = mask_url(endpoint)  # the URL may carry a key
-    if not timeout > 0:
-        print(f"tierchain burst-probe: --timeout must be > 0 seconds, got {timeout}", file=err)
+    try:
+        duration("--timeout", timeout)
+    except ValueError as exc:
+        print(f"tierchain burst-probe: {exc}", file=err)
         return 2
     api_key = None
     if api_key_env:

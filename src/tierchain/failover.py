@@ -53,12 +53,14 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 
 from . import _deadlines
 from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
+from ._checks import count
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._loops import slack
@@ -220,11 +222,11 @@ class Failover:
         paths: Collection[str] = ("/",),
         hold_limit: int = 16 * 2**20,
         store: Any = None,
-        lease: float = 30.0,
+        lease: float | timedelta = 30.0,
         max_headers: int = DEFAULT_MAX_HEADERS,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
-        body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
-        send_timeout: float | None = DEFAULT_SEND_TIMEOUT,
+        body_timeout: float | timedelta | None = DEFAULT_BODY_TIMEOUT,
+        send_timeout: float | timedelta | None = DEFAULT_SEND_TIMEOUT,
     ) -> None:
         self.app = app
         self._head = HeadLimits(max_headers, max_header_bytes)
@@ -234,12 +236,8 @@ class Failover:
         # scope["path"], and the Forwarder sends the same normalised path upstream.
         self.paths = tuple(p.encode() for p in paths)
         self.routes = routes if isinstance(routes, Routes) else Routes(routes)
-        if max_body < 0:
-            raise ValueError(f"max_body must be >= 0, got {max_body}")
-        self.max_body = int(max_body)
-        if hold_limit < 0:
-            raise ValueError(f"hold_limit must be >= 0, got {hold_limit}")
-        self.hold_limit = int(hold_limit)
+        self.max_body = count("max_body", max_body, minimum=0)
+        self.hold_limit = count("hold_limit", hold_limit, minimum=0)
         self.resolve = resolve
         self.retry_statuses = frozenset(retry_statuses)
         self._known = ", ".join(sorted(self.routes))
