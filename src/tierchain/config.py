@@ -106,7 +106,7 @@ def seconds(*, zero_ok: bool = True, optional: bool = False) -> Parser:
         if optional and raw.strip().lower() in _NONE_WORDS:
             return None
         value = parse_duration(raw)
-        if value == 0 and not zero_ok:
+        if not math.isfinite(value) or (value == 0 and not zero_ok):
             raise ValueError
         return value
 

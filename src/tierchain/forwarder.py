@@ -134,7 +134,7 @@ class Forwarder:
         self._own_client = client is None
         self._client = client
         self._transport: FlatTransport | None = None
-        self._max_keepalive = max_keepalive
+        self._max_keepalive = count("max_keepalive", max_keepalive, minimum=0)
         self._timeouts = {
             # connect_timeout itself is applied by _forward (with patience for the
             # gateway's own lag); httpcore's bound is only a backstop.
