@@ -40,6 +40,7 @@ from tierchain import (
     _checks,
     config,
 )
+from tierchain.__main__ import main
 from tierchain.admin import app as admin_app
 from tierchain.admin import parse_ttl
 from tierchain.admission import Admission
@@ -417,3 +418,17 @@ def test_the_admin_ttl_now_takes_milliseconds_like_the_variables():
     assert parse_ttl("2500ms", 7 * 86400.0) == 2.5
     with pytest.raises(ValueError, match=r"ttl must be between 1s and 7d, got 0\.25 seconds"):
         parse_ttl("250ms", 7 * 86400.0)
+
+
+@pytest.mark.parametrize(("text", "shown"), [("3m", "180"), ("90s", "90"), ("2.5", "2.5")])
+def test_the_burst_probe_timeout_reads_the_same_grammar(capsys, text, shown):
+    code = main(["burst-probe", "http://127.0.0.1:9/v1", "--model", "m", "--timeout", text])
+    assert code == 2  # without --yes: the plan, nothing sent
+    assert f"each call bounded at {shown} s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-1", "soon"])
+def test_the_burst_probe_refuses_a_timeout_that_is_not_a_duration(capsys, text):
+    code = main(["burst-probe", "http://127.0.0.1:9/v1", "--model", "m", "--timeout", text])
+    assert code == 2
+    assert "expected seconds such as 30, 2.5, 500ms, 15m or 2h" in capsys.readouterr().err
