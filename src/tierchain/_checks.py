@@ -59,32 +59,35 @@ def _as_seconds(value: object) -> float | None:
 @overload
 def duration(
     name: str,
-    value: float | timedelta,
+    value: object,
     *,
     allow_none: Literal[False] = False,
     allow_zero: bool = False,
     at_least: float = 0.0,
+    also: str = "",
 ) -> float: ...
 
 
 @overload
 def duration(
     name: str,
-    value: float | timedelta | None,
+    value: object,
     *,
     allow_none: Literal[True],
     allow_zero: bool = False,
     at_least: float = 0.0,
+    also: str = "",
 ) -> float | None: ...
 
 
 def duration(
     name: str,
-    value: float | timedelta | None,
+    value: object,
     *,
     allow_none: bool = False,
     allow_zero: bool = False,
     at_least: float = 0.0,
+    also: str = "",
 ) -> float | None:
     """``value`` as seconds (a float), checked: the one duration check of the package.
 
@@ -92,7 +95,8 @@ def duration(
     finite and > 0; ``allow_zero`` admits 0 (where 0 means off), ``at_least`` raises the
     least value admitted, and ``allow_none`` admits None (returned as None). ``ValueError``
     otherwise, worded the same for every option: ``{name} must be a finite number of
-    seconds > 0 (or a timedelta), got {value!r}``.
+    seconds > 0 (or a timedelta), got {value!r}``. ``also`` names what else the option takes,
+    checked by its caller (``"or 'auto'"``), in the same sentence.
     """
     if value is None and allow_none:
         return None
@@ -102,9 +106,9 @@ def duration(
     ):
         return seconds
     bound = f">= {at_least:g}" if at_least > 0 else ">= 0" if allow_zero else "> 0"
-    none = ", or None" if allow_none else ""
+    more = (", or None" if allow_none else "") + (f", {also}" if also else "")
     raise ValueError(
-        f"{name} must be a finite number of seconds {bound} (or a timedelta){none}, got {value!r}"
+        f"{name} must be a finite number of seconds {bound} (or a timedelta){more}, got {value!r}"
     )
 
 

@@ -23,7 +23,6 @@ pin reached every replica when it did not.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
@@ -593,8 +592,7 @@ class RedisStore:
         )
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
-        if not (math.isfinite(ttl) and ttl > 0):
-            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        ttl = duration("ttl", ttl)
         key = self._pin_key(route)
         try:
             await self._call(lambda: self._redis.set(key, backend, px=max(1, round(ttl * 1000))))

@@ -153,11 +153,7 @@ class SaturationWatchdog:
     ) -> None:
         self.app = app
         self.learned: Learned | None = None
-        if isinstance(slow_after, str):
-            if slow_after != "auto":
-                raise ValueError(
-                    f"slow_after must be seconds, a callable or 'auto', got {slow_after!r}"
-                )
+        if isinstance(slow_after, str) and slow_after == "auto":
             slow_after = Learned()
         if isinstance(slow_after, Learned):
             self.learned = slow_after
@@ -167,28 +163,28 @@ class SaturationWatchdog:
             self.slow_after = slow_after
             self.off = False
         else:
-            self.slow_after = duration("slow_after", slow_after, allow_zero=True)
+            self.slow_after = duration(
+                "slow_after", slow_after, allow_zero=True, also="a callable, or 'auto'"
+            )
             self.off = self.slow_after == 0
         self.ceiling = duration("ceiling", ceiling)
         self.probe_timeout = duration("probe_timeout", probe_timeout)
         self.learned_gap: LearnedGap | None = None
-        if isinstance(stall_after, str):
-            if stall_after != "auto":
-                raise ValueError(f"stall_after must be seconds or 'auto', got {stall_after!r}")
+        if isinstance(stall_after, str) and stall_after == "auto":
             stall_after = LearnedGap()
         if isinstance(stall_after, LearnedGap):
             self.learned_gap = stall_after
             self.stall_after = stall_after.maximum
         else:
-            self.stall_after = duration("stall_after", stall_after, allow_zero=True)
+            self.stall_after = duration(
+                "stall_after", stall_after, allow_zero=True, also="or 'auto'"
+            )
         self.reserve_auto = reserve == "auto"
-        if isinstance(reserve, str) and not self.reserve_auto:
-            raise ValueError(f"reserve must be seconds or 'auto', got {reserve!r}")
         self.reserve_floor = duration("reserve_floor", reserve_floor, allow_zero=True)
         self.reserve = (
             self.reserve_floor
             if self.reserve_auto
-            else duration("reserve", reserve, allow_zero=True)  # type: ignore[arg-type]
+            else duration("reserve", reserve, allow_zero=True, also="or 'auto'")
         )
         self.progress_span = duration("progress_span", progress_span, allow_zero=True)
         if isinstance(normal_multiple, bool) or not (
