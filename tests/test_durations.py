@@ -397,9 +397,10 @@ def test_text_that_is_not_a_duration_is_refused_by_each_reader(tmp_path: Path, t
     routes.write_text('[[routes.echo.backends]]\nname = "t"\nurl = "http://127.0.0.1:1"\n')
     with pytest.raises(ConfigError) as caught:
         from_env({"TIERCHAIN_ROUTES_FILE": str(routes), "TIERCHAIN_PREFER_PIN_TIMEOUT": text})
-    (problem,) = caught.value.problems
-    assert problem.startswith("TIERCHAIN_PREFER_PIN_TIMEOUT=")
-    assert "expected seconds such as 30, 2.5, 500ms, 15m or 2h" in problem
+    assert caught.value.problems == (
+        f"TIERCHAIN_PREFER_PIN_TIMEOUT={text!r}: expected seconds such as 30, 2.5, 500ms, 15m "
+        "or 2h, > 0",
+    )
     with pytest.raises(ValueError, match="is not a duration"):
         parse_ttl(text, 7 * 86400.0)
 

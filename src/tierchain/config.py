@@ -105,7 +105,10 @@ def seconds(*, zero_ok: bool = True, optional: bool = False) -> Parser:
     def parse(raw: str) -> float | None:
         if optional and raw.strip().lower() in _NONE_WORDS:
             return None
-        value = parse_duration(raw)
+        try:
+            value = parse_duration(raw)
+        except ValueError:
+            raise ValueError from None  # the Option's expected says it all
         if not math.isfinite(value) or (value == 0 and not zero_ok):
             raise ValueError
         return value
