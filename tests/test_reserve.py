@@ -701,9 +701,10 @@ def test_check_config_prints_the_warnings(tmp_path):
 
 def test_reserve_options_are_checked():
     app: Any = lambda *a: None  # noqa: E731
-    with pytest.raises(ValueError, match="reserve must be seconds or 'auto'"):
+    words = r"must be a finite number of seconds >= 0 \(or a timedelta\), or 'auto', got"
+    with pytest.raises(ValueError, match=f"reserve {words} 'most'"):
         SaturationWatchdog(app, reserve="most")
-    with pytest.raises(ValueError, match="stall_after must be seconds or 'auto'"):
+    with pytest.raises(ValueError, match=f"stall_after {words} 'learned'"):
         SaturationWatchdog(app, stall_after="learned")
     with pytest.raises(ValueError, match="normal_multiple"):
         SaturationWatchdog(app, normal_multiple=0.5)

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from ._checks import TEXT_DURATION, duration, parse_duration
 from .endpoints import PATHS as ENDPOINT_PATHS
 from .telemetry import VERSION
 
@@ -79,14 +80,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     probe.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=180.0,
-        help="seconds each call may take in all (default 180: above a 138.5 s cold model load)",
+        help="seconds each call may take in all, such as 180, 90s or 3m "
+        "(default 180: above a 138.5 s cold model load)",
     )
 
     demo = sub.add_parser("demo", help="run the demo the README shows", add_help=False)
     demo.add_argument("args", nargs=argparse.REMAINDER)
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A command-line duration, in the grammar of the ``TIERCHAIN_*`` variables."""
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {TEXT_DURATION}, got {text!r}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -298,8 +308,10 @@ def burst_probe(
         print(f"tierchain burst-probe: {mask_text(str(exc), url)}", file=err)
         return 2
     shown = mask_url(endpoint)  # the URL may carry a key
-    if not timeout > 0:
-        print(f"tierchain burst-probe: --timeout must be > 0 seconds, got {timeout}", file=err)
+    try:
+        duration("--timeout", timeout)
+    except ValueError as exc:
+        print(f"tierchain burst-probe: {exc}", file=err)
         return 2
     api_key = None
     if api_key_env:

@@ -11,8 +11,10 @@ backend, and what was read is dropped).
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 
 from . import _deadlines
+from ._checks import duration
 from ._head import refuse_request
 from ._types import Message, Receive, Scope, Send
 from .errors import BodyTooLarge
@@ -29,17 +31,13 @@ class BodyTimeout(Exception):
     """The request body did not arrive whole in time."""
 
 
-def timeout_option(name: str, value: float | None) -> float | None:
+def timeout_option(name: str, value: float | timedelta | None) -> float | None:
     """The option ``name``'s ``value`` checked: seconds > 0, or None (no deadline).
 
-    The one check for the caller-facing deadlines (``body_timeout``, ``send_timeout``).
+    The caller-facing deadlines (``body_timeout``, ``send_timeout``), checked by the
+    package's one duration check (:func:`tierchain._checks.duration`).
     """
-    if value is None:
-        return None
-    value = float(value)
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return value
+    return duration(name, value, allow_none=True)
 
 
 async def read_body(

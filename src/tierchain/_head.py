@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from ._checks import count
 from ._responses import send_json_error
 from ._types import Scope, Send
 from .telemetry import REQUESTS_REFUSED, labelled, log_event
@@ -51,11 +52,8 @@ class HeadLimits:
     __slots__ = ("max_header_bytes", "max_headers")
 
     def __init__(self, max_headers: int, max_header_bytes: int) -> None:
-        for name, value in (("max_headers", max_headers), ("max_header_bytes", max_header_bytes)):
-            if isinstance(value, bool) or int(value) != value or value < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-        self.max_headers = int(max_headers)
-        self.max_header_bytes = int(max_header_bytes)
+        self.max_headers = count("max_headers", max_headers)
+        self.max_header_bytes = count("max_header_bytes", max_header_bytes)
 
     def problem(self, scope: Scope) -> tuple[int, str, str] | None:
         """Why the head is refused (status, message, reason), or None; detaches the list."""

@@ -25,7 +25,9 @@ import math
 import os
 import secrets
 import time
+from datetime import timedelta
 
+from ._checks import duration
 from .backend import Backend
 from .errors import BackendBusy
 from .store import LeaseStore, MemoryStore
@@ -56,9 +58,8 @@ class Admission:
     replica's count runs out).
     """
 
-    def __init__(self, store: object = None, *, lease: float = 30.0) -> None:
-        if not (isinstance(lease, int | float) and math.isfinite(lease) and lease > 0):
-            raise ValueError(f"lease must be a positive number of seconds, got {lease!r}")
+    def __init__(self, store: object = None, *, lease: float | timedelta = 30.0) -> None:
+        lease = duration("lease", lease)
         # A custom store without leases counts in this process.
         self.store: LeaseStore = store if isinstance(store, LeaseStore) else MemoryStore()
         self.lease = float(lease)

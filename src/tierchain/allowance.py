@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ._checks import duration
+
 __all__ = ["Allowance", "estimate_tokens", "prompt_text"]
 
 Tokenizer = Callable[[str], int]
@@ -84,14 +86,6 @@ def estimate_tokens(body: bytes) -> int:
     return math.ceil(size / 4)
 
 
-def _seconds(name: str, value: float, *, positive: bool = False) -> float:
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        need = "> 0" if positive else ">= 0"
-        raise ValueError(f"Allowance {name} must be a finite number {need}, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True, slots=True)
 class Allowance:
     """Seconds to allow before a first chunk: ``cold_start + base + per_1k_tokens * k``.
@@ -112,10 +106,11 @@ class Allowance:
     """Counts tokens exactly instead of the bytes/4 estimate (``tokenizer(text) -> int``)."""
 
     def __post_init__(self) -> None:
-        _seconds("cold_start", self.cold_start)
-        _seconds("base", self.base)
-        _seconds("per_1k_tokens", self.per_1k_tokens)
-        _seconds("ceiling", self.ceiling, positive=True)
+        # Seconds, or a timedelta (kept as seconds).
+        for name in ("cold_start", "base", "per_1k_tokens", "ceiling"):
+            value = getattr(self, name)
+            checked = duration(f"Allowance {name}", value, allow_zero=name != "ceiling")
+            object.__setattr__(self, name, checked)
         if self.cold_start + self.base <= 0:
             raise ValueError("Allowance cold_start + base must be > 0 seconds")
 

@@ -10,13 +10,14 @@ given. Each replica of a pool knows its pool (``Backend.pool``).
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 from types import MappingProxyType
 from urllib.parse import urlsplit
 
+from ._checks import count, duration
 from .masking import MASK, SECRET_NAME, mask_text, mask_url
 from .wire import check_format
 
@@ -57,7 +58,8 @@ class Backend:
     (``data: [DONE]``, or a ``finish_reason`` before a clean end), another
     string (a data event whose value is exactly that), or None (any clean end).
     A stream that ends otherwise is truncated, an error. ``stall_after``
-    overrides the SaturationWatchdog's ``stall_after`` for this backend.
+    overrides the SaturationWatchdog's ``stall_after`` for this backend (seconds
+    or a ``timedelta``, kept as seconds).
     ``forward_caller_auth`` lets the caller's own credentials (``Authorization``,
     ``x-api-key``, ``api-key``, ``Cookie``) through to this backend; by default
     the Forwarder drops them, so a tier never sees a secret meant for another.
@@ -83,7 +85,7 @@ class Backend:
     headers: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     model: str | None = None
     stream_end: str | None = "openai"
-    stall_after: float | None = None
+    stall_after: float | timedelta | None = None  # a float (or None) once built
     forward_caller_auth: bool = False
     max_in_flight: int | None = None
     wire_format: str | None = None
@@ -133,26 +135,11 @@ class Backend:
                 f"backend {self.name!r} shares must be a non-empty string such as 'gpu0' or None, "
                 f"got {self.shares!r}"
             )
-        limit = self.max_in_flight
-        if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
-        ):
-            raise ValueError(
-                f"backend {self.name!r} max_in_flight must be an integer >= 1 or None, "
-                f"got {limit!r}"
-            )
-        if self.stall_after is not None:
-            stall = self.stall_after
-            if (
-                isinstance(stall, bool)
-                or not isinstance(stall, int | float)
-                or not math.isfinite(stall)
-                or stall <= 0
-            ):
-                raise ValueError(
-                    f"backend {self.name!r} stall_after must be a finite number of seconds > 0, "
-                    f"got {stall!r}"
-                )
+        who = f"backend {self.name!r}"
+        limit = count(f"{who} max_in_flight", self.max_in_flight, allow_none=True)
+        object.__setattr__(self, "max_in_flight", limit)
+        stall = duration(f"{who} stall_after", self.stall_after, allow_none=True)
+        object.__setattr__(self, "stall_after", stall)
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,8 +48,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable
+from datetime import timedelta
 from typing import Any, Literal
 
+from ._checks import count, duration
 from ._responses import retry_after, send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backend import Backend
@@ -119,32 +121,22 @@ class Breaker:
         *,
         store: Store | None = None,
         failure_threshold: int = 5,
-        failure_cooldown: float = 30.0,
+        failure_cooldown: float | timedelta = 30.0,
         saturation_threshold: int = 2,
-        saturation_cooldown: float = 900.0,
-        saturation_backoff: float = 30.0,
-        retry_after_cap: float = 900.0,
-        probe_lease: float = 300.0,
+        saturation_cooldown: float | timedelta = 900.0,
+        saturation_backoff: float | timedelta = 30.0,
+        retry_after_cap: float | timedelta = 900.0,
+        probe_lease: float | timedelta = 300.0,
         when_all_open: Literal["reject", "try_soonest"] = "reject",
         backend: str | Backend = "default",
     ) -> None:
-        for name, count in (
-            ("failure_threshold", failure_threshold),
-            ("saturation_threshold", saturation_threshold),
-        ):
-            if not isinstance(count, int) or count < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {count!r}")
-        for name, seconds in (
-            ("failure_cooldown", failure_cooldown),
-            ("saturation_cooldown", saturation_cooldown),
-            ("saturation_backoff", saturation_backoff),
-            ("retry_after_cap", retry_after_cap),
-            ("probe_lease", probe_lease),
-        ):
-            if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds >= 0):
-                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {seconds!r}")
-        if probe_lease <= 0:
-            raise ValueError(f"probe_lease must be > 0 seconds, got {probe_lease!r}")
+        failure_threshold = count("failure_threshold", failure_threshold)
+        saturation_threshold = count("saturation_threshold", saturation_threshold)
+        failure_cooldown = duration("failure_cooldown", failure_cooldown, allow_zero=True)
+        saturation_cooldown = duration("saturation_cooldown", saturation_cooldown, allow_zero=True)
+        saturation_backoff = duration("saturation_backoff", saturation_backoff, allow_zero=True)
+        retry_after_cap = duration("retry_after_cap", retry_after_cap, allow_zero=True)
+        probe_lease = duration("probe_lease", probe_lease)
         if when_all_open not in ("reject", "try_soonest"):
             raise ValueError(
                 f"when_all_open must be 'reject' or 'try_soonest', got {when_all_open!r}"
@@ -155,12 +147,12 @@ class Breaker:
         self._in_memory = self.store if type(self.store) is MemoryStore else None
         self.policy = BreakerPolicy(
             failure_threshold=failure_threshold,
-            failure_cooldown=float(failure_cooldown),
+            failure_cooldown=failure_cooldown,
             saturation_threshold=saturation_threshold,
-            saturation_cooldown=float(saturation_cooldown),
-            retry_after_cap=float(retry_after_cap),
-            probe_lease=float(probe_lease),
-            saturation_backoff=float(saturation_backoff),
+            saturation_cooldown=saturation_cooldown,
+            retry_after_cap=retry_after_cap,
+            probe_lease=probe_lease,
+            saturation_backoff=saturation_backoff,
         )
         self.when_all_open = when_all_open
         self.backend = backend.name if isinstance(backend, Backend) else str(backend)

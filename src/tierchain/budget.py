@@ -39,6 +39,7 @@ from typing import Any
 from opentelemetry import trace
 
 from . import _deadlines
+from ._checks import duration
 from ._responses import send_final, send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import BudgetExhausted
@@ -51,19 +52,6 @@ __all__ = ["Budget"]
 
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 _REASON = "budget_exhausted"
-
-
-def _option(name: str, value: float | timedelta | None) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"Budget {name} must be a number of seconds or None, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"Budget {name} must be a finite number of seconds > 0, got {value!r}")
-    return value
 
 
 class Budget:
@@ -83,8 +71,8 @@ class Budget:
         max: float | timedelta | None = None,
     ) -> None:
         self.app = app
-        self.default = _option("default", default)
-        self.max = _option("max", max)
+        self.default = duration("Budget default", default, allow_none=True)
+        self.max = duration("Budget max", max, allow_none=True)
         if not isinstance(header, str) or not header.strip():
             raise ValueError(f"Budget header must be a header name, got {header!r}")
         self.header = header.strip()

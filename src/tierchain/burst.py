@@ -29,10 +29,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from urllib.parse import urlsplit
 
 import httpx
 
+from ._checks import duration
 from .masking import mask_url
 
 __all__ = [
@@ -151,15 +153,13 @@ async def run_probe(
     api_key: str | None = None,
     levels: Sequence[int] = LEVELS,
     repeats: int = REPEATS,
-    call_timeout: float = 180.0,
+    call_timeout: float | timedelta = 180.0,
     progress: Callable[[str], None] | None = None,
 ) -> ProbeResult:
     """Run the probe; each call is bounded by ``call_timeout`` seconds in all."""
     if not levels or any(n < 1 for n in levels) or repeats < 1:
         raise ValueError("levels must be concurrencies >= 1 and repeats >= 1")
-    if not call_timeout > 0:
-        raise ValueError(f"call_timeout must be > 0 seconds, got {call_timeout!r}")
-    timeout = call_timeout
+    timeout = duration("call_timeout", call_timeout)
     endpoint = chat_url(url)
     body: dict[str, object] = {
         "model": model,

@@ -48,6 +48,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
+from ._checks import TEXT_DURATION, parse_duration
 from .backend import _NAME as _BACKEND_NAME
 from .backend import Backend, Pool, Routes
 from .backend import _check_url as check_url
@@ -93,8 +94,6 @@ FOREIGN_VARIABLES = frozenset({"TIERCHAIN_CHROMIUM"})
 
 Parser = Callable[[str], Any]
 
-_DURATION = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ms|s|m|h|d)?", re.IGNORECASE)
-_DURATION_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE = re.compile(r"([0-9]+)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib)?", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 _HEADER = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -102,17 +101,17 @@ _NONE_WORDS = frozenset({"", "none", "off", "no"})
 
 
 def seconds(*, zero_ok: bool = True, optional: bool = False) -> Parser:
-    """Seconds as ``30``, ``2.5``, ``500ms``, ``15m``, ``2h``; ``none`` too when optional."""
+    """Seconds as ``30``, ``2.5``, ``250ms``, ``15m``, ``2h`` (the package's one text grammar
+    for durations, :func:`tierchain._checks.parse_duration`); ``none`` too when optional."""
 
     def parse(raw: str) -> float | None:
-        text = raw.strip()
-        if optional and text.lower() in _NONE_WORDS:
+        if optional and raw.strip().lower() in _NONE_WORDS:
             return None
-        match = _DURATION.fullmatch(text)
-        if match is None:
-            raise ValueError
-        value = float(match[1]) * _DURATION_UNITS[(match[2] or "").lower()]
-        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        try:
+            value = parse_duration(raw)
+        except ValueError:
+            raise ValueError from None  # the Option's expected says it all
+        if not math.isfinite(value) or (value == 0 and not zero_ok):
             raise ValueError
         return value
 
@@ -383,7 +382,7 @@ def _o(name: str, env: str, parse: Parser, expected: str, **kw: Any) -> Option:
 
 
 # Expected-value phrases, shared by the table.
-_SECS = "seconds such as 30, 2.5, 500ms, 15m or 2h"
+_SECS = TEXT_DURATION
 _SECS_POS = f"{_SECS}, > 0"
 _SECS_NONNEG = f"{_SECS}, >= 0"
 _COUNT = "a whole number >= 1"

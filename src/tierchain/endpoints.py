@@ -37,11 +37,12 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
+from ._checks import duration
 from ._responses import send_json_error
 from ._types import ASGIApp, Headers, Receive, Scope, Send
 from .backend import Routes
@@ -85,10 +86,9 @@ class Endpoints:
         owned_by: str = "tierchain",
         created: int | None = None,
         registry: CollectorRegistry | None = None,
-        snapshot_timeout: float = 1.0,
+        snapshot_timeout: float | timedelta = 1.0,
     ) -> None:
-        if not (math.isfinite(snapshot_timeout) and snapshot_timeout > 0):
-            raise ValueError(f"snapshot_timeout must be > 0 seconds, got {snapshot_timeout!r}")
+        snapshot_timeout = duration("snapshot_timeout", snapshot_timeout)
         self.app = app
         self.routes: Mapping[str, Any] = routes if routes is not None else {}
         self.store = store

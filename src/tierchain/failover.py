@@ -53,12 +53,14 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 
 from . import _deadlines
 from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
+from ._checks import count, duration
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._loops import slack
@@ -256,15 +258,15 @@ class Failover:
         paths: Collection[str] = ("/",),
         hold_limit: int = 16 * 2**20,
         store: Any = None,
-        lease: float = 30.0,
+        lease: float | timedelta = 30.0,
         max_headers: int = DEFAULT_MAX_HEADERS,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
-        body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
-        send_timeout: float | None = DEFAULT_SEND_TIMEOUT,
+        body_timeout: float | timedelta | None = DEFAULT_BODY_TIMEOUT,
+        send_timeout: float | timedelta | None = DEFAULT_SEND_TIMEOUT,
         pick: PickWeights | None = None,
         retries: int = 1,
         waiting_room: bool = False,
-        max_wait: float = 30.0,
+        max_wait: float | timedelta = 30.0,
         priority_header: str | None = None,
         priority_bands: Sequence[str] = ("high", "normal", "low"),
     ) -> None:
@@ -276,12 +278,8 @@ class Failover:
         # scope["path"], and the Forwarder sends the same normalised path upstream.
         self.paths = tuple(p.encode() for p in paths)
         self.routes = routes if isinstance(routes, Routes) else Routes(routes)
-        if max_body < 0:
-            raise ValueError(f"max_body must be >= 0, got {max_body}")
-        self.max_body = int(max_body)
-        if hold_limit < 0:
-            raise ValueError(f"hold_limit must be >= 0, got {hold_limit}")
-        self.hold_limit = int(hold_limit)
+        self.max_body = count("max_body", max_body, minimum=0)
+        self.hold_limit = count("hold_limit", hold_limit, minimum=0)
         self.resolve = resolve
         self.retry_statuses = frozenset(retry_statuses)
         self._known = ", ".join(sorted(self.routes))
@@ -289,14 +287,13 @@ class Failover:
         if pick is not None and not isinstance(pick, PickWeights):
             raise ValueError(f"pick must be a tierchain.picker.PickWeights, got {pick!r}")
         self.picker = Picker(pick or PickWeights(), admission=self.admission, store=store)
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries must be a whole number >= 0, got {retries!r}")
-        self.retries = retries
+        self.retries = count("retries", retries, minimum=0)
+        self.max_wait = duration("max_wait", max_wait)
         # Routes whose chain holds a pool or a backend that shares hardware: only
         # their requests take the slower path (a chain of single backends does not).
         self._special = self.routes.pooled | self.routes.shared
         self.waiting = (
-            WaitingRoom(bands=priority_bands, max_wait=max_wait, poll=_WAIT_POLL)
+            WaitingRoom(bands=priority_bands, max_wait=self.max_wait, poll=_WAIT_POLL)
             if waiting_room
             else None
         )

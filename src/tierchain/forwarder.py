@@ -38,6 +38,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
+from datetime import timedelta
 from http.cookiejar import CookieJar
 from typing import Any
 
@@ -45,6 +46,7 @@ import httpx
 from opentelemetry import propagate
 
 from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
+from ._checks import count, duration
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._lag import lag_since
@@ -115,28 +117,24 @@ class Forwarder:
     def __init__(
         self,
         *,
-        connect_timeout: float = 2.0,
+        connect_timeout: float | timedelta = 2.0,
         backend: Backend | None = None,
         client: httpx.AsyncClient | None = None,
         max_keepalive: int = 64,
         max_body: int = 32 * 2**20,
-        body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
+        body_timeout: float | timedelta | None = DEFAULT_BODY_TIMEOUT,
         max_headers: int = DEFAULT_MAX_HEADERS,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     ) -> None:
-        if connect_timeout <= 0:
-            raise ValueError(f"connect_timeout must be > 0 seconds, got {connect_timeout}")
-        if max_body < 0:
-            raise ValueError(f"max_body must be >= 0, got {max_body}")
-        self.connect_timeout = float(connect_timeout)
+        self.connect_timeout = duration("connect_timeout", connect_timeout)
         self.backend = backend
-        self.max_body = int(max_body)
+        self.max_body = count("max_body", max_body, minimum=0)
         self.body_timeout = timeout_option("body_timeout", body_timeout)
         self._head = HeadLimits(max_headers, max_header_bytes)
         self._own_client = client is None
         self._client = client
         self._transport: FlatTransport | None = None
-        self._max_keepalive = max_keepalive
+        self._max_keepalive = count("max_keepalive", max_keepalive, minimum=0)
         self._timeouts = {
             # connect_timeout itself is applied by _forward (with patience for the
             # gateway's own lag); httpcore's bound is only a backstop.

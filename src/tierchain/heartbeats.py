@@ -81,10 +81,12 @@ import math
 import time
 import types
 from collections.abc import Awaitable, Coroutine, Generator
+from datetime import timedelta
 from typing import Any
 
 from opentelemetry import trace
 
+from ._checks import count, duration
 from ._deadlines import Fifo
 from ._loops import PerLoop
 from ._responses import FinalWrites
@@ -143,13 +145,6 @@ MIN_INTERVAL = 0.02
 """The shortest keepalive interval: at most 50 keepalive lines a second per stream."""
 
 
-def _check_seconds(name: str, value: float) -> float:
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-    return value
-
-
 def _late_answer_event(status: int, body: bytes, wire: str) -> bytes:
     """One SSE event standing for an answer that arrived after our own commit (an
     error in the request's wire format)."""
@@ -195,19 +190,17 @@ class Heartbeats:
         self,
         app: ASGIApp,
         *,
-        interval: float = 10.0,
-        commit_after: float = 1.0,
+        interval: float | timedelta = 10.0,
+        commit_after: float | timedelta = 1.0,
         max_queued: int = 64,
     ) -> None:
         self.app = app
-        self.interval = _check_seconds("interval", interval)
+        self.interval = duration("interval", interval, allow_zero=True)
         if 0 < self.interval < MIN_INTERVAL:
             # A floor no configuration can go under: 1 ms wrote 26 MB to one caller.
             raise ValueError(f"interval must be 0 (off) or >= {MIN_INTERVAL}s, got {interval!r}")
-        self.commit_after = _check_seconds("commit_after", commit_after)
-        if max_queued < 1:
-            raise ValueError(f"max_queued must be >= 1, got {max_queued!r}")
-        self.max_queued = int(max_queued)
+        self.commit_after = duration("commit_after", commit_after, allow_zero=True)
+        self.max_queued = count("max_queued", max_queued)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ._checks import count, duration
 from .sketch import LogSketch
 from .telemetry import LEARNED_SLOW_AFTER, LEARNED_STALL_AFTER, labelled, log_event
 
@@ -75,7 +76,10 @@ class Learned:
     _gauge: ClassVar[Any] = LEARNED_SLOW_AFTER
 
     def __post_init__(self) -> None:
-        for name in ("maximum", "floor", "margin", "half_life"):
+        # maximum and floor are durations (seconds, or a timedelta kept as seconds).
+        self.maximum = duration("maximum", self.maximum)
+        self.floor = duration("floor", self.floor)
+        for name in ("margin", "half_life"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -85,10 +89,7 @@ class Learned:
             raise ValueError(f"floor ({self.floor}) must not exceed maximum ({self.maximum})")
         if not (0 < self.quantile < 1):
             raise ValueError(f"quantile must be in (0, 1), got {self.quantile!r}")
-        if isinstance(self.min_samples, bool) or not isinstance(self.min_samples, int):
-            raise ValueError(f"min_samples must be an integer >= 1, got {self.min_samples!r}")
-        if self.min_samples < 1:
-            raise ValueError(f"min_samples must be an integer >= 1, got {self.min_samples!r}")
+        self.min_samples = count("min_samples", self.min_samples)
 
     def _normal(self, backend: str, bucket: str) -> _Normal:
         key = (backend, bucket)

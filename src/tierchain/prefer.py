@@ -32,9 +32,11 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 from opentelemetry import trace
 
+from ._checks import duration
 from ._types import ASGIApp, Receive, Scope, Send
 from .backend import Backend
 from .request import Preference, TierRequest
@@ -123,15 +125,14 @@ class PreferBackend:
         *,
         header: str = "X-Prefer-Backend",
         store: Store | None = None,
-        pin_timeout: float = 0.5,
+        pin_timeout: float | timedelta = 0.5,
         allow: Callable[[Scope], bool] | None = None,
     ) -> None:
         if not isinstance(header, str) or not _HEADER_NAME.fullmatch(header.encode()):
             raise ValueError(
                 f"header must be an HTTP header name such as X-Prefer-Backend, got {header!r}"
             )
-        if not pin_timeout > 0:
-            raise ValueError(f"pin_timeout must be > 0 seconds, got {pin_timeout!r}")
+        pin_timeout = duration("pin_timeout", pin_timeout)
         self.app = app
         self.header = header
         self._header = header.lower().encode("ascii")

@@ -25,12 +25,13 @@ pin reached every replica when it did not.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
+from ._checks import duration
 from .errors import StoreUnavailable
 from .masking import mask_text, mask_url
 from .store import (
@@ -293,9 +294,9 @@ class RedisStore:
         url: str = "redis://127.0.0.1:6379/0",
         *,
         prefix: str = "tierchain:",
-        timeout: float = 0.25,
-        reconnect_every: float = 5.0,
-        ttl: float = 86400.0,
+        timeout: float | timedelta = 0.25,
+        reconnect_every: float | timedelta = 5.0,
+        ttl: float | timedelta = 86400.0,
         clock: Callable[[], float] | None = None,
     ) -> None:
         try:
@@ -306,16 +307,11 @@ class RedisStore:
             raise ImportError(
                 "RedisStore needs the redis package: install tierchain[redis]."
             ) from None
-        for name, seconds in (("timeout", timeout), ("reconnect_every", reconnect_every)):
-            if not (math.isfinite(seconds) and seconds > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {seconds!r}")
-        if not (math.isfinite(ttl) and ttl >= 1):
-            raise ValueError(f"ttl must be at least 1 second, got {ttl!r}")
         self.url = url
         self.prefix = prefix
-        self.timeout = float(timeout)
-        self.reconnect_every = float(reconnect_every)
-        self.ttl = float(ttl)
+        self.timeout = duration("timeout", timeout)
+        self.reconnect_every = duration("reconnect_every", reconnect_every)
+        self.ttl = duration("ttl", ttl, at_least=1.0)
         self._clock = clock
         # One immediate retry lets a pooled connection that died with a Redis
         # restart be replaced transparently; no backoff, so a dead Redis costs
@@ -632,8 +628,7 @@ class RedisStore:
         )
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
-        if not (math.isfinite(ttl) and ttl > 0):
-            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        ttl = duration("ttl", ttl)
         key = self._pin_key(route)
         try:
             await self._call(lambda: self._redis.set(key, backend, px=max(1, round(ttl * 1000))))

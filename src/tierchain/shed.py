@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from datetime import timedelta
 
+from ._checks import count, duration
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .telemetry import SHED_REQUESTS
@@ -46,21 +48,16 @@ class Shed:
     """
 
     def __init__(
-        self, app: ASGIApp, *, max_concurrent: int | None = None, retry_after: float = 1.0
+        self,
+        app: ASGIApp,
+        *,
+        max_concurrent: int | None = None,
+        retry_after: float | timedelta = 1.0,
     ) -> None:
-        if max_concurrent is not None and (
-            isinstance(max_concurrent, bool) or int(max_concurrent) != max_concurrent
-        ):
-            raise ValueError(f"max_concurrent must be a whole number, got {max_concurrent!r}")
-        if max_concurrent is not None and max_concurrent < 1:
-            raise ValueError(f"max_concurrent must be >= 1 (or None), got {max_concurrent!r}")
-        retry_after = float(retry_after)
-        if not math.isfinite(retry_after) or retry_after < 0:
-            raise ValueError(
-                f"retry_after must be a finite number of seconds >= 0, got {retry_after!r}"
-            )
+        max_concurrent = count("max_concurrent", max_concurrent, allow_none=True)
+        retry_after = duration("retry_after", retry_after, allow_zero=True)
         self.app = app
-        self.max_concurrent = None if max_concurrent is None else int(max_concurrent)
+        self.max_concurrent = max_concurrent
         self.retry_after = retry_after
         self._retry_header = str(math.ceil(retry_after)).encode()
         self.in_flight = 0

@@ -30,9 +30,11 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import httpx
 
+from ._checks import duration
 from .probes import Reader, Status, fetch_status, total_slots
 
 __all__ = ["Fullness", "StatusBoard", "full", "idle", "shared_board"]
@@ -131,24 +133,16 @@ class StatusBoard:
     def __init__(
         self,
         *,
-        interval: float = 0.05,
-        stale_after: float = 0.2,
-        timeout: float = 1.0,
-        idle_stop: float = 2.0,
+        interval: float | timedelta = 0.05,
+        stale_after: float | timedelta = 0.2,
+        timeout: float | timedelta = 1.0,
+        idle_stop: float | timedelta = 2.0,
         limits: Fullness | None = None,
     ) -> None:
-        for name, value in (
-            ("interval", interval),
-            ("stale_after", stale_after),
-            ("timeout", timeout),
-            ("idle_stop", idle_stop),
-        ):
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        self.interval = float(interval)
-        self.stale_after = float(stale_after)
-        self.timeout = float(timeout)
-        self.idle_stop = float(idle_stop)
+        self.interval = duration("interval", interval)
+        self.stale_after = duration("stale_after", stale_after)
+        self.timeout = duration("timeout", timeout)
+        self.idle_stop = duration("idle_stop", idle_stop)
         self.limits = limits if limits is not None else Fullness()
         self._pollers: dict[str, _Poller] = {}
 

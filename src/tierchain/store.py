@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+from ._checks import duration
+
 __all__ = [
     "AFFINITY_ENTRIES",
     "AffinityStore",
@@ -381,7 +383,7 @@ class MemoryStore:
         self._clock = clock
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
-        expiry = time.time() + ttl
+        expiry = time.time() + duration("ttl", ttl)
         self._pins[route] = (backend, expiry)
         return expiry
 

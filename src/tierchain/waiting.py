@@ -30,11 +30,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
-import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
 
 from . import _deadlines
+from ._checks import duration
 from .request import TierRequest
 from .telemetry import WAITING_ROOM_REQUESTS, WAITING_ROOM_WAIT, labelled
 
@@ -58,16 +59,14 @@ class WaitingRoom:
     """
 
     def __init__(
-        self, *, bands: Sequence[str] = ("high", "normal", "low"), max_wait: float, poll: float
+        self,
+        *,
+        bands: Sequence[str] = ("high", "normal", "low"),
+        max_wait: float | timedelta,
+        poll: float | timedelta,
     ) -> None:
-        for name, value in (("max_wait", max_wait), ("poll", poll)):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        max_wait = duration("max_wait", max_wait)
+        poll = duration("poll", poll)
         bands = tuple(bands)
         if not bands or not all(isinstance(b, str) and b for b in bands):
             raise ValueError(f"priority_bands must be non-empty names, got {bands!r}")

@@ -76,6 +76,7 @@ import httpx
 from opentelemetry import trace
 
 from . import _deadlines
+from ._checks import count, duration
 from ._deadlines import Deadline
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
@@ -108,17 +109,6 @@ _SILENT = 5.0  # a committed stream silent this long (or its stall window) when 
 SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float] | Learned | str
 """Seconds, a callable computing seconds from the request body (an :class:`Allowance`),
 ``"auto"`` or a :class:`~tierchain.learned.Learned`: each backend's own learned normal."""
-
-
-def _seconds(name: str, value: float | timedelta, *, zero_ok: bool) -> float:
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return value
 
 
 class SaturationWatchdog:
@@ -163,11 +153,7 @@ class SaturationWatchdog:
     ) -> None:
         self.app = app
         self.learned: Learned | None = None
-        if isinstance(slow_after, str):
-            if slow_after != "auto":
-                raise ValueError(
-                    f"slow_after must be seconds, a callable or 'auto', got {slow_after!r}"
-                )
+        if isinstance(slow_after, str) and slow_after == "auto":
             slow_after = Learned()
         if isinstance(slow_after, Learned):
             self.learned = slow_after
@@ -177,28 +163,30 @@ class SaturationWatchdog:
             self.slow_after = slow_after
             self.off = False
         else:
-            self.slow_after = _seconds("slow_after", slow_after, zero_ok=True)
+            self.slow_after = duration(
+                "slow_after", slow_after, allow_zero=True, also="a callable, or 'auto'"
+            )
             self.off = self.slow_after == 0
-        self.ceiling = _seconds("ceiling", ceiling, zero_ok=False)
-        self.probe_timeout = _seconds("probe_timeout", probe_timeout, zero_ok=False)
+        self.ceiling = duration("ceiling", ceiling)
+        self.probe_timeout = duration("probe_timeout", probe_timeout)
         self.learned_gap: LearnedGap | None = None
-        if isinstance(stall_after, str):
-            if stall_after != "auto":
-                raise ValueError(f"stall_after must be seconds or 'auto', got {stall_after!r}")
+        if isinstance(stall_after, str) and stall_after == "auto":
             stall_after = LearnedGap()
         if isinstance(stall_after, LearnedGap):
             self.learned_gap = stall_after
             self.stall_after = stall_after.maximum
         else:
-            self.stall_after = _seconds("stall_after", stall_after, zero_ok=True)
+            self.stall_after = duration(
+                "stall_after", stall_after, allow_zero=True, also="or 'auto'"
+            )
         self.reserve_auto = reserve == "auto"
-        if isinstance(reserve, str) and not self.reserve_auto:
-            raise ValueError(f"reserve must be seconds or 'auto', got {reserve!r}")
-        self.reserve_floor = _seconds("reserve_floor", reserve_floor, zero_ok=True)
+        self.reserve_floor = duration("reserve_floor", reserve_floor, allow_zero=True)
         self.reserve = (
-            self.reserve_floor if self.reserve_auto else _seconds("reserve", reserve, zero_ok=True)  # type: ignore[arg-type]
+            self.reserve_floor
+            if self.reserve_auto
+            else duration("reserve", reserve, allow_zero=True, also="or 'auto'")
         )
-        self.progress_span = _seconds("progress_span", progress_span, zero_ok=True)
+        self.progress_span = duration("progress_span", progress_span, allow_zero=True)
         if isinstance(normal_multiple, bool) or not (
             isinstance(normal_multiple, int | float)
             and math.isfinite(normal_multiple)
@@ -206,7 +194,7 @@ class SaturationWatchdog:
         ):
             raise ValueError(f"normal_multiple must be a number >= 1, got {normal_multiple!r}")
         self.normal_multiple = float(normal_multiple)
-        self.ask_first = _seconds("ask_first", ask_first, zero_ok=True)
+        self.ask_first = duration("ask_first", ask_first, allow_zero=True)
         self._batch: dict[str, float] = {}  # per backend: the longest wait seen between two moves
         self.readers = dict(readers or {})
         for name, reader in self.readers.items():
@@ -214,10 +202,9 @@ class SaturationWatchdog:
                 raise ValueError(f"the status reader for backend {name!r} is not callable")
         self._own_client = client is None
         self._client = client
-        interval = _seconds("status_interval", status_interval, zero_ok=True)
-        stale = _seconds("status_stale", status_stale, zero_ok=False)
-        if isinstance(busy_waiting, bool) or not isinstance(busy_waiting, int) or busy_waiting < 1:
-            raise ValueError(f"busy_waiting must be an integer >= 1, got {busy_waiting!r}")
+        interval = duration("status_interval", status_interval, allow_zero=True)
+        stale = duration("status_stale", status_stale)
+        busy_waiting = count("busy_waiting", busy_waiting)
         if not (isinstance(busy_kv_cache, int | float) and 0 < busy_kv_cache <= 1):
             raise ValueError(f"busy_kv_cache must be a fraction in (0, 1], got {busy_kv_cache!r}")
         self.board: StatusBoard | None = None
@@ -332,7 +319,7 @@ class SaturationWatchdog:
             window = 0.0 if self.off else self.window(req.body if req is not None else None)
         stall = self.stall_after
         if attempt is not None and attempt.backend.stall_after is not None:
-            stall = attempt.backend.stall_after
+            stall = attempt.backend.stall_after  # type: ignore[assignment]  # seconds once built
         elif self.learned_gap is not None and attempt is not None:
             stall = self.learned_gap.window(attempt.backend.name, None)[0]
         reserve = self._reserve(req, attempt)

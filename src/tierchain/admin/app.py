@@ -11,13 +11,14 @@ import asyncio
 import json
 import logging
 import math
-import re
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
+from datetime import timedelta
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from .._body import CallerGone, read_body
+from .._checks import count, duration, parse_duration
 from .._responses import header, send_json_error
 from .._types import Headers, Message, Receive, Scope, Send
 from ..backend import Routes
@@ -37,8 +38,6 @@ MIN_TTL = 1.0
 
 _REALM = b'Bearer realm="tierchain"'
 _NO_STORE = (b"cache-control", b"no-store")
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", re.IGNORECASE)
-_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SNAPSHOT_TIMEOUT = 1.0
 
 
@@ -68,11 +67,13 @@ def parse_ttl(value: object, max_ttl: float) -> float:
         except OverflowError:
             seconds = math.inf
     elif isinstance(value, str):
-        match = _DURATION.fullmatch(value)
-        if match is None:
+        try:
+            seconds = parse_duration(value)
+        except ValueError:
             shown = value if len(value) <= 32 else value[:32] + "..."
-            raise _Invalid(f"ttl {shown!r} is not a duration such as 90, 90s, 30m, 4h or 2d")
-        seconds = float(match[1]) * _UNITS[match[2].lower()]
+            raise _Invalid(
+                f"ttl {shown!r} is not a duration such as 90, 90s, 30m, 4h or 2d"
+            ) from None
     else:
         raise _Invalid("ttl must be seconds as a number, or a duration such as 30m, 4h, 2d")
     if not math.isfinite(seconds) or not MIN_TTL <= seconds <= max_ttl:
@@ -107,8 +108,8 @@ class Admin:
         routes: Routes | Mapping[str, Any],
         store: Store,
         token: str | None = None,
-        max_ttl: float = 7 * 86400.0,
-        session_ttl: float = 12 * 3600.0,
+        max_ttl: float | timedelta = 7 * 86400.0,
+        session_ttl: float | timedelta = 12 * 3600.0,
         allowed_origins: Collection[str] = (),
         max_body: int = 16 * 1024,
         clock: Callable[[], float] = time.time,
@@ -117,16 +118,10 @@ class Admin:
         if store is None:
             raise ValueError("Admin needs store=: pass the same store PreferBackend uses")
         self.store = store
-        if not MIN_TTL <= max_ttl < math.inf:
-            raise ValueError(f"max_ttl must be a finite number of seconds >= 1, got {max_ttl!r}")
-        if not 60 <= session_ttl < math.inf:
-            raise ValueError(f"session_ttl must be at least 60 seconds, got {session_ttl!r}")
-        if max_body < 1024:
-            raise ValueError(f"max_body must be at least 1024 bytes, got {max_body!r}")
-        self.max_ttl = float(max_ttl)
-        self.session_ttl = float(session_ttl)
+        self.max_ttl = duration("max_ttl", max_ttl, at_least=MIN_TTL)
+        self.session_ttl = duration("session_ttl", session_ttl, at_least=60.0)
+        self.max_body = count("max_body", max_body, minimum=1024)
         self.allowed_origins = frozenset(o.rstrip("/").lower() for o in allowed_origins)
-        self.max_body = int(max_body)
         self.clock = clock
         self._sessions: Sessions | None = None
         if token is None or token == "":
