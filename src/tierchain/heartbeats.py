@@ -78,8 +78,8 @@ import contextvars
 import heapq
 import json
 import math
+import sys
 import time
-import types
 from collections.abc import Awaitable, Coroutine, Generator
 from typing import Any
 
@@ -228,7 +228,7 @@ class Heartbeats:
         else:
             # Only a live stream can have committed our own response or hold the
             # lock here: otherwise there is nothing to finish.
-            if stream.live:
+            if stream.out.live:
                 await stream.finish()
         finally:
             writer = stream.close()
@@ -333,7 +333,7 @@ class _Clock:
         self.handle = None
         self.when = math.inf
         now = _now()
-        upto = now + _QUANTUM / 2  # what falls due before the next wake is due now
+        upto = now + _EARLY  # what falls due before the next wake is due now
         pending = self.pending
         due: list[_Stream] = []
         for fifo in self.fifos.values():
@@ -362,10 +362,67 @@ class _Clock:
 
 
 _QUANTUM = 0.002  # the timer wakes at most this often; a line may be this late
+_EARLY = _QUANTUM / 2  # the timer's tolerance: what falls due this soon is due now
+
+
+class _Writer:
+    """Heartbeats' own writes to one caller, shaped as sse-starlette's ``_ping``: a lock
+    that every write of ours and every relayed chunk that needs one takes, and an
+    ``active`` flag that stops our writes for good.
+
+    ``relaying``: a relayed chunk's send is out (sent by :meth:`_Stream._relay`, which
+    clears it when the send is back); no line of ours may go in beside it.
+    ``writing``: our own lines are being sent under the lock; a relayed chunk then takes
+    the lock too. ``task``: the write the timer started (at most one), owned by the request.
+    """
+
+    __slots__ = ("active", "live", "lock", "relaying", "task", "writing")
+
+    def __init__(self) -> None:
+        # Made when the stream goes live (its first due time): until then no one
+        # else writes, and no one waits.
+        self.lock: asyncio.Lock | contextlib.nullcontext[None] = _NO_LOCK
+        self.live = False
+        self.active = True  # False once a write of ours failed: no more of them
+        self.relaying = False
+        self.writing = False
+        self.task: asyncio.Task[Any] | None = None
+
+    def go_live(self) -> None:
+        self.live = True
+        self.lock = asyncio.Lock()
+
+
+def _start_eagerly(
+    coroutine: Coroutine[Any, Any, None], context: contextvars.Context
+) -> asyncio.Task[Any] | None:
+    """Run ``coroutine`` here, up to its first wait, and give it a task only if it waits
+    (None: it is done).
+
+    Stands in for ``asyncio.Task(coroutine, eager_start=True)`` (Python 3.12), which is
+    used where the interpreter has it: a keepalive to a reader keeping up then costs no
+    task and no loop turn. Python 3.11 has no eager start, so the first step is taken by
+    hand and the rest continues in a task through ``_Resume``.
+    """
+    loop = asyncio.get_running_loop()
+    if _EAGER:
+        task = asyncio.Task(  # type: ignore[call-arg,unused-ignore]
+            coroutine, loop=loop, name=TASK_NAME, context=context, eager_start=True
+        )
+        return None if task.done() else task
+    coro = coroutine
+    try:
+        waiting_on = context.run(coro.send, None)
+    except StopIteration:
+        return None
+    return loop.create_task(_carry_on(_Resume(coro, waiting_on)), name=TASK_NAME, context=context)
+
+
+_EAGER = sys.version_info >= (3, 12)
 
 
 class _Resume:
-    """Await a coroutine that was already run up to ``waiting_on`` (what it waits for)."""
+    """Await a coroutine already run up to ``waiting_on`` (what it waits for): 3.11 only."""
 
     __slots__ = ("coro", "waiting_on")
 
@@ -394,9 +451,9 @@ class _Resume:
                     return stop.value
 
 
-async def _carry_on(coro: Coroutine[Any, Any, Any], waiting_on: Any) -> Any:
+async def _carry_on(rest: _Resume) -> Any:
     """The rest of a write that began outside any task and has to wait."""
-    return await _Resume(coro, waiting_on)
+    return await rest
 
 
 # Marks a write being run at once (never awaited or cancelled: it is done before the
@@ -419,14 +476,11 @@ class _Stream:
         "body_done",
         "body_parts",
         "body_size",
-        "broken",
         "clock",
         "context",
         "entry",
-        "flight",
         "gone",
         "hb",
-        "in_send",
         "inner_started",
         "keepalive_due",
         "last",
@@ -435,9 +489,8 @@ class _Stream:
         "late_size",
         "late_status",
         "listening",
-        "live",
-        "lock",
         "observer",
+        "out",
         "path",
         "phase",
         "queue",
@@ -448,8 +501,6 @@ class _Stream:
         "sniffed",
         "span",
         "started",
-        "ticker_writing",
-        "writer",
     )
 
     def __init__(
@@ -462,18 +513,13 @@ class _Stream:
         self.path: str = scope.get("path", "")
         self.accept = accept
         self.phase = _WAITING
-        # Made when the stream goes live (its first due time): until then no one
-        # else writes, and no one waits.
-        self.lock: asyncio.Lock | contextlib.nullcontext[None] = _NO_LOCK
-        self.live = False
+        self.out = _Writer()  # Heartbeats' own writes to the caller
         self.clock: _Clock | None = None
         self.entry: int | None = None  # its number in the keepalive timer
-        self.writer: asyncio.Task[Any] | None = None  # a timer-started write
         self.listening = False  # on_event is among the request's listeners
         self.context = contextvars.copy_context()  # the request's: for that write
         self.awaiting_body = False  # the commit is due once the body says "stream"
         self.rearm_after = False  # a held-back keepalive went out: time the next one
-        self.broken = False  # a timer-started write failed: no more of them
         self.queue: list[StateEvent] = []  # at most hb.max_queued, the oldest dropped
         self.last = b""  # the last relayed chunk (whole events): is a CR pending?
         self.after_own = True  # the last bytes written are our own lines: a boundary
@@ -493,10 +539,6 @@ class _Stream:
         self.inner_started = False
         self.span = trace.get_current_span()
         self.recording = self.span.is_recording()
-        self.in_send = False  # a relayed chunk is being sent by a coroutine of ours
-        # The last relayed chunk's send, passed on as is: out until it finishes.
-        self.flight: types.CoroutineType[Any, Any, Any] | None = None
-        self.ticker_writing = False  # the writer is sending its lines (under the lock)
 
     # -- the request ---------------------------------------------------------
 
@@ -559,7 +601,7 @@ class _Stream:
             queue.append(event)
             if len(queue) > self.hb.max_queued:
                 del queue[0]
-        if self.live and self.phase != _WAITING:
+        if self.out.live and self.phase != _WAITING:
             self._kick()
 
     # -- writing ---------------------------------------------------------------
@@ -642,12 +684,12 @@ class _Stream:
             self.phase == _RELAY
             and message["type"] == "http.response.body"
             and not (
-                self.ticker_writing or self.queue or self.keepalive_due or self.observer is not None
+                self.out.writing or self.queue or self.keepalive_due or self.observer is not None
             )
         ):
-            # The hot path, with no coroutine and no lock of ours: the timer sees the
-            # send in flight (``_in_flight``) and holds its lines until it is back; a
-            # chunk arriving while the timer writes takes the lock (``_send_slow``).
+            # The hot path, with no lock of ours: ``_relay`` marks the send as out, and
+            # the timer holds its lines until it is back; a chunk arriving while our own
+            # lines are written takes the lock (``_send_slow``).
             chunk: bytes = message.get("body", b"")
             if chunk:
                 self.last = chunk
@@ -659,36 +701,22 @@ class _Stream:
             else:
                 self.phase = _DONE
             self.last_output = _now()
-            sending = self._send(message)
-            if type(sending) is not types.CoroutineType:
-                return self._awaited(sending)  # a server whose send is not a coroutine
-            self.flight = sending
-            return sending
+            return self._relay(message)
         return self._send_slow(message)
 
-    async def _awaited(self, sending: Awaitable[None]) -> None:
-        self.in_send = True
+    async def _relay(self, message: Message, *, body: bool = False) -> None:
+        """Send a relayed message, marked as out until it is back (a line that fell due
+        meanwhile is written then)."""
+        out = self.out
+        out.relaying = True
         try:
-            await sending
+            await self._send(message)
+            if body:
+                self._after_send()
         finally:
-            self._sent()
-
-    def _in_flight(self) -> bool:
-        """True while a relayed chunk's send is out (ours, or one passed on as is)."""
-        if self.in_send:
-            return True
-        flight = self.flight
-        if flight is None:
-            return False
-        if flight.cr_frame is not None:
-            return True  # not finished yet
-        self.flight = None
-        return False
-
-    def _check_back(self, now: float) -> None:
-        """Lines are owed but a relayed send is out: look again soon."""
-        if self.entry is None and self.clock is not None:
-            self.entry = self.clock.at(self, now + max(_QUANTUM, self.hb.interval / 10))
+            out.relaying = False
+            if out.live and (self.keepalive_due or self.queue):
+                self._kick()  # a line was held back while this send was out
 
     async def _send_slow(self, message: Message) -> None:
         phase = self.phase
@@ -697,47 +725,26 @@ class _Stream:
             return
         kind = message["type"]
         if kind == "http.response.start":
-            if self.live:
-                await self._on_start(message)  # under the lock
+            if self.out.live:
+                async with self.out.lock:
+                    out = self._started(message)
+                    if out is not None:
+                        await self._relay(out)
                 return
             # Not live: no one else writes yet, no lock to take.
             out = self._started(message)
             if out is not None:
-                await self._pass_on(out)
+                await self._relay(out)
         elif kind == "http.response.body":
-            if self.phase == _RELAY and not self.ticker_writing:
+            if self.phase == _RELAY and not self.out.writing:
                 # As in the hot path, with state lines or detection to do.
                 out = self._relayed(message)
                 if out is not None:
-                    await self._pass_on(out, body=True)
+                    await self._relay(out, body=True)
                 return
             await self._on_body(message)
         elif self.phase != _OWN:  # e.g. trailers; after our own commit they cannot follow
             await self._send(message)
-
-    def _sent(self) -> None:
-        """A relayed chunk's send is back."""
-        self.in_send = False
-        if self.live and (self.keepalive_due or self.queue):
-            self._kick()  # a line was held back while this send was out
-
-    async def _on_start(self, message: Message) -> None:
-        """The inner app's start while the stream is live: under the lock."""
-        async with self.lock:
-            out = self._started(message)
-            if out is not None:
-                await self._pass_on(out)
-
-    async def _pass_on(self, out: Message, *, body: bool = False) -> None:
-        """Send a relayed message; a writer started meanwhile sees ``in_send`` and
-        leaves its lines for the next boundary."""
-        self.in_send = True
-        try:
-            await self._send(out)
-            if body:
-                self._after_send()
-        finally:
-            self._sent()
 
     def _started(self, message: Message) -> Message | None:
         """The inner app's start: the message to relay (an event stream, or a response
@@ -765,7 +772,7 @@ class _Stream:
             else:
                 self.phase = _PASS
                 self.queue.clear()
-            if self.live:  # it waited for the commit: time its keepalives instead
+            if self.out.live:  # it waited for the commit: time its keepalives instead
                 if self.entry is not None:
                     self.clock.cancel(self.entry)  # type: ignore[union-attr]
                     self.entry = None
@@ -776,7 +783,7 @@ class _Stream:
         return None
 
     async def _on_body(self, message: Message) -> None:
-        async with self.lock:
+        async with self.out.lock:
             phase = self.phase
             if phase == _DONE:
                 return
@@ -845,12 +852,13 @@ class _Stream:
     # -- the keepalive timer ------------------------------------------------------
 
     def due(self, now: float) -> None:
-        """The timer's call: this stream's commit or keepalive may be due at ``now``."""
+        """The timer's call: this stream's commit or keepalive may be due at ``now``
+        (the timer's tolerance, ``_EARLY``, already added)."""
         if self.gone or self.phase >= _PASS:
             return
-        if not self.live:
-            self.live = True
-            self.lock = asyncio.Lock()
+        out = self.out
+        if not out.live:
+            out.go_live()
         hb = self.hb
         if self.phase == _WAITING:
             streaming = self.streaming()
@@ -864,28 +872,32 @@ class _Stream:
             else:
                 self._kick()
             return
-        flying = self._in_flight()
-        if self.keepalive_due or self.queue:
-            # Lines held back: a relayed send was out, or an event was not yet whole.
-            if flying:
-                self._check_back(now)
-            elif self.writer is None and self._at_boundary():
-                self._kick(at_once=True)
-            return  # (or at the next event boundary)
-        interval = hb.interval
-        if interval <= 0:
-            return  # no keepalives
-        quiet_until = self.last_output + interval
-        if now < quiet_until:
-            self.entry = self.clock.at(self, quiet_until)  # type: ignore[union-attr]
-        elif self.writer is not None:
-            return  # a write is under way: it times the next keepalive when done
-        elif not flying and self._at_boundary():
+        if not self._owed(now):
+            if hb.interval > 0:  # (0: no keepalives)
+                self.entry = self.clock.at(self, self.last_output + hb.interval)  # type: ignore[union-attr]
+        elif out.task is None and self._can_write(now):
             self._kick(at_once=True)
-        else:
-            self.keepalive_due = True  # written at the next event boundary
-            if flying:
-                self._check_back(now)
+        # Otherwise a write under way times the next keepalive when done, or the line
+        # waits for the relayed send's return or the next event boundary.
+
+    def _owed(self, now: float) -> bool:
+        """Is a line owed at ``now``: a state line queued, or a keepalive (the stream
+        has been quiet for ``interval``)."""
+        return bool(self.queue) or self.keepalive_due or self._quiet(now)
+
+    def _quiet(self, now: float) -> bool:
+        interval = self.hb.interval
+        return interval > 0 and now >= self.last_output + interval
+
+    def _can_write(self, now: float) -> bool:
+        """Can our lines go in now? Not beside a relayed send that is still out, nor
+        inside an event: then a keepalive that fell due is written when the send is
+        back or at the next event boundary."""
+        if not self.out.relaying and self._at_boundary():
+            return True
+        if self._quiet(now):
+            self.keepalive_due = True
+        return False
 
     def _kick(self, *, at_once: bool = False) -> None:
         """Start a write of whatever is owed, unless one is under way.
@@ -894,24 +906,21 @@ class _Stream:
         context, and make a task only if it has to wait (a slow reader, the lock):
         a keepalive to a reader keeping up costs no task and no extra loop turn.
         """
-        if self.writer is not None or self.gone or self.broken or self.phase >= _PASS:
+        out = self.out
+        if out.task is not None or self.gone or not out.active or self.phase >= _PASS:
             return
-        loop = asyncio.get_running_loop()
         if not at_once:
-            self.writer = loop.create_task(self._write_owed(), name=TASK_NAME, context=self.context)
+            loop = asyncio.get_running_loop()
+            out.task = loop.create_task(self._write_owed(), name=TASK_NAME, context=self.context)
             return
-        coro = self._write_owed()
-        self.writer = _AT_ONCE  # (so nothing starts a second write meanwhile)
+        out.task = _AT_ONCE  # (so nothing starts a second write meanwhile)
         try:
-            waiting_on = self.context.run(coro.send, None)
-        except StopIteration:
-            return  # done: it cleared self.writer itself
+            task = _start_eagerly(self._write_owed(), self.context)
         except BaseException:
-            self.writer = None
+            out.task = None
             raise
-        self.writer = loop.create_task(
-            _carry_on(coro, waiting_on), name=TASK_NAME, context=self.context
-        )
+        if task is not None:  # (done at once: it cleared out.task itself)
+            out.task = task
 
     def _rearm(self) -> None:
         """Put the stream back in the timer for its next keepalive."""
@@ -922,7 +931,7 @@ class _Stream:
             and interval > 0
             and not self.keepalive_due
             and not self.gone
-            and not self.broken
+            and self.out.active
             and self.phase in (_RELAY, _OWN)
         ):
             # Mostly right after an output: now plus the interval, in the FIFO's order.
@@ -930,49 +939,39 @@ class _Stream:
 
     async def _write_owed(self) -> None:
         """Write what is due: our own commit, state lines, a keepalive."""
+        out = self.out
         try:
-            async with self.lock:
-                hb = self.hb
+            async with out.lock:
                 while not self.gone:
-                    phase = self.phase
-                    if phase == _WAITING:
+                    # With the timer's tolerance: it calls what falls due before its
+                    # next wake due now, and a stream it woke must not be dropped.
+                    now = _now() + _EARLY
+                    if self.phase == _WAITING:
                         if not self.streaming():
                             break
-                        commit_at = self.started + hb.commit_after
-                        # With the timer's tolerance: it calls what falls due before its
-                        # next wake due now, and a stream it woke must not be dropped.
-                        if _now() + _QUANTUM / 2 >= commit_at:
+                        commit_at = self.started + self.hb.commit_after
+                        if now >= commit_at:
                             await self._commit_own()
                         elif self.entry is None and self.clock is not None:
                             self.entry = self.clock.at(self, commit_at)  # not yet: back in line
                         break
-                    if phase not in (_RELAY, _OWN):
+                    if self.phase not in (_RELAY, _OWN) or not self._owed(now):
                         break
-                    quiet = _now() - self.last_output
-                    keepalive = hb.interval > 0 and quiet + _QUANTUM / 2 >= hb.interval
-                    owed = bool(self.queue) or keepalive or self.keepalive_due
-                    if not owed:
+                    if not self._can_write(now):
                         break
-                    flying = self._in_flight()
-                    if flying or not self._at_boundary():
-                        if keepalive:
-                            self.keepalive_due = True  # written at the next event boundary
-                        if flying:
-                            self._check_back(_now())
-                        break
-                    self.ticker_writing = True
+                    out.writing = True
                     try:
                         await self._write(self._lines())
                         self.after_own = True
                     finally:
-                        self.ticker_writing = False
+                        out.writing = False
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a broken write must not break the request
             log_event("stream.heartbeat_failed", level=30, error=repr(exc))
-            self.broken = True
+            out.active = False
         finally:
-            self.writer = None
+            out.task = None
         self._rearm()
 
     # -- the request's life ----------------------------------------------------------
@@ -996,7 +995,7 @@ class _Stream:
         that waits on that same caller)."""
         if isinstance(exc, CallerStalled):
             return
-        async with FinalWrites(self.req), self.lock:
+        async with FinalWrites(self.req), self.out.lock:
             if self.phase == _OWN and not self.gone:
                 log_event("stream.app_error", level=40, error=repr(exc))
                 await self._finish_own(
@@ -1018,16 +1017,16 @@ class _Stream:
         if self.entry is not None:
             self.clock.cancel(self.entry)  # type: ignore[union-attr]
             self.entry = None
-        writer = self.writer
-        if writer is not None and writer is not _AT_ONCE:
-            writer.cancel()
-            return writer
+        task = self.out.task
+        if task is not None and task is not _AT_ONCE:
+            task.cancel()
+            return task
         return None
 
     async def finish(self) -> None:
         """The inner app returned: end our own response if we committed one (within
         the request's ``send_timeout``)."""
-        async with FinalWrites(self.req), self.lock:
+        async with FinalWrites(self.req), self.out.lock:
             if self.phase == _OWN and not self.gone:
                 if self.late_status is not None:
                     body = b"".join(self.late_body or ())
