@@ -75,17 +75,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import heapq
 import json
 import math
-import sys
 import time
-from collections.abc import Awaitable, Coroutine, Generator
+from collections.abc import Awaitable
 from typing import Any
 
 from opentelemetry import trace
 
-from ._deadlines import Fifo
+from ._eager import start_eagerly
+from ._keepalive_clock import EARLY as _EARLY
+from ._keepalive_clock import QUANTUM as _QUANTUM  # noqa: F401 (the tests read it here)
+from ._keepalive_clock import KeepaliveClock
 from ._loops import PerLoop
 from ._responses import FinalWrites
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
@@ -260,111 +261,6 @@ def _new_line(event: StateEvent) -> tuple[bytes, str, Any]:
     return known
 
 
-class _Clock:
-    """The process-wide keepalive timer: one ``TimerHandle`` per event loop.
-
-    Every waiting stream's next due time (its commit, its next keepalive) is
-    queued here under a sequence number; ``pending`` maps the number to the
-    stream until it is due or the stream ends. A stream's first due time is
-    always its start plus the same delay, so those go into a FIFO per delay
-    (O(1), in due order); later ones go into a heap. The queues hold only due
-    times and numbers (which the garbage collector never tracks): a stream that
-    ended leaves nothing behind but two numbers, dropped when they come up. A
-    stream whose output moved its due time later is simply queued again when
-    the old time comes up (nothing is done per chunk).
-    """
-
-    __slots__ = ("fifos", "handle", "heap", "loop", "pending", "seq", "when")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.fifos: dict[float, Fifo] = {}
-        self.heap: list[tuple[float, int]] = []
-        self.pending: dict[int, _Stream] = {}
-        self.handle: asyncio.TimerHandle | None = None
-        self.when = math.inf
-        self.seq = 0
-
-    def first(self, stream: _Stream, delay: float) -> int:
-        """Schedule ``stream`` ``delay`` seconds from now (its first due time)."""
-        return self.after(stream, stream.started, delay)
-
-    def after(self, stream: _Stream, since: float, delay: float) -> int:
-        """Schedule ``stream`` ``delay`` seconds after ``since`` (about now): its FIFO.
-
-        ``since`` is the stream's start or its last output, so entries mostly come
-        in due order; one earlier than the last queued goes to the heap instead.
-        """
-        fifo = self.fifos.get(delay)
-        if fifo is None:
-            fifo = self.fifos[delay] = Fifo()
-        due = since + delay
-        if fifo.dues and fifo.dues[-1] > due:
-            return self.at(stream, due)
-        seq = self.seq = self.seq + 1
-        self.pending[seq] = stream
-        fifo.push(due, seq, self.pending)
-        if due < self.when:
-            self._arm(due)
-        return seq
-
-    def at(self, stream: _Stream, due: float) -> int:
-        """Schedule ``stream`` at ``due`` (monotonic seconds)."""
-        seq = self.seq = self.seq + 1
-        self.pending[seq] = stream
-        heapq.heappush(self.heap, (due, seq))
-        if due < self.when:
-            self._arm(due)
-        return seq
-
-    def cancel(self, seq: int) -> None:
-        """The stream queued under ``seq`` is no longer due then."""
-        self.pending.pop(seq, None)
-
-    def _arm(self, due: float) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
-        self.when = due
-        delay = max(due - _now(), _QUANTUM)
-        # An empty context: the timer belongs to no request.
-        self.handle = self.loop.call_later(delay, self._fire, context=_EMPTY_CONTEXT)
-
-    def _fire(self) -> None:
-        self.handle = None
-        self.when = math.inf
-        now = _now()
-        upto = now + _EARLY  # what falls due before the next wake is due now
-        pending = self.pending
-        due: list[_Stream] = []
-        for fifo in self.fifos.values():
-            for seq in fifo.pop_due(upto):
-                stream = pending.pop(seq, None)
-                if stream is not None:
-                    due.append(stream)
-        heap = self.heap
-        while heap and heap[0][0] <= upto:
-            stream = pending.pop(heapq.heappop(heap)[1], None)
-            if stream is not None:
-                due.append(stream)
-        for stream in due:  # (what they schedule is for a later wake)
-            stream.entry = None
-            try:
-                stream.due(upto)
-            except Exception as exc:  # one stream's failure must not stop the others'
-                log_event("stream.heartbeat_failed", level=30, error=repr(exc))
-        while heap and heap[0][1] not in pending:
-            heapq.heappop(heap)  # its stream ended: no need to wake for it
-        nxt = heap[0][0] if heap else math.inf
-        for fifo in self.fifos.values():
-            nxt = min(nxt, fifo.next_due(pending))
-        if nxt < math.inf and nxt < self.when:
-            self._arm(max(nxt, now + _QUANTUM))
-
-
-_QUANTUM = 0.002  # the timer wakes at most this often; a line may be this late
-_EARLY = _QUANTUM / 2  # the timer's tolerance: what falls due this soon is due now
-
-
 class _Writer:
     """Heartbeats' own writes to one caller, shaped as sse-starlette's ``_ping``: a lock
     that every write of ours and every relayed chunk that needs one takes, and an
@@ -393,74 +289,17 @@ class _Writer:
         self.lock = asyncio.Lock()
 
 
-def _start_eagerly(
-    coroutine: Coroutine[Any, Any, None], context: contextvars.Context
-) -> asyncio.Task[Any] | None:
-    """Run ``coroutine`` here, up to its first wait, and give it a task only if it waits
-    (None: it is done).
-
-    Stands in for ``asyncio.Task(coroutine, eager_start=True)`` (Python 3.12), which is
-    used where the interpreter has it: a keepalive to a reader keeping up then costs no
-    task and no loop turn. Python 3.11 has no eager start, so the first step is taken by
-    hand and the rest continues in a task through ``_Resume``.
-    """
-    loop = asyncio.get_running_loop()
-    if _EAGER:
-        task = asyncio.Task(  # type: ignore[call-arg,unused-ignore]
-            coroutine, loop=loop, name=TASK_NAME, context=context, eager_start=True
-        )
-        return None if task.done() else task
-    coro = coroutine
-    try:
-        waiting_on = context.run(coro.send, None)
-    except StopIteration:
-        return None
-    return loop.create_task(_carry_on(_Resume(coro, waiting_on)), name=TASK_NAME, context=context)
-
-
-_EAGER = sys.version_info >= (3, 12)
-
-
-class _Resume:
-    """Await a coroutine already run up to ``waiting_on`` (what it waits for): 3.11 only."""
-
-    __slots__ = ("coro", "waiting_on")
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], waiting_on: Any) -> None:
-        self.coro = coro
-        self.waiting_on = waiting_on
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro, value = self.coro, self.waiting_on
-        self.waiting_on = None
-        while True:
-            try:
-                sent = yield value
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # cancellation: it goes to the coroutine
-                try:
-                    value = coro.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-            else:
-                try:
-                    value = coro.send(sent)
-                except StopIteration as stop:
-                    return stop.value
-
-
-async def _carry_on(rest: _Resume) -> Any:
-    """The rest of a write that began outside any task and has to wait."""
-    return await rest
-
-
 # Marks a write being run at once (never awaited or cancelled: it is done before the
 # loop runs anything else).
 _AT_ONCE: Any = object()
-_EMPTY_CONTEXT = contextvars.Context()
-_clock = PerLoop(_Clock).get  # the running loop's keepalive timer
+
+
+def _timer_failed(exc: Exception) -> None:
+    log_event("stream.heartbeat_failed", level=30, error=repr(exc))
+
+
+# The running loop's keepalive timer (``_now`` looked up at each call: tests replace it).
+_clock = PerLoop(lambda loop: KeepaliveClock(loop, lambda: _now(), _timer_failed)).get
 
 
 class _Stream:
@@ -514,7 +353,7 @@ class _Stream:
         self.accept = accept
         self.phase = _WAITING
         self.out = _Writer()  # Heartbeats' own writes to the caller
-        self.clock: _Clock | None = None
+        self.clock: KeepaliveClock | None = None
         self.entry: int | None = None  # its number in the keepalive timer
         self.listening = False  # on_event is among the request's listeners
         self.context = contextvars.copy_context()  # the request's: for that write
@@ -915,7 +754,7 @@ class _Stream:
             return
         out.task = _AT_ONCE  # (so nothing starts a second write meanwhile)
         try:
-            task = _start_eagerly(self._write_owed(), self.context)
+            task = start_eagerly(self._write_owed(), name=TASK_NAME, context=self.context)
         except BaseException:
             out.task = None
             raise
@@ -985,7 +824,7 @@ class _Stream:
         hb = self.hb
         first_due = min(hb.commit_after, hb.interval) if hb.interval > 0 else hb.commit_after
         clock = self.clock = _clock()
-        self.entry = clock.first(self, first_due)
+        self.entry = clock.after(self, self.started, first_due)
 
     async def app_failed(self, exc: Exception) -> None:
         """The inner app raised: end our own response, if we committed one, with an error.
