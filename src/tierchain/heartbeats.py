@@ -151,6 +151,26 @@ def _check_seconds(name: str, value: float) -> float:
     return value
 
 
+class _LateAnswer:
+    """A non-stream answer arriving after our own commit: its status and (up to
+    ``_ANSWER_LIMIT``) its body, which become one event."""
+
+    __slots__ = ("parts", "size", "status")
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, chunk: bytes) -> None:
+        if chunk and self.size < _ANSWER_LIMIT:
+            self.parts.append(chunk)
+            self.size += len(chunk)
+
+    def event(self, wire: str) -> bytes:
+        return _late_answer_event(self.status, b"".join(self.parts), wire)
+
+
 def _late_answer_event(status: int, body: bytes, wire: str) -> bytes:
     """One SSE event standing for an answer that arrived after our own commit (an
     error in the request's wire format)."""
@@ -324,17 +344,13 @@ class _Stream:
         "keepalive_due",
         "last",
         "last_output",
-        "late_body",
-        "late_size",
-        "late_status",
-        "listening",
+        "late",
         "observer",
         "out",
         "path",
         "phase",
         "queue",
         "rearm_after",
-        "recording",
         "req",
         "said_generating",
         "sniffed",
@@ -355,7 +371,6 @@ class _Stream:
         self.out = _Writer()  # Heartbeats' own writes to the caller
         self.clock: KeepaliveClock | None = None
         self.entry: int | None = None  # its number in the keepalive timer
-        self.listening = False  # on_event is among the request's listeners
         self.context = contextvars.copy_context()  # the request's: for that write
         self.awaiting_body = False  # the commit is due once the body says "stream"
         self.rearm_after = False  # a held-back keepalive went out: time the next one
@@ -372,12 +387,9 @@ class _Stream:
         self.gone = False
         self.observer: Observer | None = None  # alone (no Failover inside): our own
         self.said_generating = False
-        self.late_status: int | None = None  # own phase: a non-stream answer being collected
-        self.late_body: list[bytes] | None = None  # made when a late answer arrives
-        self.late_size = 0
+        self.late: _LateAnswer | None = None  # own phase: a non-stream answer being collected
         self.inner_started = False
         self.span = trace.get_current_span()
-        self.recording = self.span.is_recording()
 
     # -- the request ---------------------------------------------------------
 
@@ -454,7 +466,7 @@ class _Stream:
             known = _new_line(event)
         line, state, counted = known
         counted.inc()
-        if self.recording:
+        if self.span.is_recording():
             self.span.add_event("stream.heartbeat", {"state": state, "keepalive": keepalive})
         return line
 
@@ -618,7 +630,7 @@ class _Stream:
                 self._rearm()
             return message
         if self.phase == _OWN and not sse:
-            self.late_status = status  # its body becomes one event
+            self.late = _LateAnswer(status)  # its body becomes one event
         return None
 
     async def _on_body(self, message: Message) -> None:
@@ -629,17 +641,11 @@ class _Stream:
             if phase == _WAITING:  # a body before any start: not ours to judge
                 await self._send(message)
                 return
-            if self.late_status is not None:
-                chunk: bytes = message.get("body", b"")
-                more = bool(message.get("more_body", False))
-                if chunk and self.late_size < _ANSWER_LIMIT:
-                    if self.late_body is None:
-                        self.late_body = []
-                    self.late_body.append(chunk)
-                    self.late_size += len(chunk)
-                if not more:
-                    body = b"".join(self.late_body or ())
-                    await self._finish_own(_late_answer_event(self.late_status, body, self.wire()))
+            late = self.late
+            if late is not None:
+                late.add(message.get("body", b""))
+                if not message.get("more_body", False):
+                    await self._finish_own(late.event(self.wire()))
                 return
             out = self._relayed(message)
             if out is not None:
@@ -818,7 +824,6 @@ class _Stream:
     def begin(self) -> None:
         """Listen for state events and take a place in the keepalive timer."""
         self.req.subscribe(self.on_event)
-        self.listening = True
         # Nothing is timed for a request that is over before anything could be due:
         # the stream goes live when the commit (or the first keepalive) could fall due.
         hb = self.hb
@@ -849,9 +854,7 @@ class _Stream:
 
     def close(self) -> asyncio.Task[Any] | None:
         """The request is over: nothing more is due. Returns a writer to wait for, if any."""
-        if self.listening:
-            self.listening = False  # (the listener refers back to us: no cycle left behind)
-            self.req.unsubscribe(self.on_event)
+        self.req.unsubscribe(self.on_event)  # (it refers back to us: no cycle left behind)
         self.gone = True
         if self.entry is not None:
             self.clock.cancel(self.entry)  # type: ignore[union-attr]
@@ -867,9 +870,8 @@ class _Stream:
         the request's ``send_timeout``)."""
         async with FinalWrites(self.req), self.out.lock:
             if self.phase == _OWN and not self.gone:
-                if self.late_status is not None:
-                    body = b"".join(self.late_body or ())
-                    await self._finish_own(_late_answer_event(self.late_status, body, self.wire()))
+                if self.late is not None:
+                    await self._finish_own(self.late.event(self.wire()))
                 elif not self.inner_started:
                     await self._finish_own(
                         error_bytes(
