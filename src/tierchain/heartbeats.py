@@ -95,7 +95,7 @@ from .observer import Observer, nothing_sent, whole_events
 from .request import StateEvent, TierRequest
 from .sse import comment_line, is_event_stream
 from .telemetry import STREAM_HEARTBEATS, labelled, log_event
-from .wire import ANTHROPIC, RESPONSES, SSE, allows_comments, error_bytes, recognise
+from .wire import SSE, allows_comments, answer_event, error_bytes, recognise
 
 __all__ = ["TASK_NAME", "Heartbeats"]
 
@@ -168,36 +168,7 @@ class _LateAnswer:
             self.size += len(chunk)
 
     def event(self, wire: str) -> bytes:
-        return _late_answer_event(self.status, b"".join(self.parts), wire)
-
-
-def _late_answer_event(status: int, body: bytes, wire: str) -> bytes:
-    """One SSE event standing for an answer that arrived after our own commit (an
-    error in the request's wire format)."""
-    try:
-        data: Any = json.loads(body) if body else None
-    except (UnicodeDecodeError, ValueError):
-        data = None
-    if 200 <= status < 300 and isinstance(data, dict) and "error" not in data:
-        # A whole non-stream answer: one data event.
-        text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, default=str)
-        return b"data: " + text.encode() + b"\n\n"
-    message = f"the gateway answered {status}"
-    kind, code = "upstream_error", f"http_{status}"
-    error = data.get("error") if isinstance(data, dict) else None
-    if isinstance(error, dict) and wire not in (ANTHROPIC, RESPONSES):
-        # OpenAI's own shape: the error object as it came, every field kept.
-        text = json.dumps({"error": error}, separators=(",", ":"), ensure_ascii=False, default=str)
-        return b"data: " + text.encode() + b"\n\n"
-    if isinstance(error, dict):
-        message = str(error.get("message") or message)
-        kind = str(error.get("type") or kind)
-        code = str(error.get("code") or code)
-    elif isinstance(error, str):
-        message = error
-    elif data is None and body:
-        message += ": " + body[:500].decode("utf-8", "replace")
-    return error_bytes(wire, SSE, message, kind, code)
+        return answer_event(self.status, b"".join(self.parts), wire)
 
 
 class Heartbeats:
