@@ -215,7 +215,7 @@ class Heartbeats:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            await stream.app_failed(exc)
+            await stream.finish(exc)
             raise
         else:
             # Only a live stream can have committed our own response or hold the
@@ -294,7 +294,21 @@ _clock = PerLoop(lambda loop: KeepaliveClock(loop, lambda: _now(), _timer_failed
 
 
 class _Stream:
-    """One request's heartbeat state: phase, queued events, tail, timer entry, writer."""
+    """One streaming request, as Heartbeats sees it. Its facts:
+
+    - the response: ``phase`` (waiting, relaying the app's event stream, our own,
+      passing through, done), ``inner_started``, ``observer`` (our own, used alone),
+      ``late`` (a non-stream answer after our own commit);
+    - what is owed: ``queue`` (state lines), ``keepalive_due`` (a keepalive held back
+      for a boundary), ``rearm_after`` (time the next one once it is out); whether a
+      line is owed at a given time is :meth:`_owed`, whether it can go in :meth:`_can_write`;
+    - the output's tail: ``last`` (the last relayed chunk: a CR an LF may complete),
+      ``after_own`` (our lines were last: a boundary), ``last_output`` (when);
+    - the request's body, watched for ``"stream": true``: ``body_parts``,
+      ``body_size``, ``body_done``, ``sniffed``, ``awaiting_body``;
+    - its place in the keepalive timer (``entry``, from ``started``), ``gone`` (the
+      request is over or the caller left), and ``out``, the one writer.
+    """
 
     # Thousands of these may wait at once: slots keep each one small.
     __slots__ = (
@@ -306,7 +320,6 @@ class _Stream:
         "body_done",
         "body_parts",
         "body_size",
-        "clock",
         "context",
         "entry",
         "gone",
@@ -340,7 +353,6 @@ class _Stream:
         self.accept = accept
         self.phase = _WAITING
         self.out = _Writer()  # Heartbeats' own writes to the caller
-        self.clock: KeepaliveClock | None = None
         self.entry: int | None = None  # its number in the keepalive timer
         self.context = contextvars.copy_context()  # the request's: for that write
         self.awaiting_body = False  # the commit is due once the body says "stream"
@@ -463,6 +475,7 @@ class _Stream:
 
     @property
     def _pending(self) -> bool:
+        """A line is waiting for its place: state lines queued, or a keepalive held back."""
         return bool(self.queue) or self.keepalive_due
 
     def _at_boundary(self) -> bool:
@@ -596,7 +609,7 @@ class _Stream:
                 self.queue.clear()
             if self.out.live:  # it waited for the commit: time its keepalives instead
                 if self.entry is not None:
-                    self.clock.cancel(self.entry)  # type: ignore[union-attr]
+                    _clock().cancel(self.entry)
                     self.entry = None
                 self._rearm()
             return message
@@ -682,7 +695,7 @@ class _Stream:
                 return
             commit_at = self.started + hb.commit_after
             if now < commit_at:
-                self.entry = self.clock.at(self, commit_at)  # type: ignore[union-attr]
+                self.entry = _clock().at(self, commit_at)
             elif streaming is None:
                 self.awaiting_body = True  # receive() starts the commit
             else:
@@ -690,7 +703,7 @@ class _Stream:
             return
         if not self._owed(now):
             if hb.interval > 0:  # (0: no keepalives)
-                self.entry = self.clock.at(self, self.last_output + hb.interval)  # type: ignore[union-attr]
+                self.entry = _clock().at(self, self.last_output + hb.interval)
         elif out.task is None and self._can_write(now):
             self._kick(at_once=True)
         # Otherwise a write under way times the next keepalive when done, or the line
@@ -699,7 +712,7 @@ class _Stream:
     def _owed(self, now: float) -> bool:
         """Is a line owed at ``now``: a state line queued, or a keepalive (the stream
         has been quiet for ``interval``)."""
-        return bool(self.queue) or self.keepalive_due or self._quiet(now)
+        return self._pending or self._quiet(now)
 
     def _quiet(self, now: float) -> bool:
         interval = self.hb.interval
@@ -751,7 +764,7 @@ class _Stream:
             and self.phase in (_RELAY, _OWN)
         ):
             # Mostly right after an output: now plus the interval, in the FIFO's order.
-            self.entry = self.clock.after(self, self.last_output, interval)  # type: ignore[union-attr]
+            self.entry = _clock().after(self, self.last_output, interval)
 
     async def _write_owed(self) -> None:
         """Write what is due: our own commit, state lines, a keepalive."""
@@ -768,8 +781,8 @@ class _Stream:
                         commit_at = self.started + self.hb.commit_after
                         if now >= commit_at:
                             await self._commit_own()
-                        elif self.entry is None and self.clock is not None:
-                            self.entry = self.clock.at(self, commit_at)  # not yet: back in line
+                        elif self.entry is None:
+                            self.entry = _clock().at(self, commit_at)  # not yet: back in line
                         break
                     if self.phase not in (_RELAY, _OWN) or not self._owed(now):
                         break
@@ -799,36 +812,14 @@ class _Stream:
         # the stream goes live when the commit (or the first keepalive) could fall due.
         hb = self.hb
         first_due = min(hb.commit_after, hb.interval) if hb.interval > 0 else hb.commit_after
-        clock = self.clock = _clock()
-        self.entry = clock.after(self, self.started, first_due)
-
-    async def app_failed(self, exc: Exception) -> None:
-        """The inner app raised: end our own response, if we committed one, with an error.
-
-        Not for a caller cut for not reading (nothing more is written to it); and
-        bounded by the request's ``send_timeout`` (the lock may be held by a write
-        that waits on that same caller)."""
-        if isinstance(exc, CallerStalled):
-            return
-        async with FinalWrites(self.req), self.out.lock:
-            if self.phase == _OWN and not self.gone:
-                log_event("stream.app_error", level=40, error=repr(exc))
-                await self._finish_own(
-                    error_bytes(
-                        self.wire(),
-                        SSE,
-                        "the gateway failed while answering",
-                        "internal_error",
-                        "internal_error",
-                    )
-                )
+        self.entry = _clock().after(self, self.started, first_due)
 
     def close(self) -> asyncio.Task[Any] | None:
         """The request is over: nothing more is due. Returns a writer to wait for, if any."""
         self.req.unsubscribe(self.on_event)  # (it refers back to us: no cycle left behind)
         self.gone = True
         if self.entry is not None:
-            self.clock.cancel(self.entry)  # type: ignore[union-attr]
+            _clock().cancel(self.entry)
             self.entry = None
         task = self.out.task
         if task is not None and task is not _AT_ONCE:
@@ -836,22 +827,29 @@ class _Stream:
             return task
         return None
 
-    async def finish(self) -> None:
-        """The inner app returned: end our own response if we committed one (within
-        the request's ``send_timeout``)."""
+    async def finish(self, failed: Exception | None = None) -> None:
+        """The inner app returned, or raised ``failed``: end our own response, if we
+        committed one (an error event when the app failed or sent nothing; a late
+        answer as one event).
+
+        Nothing for a caller cut for not reading (nothing more is written to it); and
+        bounded by the request's ``send_timeout`` (the lock may be held by a write
+        that waits on that same caller)."""
+        if isinstance(failed, CallerStalled):
+            return
         async with FinalWrites(self.req), self.out.lock:
-            if self.phase == _OWN and not self.gone:
-                if self.late is not None:
-                    await self._finish_own(self.late.event(self.wire()))
-                elif not self.inner_started:
-                    await self._finish_own(
-                        error_bytes(
-                            self.wire(),
-                            SSE,
-                            "the gateway ended without an answer",
-                            "upstream_error",
-                            "no_response",
-                        )
-                    )
-                else:
-                    await self._finish_own(b"")
+            if self.phase != _OWN or self.gone:
+                return
+            wire = self.wire()
+            if failed is not None:
+                log_event("stream.app_error", level=40, error=repr(failed))
+                why = ("the gateway failed while answering", "internal_error", "internal_error")
+                event = error_bytes(wire, SSE, *why)
+            elif self.late is not None:
+                event = self.late.event(wire)
+            elif not self.inner_started:
+                why = ("the gateway ended without an answer", "upstream_error", "no_response")
+                event = error_bytes(wire, SSE, *why)
+            else:
+                event = b""
+            await self._finish_own(event)
