@@ -75,9 +75,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import inspect
 import json
 import math
 import time
+import types
 from collections.abc import Awaitable
 from typing import Any
 
@@ -85,7 +87,7 @@ from opentelemetry import trace
 
 from ._eager import start_eagerly
 from ._keepalive_clock import EARLY as _EARLY
-from ._keepalive_clock import QUANTUM as _QUANTUM  # noqa: F401 (the tests read it here)
+from ._keepalive_clock import QUANTUM as _QUANTUM
 from ._keepalive_clock import KeepaliveClock
 from ._loops import PerLoop
 from ._responses import FinalWrites
@@ -257,13 +259,15 @@ class _Writer:
     that every write of ours and every relayed chunk that needs one takes, and an
     ``active`` flag that stops our writes for good.
 
-    ``relaying``: a relayed chunk's send is out (sent by :meth:`_Stream._relay`, which
-    clears it when the send is back); no line of ours may go in beside it.
+    ``relaying``: a relayed chunk's send is out, sent by :meth:`_Stream._relay`, which
+    clears it when the send is back; ``flight``: the server's own send coroutine for the
+    last chunk passed on as is (the hot path adds no coroutine of its own). While either is
+    out (:meth:`sending`) no line of ours may go in.
     ``writing``: our own lines are being sent under the lock; a relayed chunk then takes
     the lock too. ``task``: the write the timer started (at most one), owned by the request.
     """
 
-    __slots__ = ("active", "live", "lock", "relaying", "task", "writing")
+    __slots__ = ("active", "flight", "live", "lock", "relaying", "task", "writing")
 
     def __init__(self) -> None:
         # Made when the stream goes live (its first due time): until then no one
@@ -272,8 +276,22 @@ class _Writer:
         self.live = False
         self.active = True  # False once a write of ours failed: no more of them
         self.relaying = False
+        self.flight: types.CoroutineType[Any, Any, Any] | None = None
         self.writing = False
         self.task: asyncio.Task[Any] | None = None
+
+    def sending(self) -> bool:
+        """Is a relayed chunk's send still out? (The server's own coroutine is asked with
+        ``inspect.getcoroutinestate``: out until it is closed.)"""
+        if self.relaying:
+            return True
+        flight = self.flight
+        if flight is None:
+            return False
+        if inspect.getcoroutinestate(flight) != inspect.CORO_CLOSED:
+            return True
+        self.flight = None
+        return False
 
     def go_live(self) -> None:
         self.live = True
@@ -522,9 +540,9 @@ class _Stream:
                 self.out.writing or self.queue or self.keepalive_due or self.observer is not None
             )
         ):
-            # The hot path, with no lock of ours: ``_relay`` marks the send as out, and
-            # the timer holds its lines until it is back; a chunk arriving while our own
-            # lines are written takes the lock (``_send_slow``).
+            # The hot path, with no coroutine and no lock of ours: the writer sees the
+            # send out (``_Writer.sending``) and holds its lines until it is back; a
+            # chunk arriving while our own lines are written takes the lock (``_send_slow``).
             chunk: bytes = message.get("body", b"")
             if chunk:
                 self.last = chunk
@@ -536,16 +554,20 @@ class _Stream:
             else:
                 self.phase = _DONE
             self.last_output = _now()
-            return self._relay(message)
+            sending = self._send(message)
+            if type(sending) is not types.CoroutineType:
+                return self._relay(sending)  # a server whose send is not a coroutine
+            self.out.flight = sending
+            return sending
         return self._send_slow(message)
 
-    async def _relay(self, message: Message, *, body: bool = False) -> None:
-        """Send a relayed message, marked as out until it is back (a line that fell due
-        meanwhile is written then)."""
+    async def _relay(self, sending: Awaitable[None], *, body: bool = False) -> None:
+        """Await a relayed message's send, marked as out until it is back (a line that
+        fell due meanwhile is written then)."""
         out = self.out
         out.relaying = True
         try:
-            await self._send(message)
+            await sending
             if body:
                 self._after_send()
         finally:
@@ -564,18 +586,18 @@ class _Stream:
                 async with self.out.lock:
                     out = self._started(message)
                     if out is not None:
-                        await self._relay(out)
+                        await self._relay(self._send(out))
                 return
             # Not live: no one else writes yet, no lock to take.
             out = self._started(message)
             if out is not None:
-                await self._relay(out)
+                await self._relay(self._send(out))
         elif kind == "http.response.body":
             if self.phase == _RELAY and not self.out.writing:
                 # As in the hot path, with state lines or detection to do.
                 out = self._relayed(message)
                 if out is not None:
-                    await self._relay(out, body=True)
+                    await self._relay(self._send(out), body=True)
                 return
             await self._on_body(message)
         elif self.phase != _OWN:  # e.g. trailers; after our own commit they cannot follow
@@ -719,13 +741,16 @@ class _Stream:
         return interval > 0 and now >= self.last_output + interval
 
     def _can_write(self, now: float) -> bool:
-        """Can our lines go in now? Not beside a relayed send that is still out, nor
-        inside an event: then a keepalive that fell due is written when the send is
-        back or at the next event boundary."""
-        if not self.out.relaying and self._at_boundary():
+        """Can our lines go in now? Not beside a relayed send that is still out (the
+        timer looks again soon), nor inside an event (the next boundary takes them): a
+        keepalive that fell due meanwhile is marked ``keepalive_due``."""
+        sending = self.out.sending()
+        if not sending and self._at_boundary():
             return True
         if self._quiet(now):
             self.keepalive_due = True
+        if sending and self.entry is None:  # look again soon
+            self.entry = _clock().at(self, now + max(_QUANTUM, self.hb.interval / 10))
         return False
 
     def _kick(self, *, at_once: bool = False) -> None:
