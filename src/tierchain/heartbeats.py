@@ -324,7 +324,7 @@ class _Stream:
       ``after_own`` (our lines were last: a boundary), ``last_output`` (when);
     - the request's body, watched for ``"stream": true``: ``body_parts``,
       ``body_size``, ``body_done``, ``sniffed``, ``awaiting_body``;
-    - its place in the keepalive timer (``entry``, from ``started``), ``gone`` (the
+    - its place in the keepalive timer (``clock``, ``entry``, from ``started``), ``gone`` (the
       request is over or the caller left), and ``out``, the one writer.
     """
 
@@ -338,6 +338,7 @@ class _Stream:
         "body_done",
         "body_parts",
         "body_size",
+        "clock",
         "context",
         "entry",
         "gone",
@@ -371,6 +372,7 @@ class _Stream:
         self.accept = accept
         self.phase = _WAITING
         self.out = _Writer()  # Heartbeats' own writes to the caller
+        self.clock = _clock()  # the loop's keepalive timer
         self.entry: int | None = None  # its number in the keepalive timer
         self.context = contextvars.copy_context()  # the request's: for that write
         self.awaiting_body = False  # the commit is due once the body says "stream"
@@ -631,7 +633,7 @@ class _Stream:
                 self.queue.clear()
             if self.out.live:  # it waited for the commit: time its keepalives instead
                 if self.entry is not None:
-                    _clock().cancel(self.entry)
+                    self.clock.cancel(self.entry)
                     self.entry = None
                 self._rearm()
             return message
@@ -717,7 +719,7 @@ class _Stream:
                 return
             commit_at = self.started + hb.commit_after
             if now < commit_at:
-                self.entry = _clock().at(self, commit_at)
+                self.entry = self.clock.at(self, commit_at)
             elif streaming is None:
                 self.awaiting_body = True  # receive() starts the commit
             else:
@@ -725,7 +727,7 @@ class _Stream:
             return
         if not self._owed(now):
             if hb.interval > 0:  # (0: no keepalives)
-                self.entry = _clock().at(self, self.last_output + hb.interval)
+                self.entry = self.clock.at(self, self.last_output + hb.interval)
         elif out.task is None and self._can_write(now):
             self._kick(at_once=True)
         # Otherwise a write under way times the next keepalive when done, or the line
@@ -734,7 +736,10 @@ class _Stream:
     def _owed(self, now: float) -> bool:
         """Is a line owed at ``now``: a state line queued, or a keepalive (the stream
         has been quiet for ``interval``)."""
-        return self._pending or self._quiet(now)
+        if self.queue or self.keepalive_due:
+            return True
+        interval = self.hb.interval
+        return interval > 0 and now >= self.last_output + interval
 
     def _quiet(self, now: float) -> bool:
         interval = self.hb.interval
@@ -750,7 +755,7 @@ class _Stream:
         if self._quiet(now):
             self.keepalive_due = True
         if sending and self.entry is None:  # look again soon
-            self.entry = _clock().at(self, now + max(_QUANTUM, self.hb.interval / 10))
+            self.entry = self.clock.at(self, now + max(_QUANTUM, self.hb.interval / 10))
         return False
 
     def _kick(self, *, at_once: bool = False) -> None:
@@ -789,7 +794,7 @@ class _Stream:
             and self.phase in (_RELAY, _OWN)
         ):
             # Mostly right after an output: now plus the interval, in the FIFO's order.
-            self.entry = _clock().after(self, self.last_output, interval)
+            self.entry = self.clock.after(self, self.last_output, interval)
 
     async def _write_owed(self) -> None:
         """Write what is due: our own commit, state lines, a keepalive."""
@@ -807,7 +812,7 @@ class _Stream:
                         if now >= commit_at:
                             await self._commit_own()
                         elif self.entry is None:
-                            self.entry = _clock().at(self, commit_at)  # not yet: back in line
+                            self.entry = self.clock.at(self, commit_at)  # not yet: back in line
                         break
                     if self.phase not in (_RELAY, _OWN) or not self._owed(now):
                         break
@@ -837,14 +842,14 @@ class _Stream:
         # the stream goes live when the commit (or the first keepalive) could fall due.
         hb = self.hb
         first_due = min(hb.commit_after, hb.interval) if hb.interval > 0 else hb.commit_after
-        self.entry = _clock().after(self, self.started, first_due)
+        self.entry = self.clock.after(self, self.started, first_due)
 
     def close(self) -> asyncio.Task[Any] | None:
         """The request is over: nothing more is due. Returns a writer to wait for, if any."""
         self.req.unsubscribe(self.on_event)  # (it refers back to us: no cycle left behind)
         self.gone = True
         if self.entry is not None:
-            _clock().cancel(self.entry)
+            self.clock.cancel(self.entry)
             self.entry = None
         task = self.out.task
         if task is not None and task is not _AT_ONCE:
