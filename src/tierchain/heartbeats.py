@@ -75,19 +75,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import heapq
+import inspect
 import json
-import math
 import time
 import types
-from collections.abc import Awaitable, Coroutine, Generator
+from collections.abc import Awaitable
 from datetime import timedelta
 from typing import Any
 
 from opentelemetry import trace
 
 from ._checks import count, duration
-from ._deadlines import Fifo
+from ._eager import start_eagerly
+from ._keepalive_clock import EARLY as _EARLY
+from ._keepalive_clock import QUANTUM as _QUANTUM
+from ._keepalive_clock import KeepaliveClock
 from ._loops import PerLoop
 from ._responses import FinalWrites
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
@@ -96,7 +98,7 @@ from .observer import Observer, nothing_sent, whole_events
 from .request import StateEvent, TierRequest
 from .sse import comment_line, is_event_stream
 from .telemetry import STREAM_HEARTBEATS, labelled, log_event
-from .wire import ANTHROPIC, RESPONSES, SSE, allows_comments, error_bytes, recognise
+from .wire import SSE, allows_comments, answer_event, error_bytes, recognise
 
 __all__ = ["TASK_NAME", "Heartbeats"]
 
@@ -145,33 +147,24 @@ MIN_INTERVAL = 0.02
 """The shortest keepalive interval: at most 50 keepalive lines a second per stream."""
 
 
-def _late_answer_event(status: int, body: bytes, wire: str) -> bytes:
-    """One SSE event standing for an answer that arrived after our own commit (an
-    error in the request's wire format)."""
-    try:
-        data: Any = json.loads(body) if body else None
-    except (UnicodeDecodeError, ValueError):
-        data = None
-    if 200 <= status < 300 and isinstance(data, dict) and "error" not in data:
-        # A whole non-stream answer: one data event.
-        text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, default=str)
-        return b"data: " + text.encode() + b"\n\n"
-    message = f"the gateway answered {status}"
-    kind, code = "upstream_error", f"http_{status}"
-    error = data.get("error") if isinstance(data, dict) else None
-    if isinstance(error, dict) and wire not in (ANTHROPIC, RESPONSES):
-        # OpenAI's own shape: the error object as it came, every field kept.
-        text = json.dumps({"error": error}, separators=(",", ":"), ensure_ascii=False, default=str)
-        return b"data: " + text.encode() + b"\n\n"
-    if isinstance(error, dict):
-        message = str(error.get("message") or message)
-        kind = str(error.get("type") or kind)
-        code = str(error.get("code") or code)
-    elif isinstance(error, str):
-        message = error
-    elif data is None and body:
-        message += ": " + body[:500].decode("utf-8", "replace")
-    return error_bytes(wire, SSE, message, kind, code)
+class _LateAnswer:
+    """A non-stream answer arriving after our own commit: its status and (up to
+    ``_ANSWER_LIMIT``) its body, which become one event."""
+
+    __slots__ = ("parts", "size", "status")
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, chunk: bytes) -> None:
+        if chunk and self.size < _ANSWER_LIMIT:
+            self.parts.append(chunk)
+            self.size += len(chunk)
+
+    def event(self, wire: str) -> bytes:
+        return answer_event(self.status, b"".join(self.parts), wire)
 
 
 class Heartbeats:
@@ -216,12 +209,12 @@ class Heartbeats:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            await stream.app_failed(exc)
+            await stream.finish(exc)
             raise
         else:
             # Only a live stream can have committed our own response or hold the
             # lock here: otherwise there is nothing to finish.
-            if stream.live:
+            if stream.out.live:
                 await stream.finish()
         finally:
             writer = stream.close()
@@ -253,154 +246,79 @@ def _new_line(event: StateEvent) -> tuple[bytes, str, Any]:
     return known
 
 
-class _Clock:
-    """The process-wide keepalive timer: one ``TimerHandle`` per event loop.
+class _Writer:
+    """Heartbeats' own writes to one caller, shaped as sse-starlette's ``_ping``: a lock
+    that every write of ours and every relayed chunk that needs one takes, and an
+    ``active`` flag that stops our writes for good.
 
-    Every waiting stream's next due time (its commit, its next keepalive) is
-    queued here under a sequence number; ``pending`` maps the number to the
-    stream until it is due or the stream ends. A stream's first due time is
-    always its start plus the same delay, so those go into a FIFO per delay
-    (O(1), in due order); later ones go into a heap. The queues hold only due
-    times and numbers (which the garbage collector never tracks): a stream that
-    ended leaves nothing behind but two numbers, dropped when they come up. A
-    stream whose output moved its due time later is simply queued again when
-    the old time comes up (nothing is done per chunk).
+    ``relaying``: a relayed chunk's send is out, sent by :meth:`_Stream._relay`, which
+    clears it when the send is back; ``flight``: the server's own send coroutine for the
+    last chunk passed on as is (the hot path adds no coroutine of its own). While either is
+    out (:meth:`sending`) no line of ours may go in.
+    ``writing``: our own lines are being sent under the lock; a relayed chunk then takes
+    the lock too. ``task``: the write the timer started (at most one), owned by the request.
     """
 
-    __slots__ = ("fifos", "handle", "heap", "loop", "pending", "seq", "when")
+    __slots__ = ("active", "flight", "live", "lock", "relaying", "task", "writing")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.fifos: dict[float, Fifo] = {}
-        self.heap: list[tuple[float, int]] = []
-        self.pending: dict[int, _Stream] = {}
-        self.handle: asyncio.TimerHandle | None = None
-        self.when = math.inf
-        self.seq = 0
+    def __init__(self) -> None:
+        # Made when the stream goes live (its first due time): until then no one
+        # else writes, and no one waits.
+        self.lock: asyncio.Lock | contextlib.nullcontext[None] = _NO_LOCK
+        self.live = False
+        self.active = True  # False once a write of ours failed: no more of them
+        self.relaying = False
+        self.flight: types.CoroutineType[Any, Any, Any] | None = None
+        self.writing = False
+        self.task: asyncio.Task[Any] | None = None
 
-    def first(self, stream: _Stream, delay: float) -> int:
-        """Schedule ``stream`` ``delay`` seconds from now (its first due time)."""
-        return self.after(stream, stream.started, delay)
+    def sending(self) -> bool:
+        """Is a relayed chunk's send still out? (The server's own coroutine is asked with
+        ``inspect.getcoroutinestate``: out until it is closed.)"""
+        if self.relaying:
+            return True
+        flight = self.flight
+        if flight is None:
+            return False
+        if inspect.getcoroutinestate(flight) != inspect.CORO_CLOSED:
+            return True
+        self.flight = None
+        return False
 
-    def after(self, stream: _Stream, since: float, delay: float) -> int:
-        """Schedule ``stream`` ``delay`` seconds after ``since`` (about now): its FIFO.
-
-        ``since`` is the stream's start or its last output, so entries mostly come
-        in due order; one earlier than the last queued goes to the heap instead.
-        """
-        fifo = self.fifos.get(delay)
-        if fifo is None:
-            fifo = self.fifos[delay] = Fifo()
-        due = since + delay
-        if fifo.dues and fifo.dues[-1] > due:
-            return self.at(stream, due)
-        seq = self.seq = self.seq + 1
-        self.pending[seq] = stream
-        fifo.push(due, seq, self.pending)
-        if due < self.when:
-            self._arm(due)
-        return seq
-
-    def at(self, stream: _Stream, due: float) -> int:
-        """Schedule ``stream`` at ``due`` (monotonic seconds)."""
-        seq = self.seq = self.seq + 1
-        self.pending[seq] = stream
-        heapq.heappush(self.heap, (due, seq))
-        if due < self.when:
-            self._arm(due)
-        return seq
-
-    def cancel(self, seq: int) -> None:
-        """The stream queued under ``seq`` is no longer due then."""
-        self.pending.pop(seq, None)
-
-    def _arm(self, due: float) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
-        self.when = due
-        delay = max(due - _now(), _QUANTUM)
-        # An empty context: the timer belongs to no request.
-        self.handle = self.loop.call_later(delay, self._fire, context=_EMPTY_CONTEXT)
-
-    def _fire(self) -> None:
-        self.handle = None
-        self.when = math.inf
-        now = _now()
-        upto = now + _QUANTUM / 2  # what falls due before the next wake is due now
-        pending = self.pending
-        due: list[_Stream] = []
-        for fifo in self.fifos.values():
-            for seq in fifo.pop_due(upto):
-                stream = pending.pop(seq, None)
-                if stream is not None:
-                    due.append(stream)
-        heap = self.heap
-        while heap and heap[0][0] <= upto:
-            stream = pending.pop(heapq.heappop(heap)[1], None)
-            if stream is not None:
-                due.append(stream)
-        for stream in due:  # (what they schedule is for a later wake)
-            stream.entry = None
-            try:
-                stream.due(upto)
-            except Exception as exc:  # one stream's failure must not stop the others'
-                log_event("stream.heartbeat_failed", level=30, error=repr(exc))
-        while heap and heap[0][1] not in pending:
-            heapq.heappop(heap)  # its stream ended: no need to wake for it
-        nxt = heap[0][0] if heap else math.inf
-        for fifo in self.fifos.values():
-            nxt = min(nxt, fifo.next_due(pending))
-        if nxt < math.inf and nxt < self.when:
-            self._arm(max(nxt, now + _QUANTUM))
-
-
-_QUANTUM = 0.002  # the timer wakes at most this often; a line may be this late
-
-
-class _Resume:
-    """Await a coroutine that was already run up to ``waiting_on`` (what it waits for)."""
-
-    __slots__ = ("coro", "waiting_on")
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], waiting_on: Any) -> None:
-        self.coro = coro
-        self.waiting_on = waiting_on
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro, value = self.coro, self.waiting_on
-        self.waiting_on = None
-        while True:
-            try:
-                sent = yield value
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # cancellation: it goes to the coroutine
-                try:
-                    value = coro.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-            else:
-                try:
-                    value = coro.send(sent)
-                except StopIteration as stop:
-                    return stop.value
-
-
-async def _carry_on(coro: Coroutine[Any, Any, Any], waiting_on: Any) -> Any:
-    """The rest of a write that began outside any task and has to wait."""
-    return await _Resume(coro, waiting_on)
+    def go_live(self) -> None:
+        self.live = True
+        self.lock = asyncio.Lock()
 
 
 # Marks a write being run at once (never awaited or cancelled: it is done before the
 # loop runs anything else).
 _AT_ONCE: Any = object()
-_EMPTY_CONTEXT = contextvars.Context()
-_clock = PerLoop(_Clock).get  # the running loop's keepalive timer
+
+
+def _timer_failed(exc: Exception) -> None:
+    log_event("stream.heartbeat_failed", level=30, error=repr(exc))
+
+
+# The running loop's keepalive timer (``_now`` looked up at each call: tests replace it).
+_clock = PerLoop(lambda loop: KeepaliveClock(loop, lambda: _now(), _timer_failed)).get
 
 
 class _Stream:
-    """One request's heartbeat state: phase, queued events, tail, timer entry, writer."""
+    """One streaming request, as Heartbeats sees it. Its facts:
+
+    - the response: ``phase`` (waiting, relaying the app's event stream, our own,
+      passing through, done), ``inner_started``, ``observer`` (our own, used alone),
+      ``late`` (a non-stream answer after our own commit);
+    - what is owed: ``queue`` (state lines), ``keepalive_due`` (a keepalive held back
+      for a boundary), ``rearm_after`` (time the next one once it is out); whether a
+      line is owed at a given time is :meth:`_owed`, whether it can go in :meth:`_can_write`;
+    - the output's tail: ``last`` (the last relayed chunk: a CR an LF may complete),
+      ``after_own`` (our lines were last: a boundary), ``last_output`` (when);
+    - the request's body, watched for ``"stream": true``: ``body_parts``,
+      ``body_size``, ``body_done``, ``sniffed``, ``awaiting_body``;
+    - its place in the keepalive timer (``clock``, ``entry``, from ``started``), ``gone`` (the
+      request is over or the caller left), and ``out``, the one writer.
+    """
 
     # Thousands of these may wait at once: slots keep each one small.
     __slots__ = (
@@ -412,37 +330,27 @@ class _Stream:
         "body_done",
         "body_parts",
         "body_size",
-        "broken",
         "clock",
         "context",
         "entry",
-        "flight",
         "gone",
         "hb",
-        "in_send",
         "inner_started",
         "keepalive_due",
         "last",
         "last_output",
-        "late_body",
-        "late_size",
-        "late_status",
-        "listening",
-        "live",
-        "lock",
+        "late",
         "observer",
+        "out",
         "path",
         "phase",
         "queue",
         "rearm_after",
-        "recording",
         "req",
         "said_generating",
         "sniffed",
         "span",
         "started",
-        "ticker_writing",
-        "writer",
     )
 
     def __init__(
@@ -455,18 +363,12 @@ class _Stream:
         self.path: str = scope.get("path", "")
         self.accept = accept
         self.phase = _WAITING
-        # Made when the stream goes live (its first due time): until then no one
-        # else writes, and no one waits.
-        self.lock: asyncio.Lock | contextlib.nullcontext[None] = _NO_LOCK
-        self.live = False
-        self.clock: _Clock | None = None
+        self.out = _Writer()  # Heartbeats' own writes to the caller
+        self.clock = _clock()  # the loop's keepalive timer
         self.entry: int | None = None  # its number in the keepalive timer
-        self.writer: asyncio.Task[Any] | None = None  # a timer-started write
-        self.listening = False  # on_event is among the request's listeners
         self.context = contextvars.copy_context()  # the request's: for that write
         self.awaiting_body = False  # the commit is due once the body says "stream"
         self.rearm_after = False  # a held-back keepalive went out: time the next one
-        self.broken = False  # a timer-started write failed: no more of them
         self.queue: list[StateEvent] = []  # at most hb.max_queued, the oldest dropped
         self.last = b""  # the last relayed chunk (whole events): is a CR pending?
         self.after_own = True  # the last bytes written are our own lines: a boundary
@@ -480,16 +382,9 @@ class _Stream:
         self.gone = False
         self.observer: Observer | None = None  # alone (no Failover inside): our own
         self.said_generating = False
-        self.late_status: int | None = None  # own phase: a non-stream answer being collected
-        self.late_body: list[bytes] | None = None  # made when a late answer arrives
-        self.late_size = 0
+        self.late: _LateAnswer | None = None  # own phase: a non-stream answer being collected
         self.inner_started = False
         self.span = trace.get_current_span()
-        self.recording = self.span.is_recording()
-        self.in_send = False  # a relayed chunk is being sent by a coroutine of ours
-        # The last relayed chunk's send, passed on as is: out until it finishes.
-        self.flight: types.CoroutineType[Any, Any, Any] | None = None
-        self.ticker_writing = False  # the writer is sending its lines (under the lock)
 
     # -- the request ---------------------------------------------------------
 
@@ -552,7 +447,7 @@ class _Stream:
             queue.append(event)
             if len(queue) > self.hb.max_queued:
                 del queue[0]
-        if self.live and self.phase != _WAITING:
+        if self.out.live and self.phase != _WAITING:
             self._kick()
 
     # -- writing ---------------------------------------------------------------
@@ -566,7 +461,7 @@ class _Stream:
             known = _new_line(event)
         line, state, counted = known
         counted.inc()
-        if self.recording:
+        if self.span.is_recording():
             self.span.add_event("stream.heartbeat", {"state": state, "keepalive": keepalive})
         return line
 
@@ -592,6 +487,7 @@ class _Stream:
 
     @property
     def _pending(self) -> bool:
+        """A line is waiting for its place: state lines queued, or a keepalive held back."""
         return bool(self.queue) or self.keepalive_due
 
     def _at_boundary(self) -> bool:
@@ -635,12 +531,12 @@ class _Stream:
             self.phase == _RELAY
             and message["type"] == "http.response.body"
             and not (
-                self.ticker_writing or self.queue or self.keepalive_due or self.observer is not None
+                self.out.writing or self.queue or self.keepalive_due or self.observer is not None
             )
         ):
-            # The hot path, with no coroutine and no lock of ours: the timer sees the
-            # send in flight (``_in_flight``) and holds its lines until it is back; a
-            # chunk arriving while the timer writes takes the lock (``_send_slow``).
+            # The hot path, with no coroutine and no lock of ours: the writer sees the
+            # send out (``_Writer.sending``) and holds its lines until it is back; a
+            # chunk arriving while our own lines are written takes the lock (``_send_slow``).
             chunk: bytes = message.get("body", b"")
             if chunk:
                 self.last = chunk
@@ -654,34 +550,24 @@ class _Stream:
             self.last_output = _now()
             sending = self._send(message)
             if type(sending) is not types.CoroutineType:
-                return self._awaited(sending)  # a server whose send is not a coroutine
-            self.flight = sending
+                return self._relay(sending)  # a server whose send is not a coroutine
+            self.out.flight = sending
             return sending
         return self._send_slow(message)
 
-    async def _awaited(self, sending: Awaitable[None]) -> None:
-        self.in_send = True
+    async def _relay(self, sending: Awaitable[None], *, body: bool = False) -> None:
+        """Await a relayed message's send, marked as out until it is back (a line that
+        fell due meanwhile is written then)."""
+        out = self.out
+        out.relaying = True
         try:
             await sending
+            if body:
+                self._after_send()
         finally:
-            self._sent()
-
-    def _in_flight(self) -> bool:
-        """True while a relayed chunk's send is out (ours, or one passed on as is)."""
-        if self.in_send:
-            return True
-        flight = self.flight
-        if flight is None:
-            return False
-        if flight.cr_frame is not None:
-            return True  # not finished yet
-        self.flight = None
-        return False
-
-    def _check_back(self, now: float) -> None:
-        """Lines are owed but a relayed send is out: look again soon."""
-        if self.entry is None and self.clock is not None:
-            self.entry = self.clock.at(self, now + max(_QUANTUM, self.hb.interval / 10))
+            out.relaying = False
+            if out.live and (self.keepalive_due or self.queue):
+                self._kick()  # a line was held back while this send was out
 
     async def _send_slow(self, message: Message) -> None:
         phase = self.phase
@@ -690,47 +576,26 @@ class _Stream:
             return
         kind = message["type"]
         if kind == "http.response.start":
-            if self.live:
-                await self._on_start(message)  # under the lock
+            if self.out.live:
+                async with self.out.lock:
+                    out = self._started(message)
+                    if out is not None:
+                        await self._relay(self._send(out))
                 return
             # Not live: no one else writes yet, no lock to take.
             out = self._started(message)
             if out is not None:
-                await self._pass_on(out)
+                await self._relay(self._send(out))
         elif kind == "http.response.body":
-            if self.phase == _RELAY and not self.ticker_writing:
+            if self.phase == _RELAY and not self.out.writing:
                 # As in the hot path, with state lines or detection to do.
                 out = self._relayed(message)
                 if out is not None:
-                    await self._pass_on(out, body=True)
+                    await self._relay(self._send(out), body=True)
                 return
             await self._on_body(message)
         elif self.phase != _OWN:  # e.g. trailers; after our own commit they cannot follow
             await self._send(message)
-
-    def _sent(self) -> None:
-        """A relayed chunk's send is back."""
-        self.in_send = False
-        if self.live and (self.keepalive_due or self.queue):
-            self._kick()  # a line was held back while this send was out
-
-    async def _on_start(self, message: Message) -> None:
-        """The inner app's start while the stream is live: under the lock."""
-        async with self.lock:
-            out = self._started(message)
-            if out is not None:
-                await self._pass_on(out)
-
-    async def _pass_on(self, out: Message, *, body: bool = False) -> None:
-        """Send a relayed message; a writer started meanwhile sees ``in_send`` and
-        leaves its lines for the next boundary."""
-        self.in_send = True
-        try:
-            await self._send(out)
-            if body:
-                self._after_send()
-        finally:
-            self._sent()
 
     def _started(self, message: Message) -> Message | None:
         """The inner app's start: the message to relay (an event stream, or a response
@@ -758,35 +623,29 @@ class _Stream:
             else:
                 self.phase = _PASS
                 self.queue.clear()
-            if self.live:  # it waited for the commit: time its keepalives instead
+            if self.out.live:  # it waited for the commit: time its keepalives instead
                 if self.entry is not None:
-                    self.clock.cancel(self.entry)  # type: ignore[union-attr]
+                    self.clock.cancel(self.entry)
                     self.entry = None
                 self._rearm()
             return message
         if self.phase == _OWN and not sse:
-            self.late_status = status  # its body becomes one event
+            self.late = _LateAnswer(status)  # its body becomes one event
         return None
 
     async def _on_body(self, message: Message) -> None:
-        async with self.lock:
+        async with self.out.lock:
             phase = self.phase
             if phase == _DONE:
                 return
             if phase == _WAITING:  # a body before any start: not ours to judge
                 await self._send(message)
                 return
-            if self.late_status is not None:
-                chunk: bytes = message.get("body", b"")
-                more = bool(message.get("more_body", False))
-                if chunk and self.late_size < _ANSWER_LIMIT:
-                    if self.late_body is None:
-                        self.late_body = []
-                    self.late_body.append(chunk)
-                    self.late_size += len(chunk)
-                if not more:
-                    body = b"".join(self.late_body or ())
-                    await self._finish_own(_late_answer_event(self.late_status, body, self.wire()))
+            late = self.late
+            if late is not None:
+                late.add(message.get("body", b""))
+                if not message.get("more_body", False):
+                    await self._finish_own(late.event(self.wire()))
                 return
             out = self._relayed(message)
             if out is not None:
@@ -838,12 +697,13 @@ class _Stream:
     # -- the keepalive timer ------------------------------------------------------
 
     def due(self, now: float) -> None:
-        """The timer's call: this stream's commit or keepalive may be due at ``now``."""
+        """The timer's call: this stream's commit or keepalive may be due at ``now``
+        (the timer's tolerance, ``_EARLY``, already added)."""
         if self.gone or self.phase >= _PASS:
             return
-        if not self.live:
-            self.live = True
-            self.lock = asyncio.Lock()
+        out = self.out
+        if not out.live:
+            out.go_live()
         hb = self.hb
         if self.phase == _WAITING:
             streaming = self.streaming()
@@ -851,34 +711,44 @@ class _Stream:
                 return
             commit_at = self.started + hb.commit_after
             if now < commit_at:
-                self.entry = self.clock.at(self, commit_at)  # type: ignore[union-attr]
+                self.entry = self.clock.at(self, commit_at)
             elif streaming is None:
                 self.awaiting_body = True  # receive() starts the commit
             else:
                 self._kick()
             return
-        flying = self._in_flight()
-        if self.keepalive_due or self.queue:
-            # Lines held back: a relayed send was out, or an event was not yet whole.
-            if flying:
-                self._check_back(now)
-            elif self.writer is None and self._at_boundary():
-                self._kick(at_once=True)
-            return  # (or at the next event boundary)
-        interval = hb.interval
-        if interval <= 0:
-            return  # no keepalives
-        quiet_until = self.last_output + interval
-        if now < quiet_until:
-            self.entry = self.clock.at(self, quiet_until)  # type: ignore[union-attr]
-        elif self.writer is not None:
-            return  # a write is under way: it times the next keepalive when done
-        elif not flying and self._at_boundary():
+        if not self._owed(now):
+            if hb.interval > 0:  # (0: no keepalives)
+                self.entry = self.clock.at(self, self.last_output + hb.interval)
+        elif out.task is None and self._can_write(now):
             self._kick(at_once=True)
-        else:
-            self.keepalive_due = True  # written at the next event boundary
-            if flying:
-                self._check_back(now)
+        # Otherwise a write under way times the next keepalive when done, or the line
+        # waits for the relayed send's return or the next event boundary.
+
+    def _owed(self, now: float) -> bool:
+        """Is a line owed at ``now``: a state line queued, or a keepalive (the stream
+        has been quiet for ``interval``)."""
+        if self.queue or self.keepalive_due:
+            return True
+        interval = self.hb.interval
+        return interval > 0 and now >= self.last_output + interval
+
+    def _quiet(self, now: float) -> bool:
+        interval = self.hb.interval
+        return interval > 0 and now >= self.last_output + interval
+
+    def _can_write(self, now: float) -> bool:
+        """Can our lines go in now? Not beside a relayed send that is still out (the
+        timer looks again soon), nor inside an event (the next boundary takes them): a
+        keepalive that fell due meanwhile is marked ``keepalive_due``."""
+        sending = self.out.sending()
+        if not sending and self._at_boundary():
+            return True
+        if self._quiet(now):
+            self.keepalive_due = True
+        if sending and self.entry is None:  # look again soon
+            self.entry = self.clock.at(self, now + max(_QUANTUM, self.hb.interval / 10))
+        return False
 
     def _kick(self, *, at_once: bool = False) -> None:
         """Start a write of whatever is owed, unless one is under way.
@@ -887,24 +757,21 @@ class _Stream:
         context, and make a task only if it has to wait (a slow reader, the lock):
         a keepalive to a reader keeping up costs no task and no extra loop turn.
         """
-        if self.writer is not None or self.gone or self.broken or self.phase >= _PASS:
+        out = self.out
+        if out.task is not None or self.gone or not out.active or self.phase >= _PASS:
             return
-        loop = asyncio.get_running_loop()
         if not at_once:
-            self.writer = loop.create_task(self._write_owed(), name=TASK_NAME, context=self.context)
+            loop = asyncio.get_running_loop()
+            out.task = loop.create_task(self._write_owed(), name=TASK_NAME, context=self.context)
             return
-        coro = self._write_owed()
-        self.writer = _AT_ONCE  # (so nothing starts a second write meanwhile)
+        out.task = _AT_ONCE  # (so nothing starts a second write meanwhile)
         try:
-            waiting_on = self.context.run(coro.send, None)
-        except StopIteration:
-            return  # done: it cleared self.writer itself
+            task = start_eagerly(self._write_owed(), name=TASK_NAME, context=self.context)
         except BaseException:
-            self.writer = None
+            out.task = None
             raise
-        self.writer = loop.create_task(
-            _carry_on(coro, waiting_on), name=TASK_NAME, context=self.context
-        )
+        if task is not None:  # (done at once: it cleared out.task itself)
+            out.task = task
 
     def _rearm(self) -> None:
         """Put the stream back in the timer for its next keepalive."""
@@ -915,57 +782,47 @@ class _Stream:
             and interval > 0
             and not self.keepalive_due
             and not self.gone
-            and not self.broken
+            and self.out.active
             and self.phase in (_RELAY, _OWN)
         ):
             # Mostly right after an output: now plus the interval, in the FIFO's order.
-            self.entry = self.clock.after(self, self.last_output, interval)  # type: ignore[union-attr]
+            self.entry = self.clock.after(self, self.last_output, interval)
 
     async def _write_owed(self) -> None:
         """Write what is due: our own commit, state lines, a keepalive."""
+        out = self.out
         try:
-            async with self.lock:
-                hb = self.hb
+            async with out.lock:
                 while not self.gone:
-                    phase = self.phase
-                    if phase == _WAITING:
+                    # With the timer's tolerance: it calls what falls due before its
+                    # next wake due now, and a stream it woke must not be dropped.
+                    now = _now() + _EARLY
+                    if self.phase == _WAITING:
                         if not self.streaming():
                             break
-                        commit_at = self.started + hb.commit_after
-                        # With the timer's tolerance: it calls what falls due before its
-                        # next wake due now, and a stream it woke must not be dropped.
-                        if _now() + _QUANTUM / 2 >= commit_at:
+                        commit_at = self.started + self.hb.commit_after
+                        if now >= commit_at:
                             await self._commit_own()
-                        elif self.entry is None and self.clock is not None:
+                        elif self.entry is None:
                             self.entry = self.clock.at(self, commit_at)  # not yet: back in line
                         break
-                    if phase not in (_RELAY, _OWN):
+                    if self.phase not in (_RELAY, _OWN) or not self._owed(now):
                         break
-                    quiet = _now() - self.last_output
-                    keepalive = hb.interval > 0 and quiet + _QUANTUM / 2 >= hb.interval
-                    owed = bool(self.queue) or keepalive or self.keepalive_due
-                    if not owed:
+                    if not self._can_write(now):
                         break
-                    flying = self._in_flight()
-                    if flying or not self._at_boundary():
-                        if keepalive:
-                            self.keepalive_due = True  # written at the next event boundary
-                        if flying:
-                            self._check_back(_now())
-                        break
-                    self.ticker_writing = True
+                    out.writing = True
                     try:
                         await self._write(self._lines())
                         self.after_own = True
                     finally:
-                        self.ticker_writing = False
+                        out.writing = False
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a broken write must not break the request
             log_event("stream.heartbeat_failed", level=30, error=repr(exc))
-            self.broken = True
+            out.active = False
         finally:
-            self.writer = None
+            out.task = None
         self._rearm()
 
     # -- the request's life ----------------------------------------------------------
@@ -973,67 +830,48 @@ class _Stream:
     def begin(self) -> None:
         """Listen for state events and take a place in the keepalive timer."""
         self.req.subscribe(self.on_event)
-        self.listening = True
         # Nothing is timed for a request that is over before anything could be due:
         # the stream goes live when the commit (or the first keepalive) could fall due.
         hb = self.hb
         first_due = min(hb.commit_after, hb.interval) if hb.interval > 0 else hb.commit_after
-        clock = self.clock = _clock()
-        self.entry = clock.first(self, first_due)
-
-    async def app_failed(self, exc: Exception) -> None:
-        """The inner app raised: end our own response, if we committed one, with an error.
-
-        Not for a caller cut for not reading (nothing more is written to it); and
-        bounded by the request's ``send_timeout`` (the lock may be held by a write
-        that waits on that same caller)."""
-        if isinstance(exc, CallerStalled):
-            return
-        async with FinalWrites(self.req), self.lock:
-            if self.phase == _OWN and not self.gone:
-                log_event("stream.app_error", level=40, error=repr(exc))
-                await self._finish_own(
-                    error_bytes(
-                        self.wire(),
-                        SSE,
-                        "the gateway failed while answering",
-                        "internal_error",
-                        "internal_error",
-                    )
-                )
+        self.entry = self.clock.after(self, self.started, first_due)
 
     def close(self) -> asyncio.Task[Any] | None:
         """The request is over: nothing more is due. Returns a writer to wait for, if any."""
-        if self.listening:
-            self.listening = False  # (the listener refers back to us: no cycle left behind)
-            self.req.unsubscribe(self.on_event)
+        self.req.unsubscribe(self.on_event)  # (it refers back to us: no cycle left behind)
         self.gone = True
         if self.entry is not None:
-            self.clock.cancel(self.entry)  # type: ignore[union-attr]
+            self.clock.cancel(self.entry)
             self.entry = None
-        writer = self.writer
-        if writer is not None and writer is not _AT_ONCE:
-            writer.cancel()
-            return writer
+        task = self.out.task
+        if task is not None and task is not _AT_ONCE:
+            task.cancel()
+            return task
         return None
 
-    async def finish(self) -> None:
-        """The inner app returned: end our own response if we committed one (within
-        the request's ``send_timeout``)."""
-        async with FinalWrites(self.req), self.lock:
-            if self.phase == _OWN and not self.gone:
-                if self.late_status is not None:
-                    body = b"".join(self.late_body or ())
-                    await self._finish_own(_late_answer_event(self.late_status, body, self.wire()))
-                elif not self.inner_started:
-                    await self._finish_own(
-                        error_bytes(
-                            self.wire(),
-                            SSE,
-                            "the gateway ended without an answer",
-                            "upstream_error",
-                            "no_response",
-                        )
-                    )
-                else:
-                    await self._finish_own(b"")
+    async def finish(self, failed: Exception | None = None) -> None:
+        """The inner app returned, or raised ``failed``: end our own response, if we
+        committed one (an error event when the app failed or sent nothing; a late
+        answer as one event).
+
+        Nothing for a caller cut for not reading (nothing more is written to it); and
+        bounded by the request's ``send_timeout`` (the lock may be held by a write
+        that waits on that same caller)."""
+        if isinstance(failed, CallerStalled):
+            return
+        async with FinalWrites(self.req), self.out.lock:
+            if self.phase != _OWN or self.gone:
+                return
+            wire = self.wire()
+            if failed is not None:
+                log_event("stream.app_error", level=40, error=repr(failed))
+                why = ("the gateway failed while answering", "internal_error", "internal_error")
+                event = error_bytes(wire, SSE, *why)
+            elif self.late is not None:
+                event = self.late.event(wire)
+            elif not self.inner_started:
+                why = ("the gateway ended without an answer", "upstream_error", "no_response")
+                event = error_bytes(wire, SSE, *why)
+            else:
+                event = b""
+            await self._finish_own(event)

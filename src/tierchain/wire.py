@@ -52,6 +52,7 @@ __all__ = [
     "RESPONSES",
     "SSE",
     "allows_comments",
+    "answer_event",
     "check_format",
     "context_exceeded",
     "error_bytes",
@@ -150,6 +151,36 @@ def error_bytes(
         return b"event: error\ndata: " + _ENCODER.encode(fields).encode() + b"\n\n"
     error = {"error": {"message": message, "type": type, "code": code}}
     return b"data: " + _ENCODER.encode(error).encode() + b"\n\n"
+
+
+def answer_event(status: int, body: bytes, wire: str) -> bytes:
+    """One SSE event standing for a whole non-stream answer (``status``, ``body``) that
+    arrived after the response began as an event stream: a 2xx answer as one ``data:``
+    event, any other as an error in ``wire``'s own shape (see :func:`error_bytes`)."""
+    try:
+        data: Any = json.loads(body) if body else None
+    except (UnicodeDecodeError, ValueError):
+        data = None
+    if 200 <= status < 300 and isinstance(data, dict) and "error" not in data:
+        # A whole non-stream answer: one data event.
+        text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, default=str)
+        return b"data: " + text.encode() + b"\n\n"
+    message = f"the gateway answered {status}"
+    kind, code = "upstream_error", f"http_{status}"
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict) and wire not in (ANTHROPIC, RESPONSES):
+        # OpenAI's own shape: the error object as it came, every field kept.
+        text = json.dumps({"error": error}, separators=(",", ":"), ensure_ascii=False, default=str)
+        return b"data: " + text.encode() + b"\n\n"
+    if isinstance(error, dict):
+        message = str(error.get("message") or message)
+        kind = str(error.get("type") or kind)
+        code = str(error.get("code") or code)
+    elif isinstance(error, str):
+        message = error
+    elif data is None and body:
+        message += ": " + body[:500].decode("utf-8", "replace")
+    return error_bytes(wire, SSE, message, kind, code)
 
 
 # A context-window refusal, as each server words it in its 400 answer:
