@@ -68,7 +68,7 @@ from .errors import (
 from .observer import Observer
 from .probes import auto_reader
 from .request import UNROUTED_KEY, TierRequest
-from .status import idle, shared_board
+from .status import StatusBoard, board_within, idle
 from .store import (
     BreakerChange,
     BreakerPolicy,
@@ -112,7 +112,10 @@ class Breaker:
     ``when_all_open`` is ``"reject"`` (every backend open: 503 with
     ``Retry-After``) or ``"try_soonest"`` (one forced attempt on the backend
     whose cooldown ends soonest). ``backend`` names the single backend when the
-    Breaker works alone, without Failover.
+    Breaker works alone, without Failover. ``status_board`` is the
+    :class:`~tierchain.status.StatusBoard` whose idle status half-opens a
+    breaker opened for saturation (None: the board of the SaturationWatchdog
+    inside ``app``, if any).
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class Breaker:
         probe_lease: float | timedelta = 300.0,
         when_all_open: Literal["reject", "try_soonest"] = "reject",
         backend: str | Backend = "default",
+        status_board: StatusBoard | None = None,
     ) -> None:
         failure_threshold = count("failure_threshold", failure_threshold)
         saturation_threshold = count("saturation_threshold", saturation_threshold)
@@ -156,6 +160,12 @@ class Breaker:
         )
         self.when_all_open = when_all_open
         self.backend = backend.name if isinstance(backend, Backend) else str(backend)
+        if status_board is not None and not isinstance(status_board, StatusBoard):
+            raise ValueError(
+                f"status_board must be a tierchain.status.StatusBoard, got {status_board!r}"
+            )
+        # The board of the watchdog this breaker wraps (found once, here), or the one given.
+        self.status_board = status_board if status_board is not None else board_within(app)
         self._gauges: dict[tuple[str, str], tuple[Any, int]] = {}
         self._store_warned = -math.inf
 
@@ -174,7 +184,11 @@ class Breaker:
             ticket = self._acquire_now(self._in_memory, route, name, attempt.force)
         else:
             ticket = await self._acquire(route, name, attempt.force)
-        if not ticket.admitted and ticket.state == "open" and _reports_idle(attempt.backend):
+        if (
+            not ticket.admitted
+            and ticket.state == "open"
+            and _reports_idle(self.status_board, attempt.backend)
+        ):
             ticket = await self._acquire(route, name, attempt.force, wake=True)
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
@@ -334,13 +348,10 @@ def _nothing_to_record(ticket: Ticket, outcome: Outcome) -> bool:
     return outcome == "success" and ticket.clean
 
 
-def _reports_idle(backend: Backend) -> bool:
+def _reports_idle(board: StatusBoard | None, backend: Backend) -> bool:
     """True when the backend's polled status (if any) says it is doing nothing."""
     url = backend.status_url
-    if url is None:
-        return False
-    board = shared_board()
-    if board is None:
+    if url is None or board is None:
         return False
     return idle(board.peek(url, auto_reader))
 
