@@ -217,13 +217,15 @@ class Breaker:
             await self._answer_open(send, req, name, ticket)
             return
         guard = _Guard(self, route, name, ticket, req)
+        guard.downstream = send  # the send the own observer feeds
         if guard.own:  # judged by the request's own wire format (a path check)
             guard.observer.wire = recognise(scope.get("path", ""))
         try:
-            await guard.run(scope, receive, send)
-        except AttemptError as exc:
-            if guard.observer.status is not None:
-                raise  # the response has started: the server ends it
+            await self.app(scope, receive, guard.send if guard.own else send)
+        except BaseException as exc:
+            await guard.failed(exc)
+            if not isinstance(exc, AttemptError) or guard.observer.status is not None:
+                raise  # not the backend's, or the response has started: the server ends it
             saturated = isinstance(exc, BackendSaturated | BackendSkipped)
             await send_json_error(
                 send,
@@ -232,6 +234,10 @@ class Breaker:
                 "backend_saturated" if saturated else "upstream_error",
                 exc.reason,
             )
+            return
+        recording = guard.settle()
+        if recording is not None:
+            await recording
 
     async def _answer_open(
         self, send: Send, req: TierRequest | None, name: str, ticket: Ticket
@@ -408,7 +414,7 @@ class _Guard:
     it feeds an observer of its own from a ``send`` wrapper.
     """
 
-    __slots__ = ("_send", "breaker", "name", "observer", "own", "req", "route", "ticket")
+    __slots__ = ("breaker", "downstream", "name", "observer", "own", "req", "route", "ticket")
 
     def __init__(
         self, breaker: Breaker, route: str, name: str, ticket: Ticket, req: TierRequest | None
@@ -421,18 +427,7 @@ class _Guard:
         shared = req.observer if req is not None and req.in_chain else None
         self.own = shared is None
         self.observer = shared if shared is not None else Observer()
-        self._send: Send | None = None
-
-    async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._send = send
-        try:
-            await self.breaker.app(scope, receive, self.send if self.own else send)
-        except BaseException as exc:
-            await self.failed(exc)
-            raise
-        recording = self.settle()
-        if recording is not None:
-            await recording
+        self.downstream: Send | None = None
 
     async def failed(self, exc: BaseException) -> None:
         """The attempt raised (or was cancelled): record why, once.
@@ -466,7 +461,7 @@ class _Guard:
 
     def send(self, message: Message) -> Awaitable[None]:
         """Alone: note what passes in the observer, and pass it on unchanged."""
-        send = self._send
+        send = self.downstream
         assert send is not None
         kind = message["type"]
         observer = self.observer
