@@ -300,6 +300,9 @@ def test_a_board_given_by_hand_is_the_one_read():
     watchdog = SaturationWatchdog(Forwarder())
     assert Breaker(watchdog, status_board=board).status_board is board
     assert board_within(Breaker(watchdog)) is watchdog.board  # through the Breaker's app
+    routes = Routes({"echo": [Backend("t", "http://127.0.0.1:1")]})
+    around = Failover(Breaker(watchdog, status_board=board), routes=routes)
+    assert around.status_board is board  # the nearest: the one the Breaker was given
 
 
 async def test_a_second_gateway_built_later_does_not_take_over_the_first_ones_recovery_by_status():

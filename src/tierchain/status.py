@@ -257,14 +257,16 @@ class StatusBoard:
 
 def board_within(app: object) -> StatusBoard | None:
     """The status board of the nearest layer inside ``app`` that has one (a
-    SaturationWatchdog polling statuses), following each layer's ``app``; None
-    when there is none. Read once, when a layer is built: never per request."""
+    SaturationWatchdog polling statuses, or a layer given one as
+    ``status_board``), following each layer's ``app``; None when there is none.
+    Read once, when a layer is built: never per request."""
     seen: set[int] = set()
     node: object | None = app
     while node is not None and id(node) not in seen:
         seen.add(id(node))
-        board = getattr(node, "board", None)
-        if isinstance(board, StatusBoard):
-            return board
+        for name in ("status_board", "board"):
+            board = getattr(node, name, None)
+            if isinstance(board, StatusBoard):
+                return board
         node = getattr(node, "app", None)
     return None
