@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -622,3 +623,26 @@ headers = { "X-Api-Key" = "sk-ant-written-in-the-file" }
     assert problem.startswith(f"{path}: routes.chat.backends[0].headers.X-Api-Key (backend")
     assert "in one place only" in problem
     assert "sk-ant" not in problem
+
+
+def layers_of(app: object) -> dict[str, Any]:
+    """The stack's pieces by class name, outermost first (following each one's ``app``)."""
+    found: dict[str, Any] = {}
+    while app is not None:
+        found.setdefault(type(app).__name__, app)
+        app = getattr(app, "app", None)
+    return found
+
+
+def test_each_built_stack_wires_its_own_watchdogs_status_board_into_the_breaker_and_failover(
+    routes_file,
+):
+    settings = from_env(env(routes_file))
+    first = layers_of(build_stack(None, settings, identity=False))
+    second = layers_of(build_stack(None, settings, identity=False))  # built last
+    board = first["SaturationWatchdog"].board
+    assert board is not None
+    assert board is not second["SaturationWatchdog"].board
+    assert first["Breaker"].status_board is board
+    assert first["Failover"].status_board is board
+    assert second["Breaker"].status_board is second["SaturationWatchdog"].board

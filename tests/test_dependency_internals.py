@@ -154,3 +154,50 @@ def test_uvicorn_server_still_has_the_methods_and_attributes_serve_overrides_and
         assert inspect.iscoroutinefunction(method)
         assert "sockets" in inspect.signature(method).parameters
     assert "self.servers" in inspect.getsource(uvicorn.Server.startup)
+
+
+# -- uvicorn and httptools: the parser callbacks HttpToolsWithoutTrailers wraps ---------------
+
+
+def test_httptools_reports_a_chunked_requests_trailers_through_on_header_after_the_head():
+    httptools = pytest.importorskip("httptools")
+    calls: list[tuple[str, bytes]] = []
+
+    class Recorder:
+        def on_message_begin(self) -> None:
+            calls.append(("begin", b""))
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            calls.append(("header", name))
+
+        def on_headers_complete(self) -> None:
+            calls.append(("head", b""))
+
+    parser = httptools.HttpRequestParser(Recorder())
+    parser.feed_data(
+        b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\nhi\r\n0\r\nX-Trailer: 1\r\n\r\n"
+    )
+    assert calls == [
+        ("begin", b""),
+        ("header", b"Host"),
+        ("header", b"Transfer-Encoding"),
+        ("head", b""),
+        ("header", b"X-Trailer"),  # after the head: what the subclass drops
+    ]
+
+
+def test_uvicorn_httptools_protocol_appends_each_field_to_the_scopes_header_list():
+    pytest.importorskip("httptools")
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from tierchain.httptools_protocol import HttpToolsWithoutTrailers
+
+    assert issubclass(HttpToolsWithoutTrailers, HttpToolsProtocol)
+    begin = inspect.getsource(HttpToolsProtocol.on_message_begin)
+    assert "self.headers = []" in begin
+    assert '"headers": self.headers' in begin
+    assert "self.headers.append(" in inspect.getsource(HttpToolsProtocol.on_header)
+    for name in ("on_message_begin", "on_header", "on_headers_complete"):
+        assert name in vars(HttpToolsProtocol), f"uvicorn no longer defines {name}"
+        assert name in vars(HttpToolsWithoutTrailers)

@@ -17,7 +17,7 @@ from tierchain import (
     SaturationWatchdog,
     TierRequest,
 )
-from tierchain.status import shared_board
+from tierchain.status import StatusBoard, board_within
 
 from .support import Exchange, FakeBackend, chat_request, openai_stream, serve, streams
 
@@ -70,9 +70,10 @@ class Gateway:
         self.watchdog = SaturationWatchdog(self.forwarder, **wd)
         inner: Any = self.watchdog
         self.store = MemoryStore()
+        self.breaker: Breaker | None = None
         if breaker is not None:
-            inner = Breaker(inner, store=self.store, **breaker)
-        failover = Failover(inner, routes=Routes({"echo": chain}))
+            inner = self.breaker = Breaker(inner, store=self.store, **breaker)
+        self.failover = failover = Failover(inner, routes=Routes({"echo": chain}))
 
         async def app(scope, receive, send):
             if scope["type"] == "http":
@@ -266,4 +267,63 @@ async def test_a_breaker_open_for_saturation_half_opens_as_soon_as_the_status_sa
     assert still_skipped.headers["x-tierchain-attempts"] == "tower;outcome=skipped, h;outcome=ok"
     assert recovered.content == TOWER
     assert (await gw.store.breaker_snapshot("echo", "tower")).state == "closed"
-    assert shared_board() is gw.watchdog.board
+    assert gw.breaker is not None
+    assert gw.breaker.status_board is gw.watchdog.board
+
+
+def test_each_gateway_in_one_process_reads_the_board_of_its_own_watchdog():
+    first = Gateway([Backend("tower", "http://127.0.0.1:1")], breaker={})
+    second = Gateway([Backend("tower", "http://127.0.0.1:1")], breaker={})  # built last
+    assert first.watchdog.board is not None
+    assert second.watchdog.board is not None
+    assert first.watchdog.board is not second.watchdog.board
+    assert first.breaker is not None
+    assert second.breaker is not None
+    assert first.breaker.status_board is first.watchdog.board
+    assert first.failover.status_board is first.watchdog.board
+    assert second.breaker.status_board is second.watchdog.board
+    assert second.failover.status_board is second.watchdog.board
+
+
+def test_without_a_watchdog_that_polls_a_breaker_reads_no_board_even_if_another_gateway_has_one():
+    polling = Gateway([Backend("tower", "http://127.0.0.1:1")], breaker={})
+    quiet = SaturationWatchdog(Forwarder(), status_interval=0)
+    assert polling.watchdog.board is not None
+    assert quiet.board is None
+    assert Breaker(quiet).status_board is None
+    routes = Routes({"echo": [Backend("t", "http://127.0.0.1:1")]})
+    assert Failover(quiet, routes=routes).status_board is None
+
+
+def test_a_board_given_by_hand_is_the_one_read():
+    board = StatusBoard()
+    watchdog = SaturationWatchdog(Forwarder())
+    assert Breaker(watchdog, status_board=board).status_board is board
+    assert board_within(Breaker(watchdog)) is watchdog.board  # through the Breaker's app
+    routes = Routes({"echo": [Backend("t", "http://127.0.0.1:1")]})
+    around = Failover(Breaker(watchdog, status_board=board), routes=routes)
+    assert around.status_board is board  # the nearest: the one the Breaker was given
+
+
+async def test_a_second_gateway_built_later_does_not_take_over_the_first_ones_recovery_by_status():
+    """The first gateway's breaker half-opens from its own board's poll; the second
+    gateway's board (built after it) never polls the first one's tower."""
+    tower = Tower(vllm(0, 0))
+    async with FakeBackend("tower", tower.script) as fake:
+        chain = [Backend("tower", fake.url, status_url=fake.url + "/metrics")]
+        first = Gateway(chain, breaker={"saturation_threshold": 1})
+        second = Gateway(chain, breaker={"saturation_threshold": 1})
+        assert first.breaker is not None
+        policy = first.breaker.policy
+        ticket = await first.store.breaker_acquire("echo", "tower", policy)
+        await first.store.breaker_record("echo", "tower", policy, "saturation", gen=ticket.gen)
+        assert (await first.store.breaker_snapshot("echo", "tower")).state == "open"
+        async with serve(first.app) as url, httpx.AsyncClient(timeout=5) as client:
+            await post(client, url)  # open: skipped, and its board starts polling the tower
+            await tower.polled_with(vllm(0, 0))
+            recovered = await post(client, url)
+        assert second.watchdog.board is not None
+        assert second.watchdog.board.polling() == []
+        await first.aclose()
+        await second.aclose()
+    assert recovered.content == TOWER

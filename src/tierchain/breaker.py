@@ -68,7 +68,7 @@ from .errors import (
 from .observer import Observer
 from .probes import auto_reader
 from .request import UNROUTED_KEY, TierRequest
-from .status import idle, shared_board
+from .status import StatusBoard, board_within, idle
 from .store import (
     BreakerChange,
     BreakerPolicy,
@@ -112,7 +112,10 @@ class Breaker:
     ``when_all_open`` is ``"reject"`` (every backend open: 503 with
     ``Retry-After``) or ``"try_soonest"`` (one forced attempt on the backend
     whose cooldown ends soonest). ``backend`` names the single backend when the
-    Breaker works alone, without Failover.
+    Breaker works alone, without Failover. ``status_board`` is the
+    :class:`~tierchain.status.StatusBoard` whose idle status half-opens a
+    breaker opened for saturation (None: the board of the SaturationWatchdog
+    inside ``app``, if any).
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class Breaker:
         probe_lease: float | timedelta = 300.0,
         when_all_open: Literal["reject", "try_soonest"] = "reject",
         backend: str | Backend = "default",
+        status_board: StatusBoard | None = None,
     ) -> None:
         failure_threshold = count("failure_threshold", failure_threshold)
         saturation_threshold = count("saturation_threshold", saturation_threshold)
@@ -156,6 +160,12 @@ class Breaker:
         )
         self.when_all_open = when_all_open
         self.backend = backend.name if isinstance(backend, Backend) else str(backend)
+        if status_board is not None and not isinstance(status_board, StatusBoard):
+            raise ValueError(
+                f"status_board must be a tierchain.status.StatusBoard, got {status_board!r}"
+            )
+        # The board of the watchdog this breaker wraps (found once, here), or the one given.
+        self.status_board = status_board if status_board is not None else board_within(app)
         self._gauges: dict[tuple[str, str], tuple[Any, int]] = {}
         self._store_warned = -math.inf
 
@@ -174,7 +184,11 @@ class Breaker:
             ticket = self._acquire_now(self._in_memory, route, name, attempt.force)
         else:
             ticket = await self._acquire(route, name, attempt.force)
-        if not ticket.admitted and ticket.state == "open" and _reports_idle(attempt.backend):
+        if (
+            not ticket.admitted
+            and ticket.state == "open"
+            and _reports_idle(self.status_board, attempt.backend)
+        ):
             ticket = await self._acquire(route, name, attempt.force, wake=True)
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
@@ -203,13 +217,15 @@ class Breaker:
             await self._answer_open(send, req, name, ticket)
             return
         guard = _Guard(self, route, name, ticket, req)
+        guard.downstream = send  # the send the own observer feeds
         if guard.own:  # judged by the request's own wire format (a path check)
             guard.observer.wire = recognise(scope.get("path", ""))
         try:
-            await guard.run(scope, receive, send)
-        except AttemptError as exc:
-            if guard.observer.status is not None:
-                raise  # the response has started: the server ends it
+            await self.app(scope, receive, guard.send if guard.own else send)
+        except BaseException as exc:
+            await guard.failed(exc)
+            if not isinstance(exc, AttemptError) or guard.observer.status is not None:
+                raise  # not the backend's, or the response has started: the server ends it
             saturated = isinstance(exc, BackendSaturated | BackendSkipped)
             await send_json_error(
                 send,
@@ -218,6 +234,10 @@ class Breaker:
                 "backend_saturated" if saturated else "upstream_error",
                 exc.reason,
             )
+            return
+        recording = guard.settle()
+        if recording is not None:
+            await recording
 
     async def _answer_open(
         self, send: Send, req: TierRequest | None, name: str, ticket: Ticket
@@ -334,13 +354,10 @@ def _nothing_to_record(ticket: Ticket, outcome: Outcome) -> bool:
     return outcome == "success" and ticket.clean
 
 
-def _reports_idle(backend: Backend) -> bool:
+def _reports_idle(board: StatusBoard | None, backend: Backend) -> bool:
     """True when the backend's polled status (if any) says it is doing nothing."""
     url = backend.status_url
-    if url is None:
-        return False
-    board = shared_board()
-    if board is None:
+    if url is None or board is None:
         return False
     return idle(board.peek(url, auto_reader))
 
@@ -397,7 +414,7 @@ class _Guard:
     it feeds an observer of its own from a ``send`` wrapper.
     """
 
-    __slots__ = ("_send", "breaker", "name", "observer", "own", "req", "route", "ticket")
+    __slots__ = ("breaker", "downstream", "name", "observer", "own", "req", "route", "ticket")
 
     def __init__(
         self, breaker: Breaker, route: str, name: str, ticket: Ticket, req: TierRequest | None
@@ -410,18 +427,7 @@ class _Guard:
         shared = req.observer if req is not None and req.in_chain else None
         self.own = shared is None
         self.observer = shared if shared is not None else Observer()
-        self._send: Send | None = None
-
-    async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._send = send
-        try:
-            await self.breaker.app(scope, receive, self.send if self.own else send)
-        except BaseException as exc:
-            await self.failed(exc)
-            raise
-        recording = self.settle()
-        if recording is not None:
-            await recording
+        self.downstream: Send | None = None
 
     async def failed(self, exc: BaseException) -> None:
         """The attempt raised (or was cancelled): record why, once.
@@ -455,7 +461,7 @@ class _Guard:
 
     def send(self, message: Message) -> Awaitable[None]:
         """Alone: note what passes in the observer, and pass it on unchanged."""
-        send = self._send
+        send = self.downstream
         assert send is not None
         kind = message["type"]
         observer = self.observer

@@ -358,8 +358,8 @@ class Layer:
     """A configurable piece: its class, its options, and the arguments it gets otherwise.
 
     ``wired`` arguments are filled in by :func:`build_stack` (routes, the shared
-    store); ``code_only`` ones are objects a deployment passes in code (clocks,
-    clients, callables).
+    store, the watchdog's status board); ``code_only`` ones are objects a
+    deployment passes in code (clocks, clients, callables).
     """
 
     name: str
@@ -485,7 +485,7 @@ LAYERS: tuple[Layer, ...] = (
            help="The header naming a request's priority band in the waiting room."),
         _o("priority_bands", "FAILOVER_PRIORITY_BANDS", name_list,
            "names separated by commas, highest first, such as high,normal,low"),
-    ), wired=frozenset({"routes", "store"}), code_only=frozenset({"resolve"})),
+    ), wired=frozenset({"routes", "store", "status_board"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
         _o("failure_cooldown", "BREAKER_FAILURE_COOLDOWN", seconds(), _SECS_NONNEG),
@@ -499,7 +499,7 @@ LAYERS: tuple[Layer, ...] = (
            "reject or try_soonest"),
         _o("backend", "BREAKER_BACKEND", backend_name,
            "a backend name (A-Z a-z 0-9 . _ -, 1-64 characters), used when no Failover runs"),
-    ), wired=frozenset({"store"})),
+    ), wired=frozenset({"store", "status_board"})),
     Layer("SaturationWatchdog", "tierchain.watchdog", "middleware", (
         _o("slow_after", "SLOW_AFTER", slow_after,
            f"{_SECS} (0: off), or the word allowance, or the word auto"),
@@ -695,8 +695,6 @@ class Settings:
 
     def make_store(self) -> Any:
         """A new store for ``store_url``: a MemoryStore, or a RedisStore."""
-        from .stack import make_store
-
         return make_store(self)
 
     def effective(self) -> dict[str, Any]:
@@ -1344,8 +1342,30 @@ def _backend_headers(
     return headers
 
 
+def make_store(settings: Settings) -> Any:
+    """A new store for ``settings.store_url``: a MemoryStore, or a RedisStore.
+
+    :class:`ConfigError` names the variables when RedisStore rejects them (or
+    the ``redis`` package is not installed).
+    """
+    if settings.store_url == "memory://":
+        return layer_class("MemoryStore")()
+    layer = settings.layers["RedisStore"]
+    try:
+        return layer_class("RedisStore")(url=settings.store_url, **layer.options)
+    except (ImportError, TypeError, ValueError) as exc:
+        given = ", ".join(f"{env}={plain(layer.options[o])!r}" for o, env in layer.sources.items())
+        raise ConfigError(
+            [
+                f"RedisStore rejected TIERCHAIN_STORE_URL={mask_url(settings.store_url)!r}"
+                f"{', ' + given if given else ''}: {mask_text(str(exc), settings.store_url)}"
+            ]
+        ) from None
+
+
 def __getattr__(name: str) -> Any:
-    # build_stack lives in tierchain.stack (which imports this module); keep the old path.
+    # build_stack lives in tierchain.stack (which imports this module); the old path stays,
+    # resolved only when asked for: the one import from here up to the stack (docs/internals.md).
     if name == "build_stack":
         from .stack import build_stack
 

@@ -42,6 +42,13 @@ __all__ = ["main", "run_demo"]
 # -- a fake OpenAI-compatible upstream -------------------------------------------
 
 
+async def _answer(send: Send, status: int, content_type: bytes, body: bytes) -> None:
+    """A whole response in two writes."""
+    headers = [(b"content-type", content_type)]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 @dataclass
 class FakeUpstream:
     """A fake LLM server. ``mode``: ``ok``, ``quiet`` (accepts, never answers), ``error``.
@@ -70,27 +77,13 @@ class FakeUpstream:
                 f'vllm:num_requests_running{{model_name="{self.name}"}} {self.running}\n'
                 f'vllm:num_requests_waiting{{model_name="{self.name}"}} {self.waiting}\n'
             ).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/plain; version=0.0.4")],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
+            await _answer(send, 200, b"text/plain; version=0.0.4", body)
             return
         self.requests += 1
         self.arrived.set()
         if self.mode == "error":
             body = b'{"error":{"message":"internal error","type":"server_error"}}'
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 500,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
+            await _answer(send, 500, b"application/json", body)
             return
         if self.mode == "quiet":
             # Accept the work and go quiet, like a GPU taken by another workload.

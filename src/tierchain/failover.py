@@ -93,6 +93,7 @@ from .request import (
     TierRequest,
     format_trail,
 )
+from .status import StatusBoard, board_within
 from .telemetry import (
     ATTEMPTS,
     ATTR_ATTEMPT_N,
@@ -245,6 +246,10 @@ class Failover:
     the gateway (see :mod:`tierchain.waiting`), at most ``max_wait`` seconds,
     first come first served within the band its ``priority_header`` names (one
     of ``priority_bands``, highest first; None: one band for all).
+
+    ``status_board``: the :class:`~tierchain.status.StatusBoard` whose polled
+    statuses order a pool's replicas and tell the waiting room a backend is
+    full (None: the board of the SaturationWatchdog inside ``app``, if any).
     """
 
     def __init__(
@@ -269,6 +274,7 @@ class Failover:
         max_wait: float | timedelta = 30.0,
         priority_header: str | None = None,
         priority_bands: Sequence[str] = ("high", "normal", "low"),
+        status_board: StatusBoard | None = None,
     ) -> None:
         self.app = app
         self._head = HeadLimits(max_headers, max_header_bytes)
@@ -286,7 +292,15 @@ class Failover:
         self.admission = Admission(store, lease=lease)
         if pick is not None and not isinstance(pick, PickWeights):
             raise ValueError(f"pick must be a tierchain.picker.PickWeights, got {pick!r}")
-        self.picker = Picker(pick or PickWeights(), admission=self.admission, store=store)
+        if status_board is not None and not isinstance(status_board, StatusBoard):
+            raise ValueError(
+                f"status_board must be a tierchain.status.StatusBoard, got {status_board!r}"
+            )
+        # The board of the watchdog this Failover wraps (found once, here), or the one given.
+        self.status_board = status_board if status_board is not None else board_within(app)
+        self.picker = Picker(
+            pick or PickWeights(), admission=self.admission, store=store, board=self.status_board
+        )
         self.retries = count("retries", retries, minimum=0)
         self.max_wait = duration("max_wait", max_wait)
         # Routes whose chain holds a pool or a backend that shares hardware: only

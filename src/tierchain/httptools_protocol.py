@@ -21,6 +21,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 __all__ = ["HttpToolsWithoutTrailers"]
 
 
+# uvicorn's protocol class and its parser callbacks are not a documented API: a deliberate
+# divergence, see docs/internals.md; tests/test_dependency_internals.py fails if they move.
 class HttpToolsWithoutTrailers(HttpToolsProtocol):
     """:class:`HttpToolsProtocol` that keeps the head's fields only, never the trailers."""
 

@@ -34,13 +34,23 @@ import re
 import socket
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backend import Routes
-from .config import Settings
 from .masking import MASK, mask_url
 from .telemetry import VERSION, log_event
+
+
+class Settings(Protocol):
+    """What the identity line reads of a :class:`tierchain.config.Settings` (named here,
+    not imported: the configuration builds the stack that holds this layer)."""
+
+    @property
+    def routes(self) -> Routes | None: ...
+
+    def effective(self) -> dict[str, Any]: ...
+
 
 __all__ = ["EVENT", "PROCESS_ONCE", "Once", "StartupIdentity", "identity_fields", "write_identity"]
 

@@ -9,7 +9,7 @@ the gateway already knows; nothing is asked of the backends on the way:
   replica with ``max_in_flight``, its leases in the store (every gateway
   replica's attempts);
 - the replica's polled status, when a SaturationWatchdog polls its
-  ``status_url`` (:func:`tierchain.status.shared_board`): requests waiting,
+  ``status_url`` (the SaturationWatchdog's status board): requests waiting,
   KV-cache use, busy slots;
 - its time to first data, learned from this process's answers (the median of
   recent ones, once three were seen);
@@ -61,7 +61,7 @@ from typing import Any, NamedTuple
 from .backend import Backend
 from .learned import Learned
 from .probes import auto_reader
-from .status import full, shared_board
+from .status import StatusBoard, full
 from .store import AffinityStore, MemoryStore, Store
 from .telemetry import POOL_AFFINITY, POOL_PICKS, labelled
 
@@ -172,12 +172,14 @@ class Picker:
     """Orders a pool's replicas for one request; learns from each attempt's end.
 
     ``store`` is the store whose breakers and leases it reads (None: only what
-    this process saw); ``admission`` the Failover's in-flight leases.
+    this process saw); ``admission`` the Failover's in-flight leases; ``board``
+    the status board whose polled statuses it reads (None: none).
     """
 
     __slots__ = (
         "_admission",
         "_affinity",
+        "_board",
         "_breakers",
         "_in_flight",
         "_learned",
@@ -186,8 +188,16 @@ class Picker:
         "weights",
     )
 
-    def __init__(self, weights: PickWeights, *, admission: Any, store: Any = None) -> None:
+    def __init__(
+        self,
+        weights: PickWeights,
+        *,
+        admission: Any,
+        store: Any = None,
+        board: StatusBoard | None = None,
+    ) -> None:
         self.weights = weights
+        self._board = board
         self._admission = admission
         self._breakers: Store | None = store if isinstance(store, Store) else None
         if not isinstance(store, AffinityStore):  # the admission's own (a MemoryStore)
@@ -283,7 +293,7 @@ class Picker:
                 cls = _FULL
         score = w.in_flight * in_flight
         url = backend.status_url
-        board = shared_board() if url is not None else None
+        board = self._board if url is not None else None
         if board is not None and url is not None:
             status = board.peek(url, auto_reader)
             if status is not None:
@@ -314,7 +324,7 @@ class Picker:
         """True when every backend of ``chain`` is known to be full now: its
         ``max_in_flight`` leases are all taken, or its polled status says so. One
         that cannot say (no limit, no status, a status not read yet) has room."""
-        board = shared_board()
+        board = self._board
         for backend in chain:
             limit = backend.max_in_flight
             if limit is not None:

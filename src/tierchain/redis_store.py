@@ -220,32 +220,38 @@ return {st, retry, num(v[2]), num(v[3])}
 )
 
 
+# What the lease scripts share: a lease set outlives the lease just taken or renewed twice over.
+_LEASES = (
+    _NOW
+    + """
+local function outlive(key, ttl)
+  if redis.call('PTTL', key) < ttl * 2 then redis.call('PEXPIRE', key, math.ceil(ttl * 2)) end
+end
+"""
+)
+
 # KEYS[1] leases (a sorted set: token -> expiry ms); ARGV: now_ms|'' token limit ttl_ms force
 # -> {taken, live}
 _LEASE_ACQUIRE = (
-    _NOW
+    _LEASES
     + """
-local key = KEYS[1]
-local now = now_ms(ARGV[1])
-local ttl = tonumber(ARGV[4])
+local key, now, ttl = KEYS[1], now_ms(ARGV[1]), tonumber(ARGV[4])
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
 local n = redis.call('ZCARD', key)
 if n >= tonumber(ARGV[3]) and ARGV[5] ~= '1' then return {0, n} end
 redis.call('ZADD', key, now + ttl, ARGV[2])
-if redis.call('PTTL', key) < ttl * 2 then redis.call('PEXPIRE', key, math.ceil(ttl * 2)) end
+outlive(key, ttl)
 return {1, redis.call('ZCARD', key)}
 """
 )
 
 # KEYS[1] leases; ARGV: now_ms|'' ttl_ms token...
 _LEASE_RENEW = (
-    _NOW
+    _LEASES
     + """
-local key = KEYS[1]
-local now = now_ms(ARGV[1])
-local ttl = tonumber(ARGV[2])
+local key, now, ttl = KEYS[1], now_ms(ARGV[1]), tonumber(ARGV[2])
 for i = 3, #ARGV do redis.call('ZADD', key, 'XX', now + ttl, ARGV[i]) end
-if redis.call('PTTL', key) < ttl * 2 then redis.call('PEXPIRE', key, math.ceil(ttl * 2)) end
+outlive(key, ttl)
 return 1
 """
 )

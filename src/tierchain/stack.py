@@ -21,10 +21,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ._types import ASGIApp, Message, Receive, Scope, Send
-from .config import ConfigError, Settings, display_value, find_layer, layer_class, plain
+from .config import (
+    ConfigError,
+    Settings,
+    display_value,
+    find_layer,
+    layer_class,
+    make_store,
+)
 from .endpoints import Endpoints
 from .identity import StartupIdentity
-from .masking import mask_text, mask_url
 
 __all__ = ["CloseOnShutdown", "Mount", "build_stack", "make_store"]
 
@@ -71,27 +77,6 @@ class CloseOnShutdown:
         await self.app(scope, receive, closing_send)
 
 
-def make_store(settings: Settings) -> Any:
-    """A new store for ``settings.store_url``: a MemoryStore, or a RedisStore.
-
-    :class:`ConfigError` names the variables when RedisStore rejects them (or
-    the ``redis`` package is not installed).
-    """
-    if settings.store_url == "memory://":
-        return layer_class("MemoryStore")()
-    layer = settings.layers["RedisStore"]
-    try:
-        return layer_class("RedisStore")(url=settings.store_url, **layer.options)
-    except (ImportError, TypeError, ValueError) as exc:
-        given = ", ".join(f"{env}={plain(layer.options[o])!r}" for o, env in layer.sources.items())
-        raise ConfigError(
-            [
-                f"RedisStore rejected TIERCHAIN_STORE_URL={mask_url(settings.store_url)!r}"
-                f"{', ' + given if given else ''}: {mask_text(str(exc), settings.store_url)}"
-            ]
-        ) from None
-
-
 def build_stack(
     app: ASGIApp | None,
     settings: Settings,
@@ -106,7 +91,8 @@ def build_stack(
     forwarded), then :class:`~tierchain.keys.CallerKeys` (when keys are set),
     then Shed (when ``TIERCHAIN_SHED_MAX_CONCURRENT`` is set),
     Heartbeats, Budget, PreferBackend, Failover, Breaker, SaturationWatchdog:
-    each that is enabled, with its configured options. One
+    each that is enabled, with its configured options. The watchdog's status
+    board is given to the Breaker and the Failover around it (``status_board``). One
     store (``store``, or one made from ``TIERCHAIN_STORE_URL``) is shared by
     every piece that takes one; a store made here is closed on lifespan
     shut-down. A constructor that rejects its options raises
@@ -133,10 +119,13 @@ def build_stack(
             return None
 
     inner = app if app is not None else construct("Forwarder")
+    board: Any = None  # the watchdog's status board, given to the layers that wrap it
     for name in reversed(settings.stack):
-        built = construct(name, inner)
+        wired = {"status_board": board} if "status_board" in find_layer(name).wired else {}
+        built = construct(name, inner, **wired)
         if built is not None:
             inner = built
+            board = getattr(built, "board", None) if name == "SaturationWatchdog" else board
     if settings.layers["Shed"].options.get("max_concurrent") is not None:
         shed = construct("Shed", inner)  # outermost of the middlewares
         if shed is not None:

@@ -18,9 +18,12 @@ is stale, slow or failing never blocks a backend: unknown means try it.
 Inference Extension: 5 waiting requests, 80% KV cache), plus "every slot busy"
 for llama.cpp's ``/slots``.
 
-One board serves the process: the SaturationWatchdog creates it (with its
-options) and the Breaker reads it to half-open a breaker opened for
-saturation as soon as the backend reports idle (:func:`shared_board`).
+One board serves one gateway: the SaturationWatchdog creates it (with its
+options), and the layers that wrap that watchdog read the same board
+(:func:`board_within`, at construction): the Breaker to half-open a breaker
+opened for saturation as soon as the backend reports idle, the Failover's
+picker to score a pool's replicas. Two gateways in one process each have
+their own; ``status_board=`` on those layers wires one by hand.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import httpx
 from ._checks import duration
 from .probes import Reader, Status, fetch_status, total_slots
 
-__all__ = ["Fullness", "StatusBoard", "full", "idle", "shared_board"]
+__all__ = ["Fullness", "StatusBoard", "board_within", "full", "idle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,12 +255,18 @@ class StatusBoard:
         self._pollers = {u: p for u, p in self._pollers.items() if p.loop is not loop}
 
 
-_SHARED: StatusBoard | None = None
-
-
-def shared_board(board: StatusBoard | None = None) -> StatusBoard | None:
-    """The process's status board (None until a SaturationWatchdog polls); sets it if given."""
-    global _SHARED
-    if board is not None:
-        _SHARED = board
-    return _SHARED
+def board_within(app: object) -> StatusBoard | None:
+    """The status board of the nearest layer inside ``app`` that has one (a
+    SaturationWatchdog polling statuses, or a layer given one as
+    ``status_board``), following each layer's ``app``; None when there is none.
+    Read once, when a layer is built: never per request."""
+    seen: set[int] = set()
+    node: object | None = app
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        for name in ("status_board", "board"):
+            board = getattr(node, name, None)
+            if isinstance(board, StatusBoard):
+                return board
+        node = getattr(node, "app", None)
+    return None

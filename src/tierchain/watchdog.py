@@ -86,7 +86,7 @@ from .learned import Learned, LearnedGap
 from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, Status, auto_reader, fetch_status, judge
 from .request import UNROUTED_KEY, Attempt, TierRequest
-from .status import Fullness, StatusBoard, full, shared_board
+from .status import Fullness, StatusBoard, full
 from .telemetry import (
     ATTR_BACKEND,
     ATTR_ROUTE,
@@ -215,7 +215,6 @@ class SaturationWatchdog:
                 timeout=min(self.probe_timeout, max(stale, interval)),
                 limits=Fullness(busy_waiting, float(busy_kv_cache), bool(busy_all_slots)),
             )
-            shared_board(self.board)  # the Breaker reads it to recover by status
 
     @property
     def client(self) -> httpx.AsyncClient:
