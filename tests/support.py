@@ -32,6 +32,34 @@ from tierchain import (
     current_attempt,
 )
 from tierchain.errors import BackendUnavailable
+from tierchain.request import Attempt, TierRequest
+
+
+class Recorder:
+    """An app in front of ``inner`` that keeps, for each HTTP request, its
+    TierRequest, the attempts its chain made and every state event it emitted."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.requests: list[TierRequest] = []
+        self.attempts: list[list[Attempt]] = []
+        self.events: list[dict[str, Any]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            req = TierRequest.of(scope)
+            self.requests.append(req)
+            mine: list[Attempt] = []
+            self.attempts.append(mine)
+
+            def note(event: dict[str, Any]) -> None:
+                self.events.append(event)
+                if event["state"] == "attempt" and req.attempt is not None:
+                    mine.append(req.attempt)
+
+            req.subscribe(note)
+        await self.inner(scope, receive, send)
+
 
 # -- a real uvicorn server -----------------------------------------------------
 

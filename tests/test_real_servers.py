@@ -47,12 +47,18 @@ from tierchain import (
     PreferBackend,
     Routes,
     SaturationWatchdog,
-    TierRequest,
 )
 from tierchain.learned import Learned
-from tierchain.request import Attempt
 
-from .support import FakeBackend, completion_body, openai_stream, parse_sse, serve, streams
+from .support import (
+    FakeBackend,
+    Recorder,
+    completion_body,
+    openai_stream,
+    parse_sse,
+    serve,
+    streams,
+)
 
 PYTHON = os.environ.get("TIERCHAIN_LLAMA_CPP_PYTHON")
 LLAMA_SERVER = os.environ.get("TIERCHAIN_LLAMA_SERVER")
@@ -461,26 +467,12 @@ class ReadmeGateway:
         app = PreferBackend(app, store=store)
         app = Budget(app, default=BUDGET)
         inner = Heartbeats(app, interval=10.0)
-        self.requests: list[TierRequest] = []
-        self.attempts: list[list[Attempt]] = []
-        self.events: list[dict[str, Any]] = []
-
-        async def recorded(scope: Any, receive: Any, send: Any) -> None:
-            if scope["type"] == "http":
-                req = TierRequest.of(scope)
-                self.requests.append(req)
-                mine: list[Attempt] = []
-                self.attempts.append(mine)
-
-                def note(event: dict[str, Any]) -> None:
-                    self.events.append(event)
-                    if event["state"] == "attempt" and req.attempt is not None:
-                        mine.append(req.attempt)
-
-                req.subscribe(note)
-            await inner(scope, receive, send)
-
-        self.app = recorded
+        self.app = recorder = Recorder(inner)
+        self.requests, self.attempts, self.events = (
+            recorder.requests,
+            recorder.attempts,
+            recorder.events,
+        )
 
     async def aclose(self) -> None:
         await self.forwarder.aclose()

@@ -28,13 +28,12 @@ from tierchain import (
     MemoryStore,
     Routes,
     SaturationWatchdog,
-    TierRequest,
 )
-from tierchain.request import Attempt
 
 from .support import (
     Exchange,
     FakeBackend,
+    Recorder,
     chat_request,
     completion_body,
     openai_stream,
@@ -69,26 +68,12 @@ class Gateway:
         self.store = MemoryStore()
         breaker = Breaker(self.watchdog, store=self.store, failure_threshold=2)
         inner = Budget(Failover(breaker, routes=Routes({"echo": chain})), default=budget)
-        self.events: list[dict[str, Any]] = []
-        self.requests: list[TierRequest] = []
-        self.attempts: list[list[Attempt]] = []
-
-        async def app(scope: Any, receive: Any, send: Any) -> None:
-            if scope["type"] == "http":
-                req = TierRequest.of(scope)
-                self.requests.append(req)
-                mine: list[Attempt] = []
-                self.attempts.append(mine)
-
-                def note(event: dict[str, Any]) -> None:
-                    self.events.append(event)
-                    if event["state"] == "attempt" and req.attempt is not None:
-                        mine.append(req.attempt)
-
-                req.subscribe(note)
-            await inner(scope, receive, send)
-
-        self.app = app
+        self.app = recorder = Recorder(inner)
+        self.requests, self.attempts, self.events = (
+            recorder.requests,
+            recorder.attempts,
+            recorder.events,
+        )
 
     async def aclose(self) -> None:
         await self.forwarder.aclose()
