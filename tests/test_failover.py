@@ -312,3 +312,38 @@ async def test_a_router_that_rewrites_the_scope_still_routes_the_next_attempt():
         ("tower", "/v1/chat/completions", "/v1"),
         ("hosted", "/v1/chat/completions", "/v1"),
     ]
+
+
+async def test_a_guard_callback_that_fails_leaves_the_next_guards_callback_to_run() -> None:
+    """The disconnect guards' queue calls each still-guarded request's ``then`` once it
+    has run WATCH_AFTER; one that raises is reported and the others still run."""
+    from tierchain._disconnect import DisconnectGuard
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    ran = asyncio.Event()
+
+    def broken() -> None:
+        raise RuntimeError("broken")
+
+    first, second = DisconnectGuard(receive), DisconnectGuard(receive)
+    try:
+        first.enter()
+        second.enter()
+        assert first.young
+        assert second.young
+        first.then, second.then = broken, ran.set
+        async with asyncio.timeout(5):
+            await ran.wait()
+        assert not first.young
+        assert first.then is None
+        assert [str(c["exception"]) for c in reported] == ["broken"]
+    finally:
+        first.close()
+        second.close()
+        loop.set_exception_handler(None)

@@ -68,7 +68,15 @@ class _Starter:
                 guard.start_watching()
                 then, guard.then = guard.then, None
                 if then is not None:
-                    then()
+                    try:
+                        then()
+                    except Exception as exc:  # one broken callback must not stop the others
+                        self.loop.call_exception_handler(
+                            {
+                                "message": "tierchain disconnect-guard callback failed",
+                                "exception": exc,
+                            }
+                        )
         nxt = self.fifo.next_due(pending)  # (guards closed meanwhile: no need to wake)
         if nxt < math.inf:
             self.loop.call_later(max(0.0, nxt - _now()), self._tick)
