@@ -154,8 +154,13 @@ class BreakerMachine(RuleBasedStateMachine):
         if self.redis_url is None:
             self.store: MemoryStore | RedisStore = MemoryStore(clock=self.clock)
         else:
+            # The rules are under test here, not outages: a reply slowed by a
+            # busy machine must not send the store to its local fallback.
             self.store = RedisStore(
-                self.redis_url, clock=self.clock, prefix=f"model{next(self.prefixes)}:"
+                self.redis_url,
+                clock=self.clock,
+                prefix=f"model{next(self.prefixes)}:",
+                timeout=30.0,
             )
         self.models = {key: Reference() for key in KEYS}
         self.outstanding: list[tuple[tuple[str, str], Ticket, Verdict, float]] = []

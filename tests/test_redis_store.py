@@ -230,3 +230,76 @@ async def test_a_cancelled_acquire_gives_back_the_probe_slot_it_took(redis_serve
         ticket = await store.breaker_acquire("echo", "tower", POLICY)
     assert ticket.admitted
     assert ticket.probe
+
+
+class _LateReply:
+    """A loopback TCP relay to redis-server that can hold back the next reply.
+
+    Commands go through at once (Redis runs them); ``hold_next(seconds)`` makes
+    the next reply arrive that much later, as on a machine too busy to read it.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._hold = 0.0
+        self._writers: list[asyncio.StreamWriter] = []
+        self._pumps: set[asyncio.Task[None]] = set()
+
+    def hold_next(self, seconds: float) -> None:
+        self._hold = seconds
+
+    async def __aenter__(self) -> _LateReply:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.url = f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        for writer in self._writers:
+            writer.close()
+        for pump in list(self._pumps):
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        await self.server.wait_closed()
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, late: bool) -> None:
+        try:
+            while data := await src.read(65536):
+                if late and self._hold:
+                    hold, self._hold = self._hold, 0.0
+                    await asyncio.sleep(hold)
+                dst.write(data)
+        finally:
+            dst.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self._writers += [writer, up_writer]
+        pumps = [
+            asyncio.ensure_future(self._pump(reader, up_writer, late=False)),
+            asyncio.ensure_future(self._pump(up_reader, writer, late=True)),
+        ]
+        self._pumps.update(pumps)
+        await asyncio.gather(*pumps, return_exceptions=True)
+        self._pumps.difference_update(pumps)
+
+
+async def test_a_late_reply_is_not_sent_again_so_one_outcome_counts_once(redis_server, caplog):
+    # Seen on a loaded CI machine: a record whose reply came after the timeout
+    # was retried, Redis ran the script twice, and one failure counted as two.
+    caplog.set_level(logging.INFO, logger="tierchain")
+    async with (
+        _LateReply(redis_server.port) as relay,
+        RedisStore(relay.url, timeout=0.05, reconnect_every=0.01) as store,
+        RedisStore(redis_server.url) as reader,
+    ):
+        ticket = await store.breaker_acquire("echo", "tower", POLICY)
+        await store.breaker_record("echo", "tower", POLICY, "neutral", gen=ticket.gen)  # loads it
+        relay.hold_next(0.5)
+        change = await store.breaker_record("echo", "tower", POLICY, "failure", gen=ticket.gen)
+        assert change.failures == 1  # counted on the local fallback meanwhile
+        assert store.degraded
+        shared = await reader.breaker_snapshot("echo", "tower")
+    assert shared.failures == 1  # Redis ran it once; it was not sent a second time
+    events = [getattr(r, "event", "") for r in caplog.records]
+    assert events.count("store.redis_unavailable") == 1

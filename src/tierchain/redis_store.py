@@ -309,6 +309,7 @@ class RedisStore:
             import redis.asyncio as aioredis
             from redis.asyncio.retry import Retry
             from redis.backoff import NoBackoff
+            from redis.exceptions import ConnectionError as RedisConnectionError
         except ImportError:
             raise ImportError(
                 "RedisStore needs the redis package: install tierchain[redis]."
@@ -321,12 +322,14 @@ class RedisStore:
         self._clock = clock
         # One immediate retry lets a pooled connection that died with a Redis
         # restart be replaced transparently; no backoff, so a dead Redis costs
-        # two refused connects, not seconds.
+        # two refused connects, not seconds. Only a broken connection is
+        # retried: a reply that is late may belong to a script Redis already
+        # ran, and sending it again would count one outcome twice.
         self._redis: Any = aioredis.Redis.from_url(
             url,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 1),
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             decode_responses=True,
         )
         self._acquire = self._redis.register_script(_ACQUIRE)
