@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import socket
 import struct
@@ -33,6 +34,7 @@ from tierchain import (
 )
 from tierchain.errors import BackendUnavailable
 from tierchain.request import Attempt, TierRequest
+from tierchain.testing import VirtualClock, virtual_time
 
 
 class Recorder:
@@ -59,6 +61,40 @@ class Recorder:
 
             req.subscribe(note)
         await self.inner(scope, receive, send)
+
+
+# -- virtual time -----------------------------------------------------------------
+
+
+def on_virtual_time(test: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+    """Run an async test on a virtual clock (:func:`tierchain.testing.virtual_time`).
+
+    The test's event loop and every tierchain layer read the same clock, which moves
+    only while every coroutine waits: windows, gaps and budgets are exact however busy
+    the machine is. Real sockets on loopback work as usual. Measure durations with
+    ``asyncio.get_running_loop().time()``. For tests whose fixtures are not async.
+    """
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with virtual_time() as clock, asyncio.Runner(loop_factory=clock.new_event_loop) as runner:
+            return runner.run(test(*args, **kwargs))
+
+    return run
+
+
+def now() -> float:
+    """The running loop's clock (virtual in an :func:`on_virtual_time` test)."""
+    return asyncio.get_running_loop().time()
+
+
+def busy_for(seconds: float) -> None:
+    """In an :func:`on_virtual_time` test: the loop is blocked this long (no timer can fire)."""
+    from tierchain._runtime import clock
+
+    virtual = clock.now
+    assert isinstance(virtual, VirtualClock), "busy_for is for on_virtual_time tests"
+    virtual.advance(seconds)
 
 
 # -- a real uvicorn server -----------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import httpx
@@ -22,7 +21,18 @@ from tierchain import (
     current_attempt,
 )
 
-from .support import Exchange, FakeBackend, chat_request, openai_stream, parse_sse, serve, streams
+from .support import (
+    Exchange,
+    FakeBackend,
+    busy_for,
+    chat_request,
+    now,
+    on_virtual_time,
+    openai_stream,
+    parse_sse,
+    serve,
+    streams,
+)
 
 HOSTED = openai_stream(["from ", "hosted"])
 
@@ -56,11 +66,12 @@ class Gateway:
 
 async def post(url: str, body: bytes, **kw: Any) -> tuple[httpx.Response, float]:
     async with httpx.AsyncClient(timeout=5) as client:
-        t0 = time.monotonic()
+        t0 = now()
         response = await client.post(url + "/v1/chat/completions", content=body, **kw)
-        return response, time.monotonic() - t0
+        return response, now() - t0
 
 
+@on_virtual_time
 async def test_a_spent_budget_answers_504_and_starts_no_new_attempt(metric):
     saturated = metric("tierchain_backend_saturated_total", route="echo", backend="tower")
     exhausted = metric("tierchain_budget_exhausted_total", route="echo")
@@ -78,7 +89,7 @@ async def test_a_spent_budget_answers_504_and_starts_no_new_attempt(metric):
     assert error["type"] == "budget_exhausted"
     assert error["attempts"] == [{"backend": "tower", "outcome": "budget_exhausted"}]
     assert response.headers["x-tierchain-attempts"] == "tower;outcome=budget_exhausted"
-    assert 0.15 <= took < 1.5
+    assert took == pytest.approx(0.15, abs=1e-6)
     assert hosted.requests == []  # no failover into a spent budget
     assert tower.open_connections == 0
     assert not [e for e in gw.events if e["state"] == "backend_saturated"]
@@ -86,6 +97,7 @@ async def test_a_spent_budget_answers_504_and_starts_no_new_attempt(metric):
     assert metric("tierchain_budget_exhausted_total", route="echo") == exhausted + 1
 
 
+@on_virtual_time
 async def test_a_slow_backend_with_budget_left_fails_over():
     async with (
         FakeBackend("tower", quiet) as tower,
@@ -103,6 +115,7 @@ async def test_a_slow_backend_with_budget_left_fails_over():
     assert took < 1.5
 
 
+@on_virtual_time
 async def test_a_window_that_would_outlast_the_budget_is_left_to_the_budget():
     # slow_after equals the budget and no reserve is kept: the deadline wins, and it is
     # not a saturation.
@@ -120,6 +133,7 @@ async def test_a_window_that_would_outlast_the_budget_is_left_to_the_budget():
     assert hosted.requests == []
 
 
+@on_virtual_time
 async def test_a_budget_spent_mid_stream_ends_it_with_an_sse_error_event():
     first, second = openai_stream(["one", "two"])[:2]
 
@@ -142,11 +156,12 @@ async def test_a_budget_spent_mid_stream_ends_it_with_an_sse_error_event():
     assert b'"two"' not in data
     events = parse_sse(response.content)
     assert json.loads(events[-1]["data"])["error"]["type"] == "budget_exhausted"
-    assert 0.25 <= took < 1.5
+    assert took == pytest.approx(0.25, abs=1e-6)
     assert hosted.requests == []
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "inf", "nan", "1e3", "", "1,5"])
+@on_virtual_time
 async def test_a_header_that_is_not_a_finite_positive_decimal_gets_400(value):
     async with FakeBackend("tower") as tower:
         gw = Gateway([Backend("tower", tower.url)], slow_after=0)
@@ -159,6 +174,7 @@ async def test_a_header_that_is_not_a_finite_positive_decimal_gets_400(value):
     assert tower.requests == []
 
 
+@on_virtual_time
 async def test_max_clips_the_header_and_default_applies_without_one():
     seen: list[float | None] = []
 
@@ -181,25 +197,27 @@ async def test_max_clips_the_header_and_default_applies_without_one():
     assert seen[-1] is None
 
 
+@on_virtual_time
 async def test_budget_works_alone_in_front_of_any_app():
     async def slow_app(scope, receive, send):
         await asyncio.sleep(5)
 
     async with serve(Budget(slow_app, default=0.1)) as url, httpx.AsyncClient(timeout=5) as client:
-        t0 = time.monotonic()
+        t0 = now()
         response = await client.get(url)
-        took = time.monotonic() - t0
+        took = now() - t0
     assert response.status_code == 504
     assert response.json()["error"]["type"] == "budget_exhausted"
     assert took < 2.0
 
 
+@on_virtual_time
 async def test_a_budget_found_spent_between_attempts_starts_no_new_attempt():
     calls: list[str] = []
 
     async def blocking_handler(scope, receive, send):
         calls.append(current_attempt(scope).backend.name)
-        time.sleep(0.12)  # noqa: ASYNC251 - block the loop so the budget's timer cannot fire
+        busy_for(0.12)  # the loop is blocked: the budget's timer cannot fire meanwhile
         raise BackendUnavailable("refused", reason="connect_refused")
 
     app = Budget(
@@ -215,6 +233,7 @@ async def test_a_budget_found_spent_between_attempts_starts_no_new_attempt():
     assert calls == ["a"]
 
 
+@on_virtual_time
 async def test_the_running_attempt_learns_why_it_was_cancelled():
     reasons: list[object] = []
 
@@ -243,6 +262,7 @@ def test_options_are_validated_in_init():
         Budget(app, header=" ")
 
 
+@on_virtual_time
 async def test_a_saturation_opens_the_breaker_but_a_spent_budget_does_not():
     from tierchain import Breaker
 

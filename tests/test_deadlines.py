@@ -6,14 +6,18 @@ import asyncio
 import contextvars
 import gc
 import inspect
-import time
 import weakref
 
+import pytest
+
 from tierchain import _deadlines
+
+from .support import busy_for, now, on_virtual_time
 
 TICK = 0.02  # seconds; several times asyncio's own timer slack
 
 
+@on_virtual_time
 async def test_deadlines_fire_in_due_order_across_recurring_and_one_off_delays():
     fired: list[str] = []
     _deadlines.schedule(2 * TICK, lambda: fired.append("fixed 2"))
@@ -24,16 +28,18 @@ async def test_deadlines_fire_in_due_order_across_recurring_and_one_off_delays()
     assert fired == ["fixed 1", "one-off 1.5", "fixed 2", "fixed 2, later"]
 
 
+@on_virtual_time
 async def test_deadlines_that_fall_due_in_one_late_wake_still_fire_in_due_order():
     fired: list[str] = []
     _deadlines.schedule(2 * TICK, lambda: fired.append("fixed 2"))
     _deadlines.schedule(TICK, lambda: fired.append("fixed 1"))
     _deadlines.schedule(1.5 * TICK, lambda: fired.append("one-off 1.5"), fixed=False)
-    time.sleep(3 * TICK)  # noqa: ASYNC251 (the loop is blocked: all of them due at once)
+    busy_for(3 * TICK)  # the loop is blocked: all of them fall due at once
     await asyncio.sleep(TICK)
     assert fired == ["fixed 1", "one-off 1.5", "fixed 2"]
 
 
+@on_virtual_time
 async def test_a_cancelled_deadline_never_fires_and_the_rest_still_do():
     fired: list[int] = []
     entries = [_deadlines.schedule(TICK, lambda n=n: fired.append(n)) for n in range(5)]
@@ -46,16 +52,18 @@ async def test_a_cancelled_deadline_never_fires_and_the_rest_still_do():
     assert fired == [1, 2, 4]
 
 
+@on_virtual_time
 async def test_a_deadline_fires_no_earlier_than_its_delay():
     fired_at: list[float] = []
-    start = time.monotonic()
-    entry = _deadlines.schedule(TICK, lambda: fired_at.append(time.monotonic()))
+    start = now()
+    entry = _deadlines.schedule(TICK, lambda: fired_at.append(now()))
     assert _deadlines.due(entry) >= start + TICK
     await asyncio.sleep(3 * TICK)
     assert len(fired_at) == 1
-    assert fired_at[0] >= start + TICK - 0.002  # the loop's clock resolution at most
+    assert fired_at[0] == pytest.approx(start + TICK, abs=1e-6)  # not early, not late
 
 
+@on_virtual_time
 async def test_cancelled_entries_do_not_pile_up_in_a_recurring_delays_queue():
     # 5,000 requests answered long before their 60 s deadline: what stays queued is
     # bounded by the compaction (twice the live entries, at least 1,024), not 5,000.
@@ -71,6 +79,7 @@ async def test_cancelled_entries_do_not_pile_up_in_a_recurring_delays_queue():
         _deadlines.cancel(entry)
 
 
+@on_virtual_time
 async def test_a_callback_runs_in_the_context_it_was_scheduled_with():
     var: contextvars.ContextVar[str] = contextvars.ContextVar("request")
     var.set("request-7")
@@ -83,6 +92,7 @@ async def test_a_callback_runs_in_the_context_it_was_scheduled_with():
     assert seen == ["request-7", "none"]
 
 
+@on_virtual_time
 async def test_one_broken_callback_does_not_stop_the_others():
     fired: list[str] = []
     loop = asyncio.get_running_loop()
@@ -99,6 +109,7 @@ async def test_one_broken_callback_does_not_stop_the_others():
     assert [str(e["exception"]) for e in errors] == ["boom"]
 
 
+@on_virtual_time
 async def test_cancelled_one_off_deadlines_do_not_pile_up_in_the_heap():
     live = _deadlines.schedule(60.0, lambda: None, fixed=False)
     for n in range(5_000):  # header budgets, learned windows: a different delay each time
@@ -118,6 +129,7 @@ def test_the_timers_of_closed_event_loops_are_let_go():
     assert len(_deadlines._TIMERS) <= 9
 
 
+@on_virtual_time
 async def test_a_cancelled_deadline_is_not_kept_by_the_queue_until_it_falls_due():
     # What a request scheduled and cancelled is freed with the request: left in a queue
     # for its 60 s, such entries pile up in the collector's oldest generation, and its

@@ -7,7 +7,6 @@ import inspect
 import itertools
 import json
 import re
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from tierchain import Backend, Failover, Forwarder, Heartbeats, Routes, TierRequest
+from tierchain._runtime import clock as runtime_clock
 
 from .support import (
     Exchange,
@@ -24,6 +24,8 @@ from .support import (
     answers,
     chat_request,
     chunk_event,
+    now,
+    on_virtual_time,
     openai_stream,
     refused_url,
     serve,
@@ -75,7 +77,7 @@ class Reader:
         async with asyncio.timeout(within):
             while not cond(self.raw):
                 chunk = await anext(self._it)
-                self.times.append((time.monotonic(), chunk))
+                self.times.append((now(), chunk))
                 self.raw += chunk
 
     async def rest(self) -> bytes:
@@ -117,6 +119,7 @@ def held(release: asyncio.Event, then: Any) -> Any:
 # -- state lines ------------------------------------------------------------------
 
 
+@on_virtual_time
 async def test_a_fast_two_tier_failover_keeps_real_headers_and_shows_every_attempt_first():
     async with FakeBackend("hosted", streams(["from ", "hosted"])) as hosted:
         app, fwd = stack(
@@ -151,6 +154,7 @@ async def test_a_fast_two_tier_failover_keeps_real_headers_and_shows_every_attem
     assert without_heartbeats(response.content) == b"".join(openai_stream(["from ", "hosted"]))
 
 
+@on_virtual_time
 async def test_a_slow_two_tier_failover_commits_and_shows_each_state_as_it_happens():
     release = asyncio.Event()
 
@@ -202,6 +206,7 @@ async def test_a_slow_two_tier_failover_commits_and_shows_each_state_as_it_happe
 # -- keepalives -----------------------------------------------------------------------
 
 
+@on_virtual_time
 async def test_keepalives_repeat_the_current_state_line_at_the_interval():
     release = asyncio.Event()
     async with FakeBackend("tower", held(release, streams(["late"]))) as tower:
@@ -229,6 +234,7 @@ async def test_keepalives_repeat_the_current_state_line_at_the_interval():
     assert without_heartbeats(raw) == b"".join(openai_stream(["late"]))
 
 
+@on_virtual_time
 async def test_interval_zero_keeps_the_state_lines_and_drops_the_keepalives():
     release = asyncio.Event()
     async with FakeBackend("tower", held(release, streams(["late"]))) as tower:
@@ -253,6 +259,7 @@ async def test_interval_zero_keeps_the_state_lines_and_drops_the_keepalives():
 # -- framing ----------------------------------------------------------------------------
 
 
+@on_virtual_time
 async def test_a_split_upstream_event_reaches_the_caller_whole_while_keepalives_flow():
     """Cut inside a JSON string, and between the CR and LF of a CRLF blank line."""
     gaps = [asyncio.Event() for _ in range(5)]
@@ -315,6 +322,7 @@ async def test_a_split_upstream_event_reaches_the_caller_whole_while_keepalives_
     assert b"\r: {" not in raw
 
 
+@on_virtual_time
 async def test_a_blank_line_never_follows_a_heartbeat():
     release = asyncio.Event()
 
@@ -345,6 +353,7 @@ async def test_a_blank_line_never_follows_a_heartbeat():
     assert re.search(rb"\}\n\n", raw.replace(b'{"a": 1}\n\n', b"")) is None
 
 
+@on_virtual_time
 async def test_names_and_reasons_cannot_inject_a_line_break():
     async def app(scope: Any, receive: Any, send: Any) -> None:
         req = TierRequest.of(scope)
@@ -373,6 +382,7 @@ async def test_names_and_reasons_cannot_inject_a_line_break():
     ("case", "status"),
     [("backend_400", 400), ("unknown_model", 404), ("too_large", 413), ("all_refused", 502)],
 )
+@on_virtual_time
 async def test_a_fast_failure_keeps_its_real_status(case, status):
     body = chat_request()
     async with FakeBackend("tower", answers(400)) as tower:
@@ -395,6 +405,7 @@ async def test_a_fast_failure_keeps_its_real_status(case, status):
     assert not OURS.search(response.content)
 
 
+@on_virtual_time
 async def test_a_slow_failure_becomes_an_sse_error_event_and_ends_the_stream():
     release = asyncio.Event()
 
@@ -432,6 +443,7 @@ async def test_a_slow_failure_becomes_an_sse_error_event_and_ends_the_stream():
     assert error["attempts"] == [{"backend": "tower", "outcome": "connection_reset"}]
 
 
+@on_virtual_time
 async def test_a_non_streaming_request_passes_through_byte_for_byte():
     release = asyncio.Event()
     body = json.dumps({"id": "x", "choices": []}).encode()
@@ -454,6 +466,7 @@ async def test_a_non_streaming_request_passes_through_byte_for_byte():
     assert response.headers["content-type"] == "application/json"
 
 
+@on_virtual_time
 async def test_alone_in_front_of_any_sse_endpoint_it_reads_stream_true_from_the_body():
     go = asyncio.Event()
 
@@ -500,6 +513,7 @@ async def hang_until_closed(ex: Exchange) -> None:
     await ex.wait_closed_by_peer()
 
 
+@on_virtual_time
 async def test_a_caller_leaving_mid_wait_leaves_nothing_running():
     async with FakeBackend("tower", hang_until_closed) as tower:
         app, fwd = stack({"echo": [Backend("tower", tower.url)]}, commit_after=TICK)
@@ -518,6 +532,7 @@ async def test_a_caller_leaving_mid_wait_leaves_nothing_running():
         await fwd.aclose()
 
 
+@on_virtual_time
 async def test_a_caller_leaving_mid_stream_leaves_nothing_running():
     async def script(ex: Exchange) -> None:
         await ex.head()
@@ -544,6 +559,7 @@ async def test_a_caller_leaving_mid_stream_leaves_nothing_running():
 # -- observability and options -------------------------------------------------------------------
 
 
+@on_virtual_time
 async def test_each_line_counts_and_adds_a_span_event(metric):
     async def app(scope: Any, receive: Any, send: Any) -> None:
         TierRequest.of(scope).emit("still_working", backend="tower", elapsed_s=1.0)
@@ -593,6 +609,7 @@ def test_bad_options_are_refused_at_start_up(opts):
         Heartbeats(lambda *a: None, **opts)  # type: ignore[arg-type]
 
 
+@on_virtual_time
 async def test_a_late_refusal_that_is_not_json_becomes_a_wrapped_error_event():
     committed = asyncio.Event()
 
@@ -628,6 +645,7 @@ async def test_a_late_refusal_that_is_not_json_becomes_a_wrapped_error_event():
     )
 
 
+@on_virtual_time
 async def test_still_working_events_not_yet_shown_collapse_into_the_latest():
     async def app(scope: Any, receive: Any, send: Any) -> None:
         req = TierRequest.of(scope)
@@ -654,6 +672,7 @@ async def test_still_working_events_not_yet_shown_collapse_into_the_latest():
     ]
 
 
+@on_virtual_time
 async def test_a_keepalive_never_lands_inside_an_event_whose_send_is_still_in_flight():
     # The caller reads slowly: the send that completes an event blocks while
     # several keepalive intervals pass. The bytes handed over already end at a
@@ -709,6 +728,7 @@ async def test_a_keepalive_never_lands_inside_an_event_whose_send_is_still_in_fl
     assert after.count(b': {"state":"generating","idle_s":') >= 1
 
 
+@on_virtual_time
 async def test_many_waiting_streams_share_one_timer_and_no_task_while_they_wait():
     release = asyncio.Event()
 
@@ -764,6 +784,7 @@ async def test_many_waiting_streams_share_one_timer_and_no_task_while_they_wait(
     assert tierchain_tasks() == []
 
 
+@on_virtual_time
 async def test_a_keepalive_to_a_slow_reader_waits_in_one_task_and_the_stream_carries_on():
     release = asyncio.Event()
     reader_back = asyncio.Event()
@@ -814,6 +835,7 @@ async def test_a_keepalive_to_a_slow_reader_waits_in_one_task_and_the_stream_car
     assert tierchain_tasks() == []
 
 
+@on_virtual_time
 async def test_a_caller_leaving_while_a_keepalive_is_stuck_leaves_nothing_running():
     never = asyncio.Event()
     written: list[bytes] = []
@@ -847,6 +869,7 @@ async def test_a_caller_leaving_while_a_keepalive_is_stuck_leaves_nothing_runnin
     assert await no_tierchain_tasks_within(0.5) == []
 
 
+@on_virtual_time
 async def test_a_stream_the_timer_wakes_just_before_its_commit_is_due_still_commits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -884,7 +907,7 @@ async def test_a_stream_the_timer_wakes_just_before_its_commit_is_due_still_comm
     stream = clock.pending[seq]
     # The timer's wake comes a quarter of its quantum before the commit is due.
     now = stream.started + 1.0 - heartbeats._QUANTUM / 4
-    monkeypatch.setattr(heartbeats, "_now", lambda: now)
+    monkeypatch.setattr(runtime_clock, "now", lambda: now)
     clock._fire()
     for _ in range(5):
         await asyncio.sleep(0)
@@ -897,6 +920,7 @@ async def test_a_stream_the_timer_wakes_just_before_its_commit_is_due_still_comm
         await asyncio.wait_for(task, 1)
 
 
+@on_virtual_time
 async def test_a_relayed_chunk_still_in_flight_holds_the_keepalive_until_it_is_back():
     # Inside a Failover, a relayed chunk with nothing to add goes to the server without
     # a coroutine of Heartbeats' own. A slow reader holds that send for several
@@ -933,8 +957,13 @@ async def test_a_relayed_chunk_still_in_flight_holds_the_keepalive_until_it_is_b
         finally:
             sending -= 1
 
+    bodies = [{"type": "http.request", "body": b'{"model": "echo", "stream": true}'}]
+
     async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b'{"model": "echo", "stream": true}'}
+        if bodies:
+            return bodies.pop()
+        await asyncio.Event().wait()  # as a server does: nothing more until a disconnect
+        raise AssertionError("unreachable")
 
     routes = Routes({"echo": [Backend("tower", "http://127.0.0.1:9")]})
     app = Heartbeats(Failover(backend, routes=routes), interval=TICK, commit_after=TICK)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +35,8 @@ from .support import (
     Recorder,
     chat_request,
     completion_body,
+    now,
+    on_virtual_time,
     openai_stream,
     parse_sse,
     serve,
@@ -189,6 +190,7 @@ def assert_reached_hosted_with_the_reserve(
 
 
 @pytest.mark.parametrize("stream", [True, False])
+@on_virtual_time
 async def test_a_window_longer_than_the_budget_ends_at_the_reserve(metric, stream):
     # The allowance's smallest window is 360 s, far past a 2 s budget: the reserve ends it.
     before = metric("tierchain_reserve_ended_total", route="echo", backend="tower")
@@ -206,6 +208,7 @@ async def test_a_window_longer_than_the_budget_ends_at_the_reserve(metric, strea
     assert metric("tierchain_reserve_ended_total", route="echo", backend="tower") == before + 2
 
 
+@on_virtual_time
 async def test_with_slow_after_off_the_reserve_still_reaches_hosted():
     async with FakeBackend("tower", quiet) as tower, FakeBackend("hosted", hosted_script()) as h:
         gw = Gateway([Backend("tower", tower.url), Backend("hosted", h.url)], budget=2.0)
@@ -214,6 +217,7 @@ async def test_with_slow_after_off_the_reserve_still_reaches_hosted():
     assert_reached_hosted_with_the_reserve(gw, responses, stream=True, reason="reserve")
 
 
+@on_virtual_time
 async def test_the_last_tier_keeps_the_whole_budget():
     async with FakeBackend("tower", quiet) as tower:
         gw = Gateway([Backend("tower", tower.url)], budget=0.5, slow_after=0.1)
@@ -229,6 +233,7 @@ async def test_the_last_tier_keeps_the_whole_budget():
 
 
 @pytest.mark.parametrize("stream", [True, False])
+@on_virtual_time
 async def test_a_starved_tower_whose_metrics_move_a_little_ends_at_the_reserve(stream):
     decode = iter(range(100, 10**6, 3))  # one request processing (ours), none deferred
 
@@ -254,6 +259,7 @@ async def test_a_starved_tower_whose_metrics_move_a_little_ends_at_the_reserve(s
 
 
 @pytest.mark.parametrize("stream", [True, False])
+@on_virtual_time
 async def test_a_status_probe_still_waiting_at_the_reserve_ends_the_attempt_for_it(metric, stream):
     # A starved server answers its status slowly too (seen on a real llama-server
     # under cpulimit): the probe is given until the reserve's point, no further, and
@@ -277,6 +283,7 @@ async def test_a_status_probe_still_waiting_at_the_reserve_ends_the_attempt_for_
 
 
 @pytest.mark.parametrize("stream", [True, False])
+@on_virtual_time
 async def test_a_prompt_progressing_far_too_slowly_is_too_slow(metric, stream):
     # Our slot's prompt moves 2 tokens a probe (about 20 a second); it has about
     # 1,000, so it would need some 50 s where 15 s are left before the reserve.
@@ -310,6 +317,7 @@ async def test_a_prompt_progressing_far_too_slowly_is_too_slow(metric, stream):
     assert after == before + 2
 
 
+@on_virtual_time
 async def test_a_healthy_long_prefill_on_our_slot_is_kept_until_its_first_token():
     # Seed 002: the prefill moves one prompt batch (250 tokens) every 0.3 s, far
     # slower than the probes (every 0.1 s), at a rate that finishes well in time.
@@ -319,10 +327,10 @@ async def test_a_healthy_long_prefill_on_our_slot_is_kept_until_its_first_token(
     def processed() -> int:
         if not started:
             return 0
-        return min(total, 250 * int((time.monotonic() - started[0]) / 0.3))
+        return min(total, 250 * int((now() - started[0]) / 0.3))
 
     async def prefill(ex: Exchange) -> None:
-        started.append(time.monotonic())
+        started.append(now())
         await asyncio.sleep(0.3 * total / 250 + 0.01)  # the fake server's own prompt batches
         await streams(["from ", "tower"])(ex)
 
@@ -368,6 +376,7 @@ async def trickles(ex: Exchange) -> None:
 
 
 @pytest.mark.parametrize("script", [half_then_silent, trickles], ids=["stalls", "trickles"])
+@on_virtual_time
 async def test_a_held_answer_not_whole_at_its_window_fails_over(script):
     async with FakeBackend("tower", script) as tower, FakeBackend("hosted", hosted_script()) as h:
         gw = Gateway(
@@ -385,6 +394,7 @@ async def test_a_held_answer_not_whole_at_its_window_fails_over(script):
 # -- shape 4: a committed stream that goes silent -------------------------------------
 
 
+@on_virtual_time
 async def test_a_committed_stream_silent_when_the_budget_ends_it_is_a_stalled_failure():
     first = openai_stream(["one", "two"])[0]
 
@@ -418,6 +428,7 @@ async def test_a_committed_stream_silent_when_the_budget_ends_it_is_a_stalled_fa
     assert snapshot.state == "open"
 
 
+@on_virtual_time
 async def test_a_stream_the_budget_ends_while_silent_counts_against_the_backend():
     first = openai_stream(["one", "two"])[0]
 
@@ -447,6 +458,7 @@ async def test_a_stream_the_budget_ends_while_silent_counts_against_the_backend(
     assert (await gw.store.breaker_snapshot("echo", "tower")).state == "open"
 
 
+@on_virtual_time
 async def test_a_glitch_after_the_terminator_is_a_whole_answer():
     events = openai_stream(["one", "two"])
 
@@ -493,6 +505,7 @@ def llamacpp_tower(metrics: Callable[[], bytes], chat: Callable[[Exchange], Any]
     return script
 
 
+@on_virtual_time
 async def test_the_first_caller_after_a_quiet_spell_is_not_sent_to_a_full_one_slot_server():
     # Another caller's generation holds the only slot: one processing, none deferred.
     busy = lambda: llamacpp_metrics(1, 0, 500)  # noqa: E731
@@ -526,6 +539,7 @@ async def test_the_first_caller_after_a_quiet_spell_is_not_sent_to_a_full_one_sl
     assert (await gw.store.breaker_snapshot("echo", "tower")).saturations == 0
 
 
+@on_virtual_time
 async def test_a_slot_still_busy_with_our_cut_prefill_is_busy_not_a_saturation():
     cut = asyncio.Event()
 
@@ -603,6 +617,7 @@ def test_the_stall_window_is_learned_from_each_backends_gaps(metric):
     assert gauge == window
 
 
+@on_virtual_time
 async def test_stall_after_auto_cuts_a_stream_at_its_learned_gap():
     from tierchain.learned import LearnedGap
 
@@ -697,6 +712,7 @@ def test_reserve_options_are_checked():
         SaturationWatchdog(app, reserve_floor=-1)
 
 
+@on_virtual_time
 async def test_a_middle_tier_with_no_time_before_the_reserve_is_passed_over_not_charged():
     # Three tiers, a 2 s budget: the first keeps 1 s for the rest and is cut there; the
     # second would start with nothing before its own reserve, so it is skipped as busy.

@@ -19,7 +19,15 @@ from tierchain import (
 )
 from tierchain.status import StatusBoard, board_within
 
-from .support import Exchange, FakeBackend, chat_request, openai_stream, serve, streams
+from .support import (
+    Exchange,
+    FakeBackend,
+    chat_request,
+    on_virtual_time,
+    openai_stream,
+    serve,
+    streams,
+)
 
 HOSTED = b"".join(openai_stream(["from ", "hosted"]))
 TOWER = b"".join(openai_stream(["from ", "tower"]))
@@ -98,6 +106,7 @@ def chats(backend: FakeBackend) -> int:
     return sum(r.path == "/v1/chat/completions" for r in backend.requests)
 
 
+@on_virtual_time
 async def test_a_backend_whose_status_says_full_is_skipped_before_sending(metric):
     tower = Tower(vllm(1, 0))
     before = metric("tierchain_backend_busy_total", route="echo", backend="tower", why="status")
@@ -134,6 +143,7 @@ async def test_a_backend_whose_status_says_full_is_skipped_before_sending(metric
     assert after == before + 2
 
 
+@on_virtual_time
 async def test_every_slot_busy_is_full():
     one_slot_busy = b'[{"id": 0, "is_processing": true, "next_token": [{"n_decoded": 40}]}]'
     tower = Tower(b'[{"id": 0, "is_processing": false, "next_token": [{"n_decoded": 0}]}]')
@@ -155,6 +165,7 @@ async def test_every_slot_busy_is_full():
     assert gw.states("backend_busy")[0]["reason"] == "all slots busy"
 
 
+@on_virtual_time
 async def test_a_status_never_read_is_asked_first_and_a_stale_or_silent_one_never_blocks():
     tower = Tower(vllm(8, 6))
     async with (
@@ -178,6 +189,7 @@ async def test_a_status_never_read_is_asked_first_and_a_stale_or_silent_one_neve
     assert [e["reason"] for e in gw.states("backend_busy")] == ["6 waiting"]
 
 
+@on_virtual_time
 async def test_the_last_tier_is_never_skipped_for_a_full_status():
     tower = Tower(vllm(8, 6))
     async with FakeBackend("tower", tower.script) as fake:
@@ -190,6 +202,7 @@ async def test_the_last_tier_is_never_skipped_for_a_full_status():
     assert gw.states("backend_busy") == []
 
 
+@on_virtual_time
 async def test_one_poller_per_backend_while_traffic_flows_none_while_idle():
     seen: list[tuple[list[str], int]] = []  # what a chat request found running as it arrived
     board_ref: list[Any] = []
@@ -227,6 +240,7 @@ async def test_one_poller_per_backend_while_traffic_flows_none_while_idle():
     assert polls_later == polls  # nothing polled while idle
 
 
+@on_virtual_time
 async def test_a_breaker_open_for_saturation_half_opens_as_soon_as_the_status_says_idle():
     release = asyncio.Event()
 
@@ -305,6 +319,7 @@ def test_a_board_given_by_hand_is_the_one_read():
     assert around.status_board is board  # the nearest: the one the Breaker was given
 
 
+@on_virtual_time
 async def test_a_second_gateway_built_later_does_not_take_over_the_first_ones_recovery_by_status():
     """The first gateway's breaker half-opens from its own board's poll; the second
     gateway's board (built after it) never polls the first one's tower."""

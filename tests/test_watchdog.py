@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,8 @@ from .support import (
     FakeBackend,
     chat_request,
     completion_body,
+    now,
+    on_virtual_time,
     openai_stream,
     parse_sse,
     serve,
@@ -58,9 +59,9 @@ class Gateway:
 
 async def post(url: str, body: bytes, **kw: Any) -> tuple[httpx.Response, float]:
     async with httpx.AsyncClient(timeout=5) as client:
-        t0 = time.monotonic()
+        t0 = now()
         response = await client.post(url + "/v1/chat/completions", content=body, **kw)
-        return response, time.monotonic() - t0
+        return response, now() - t0
 
 
 async def quiet(ex: Exchange) -> None:
@@ -131,6 +132,7 @@ def vllm(running: int, generated: float) -> bytes:
 # -- the outage shape ----------------------------------------------------------------
 
 
+@on_virtual_time
 async def test_a_quiet_backend_fails_over_instead_of_being_waited_on(metric):
     before = metric("tierchain_backend_saturated_total", route="echo", backend="tower")
     async with (
@@ -150,7 +152,7 @@ async def test_a_quiet_backend_fails_over_instead_of_being_waited_on(metric):
     assert response.headers["x-tierchain-attempts"] == (
         "tower;outcome=saturated, hosted;outcome=ok"
     )
-    assert 0.2 <= took < 1.5
+    assert took == pytest.approx(0.2, abs=1e-6)
     assert len(tower.requests) == 1
     assert len(hosted.requests) == 1
     assert tower.open_connections == 0  # the quiet backend's connection was closed
@@ -159,6 +161,7 @@ async def test_a_quiet_backend_fails_over_instead_of_being_waited_on(metric):
     assert after == before + 1
 
 
+@on_virtual_time
 async def test_pings_before_the_first_data_event_do_not_restart_the_window():
     async def pings_forever(ex: Exchange) -> None:
         await ex.head()
@@ -175,10 +178,11 @@ async def test_pings_before_the_first_data_event_do_not_restart_the_window():
             response, took = await post(url, chat_request())
         await gw.aclose()
     assert response.content == b"".join(HOSTED)
-    assert 0.15 <= took < 1.5
+    assert took == pytest.approx(0.15, abs=1e-6)
     assert response.headers["x-tierchain-attempts"].startswith("tower;outcome=saturated")
 
 
+@on_virtual_time
 async def test_a_stream_already_generating_is_not_cut_for_being_long():
     events = openai_stream(["a", "b", "c", "d", "e"])
 
@@ -204,6 +208,7 @@ async def test_a_stream_already_generating_is_not_cut_for_being_long():
     assert gw.states("backend_saturated") == []
 
 
+@on_virtual_time
 async def test_a_non_streaming_attempt_is_bounded_whole():
     async def headers_then_think(ex: Exchange) -> None:
         await ex.head(sse=False)  # headers at once, the completion much later
@@ -223,12 +228,13 @@ async def test_a_non_streaming_attempt_is_bounded_whole():
             response, took = await post(url, chat_request(stream=False))
         await gw.aclose()
     assert response.json()["choices"][0]["message"]["content"] == "from hosted"
-    assert 0.15 <= took < 1.5
+    assert took == pytest.approx(0.15, abs=1e-6)
     assert response.headers["x-tierchain-attempts"] == (
         "tower;outcome=saturated, hosted;outcome=ok"
     )
 
 
+@on_virtual_time
 async def test_a_non_streaming_answer_inside_the_window_is_untouched():
     async def thinks(ex: Exchange) -> None:
         await asyncio.sleep(0.05)
@@ -243,6 +249,7 @@ async def test_a_non_streaming_answer_inside_the_window_is_untouched():
     assert hosted.requests == []
 
 
+@on_virtual_time
 async def test_the_last_tier_is_not_cut_only_recorded_as_slow(metric, caplog):
     before = metric("tierchain_backend_saturated_total", route="echo", backend="hosted")
     async with (
@@ -258,7 +265,7 @@ async def test_the_last_tier_is_not_cut_only_recorded_as_slow(metric, caplog):
     assert response.headers["x-tierchain-attempts"] == (
         "tower;outcome=saturated, hosted;outcome=ok"
     )
-    assert took >= 0.28  # tower's window, then hosted's whole late answer
+    assert took == pytest.approx(0.28, abs=1e-6)  # tower's window, then hosted's whole late answer
     assert [e["backend"] for e in gw.states("backend_saturated")] == ["tower"]
     slow = gw.states("backend_slow")
     assert [(e["backend"], e["failing_over"]) for e in slow] == [("hosted", False)]
@@ -266,6 +273,7 @@ async def test_the_last_tier_is_not_cut_only_recorded_as_slow(metric, caplog):
     assert metric("tierchain_backend_saturated_total", route="echo", backend="hosted") == before
 
 
+@on_virtual_time
 async def test_without_failover_the_watchdog_never_cuts_before_the_ceiling():
     async def slow_answer(ex: Exchange) -> None:
         await asyncio.sleep(0.25)
@@ -281,6 +289,7 @@ async def test_without_failover_the_watchdog_never_cuts_before_the_ceiling():
     assert response.content == b"".join(openai_stream(["alone"]))
 
 
+@on_virtual_time
 async def test_without_failover_the_ceiling_answers_504():
     async with FakeBackend("tower", quiet) as tower:
         forwarder = Forwarder(backend=Backend("tower", tower.url))
@@ -292,12 +301,13 @@ async def test_without_failover_the_ceiling_answers_504():
         await watchdog.aclose()
     assert response.status_code == 504
     assert response.json()["error"]["type"] == "backend_saturated"
-    assert 0.2 <= took < 1.5
+    assert took == pytest.approx(0.2, abs=1e-6)
 
 
 # -- asking before killing -------------------------------------------------------------
 
 
+@on_virtual_time
 async def test_a_backend_that_says_it_is_working_is_given_another_window(metric):
     generated = iter(range(100, 10_000, 37))  # moves at every probe
     before = metric("tierchain_probe_answers_total", backend="tower", verdict="working")
@@ -338,6 +348,7 @@ async def test_a_backend_that_says_it_is_working_is_given_another_window(metric)
         (lambda: (404, b""), "unknown"),
     ],
 )
+@on_virtual_time
 async def test_idle_or_unknown_answers_mean_saturated_at_the_first_window(metric, status, verdict):
     before = metric("tierchain_probe_answers_total", backend="tower", verdict=verdict)
     async with (
@@ -355,11 +366,12 @@ async def test_idle_or_unknown_answers_mean_saturated_at_the_first_window(metric
             response, took = await post(url, chat_request())
         await gw.aclose()
     assert response.content == b"".join(HOSTED)
-    assert 0.12 <= took < 1.5
+    assert took == pytest.approx(0.12, abs=1e-6)
     assert gw.states("still_working") == []
     assert metric("tierchain_probe_answers_total", backend="tower", verdict=verdict) == before + 1
 
 
+@on_virtual_time
 async def test_a_status_url_that_does_not_answer_in_time_is_unknown(metric):
     before = metric("tierchain_probe_answers_total", backend="tower", verdict="unknown")
 
@@ -382,11 +394,12 @@ async def test_a_status_url_that_does_not_answer_in_time_is_unknown(metric):
             response, took = await post(url, chat_request())
         await gw.aclose()
     assert response.content == b"".join(HOSTED)
-    assert 0.18 <= took < 1.5
+    assert took == pytest.approx(0.18, abs=1e-6)
     after = metric("tierchain_probe_answers_total", backend="tower", verdict="unknown")
     assert after == before + 1
 
 
+@on_virtual_time
 async def test_busy_without_progress_is_starved_not_working(metric):
     before = metric("tierchain_probe_answers_total", backend="tower", verdict="no_progress")
     async with (
@@ -407,11 +420,12 @@ async def test_busy_without_progress_is_starved_not_working(metric):
     assert response.content == b"".join(HOSTED)
     # the first answer cannot judge progress (extend once); the second sees none
     assert len(gw.states("still_working")) == 1
-    assert 0.2 <= took < 1.5
+    assert took == pytest.approx(0.2, abs=1e-6)
     after = metric("tierchain_probe_answers_total", backend="tower", verdict="no_progress")
     assert after == before + 1
 
 
+@on_virtual_time
 async def test_the_ceiling_holds_against_a_backend_that_always_says_busy():
     generated = iter(range(1, 10_000))
     async with (
@@ -431,9 +445,10 @@ async def test_the_ceiling_holds_against_a_backend_that_always_says_busy():
         await gw.aclose()
     assert response.content == b"".join(HOSTED)
     assert len(gw.states("still_working")) >= 3
-    assert 0.3 <= took < 1.5
+    assert took == pytest.approx(0.3, abs=1e-6)
 
 
+@on_virtual_time
 async def test_a_gate_reporting_another_models_generation_counts_as_working():
     gate = {
         "active_generation_count": 1,
@@ -460,6 +475,7 @@ async def test_a_gate_reporting_another_models_generation_counts_as_working():
     assert len(gw.states("still_working")) >= 1
 
 
+@on_virtual_time
 async def test_a_custom_reader_is_a_plain_callable():
     from tierchain.probes import Status
 
@@ -490,6 +506,7 @@ async def test_a_custom_reader_is_a_plain_callable():
     assert set(seen) == {b"BUSY"}
 
 
+@on_virtual_time
 async def test_the_caller_leaving_mid_wait_stops_the_probe_and_the_attempt():
     probe_started = asyncio.Event()
 
@@ -548,6 +565,7 @@ def test_the_window_comes_from_an_allowance_and_never_exceeds_the_ceiling():
     assert SaturationWatchdog(Forwarder(), slow_after=0).off
 
 
+@on_virtual_time
 async def test_a_saturation_is_visible_in_the_sse_heartbeat_channel():
     async with (
         FakeBackend("tower", quiet) as tower,
@@ -566,6 +584,7 @@ async def test_a_saturation_is_visible_in_the_sse_heartbeat_channel():
     "fixture",
     ["llamacpp_metrics_deferred.txt", "llamacpp_slots_list_generating.json"],
 )
+@on_virtual_time
 async def test_another_requests_progress_never_holds_a_queued_caller(metric, fixture):
     # A one-slot llama.cpp server generating someone else's long answer: its
     # counters move at every probe, but ours is the deferred one.
@@ -595,5 +614,5 @@ async def test_another_requests_progress_never_holds_a_queued_caller(metric, fix
         await gw.aclose()
     assert response.content == b"".join(HOSTED)
     assert gw.states("still_working") == []  # saturated at the first expiry
-    assert 0.12 <= took < 1.5
+    assert took == pytest.approx(0.12, abs=1e-6)
     assert metric("tierchain_probe_answers_total", backend="tower", verdict="queued") == before + 1

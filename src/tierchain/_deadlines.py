@@ -26,13 +26,13 @@ import asyncio
 import contextvars
 import heapq
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from operator import itemgetter
 from typing import Any
 
 from ._loops import PerLoop, slack
+from ._runtime import clock
 
 __all__ = ["Deadline", "Fifo", "cancel", "due", "schedule"]
 
@@ -129,13 +129,13 @@ class _Timers:
         loop = self.loop
         # An empty context: the timer belongs to no request (each entry has its own).
         self.handle = loop.call_at(
-            loop.time() + (due - time.monotonic()), self._fire, context=_EMPTY_CONTEXT
+            loop.time() + (due - clock.now()), self._fire, context=_EMPTY_CONTEXT
         )
 
     def _fire(self) -> None:
         self.handle = None
         self.when = math.inf
-        upto = time.monotonic() + self.slack
+        upto = clock.now() + self.slack
         pending = self.pending
         ready: list[Deadline] = []
         for fifo in self.fifos.values():
@@ -192,7 +192,7 @@ def schedule(
     Must be called from a running event loop; returns the deadline to cancel.
     """
     timers = _TIMERS.get()
-    due = time.monotonic() + delay
+    due = clock.now() + delay
     seq = timers.seq = timers.seq + 1
     pending = timers.pending
     entry: Deadline = [due, seq, callback, context, pending]

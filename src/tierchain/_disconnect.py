@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import Callable
 from types import TracebackType
 
 from ._deadlines import Fifo
 from ._loops import PerLoop, slack
+from ._runtime import clock
 from ._types import Message, Receive
 
 WATCH_AFTER = 0.02
-_now = time.monotonic
 
 
 class _Starter:
@@ -54,14 +53,14 @@ class _Starter:
         self.pending[seq] = guard
         guard._queued = seq
         guard._starter = self
-        self.fifo.push(_now() + WATCH_AFTER, seq, self.pending)
+        self.fifo.push(clock.now() + WATCH_AFTER, seq, self.pending)
         if not self.armed:
             self.armed = True
             self.loop.call_later(WATCH_AFTER, self._tick)
 
     def _tick(self) -> None:
         pending = self.pending
-        for seq in self.fifo.pop_due(_now() + self.slack):
+        for seq in self.fifo.pop_due(clock.now() + self.slack):
             guard = pending.pop(seq, None)
             if guard is not None:
                 guard._starter = None
@@ -79,7 +78,7 @@ class _Starter:
                         )
         nxt = self.fifo.next_due(pending)  # (guards closed meanwhile: no need to wake)
         if nxt < math.inf:
-            self.loop.call_later(max(0.0, nxt - _now()), self._tick)
+            self.loop.call_later(max(0.0, nxt - clock.now()), self._tick)
         else:
             self.armed = False
 

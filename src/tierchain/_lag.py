@@ -11,9 +11,10 @@ involved.
 from __future__ import annotations
 
 import asyncio
-import time
 import weakref
 from collections import deque
+
+from ._runtime import clock
 
 __all__ = ["PERIOD", "lag_since"]
 
@@ -27,17 +28,17 @@ class _Monitor:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         # (Holds no reference to the loop: the loop's own timer heap keeps it alive.)
         self.ticks: deque[tuple[float, float]] = deque(maxlen=_KEEP)  # (when, how late)
-        self.expected = time.monotonic() + PERIOD
+        self.expected = clock.now() + PERIOD
         self.handle = loop.call_later(PERIOD, self._tick)
 
     def _tick(self) -> None:
-        now = time.monotonic()
+        now = clock.now()
         self.ticks.append((now, max(0.0, now - self.expected)))
         self.expected = now + PERIOD
         self.handle = asyncio.get_running_loop().call_later(PERIOD, self._tick)
 
     def lag_since(self, since: float) -> float:
-        now = time.monotonic()
+        now = clock.now()
         worst = max(0.0, now - self.expected)  # a tick that is overdue right now
         for when, late in reversed(self.ticks):
             if when < since:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpcore
 import httpx
+
+from ._runtime import clock
 
 __all__ = ["FlatPool", "FlatTransport"]
 
@@ -126,7 +127,7 @@ class FlatPool:
         if self._max_keepalive is not None and len(idle) >= self._max_keepalive:
             await _close_quietly(conn)
             return
-        idle.append((time.monotonic(), conn))
+        idle.append((clock.now(), conn))
         self._ensure_reaper()
 
     # -- closing idle connections --------------------------------------------------
@@ -149,7 +150,7 @@ class FlatPool:
                 closing, self._closing = self._closing, []
                 for conn in closing:
                     await _close_quietly(conn)
-                now = time.monotonic()
+                now = clock.now()
                 oldest: float | None = None
                 for origin, idle in list(self._idle.items()):
                     while idle and expiry is not None and now - idle[0][0] >= expiry:

@@ -24,10 +24,10 @@ import logging
 import math
 import os
 import secrets
-import time
 from datetime import timedelta
 
 from ._checks import duration
+from ._runtime import clock
 from .backend import Backend
 from .errors import BackendBusy
 from .store import LeaseStore, MemoryStore
@@ -142,7 +142,7 @@ class Admission:
         self._renewer = None
 
     def _store_failed(self, exc: Exception) -> None:
-        now = time.monotonic()
+        now = clock.now()
         if now - self._warned >= _WARN_EVERY:
             self._warned = now
             log_event("admission.store_failed", level=logging.WARNING, error=repr(exc))

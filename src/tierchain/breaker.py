@@ -46,13 +46,13 @@ So a tower that keeps breaking mid-stream is skipped after
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Awaitable
 from datetime import timedelta
 from typing import Any, Literal
 
 from ._checks import count, duration
 from ._responses import retry_after, send_json_error
+from ._runtime import clock
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backend import Backend
 from .errors import (
@@ -315,7 +315,7 @@ class Breaker:
         self._observe(route, name, change.state, change.transitions, change)
 
     def _store_failed(self, exc: Exception) -> None:
-        now = time.monotonic()
+        now = clock.now()
         if now - self._store_warned >= _STORE_WARN_EVERY:
             self._store_warned = now
             log_event("breaker.store_failed", level=30, error=repr(exc))

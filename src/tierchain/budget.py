@@ -31,7 +31,6 @@ import asyncio
 import logging
 import math
 import re
-import time
 from collections.abc import Awaitable
 from datetime import timedelta
 from typing import Any
@@ -41,6 +40,7 @@ from opentelemetry import trace
 from . import _deadlines
 from ._checks import duration
 from ._responses import send_final, send_json_error
+from ._runtime import clock
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import BudgetExhausted
 from .observer import Observer, whole_events
@@ -192,12 +192,12 @@ class _Spend:
         self._send = send
         req = self.req
         delay = self.seconds
-        deadline = time.monotonic() + delay
+        deadline = clock.now() + delay
         fixed = delay == self.budget.default  # most requests: the same delay, a FIFO
         if req.deadline is not None and req.deadline < deadline:
             # An outer budget: the earlier deadline wins.
             deadline, fixed = req.deadline, False
-            delay = max(0.0, deadline - time.monotonic())
+            delay = max(0.0, deadline - clock.now())
         req.deadline = deadline
         req.budget = delay if req.budget is None else min(req.budget, delay)
         self._task = task

@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -65,6 +64,7 @@ from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._loops import slack
 from ._responses import caller_cut, error_detail, header, retry_after, send_json_error
+from ._runtime import clock
 from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .admission import Admission
@@ -677,7 +677,7 @@ class Failover:
         """Set up one attempt: its observer, its state event, its span, its ``send``."""
         if req.deadline is not None:
             attempt.deadline = req.deadline
-            if attempt.deadline <= time.monotonic():
+            if attempt.deadline <= clock.now():
                 raise BudgetExhausted("the request's budget was spent before the next attempt")
         backend = attempt.backend
         req.attempt = attempt
@@ -712,7 +712,7 @@ class Failover:
         retry_after: float | None = None,
         detail: str | None = None,
     ) -> None:
-        elapsed = time.monotonic() - attempt.started
+        elapsed = clock.now() - attempt.started
         backend = attempt.backend
         if backend.pool is None:
             record = AttemptRecord(attempt.n, backend.name, outcome, elapsed, retry_after, detail)
@@ -1216,7 +1216,7 @@ class _Responder:
         req, attempt, observer = self.req, self.attempt, self.observer
         self.committed = True
         req.committed = True
-        elapsed = time.monotonic() - attempt.started
+        elapsed = clock.now() - attempt.started
         labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(elapsed)
         headers: Headers = self.start["headers"]
         if observer.sse or observer.ndjson or (more_body and length is None):
@@ -1291,7 +1291,7 @@ class _Responder:
         """One of Failover's own sends to the caller, marked as out while it is
         (``TierRequest.caller_blocked_since``); the cut turns into CallerStalled."""
         req = self.req
-        req.caller_blocked_since = time.monotonic()
+        req.caller_blocked_since = clock.now()
         try:
             await self._send(message)
         except asyncio.CancelledError:
@@ -1301,7 +1301,7 @@ class _Responder:
             assert isinstance(error, CallerStalled)
             raise error from None
         req.caller_blocked_since = None
-        req.caller_unblocked_at = time.monotonic()
+        req.caller_unblocked_at = clock.now()
 
     def _watch_caller(self) -> None:
         """From the commit on: look every ``send_timeout`` for a send out that long.
@@ -1335,7 +1335,7 @@ class _Responder:
         if since is None:
             self._caller_watch = _deadlines.schedule(timeout, self._caller_due)
             return
-        now = time.monotonic()
+        now = clock.now()
         left = since + timeout - now
         if left > slack(asyncio.get_running_loop()):
             self._caller_watch = _deadlines.schedule(left, self._caller_due, fixed=False)

@@ -36,7 +36,6 @@ import asyncio
 import base64
 import json
 import logging
-import time
 from collections.abc import Mapping
 from datetime import timedelta
 from http.cookiejar import CookieJar
@@ -53,6 +52,7 @@ from ._lag import lag_since
 from ._lag import watch as watch_lag
 from ._pool import FlatTransport
 from ._responses import send_json_error
+from ._runtime import clock
 from ._target import BadTarget, Target, refuse, request_target, upstream_url
 from ._types import Headers, Receive, Scope, Send
 from .backend import Backend
@@ -90,7 +90,6 @@ _LAG_SHARE = 0.25
 # A backend is given at most this many fresh connect windows for the gateway's lag.
 _EXTENSIONS = 3
 _EARLY = 0.001  # the lag check runs this long before the deadline it may move
-_now = time.monotonic
 _HEADERS_SENT = frozenset(
     {"http11.send_request_headers.started", "http2.send_request_headers.started"}
 )
@@ -373,18 +372,18 @@ class Forwarder:
                     if req is None:
                         await send(message)
                     else:
-                        req.caller_blocked_since = _now()
+                        req.caller_blocked_since = clock.now()
                         await send(message)
                         req.caller_blocked_since = None
-                        req.caller_unblocked_at = _now()
+                        req.caller_unblocked_at = clock.now()
             end = {"type": "http.response.body", "body": b"", "more_body": False}
             if req is None:
                 await send(end)
             else:
-                req.caller_blocked_since = _now()
+                req.caller_blocked_since = clock.now()
                 await send(end)
                 req.caller_blocked_since = None
-                req.caller_unblocked_at = _now()
+                req.caller_unblocked_at = clock.now()
         except (httpx.TransportError, StreamError) as exc:
             if raise_errors:
                 # Said without raising: a framework around this handler (Litestar's)
@@ -478,7 +477,7 @@ class _Setup:
         self.timeout = timeout
         self.timer = asyncio.timeout(timeout)
         self.connecting = False  # a connection attempt started (not a wait for a pooled one)
-        self.window = time.monotonic()
+        self.window = clock.now()
         self.extended = 0
         loop = asyncio.get_running_loop()
         self.check: asyncio.TimerHandle | None = loop.call_later(timeout - _EARLY, self.patience)
@@ -487,7 +486,7 @@ class _Setup:
         timeout = self.timeout
         if lag_since(self.window) >= timeout * _LAG_SHARE and self.extended < _EXTENSIONS:
             self.extended += 1
-            self.window = time.monotonic()
+            self.window = clock.now()
             loop = asyncio.get_running_loop()
             self.timer.reschedule(loop.time() + timeout)
             self.check = loop.call_later(timeout - _EARLY, self.patience)

@@ -77,7 +77,6 @@ import contextlib
 import contextvars
 import inspect
 import json
-import time
 import types
 from collections.abc import Awaitable
 from datetime import timedelta
@@ -92,6 +91,7 @@ from ._keepalive_clock import QUANTUM as _QUANTUM
 from ._keepalive_clock import KeepaliveClock
 from ._loops import PerLoop
 from ._responses import FinalWrites
+from ._runtime import clock
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .errors import CallerStalled
 from .observer import Observer, nothing_sent, whole_events
@@ -102,7 +102,6 @@ from .wire import SSE, allows_comments, answer_event, error_bytes, recognise
 
 __all__ = ["TASK_NAME", "Heartbeats"]
 
-_now = time.monotonic
 
 TASK_NAME = "tierchain-heartbeats"
 """The name of the keepalive side task (one per streaming request)."""
@@ -299,8 +298,8 @@ def _timer_failed(exc: Exception) -> None:
     log_event("stream.heartbeat_failed", level=30, error=repr(exc))
 
 
-# The running loop's keepalive timer (``_now`` looked up at each call: tests replace it).
-_clock = PerLoop(lambda loop: KeepaliveClock(loop, lambda: _now(), _timer_failed)).get
+# The running loop's keepalive timer (``clock.now`` looked up at each call: it can be switched).
+_clock = PerLoop(lambda loop: KeepaliveClock(loop, lambda: clock.now(), _timer_failed)).get
 
 
 class _Stream:
@@ -373,7 +372,7 @@ class _Stream:
         self.last = b""  # the last relayed chunk (whole events): is a CR pending?
         self.after_own = True  # the last bytes written are our own lines: a boundary
         self.keepalive_due = False
-        self.started = time.monotonic()
+        self.started = clock.now()
         self.last_output = self.started
         self.body_parts: list[bytes] | None = None if accept else []
         self.body_size = 0
@@ -482,7 +481,7 @@ class _Stream:
             observer = self.observer or self.req.observer
             last = observer.last_event_at if observer is not None else None
             if last is not None:  # while a gap grows, say how long it is
-                state = {**state, "idle_s": round(time.monotonic() - last, 1)}
+                state = {**state, "idle_s": round(clock.now() - last, 1)}
         return self._line(state, True)
 
     @property
@@ -503,7 +502,7 @@ class _Stream:
         if not more:
             self.phase = _DONE
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
-        self.last_output = _now()
+        self.last_output = clock.now()
         if self.rearm_after:
             self._rearm()
 
@@ -512,7 +511,7 @@ class _Stream:
         start = {"type": "http.response.start", "status": 200, "headers": list(_OWN_HEADERS)}
         await self._send(start)
         self.phase = _OWN
-        log_event("stream.committed", waited_s=round(time.monotonic() - self.started, 3))
+        log_event("stream.committed", waited_s=round(clock.now() - self.started, 3))
         await self._write(self._lines())
         self.after_own = True
 
@@ -547,7 +546,7 @@ class _Stream:
                 return nothing_sent()
             else:
                 self.phase = _DONE
-            self.last_output = _now()
+            self.last_output = clock.now()
             sending = self._send(message)
             if type(sending) is not types.CoroutineType:
                 return self._relay(sending)  # a server whose send is not a coroutine
@@ -653,7 +652,7 @@ class _Stream:
                 self._after_send()
 
     def _after_send(self) -> None:
-        self.last_output = _now()
+        self.last_output = clock.now()
         if self.rearm_after:
             self._rearm()
 
@@ -796,7 +795,7 @@ class _Stream:
                 while not self.gone:
                     # With the timer's tolerance: it calls what falls due before its
                     # next wake due now, and a stream it woke must not be dropped.
-                    now = _now() + _EARLY
+                    now = clock.now() + _EARLY
                     if self.phase == _WAITING:
                         if not self.streaming():
                             break

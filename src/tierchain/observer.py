@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Callable
 
+from ._runtime import clock
 from ._types import Headers, Message
 from .errors import StreamError
 from .sse import (
@@ -63,7 +63,6 @@ OPENAI = "openai"
 
 _DONE = b"[DONE]"
 _DONE_EVENT = b"data: [DONE]\n\n"
-_now = time.monotonic
 
 
 class Observer:
@@ -110,7 +109,7 @@ class Observer:
         max_event: int = MAX_EVENT,
         wire: str | None = None,
     ) -> None:
-        self.started = time.monotonic() if started is None else started
+        self.started = clock.now() if started is None else started
         if wire == PLAIN and stream_end == OPENAI:
             stream_end = None  # plain: any clean end, unless a terminator was named
         self._stream_end = None if stream_end is None else stream_end.encode()
@@ -160,7 +159,7 @@ class Observer:
             and not self.pending_cr
         ):
             # The usual case: whole events starting with data, nothing held.
-            self.last_event_at = _now()
+            self.last_event_at = clock.now()
             self.data_events += 1
             self._previous, self._last = self._last, chunk
             if self.first_data_at is None:
@@ -171,7 +170,7 @@ class Observer:
             if self.ndjson:
                 return self._lines(chunk)
             if chunk:
-                now = self.last_event_at = time.monotonic()
+                now = self.last_event_at = clock.now()
                 if self.first_data_at is None:
                     self.first_data_at = now
                     self._first()
@@ -235,7 +234,7 @@ class Observer:
             lines = chunk if at == len(chunk) - 1 else chunk[: at + 1]
         self.pending = chunk[at + 1 :]
         if lines.strip():
-            now = self.last_event_at = time.monotonic()
+            now = self.last_event_at = clock.now()
             self.data_events += 1
             self._previous, self._last = self._last, lines
             if self.first_data_at is None:
@@ -263,7 +262,7 @@ class Observer:
         if self._opening and _no_progress(self.wire, events, self):
             self.opened = True  # kept for the first event that carries the answer
             return
-        now = self.last_event_at = time.monotonic()
+        now = self.last_event_at = clock.now()
         self.data_events += 1
         # Kept, not searched: the terminator is looked for once, at the end.
         self._previous, self._last = self._last, events

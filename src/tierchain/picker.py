@@ -53,11 +53,11 @@ import hashlib
 import json
 import math
 import random
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
+from ._runtime import clock
 from .backend import Backend
 from .learned import Learned
 from .probes import auto_reader
@@ -308,7 +308,7 @@ class Picker:
         normal = self._learned.normal(name, body)
         if normal is not None:
             score += w.first_data * normal
-        if self._open.get(name, -math.inf) > time.monotonic():
+        if self._open.get(name, -math.inf) > clock.now():
             cls = _OPEN
         elif self._breakers is not None:
             try:
@@ -367,7 +367,7 @@ class Picker:
         else:
             self._in_flight.pop(name, None)
         if outcome == "skipped":
-            self._open[name] = time.monotonic() + (retry_in if retry_in is not None else 1.0)
+            self._open[name] = clock.now() + (retry_in if retry_in is not None else 1.0)
         else:
             self._open.pop(name, None)
         if outcome == "ok" and first_data_s is not None:

@@ -20,11 +20,11 @@ A host handler needs exactly one call: :func:`current_attempt`.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ._runtime import clock
 from ._types import Scope
 from .backend import Backend
 from .errors import AttemptError
@@ -65,6 +65,10 @@ Reorder = Callable[[str, tuple[Backend, ...]], Awaitable[tuple[Backend, ...]]]
 Listener = Callable[[StateEvent], None]
 
 
+def _started() -> float:
+    return clock.now()
+
+
 @dataclass(slots=True)
 class Attempt:
     """One try of one backend for one request: ``n`` of ``of``.
@@ -84,7 +88,7 @@ class Attempt:
     backend: Backend
     route: str | None = None
     deadline: float | None = None
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=_started)
     force: bool = False
     reserve: float = 0.0
     verdict: str | None = None
@@ -94,7 +98,7 @@ class Attempt:
         """Seconds left before the budget ends this attempt, or None without a budget."""
         if self.deadline is None:
             return None
-        return self.deadline - time.monotonic()
+        return self.deadline - clock.now()
 
     @property
     def is_last(self) -> bool:
@@ -204,7 +208,7 @@ class TierRequest:
         self.in_chain = False
         self.reorderers: list[Reorder] = []
         self.state: StateEvent | None = None
-        self.started = time.monotonic()
+        self.started = clock.now()
         self._listeners: list[Listener] = []
         self.observer: Observer | None = None
         """The current attempt's response facts (set by Failover per attempt)."""
@@ -304,7 +308,7 @@ class TierRequest:
         """Seconds left of the request's budget, or None when it has none."""
         if self.deadline is None:
             return None
-        return self.deadline - time.monotonic()
+        return self.deadline - clock.now()
 
 
 def current_attempt(scope: Scope) -> Attempt:

@@ -31,13 +31,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import httpx
 
 from ._checks import duration
+from ._runtime import clock
 from .probes import Reader, Status, fetch_status, total_slots
 
 __all__ = ["Fullness", "StatusBoard", "board_within", "full", "idle"]
@@ -103,7 +103,7 @@ class _Poller:
         self.at = -math.inf
         self.not_before = -math.inf
         self.cut_until = -math.inf
-        self.asked = time.monotonic()
+        self.asked = clock.now()
         self.task: asyncio.Task[None] | None = None
         self.slots: int | None = None  # learned from llama.cpp's /props, for /metrics
         """The server's slot count, once read from its ``/props`` (0: not there)."""
@@ -151,7 +151,7 @@ class StatusBoard:
 
     def peek(self, url: str, reader: Reader) -> Status | None:
         """The latest status of ``url`` if fresh, else None; keeps (or starts) its poller."""
-        now = time.monotonic()
+        now = clock.now()
         poller = self._pollers.get(url)
         loop = asyncio.get_running_loop()
         if poller is None or poller.loop is not loop:
@@ -169,7 +169,7 @@ class StatusBoard:
         """Read ``url`` now, within ``limit`` seconds (a status that was stale or never
         read, before an attempt is sent); the answer is kept as the latest."""
         poller = self._pollers.get(url)
-        started = time.monotonic()
+        started = clock.now()
         status = await fetch_status(client, url, limit=limit, reader=reader)
         if poller is None or started < poller.not_before:
             return status if poller is None else None
@@ -179,7 +179,7 @@ class StatusBoard:
                 await self._learn_slots(client, props, poller, limit)
         status = _with_slots(status, poller.slots)
         if status is not None and poller.at < started:
-            poller.latest, poller.at = status, time.monotonic()
+            poller.latest, poller.at = status, clock.now()
         return status
 
     async def _learn_slots(
@@ -199,12 +199,12 @@ class StatusBoard:
         the server may still be finishing that prompt's batch (busy, not broken)."""
         poller = self._pollers.get(url)
         if poller is not None:
-            poller.cut_until = time.monotonic() + span
+            poller.cut_until = clock.now() + span
 
     def finishing_cut(self, url: str) -> bool:
         """True while a busy reading may be the server finishing a request we cut."""
         poller = self._pollers.get(url)
-        return poller is not None and time.monotonic() < poller.cut_until
+        return poller is not None and clock.now() < poller.cut_until
 
     def outdated(self, url: str) -> None:
         """An attempt at this backend just ended: what was read before no longer holds.
@@ -216,7 +216,7 @@ class StatusBoard:
         if poller is not None:
             poller.latest = None
             poller.at = -math.inf
-            poller.not_before = time.monotonic()
+            poller.not_before = clock.now()
 
     def polling(self) -> list[str]:
         """The status URLs being polled now."""
@@ -226,8 +226,8 @@ class StatusBoard:
         async with httpx.AsyncClient(
             timeout=None, follow_redirects=False, trust_env=False
         ) as client:
-            while time.monotonic() - poller.asked < self.idle_stop:
-                started = time.monotonic()
+            while clock.now() - poller.asked < self.idle_stop:
+                started = clock.now()
                 status = await fetch_status(client, url, limit=self.timeout, reader=poller.reader)
                 if status is not None and poller.slots is None:
                     props = _props_url(url)
@@ -237,8 +237,8 @@ class StatusBoard:
                 if started < poller.not_before:
                     status = None  # asked before an attempt there ended: outdated
                 poller.latest = status
-                poller.at = time.monotonic() if status is not None else -math.inf
-                await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+                poller.at = clock.now() if status is not None else -math.inf
+                await asyncio.sleep(max(0.0, self.interval - (clock.now() - started)))
 
     async def aclose(self) -> None:
         """Cancel every poller of the running event loop and wait for them to end."""

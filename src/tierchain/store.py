@@ -30,6 +30,12 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 from ._checks import duration
+from ._runtime import clock
+
+
+def _package_clock() -> float:
+    return clock.now()
+
 
 __all__ = [
     "AFFINITY_ENTRIES",
@@ -370,17 +376,18 @@ AFFINITY_ENTRIES = 65536
 class MemoryStore:
     """The embedded default store: in this process only, no service needed.
 
-    ``clock`` is the breaker's clock (monotonic seconds; inject one in tests).
+    ``clock`` is the breaker's clock (monotonic seconds; inject one in tests; default:
+    the package's one clock, which :func:`tierchain.testing.virtual_time` switches).
     Every operation runs without yielding to the event loop, so each one is
     atomic with respect to every other request in the process.
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
         self._pins: dict[str, tuple[str, float]] = {}
         self._ledgers: dict[tuple[str, str], Ledger] = {}
         self._leases: dict[str, dict[str, float]] = {}
         self._affinity: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
-        self._clock = clock
+        self._clock: Callable[[], float] = _package_clock if clock is None else clock
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
         expiry = time.time() + duration("ttl", ttl)
@@ -495,7 +502,7 @@ class MemoryStore:
 
     async def affinity_get(self, route: str, keys: Sequence[str]) -> str | None:
         index = self._affinity
-        now = time.monotonic()
+        now = clock.now()
         for key in keys:
             entry = index.get((route, key))
             if entry is None:
@@ -509,7 +516,7 @@ class MemoryStore:
 
     async def affinity_set(self, route: str, keys: Sequence[str], backend: str, ttl: float) -> None:
         index = self._affinity
-        until = time.monotonic() + ttl
+        until = clock.now() + ttl
         for key in keys:
             index[route, key] = (backend, until)
             index.move_to_end((route, key))

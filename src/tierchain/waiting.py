@@ -30,12 +30,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 
 from . import _deadlines
 from ._checks import duration
+from ._runtime import clock
 from .request import TierRequest
 from .telemetry import WAITING_ROOM_REQUESTS, WAITING_ROOM_WAIT, labelled
 
@@ -115,7 +115,7 @@ class WaitingRoom:
         bisect.insort(queue, waiter, key=lambda w: w.key)
         gauge = labelled(WAITING_ROOM_REQUESTS, route)
         gauge.set(len(queue))
-        started = time.monotonic()
+        started = clock.now()
         give_up = started + self.max_wait
         outcome = "cancelled"
         shown = 0
@@ -130,12 +130,12 @@ class WaitingRoom:
                         position=position,
                         waiting=len(queue),
                         band=self.bands[band],
-                        waited_s=round(time.monotonic() - started, 1),
+                        waited_s=round(clock.now() - started, 1),
                     )
                 if position == 1 and not await full():
                     outcome = "released"
                     break
-                left = give_up - time.monotonic()
+                left = give_up - clock.now()
                 if left <= 0:
                     outcome = "max_wait"
                     break
@@ -154,5 +154,5 @@ class WaitingRoom:
             elif self._queues.get(route) is queue:
                 del self._queues[route]
             gauge.set(len(queue))
-            labelled(WAITING_ROOM_WAIT, route, outcome).observe(time.monotonic() - started)
+            labelled(WAITING_ROOM_WAIT, route, outcome).observe(clock.now() - started)
         return True

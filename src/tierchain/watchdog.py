@@ -67,7 +67,6 @@ import asyncio
 import contextvars
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -79,6 +78,7 @@ from . import _deadlines
 from ._checks import count, duration
 from ._deadlines import Deadline
 from ._responses import send_json_error
+from ._runtime import clock
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance, estimate_tokens
 from .errors import BackendBusy, BackendSaturated, StreamError
@@ -445,7 +445,7 @@ class _Watch:
         # covers the whole answer, not its first bytes.
         self.held = not self.own
         self.observer = shared if shared is not None else Observer()
-        self.start = time.monotonic()
+        self.start = clock.now()
         self.fired: str | None = None
         self._ceiling_at = self.start + watchdog.ceiling
         self._window_end = self.start + window if window > 0 else math.inf
@@ -511,7 +511,7 @@ class _Watch:
             if observer.sse or not self.held:
                 first = observer.first_data_at - self.start
             else:
-                first = time.monotonic() - self.start
+                first = clock.now() - self.start
             learned.observe(self.backend, body, first)
         gaps = self.watchdog.learned_gap
         if gaps is not None and observer.sse and observer.data_events > 2:
@@ -540,7 +540,7 @@ class _Watch:
             or req.caller_blocked_since is not None  # the caller's backpressure, not a stall
         ):
             return
-        gap = time.monotonic() - self._quiet_since()
+        gap = clock.now() - self._quiet_since()
         if gap < min(self.stall, _SILENT):
             return
         self._log_stall(gap)
@@ -575,7 +575,7 @@ class _Watch:
                 _deadlines.cancel(handle)
                 self._handle = None
             return
-        if handle is not None and _deadlines.due(handle) <= time.monotonic() + self.stall:
+        if handle is not None and _deadlines.due(handle) <= clock.now() + self.stall:
             return  # the window's timer comes first; it times the gap from there
         if handle is not None:
             _deadlines.cancel(handle)
@@ -615,7 +615,7 @@ class _Watch:
         elif due == self._ceiling_at:
             delay, fixed = self.watchdog.ceiling, True
         else:
-            delay, fixed = max(0.0, due - time.monotonic()), False
+            delay, fixed = max(0.0, due - clock.now()), False
         self._arm(delay, fixed=fixed)
 
     def _schedule(self) -> None:
@@ -632,7 +632,7 @@ class _Watch:
                 return  # the budget ends this attempt first: a deadline, not a saturation
         if due == math.inf:
             return
-        self._arm(max(0.0, due - time.monotonic()), fixed=False)
+        self._arm(max(0.0, due - clock.now()), fixed=False)
 
     def _quiet_since(self) -> float:
         """Since when the upstream has sent nothing that we read: its last data event,
@@ -655,7 +655,7 @@ class _Watch:
         self._handle = None
         if self.fired is not None:
             return
-        now = time.monotonic()
+        now = clock.now()
         observer = self.observer
         if self.answered():
             req = self.req
@@ -726,7 +726,7 @@ class _Watch:
         if deadline is not None:
             limit = min(limit, deadline - now)
         status = await self._probe(backend.status_url, backend.name, limit)
-        now = time.monotonic()
+        now = clock.now()
         if status is None and (self.fired is not None or now >= self._cut - _EARLY):
             # Cut short at the reserve's point (a starved server answers its status
             # slowly too): no answer, so no verdict; the reserve ends the attempt.
@@ -878,7 +878,7 @@ class _Watch:
             await self._saturated(send)
 
     async def _saturated(self, send: Send) -> None:
-        waited = time.monotonic() - self.start
+        waited = clock.now() - self.start
         reason = self.fired or "no_first_chunk"
         backend = self.backend or ""
         labelled(BACKEND_SATURATED, self.route, backend).inc()
