@@ -159,3 +159,15 @@ async def breaker_store(request, manual_clock):
         yield store
     finally:
         await store.aclose()
+
+
+@pytest.fixture(autouse=True)
+def _the_real_clock_between_tests():
+    """Each test starts on the real clock: a virtual one left switched on (a monkeypatch
+    undone after ``virtual_time`` had restored the clock) would freeze every later test."""
+    import time
+
+    from tierchain._runtime import clock
+
+    assert clock.now is time.monotonic, f"a test left the package's clock switched: {clock.now!r}"
+    yield

@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from tierchain import _deadlines
+from tierchain._runtime import deadlines as _deadlines
 
 from .support import busy_for, now, on_virtual_time
 

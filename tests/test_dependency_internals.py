@@ -22,8 +22,8 @@ import httpx
 import pytest
 import uvicorn
 
-from tierchain._loops import slack
 from tierchain._pool import FlatPool, FlatTransport
+from tierchain._runtime.loops import slack
 
 from .support import serve
 

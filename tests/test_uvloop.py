@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from tierchain import Budget, TierRequest, _deadlines
+from tierchain import Budget, TierRequest
+from tierchain._runtime import deadlines as _deadlines
 
 from .support import answering, one_request, whole_stack
 

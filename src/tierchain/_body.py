@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 from datetime import timedelta
 
-from . import _deadlines
 from ._checks import duration
 from ._head import refuse_request
+from ._runtime import deadlines
+from ._runtime.interrupt import Interruption
 from ._types import Message, Receive, Scope, Send
 from .errors import BodyTooLarge
 
@@ -60,23 +61,20 @@ async def read_body(
             break
     if within is None:
         return await _read(receive, limit)
-    # On the shared loop timer (tierchain._deadlines), not asyncio.timeout: the
+    # On the shared loop timer (tierchain._runtime.deadlines), not asyncio.timeout: the
     # deadline almost never fires, and an asyncio timer per request costs more
     # than the rest of the body's reading.
-    task = asyncio.current_task()
-    assert task is not None
-    baseline = task.cancelling()
-    entry = _deadlines.schedule(within, task.cancel)
+    late = Interruption()
+    late.arm()
+    entry = deadlines.schedule(within, late.interrupt)
     try:
         return await _read(receive, limit)
     except asyncio.CancelledError:
-        # The entry's callback is None once it fired (or was cancelled: not yet, here).
-        # Ours only if the count is back to what it was on entry, as asyncio.timeout does.
-        if entry[2] is not None or task.uncancel() > baseline:
+        if not late.ours():
             raise
         raise BodyTimeout from None
     finally:
-        _deadlines.cancel(entry)
+        deadlines.cancel(entry)
 
 
 async def _read(receive: Receive, limit: int) -> bytes:

@@ -11,7 +11,8 @@ The watcher starts only after ``WATCH_AFTER`` seconds: a request answered
 sooner (most refusals, most fast answers) never pays for a task, and a caller
 that leaves is still noticed within a fraction of a second. Rather than a loop
 timer per request, the guards of one event loop wait in a queue in the order
-they started, and one timer per loop, armed only while the queue is not empty,
+they started, and one deadline on the shared scheduler
+(:mod:`tierchain._runtime.deadlines`), armed only while the queue is not empty,
 starts the watchers of those that are still running ``WATCH_AFTER`` later.
 """
 
@@ -21,10 +22,12 @@ import asyncio
 import math
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
-from ._deadlines import Fifo
-from ._loops import PerLoop, slack
-from ._runtime import clock
+from ._runtime import clock, deadlines
+from ._runtime.deadlines import Fifo
+from ._runtime.interrupt import Interruption
+from ._runtime.loops import PerLoop, slack
 from ._types import Message, Receive
 
 WATCH_AFTER = 0.02
@@ -56,7 +59,7 @@ class _Starter:
         self.fifo.push(clock.now() + WATCH_AFTER, seq, self.pending)
         if not self.armed:
             self.armed = True
-            self.loop.call_later(WATCH_AFTER, self._tick)
+            deadlines.schedule(WATCH_AFTER, self._tick)
 
     def _tick(self) -> None:
         pending = self.pending
@@ -78,7 +81,7 @@ class _Starter:
                         )
         nxt = self.fifo.next_due(pending)  # (guards closed meanwhile: no need to wake)
         if nxt < math.inf:
-            self.loop.call_later(max(0.0, nxt - clock.now()), self._tick)
+            deadlines.schedule(max(0.0, nxt - clock.now()), self._tick, fixed=False)
         else:
             self.armed = False
 
@@ -86,7 +89,7 @@ class _Starter:
 _starter = PerLoop(_Starter).get  # the running loop's queue of guards
 
 
-class DisconnectGuard:
+class DisconnectGuard(Interruption):
     """Cancel the owning task promptly when the caller disconnects.
 
     Use as ``async with DisconnectGuard(receive) as guard:``; the context
@@ -96,22 +99,19 @@ class DisconnectGuard:
     """
 
     __slots__ = (
-        "_cancelled",
         "_gone",
         "_queued",
         "_receive",
         "_starter",
-        "_task",
         "_watcher",
         "done",
         "then",
     )
 
     def __init__(self, receive: Receive) -> None:
+        super().__init__()
         self._receive = receive
-        self._task: asyncio.Task[object] | None = None
         self._watcher: asyncio.Future[Message] | None = None
-        self._cancelled = False
         self.done = False
         self._gone: asyncio.Event | None = None  # made when first needed
         self._starter: _Starter | None = None  # while queued for its watcher
@@ -134,7 +134,7 @@ class DisconnectGuard:
 
     def enter(self) -> None:
         """Start guarding the running task (what ``async with`` does on entry)."""
-        self._task = asyncio.current_task()
+        self.arm()
         _starter().add(self)
 
     @property
@@ -143,7 +143,7 @@ class DisconnectGuard:
         return self._starter is not None
 
     @property
-    def task(self) -> asyncio.Task[object] | None:
+    def task(self) -> asyncio.Task[Any] | None:
         """The task this guard cancels (the request's), once entered."""
         return self._task
 
@@ -168,9 +168,8 @@ class DisconnectGuard:
             self.start_watching()  # something else (a late body chunk): keep listening
             return
         self.gone.set()
-        if not self.done and self._task is not None:
-            self._cancelled = True
-            self._task.cancel("tierchain: the caller disconnected")
+        if not self.done:
+            self.interrupt("tierchain: the caller disconnected")
 
     async def receive(self) -> Message:
         """What an inner app gets after the body: waits for the disconnect."""
@@ -202,4 +201,4 @@ class DisconnectGuard:
         Only then is it swallowed (and undone), and only when no other cancellation
         (a Budget timeout, a server shutdown) is pending.
         """
-        return bool(self._cancelled and self._task is not None and self._task.uncancel() == 0)
+        return self.ours()

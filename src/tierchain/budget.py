@@ -33,14 +33,13 @@ import math
 import re
 from collections.abc import Awaitable
 from datetime import timedelta
-from typing import Any
 
 from opentelemetry import trace
 
-from . import _deadlines
 from ._checks import duration
 from ._responses import send_final, send_json_error
-from ._runtime import clock
+from ._runtime import clock, deadlines
+from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import BudgetExhausted
 from .observer import Observer, whole_events
@@ -113,26 +112,23 @@ class Budget:
             return await self.app(scope, receive, send)
         # The request under its budget, in this frame (a waiting stream holds one less).
         spend = _Spend(self, scope, seconds)
-        task = asyncio.current_task()
-        assert task is not None
-        timer = spend.start(send, task)
+        timer = spend.start(send)
         try:
             await self.app(scope, receive, spend.send)
         except asyncio.CancelledError:
-            if not spend.fired or task.uncancel() > 0:
+            if not spend.ours():
                 raise
             await spend.exhausted(send)
         except BudgetExhausted:
             spend.req.cancel_reason = _REASON
             await spend.exhausted(send)
         else:
-            if spend.fired and task.cancelling():
-                task.uncancel()  # the app swallowed the cancellation and returned anyway
+            spend.swallowed()  # the app swallowed the cancellation and returned anyway
         finally:
-            _deadlines.cancel(timer)
+            deadlines.cancel(timer)
 
 
-class _Spend:
+class _Spend(Interruption):
     """One request under a budget: its timer and what has been sent.
 
     Inside a Failover, the events that reach this layer are already whole and
@@ -143,10 +139,8 @@ class _Spend:
     __slots__ = (
         "_observer",
         "_send",
-        "_task",
         "budget",
         "finished",
-        "fired",
         "req",
         "seconds",
         "started",
@@ -158,10 +152,9 @@ class _Spend:
         self.req = TierRequest.of(scope)
         self.started = False
         self.finished = False
-        self.fired = False
         self._observer: Observer | None = None
         self._send: Send | None = None
-        self._task: asyncio.Task[Any] | None = None
+        super().__init__()
 
     def send(self, message: Message) -> Awaitable[None]:
         """Note what passes and pass it on: the inner send's own awaitable, no frame of ours."""
@@ -187,7 +180,7 @@ class _Spend:
                 self.finished = True
             await send(out)
 
-    def start(self, send: Send, task: asyncio.Task[Any]) -> _deadlines.Deadline:
+    def start(self, send: Send) -> deadlines.Deadline:
         """Set the request's deadline and time it; returns the timer."""
         self._send = send
         req = self.req
@@ -200,17 +193,15 @@ class _Spend:
             delay = max(0.0, deadline - clock.now())
         req.deadline = deadline
         req.budget = delay if req.budget is None else min(req.budget, delay)
-        self._task = task
-        return _deadlines.schedule(delay, self._fire, fixed=fixed)
+        self.arm()
+        return deadlines.schedule(delay, self._fire, fixed=fixed)
 
     def _fire(self) -> None:
         """The deadline: cancel the request's task, unless it is already answered."""
-        if self.finished or self.fired:
+        if self.finished or self.interrupted:
             return
-        self.fired = True
         self.req.cancel_reason = _REASON  # before the cancellation lands
-        assert self._task is not None
-        self._task.cancel("tierchain: the request's budget is spent")
+        self.interrupt("tierchain: the request's budget is spent")
 
     async def exhausted(self, send: Send) -> None:
         req = self.req

@@ -57,14 +57,13 @@ from typing import Any, NamedTuple
 
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 
-from . import _deadlines
 from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._checks import count, duration
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
-from ._loops import slack
 from ._responses import caller_cut, error_detail, header, retry_after, send_json_error
-from ._runtime import clock
+from ._runtime import clock, deadlines
+from ._runtime.loops import slack
 from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .admission import Admission
@@ -362,6 +361,7 @@ class Failover:
         span = start_span("tierchain.request", {ATTR_ROUTE: route})
         guard = DisconnectGuard(receive)
         guard.enter()  # (as ``async with guard``, without its two coroutines)
+        req.interruption.arm(guard.task)
         try:
             if self._waitable and route in self._waitable:
                 await self._wait(scope, req, route)
@@ -876,9 +876,8 @@ def _own_abort(req: TierRequest) -> bool:
     if not req.aborted:
         return False
     req.aborted = False
-    task = asyncio.current_task()
     # Only our own cancellation: a pending one (the caller left, the budget) goes on.
-    return task is None or task.uncancel() == 0
+    return req.interruption.ours()
 
 
 def _skipped(req: TierRequest) -> dict[str, float | None]:
@@ -964,7 +963,7 @@ class _Responder:
         self.refusal: list[bytes] | None = None  # a retryable answer's body, being kept
         self._held: list[bytes] | None = None  # made when something is held
         self._held_size = 0
-        self._caller_watch: _deadlines.Deadline | None = None  # send_timeout, from commit
+        self._caller_watch: deadlines.Deadline | None = None  # send_timeout, from commit
         self._task: asyncio.Task[Any] | None = None  # the request's task, for the cut
         self.caller_cut = False  # the watch cut the caller (its cancellation is ours)
         self._ended = False
@@ -1174,7 +1173,7 @@ class _Responder:
         if guard.then is not None:
             guard.then = None  # (only the committed attempt sets it)
         if self._caller_watch is not None:
-            _deadlines.cancel(self._caller_watch)
+            deadlines.cancel(self._caller_watch)
             self._caller_watch = None
         span = self.span
         if span is not INVALID_SPAN:  # (no SDK: nothing to record)
@@ -1322,7 +1321,7 @@ class _Responder:
         if timeout is None or self._caller_watch is not None or self._ended:
             return
         self._task = self._guard.task
-        self._caller_watch = _deadlines.schedule(timeout, self._caller_due)
+        self._caller_watch = deadlines.schedule(timeout, self._caller_due)
 
     def _caller_due(self) -> None:
         """The watch's call: cut the caller if a send has been out for send_timeout,
@@ -1333,12 +1332,12 @@ class _Responder:
         req = self.req
         since = req.caller_blocked_since
         if since is None:
-            self._caller_watch = _deadlines.schedule(timeout, self._caller_due)
+            self._caller_watch = deadlines.schedule(timeout, self._caller_due)
             return
         now = clock.now()
         left = since + timeout - now
         if left > slack(asyncio.get_running_loop()):
-            self._caller_watch = _deadlines.schedule(left, self._caller_due, fixed=False)
+            self._caller_watch = deadlines.schedule(left, self._caller_due, fixed=False)
             return
         task = self._task
         if task is None or task.done() or req.aborted:
@@ -1346,7 +1345,7 @@ class _Responder:
         self.caller_cut = True
         req.attempt_error = caller_cut(req, "relay")
         req.aborted = True
-        task.cancel("tierchain: caller_stalled")
+        req.interruption.interrupt("tierchain: caller_stalled")
 
 
 def _has_body(status: int | None) -> bool:

@@ -48,11 +48,11 @@ from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._checks import count, duration
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
-from ._lag import lag_since
-from ._lag import watch as watch_lag
 from ._pool import FlatTransport
 from ._responses import send_json_error
-from ._runtime import clock
+from ._runtime import clock, deadlines
+from ._runtime.lag import lag_since
+from ._runtime.lag import watch as watch_lag
 from ._target import BadTarget, Target, refuse, request_target, upstream_url
 from ._types import Headers, Receive, Scope, Send
 from .backend import Backend
@@ -363,27 +363,20 @@ class Forwarder:
             # While a send to the caller is out, nothing is read from the upstream: the
             # request says so (TierRequest.caller_blocked_since), for the watchdog's
             # stall gap and Failover's send_timeout. Two clock reads a chunk, no task.
-            req = TierRequest.find(scope)
+            req: TierRequest | _Unwatched = TierRequest.find(scope) or _Unwatched()
             async for chunk in stream:
                 if observer is not None:
                     chunk = observer.body(chunk)
                 if chunk:
                     message = {"type": "http.response.body", "body": chunk, "more_body": True}
-                    if req is None:
-                        await send(message)
-                    else:
-                        req.caller_blocked_since = clock.now()
-                        await send(message)
-                        req.caller_blocked_since = None
-                        req.caller_unblocked_at = clock.now()
-            end = {"type": "http.response.body", "body": b"", "more_body": False}
-            if req is None:
-                await send(end)
-            else:
-                req.caller_blocked_since = clock.now()
-                await send(end)
-                req.caller_blocked_since = None
-                req.caller_unblocked_at = clock.now()
+                    req.caller_blocked_since = clock.now()
+                    await send(message)
+                    req.caller_blocked_since = None
+                    req.caller_unblocked_at = clock.now()
+            req.caller_blocked_since = clock.now()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            req.caller_blocked_since = None
+            req.caller_unblocked_at = clock.now()
         except (httpx.TransportError, StreamError) as exc:
             if raise_errors:
                 # Said without raising: a framework around this handler (Litestar's)
@@ -461,6 +454,16 @@ class _NoCookies(CookieJar):
         return None
 
 
+class _Unwatched:
+    """Where a Forwarder with no request object notes its sends to the caller (no one reads it)."""
+
+    __slots__ = ("caller_blocked_since", "caller_unblocked_at")
+
+    def __init__(self) -> None:
+        self.caller_blocked_since: float | None = None
+        self.caller_unblocked_at = 0.0
+
+
 class _Setup:
     """One request's connection set-up deadline (DNS, connect, TLS), with patience
     for the gateway's own lag.
@@ -479,17 +482,15 @@ class _Setup:
         self.connecting = False  # a connection attempt started (not a wait for a pooled one)
         self.window = clock.now()
         self.extended = 0
-        loop = asyncio.get_running_loop()
-        self.check: asyncio.TimerHandle | None = loop.call_later(timeout - _EARLY, self.patience)
+        self.check: deadlines.Deadline | None = deadlines.schedule(timeout - _EARLY, self.patience)
 
     def patience(self) -> None:
         timeout = self.timeout
         if lag_since(self.window) >= timeout * _LAG_SHARE and self.extended < _EXTENSIONS:
             self.extended += 1
             self.window = clock.now()
-            loop = asyncio.get_running_loop()
-            self.timer.reschedule(loop.time() + timeout)
-            self.check = loop.call_later(timeout - _EARLY, self.patience)
+            self.timer.reschedule(asyncio.get_running_loop().time() + timeout)
+            self.check = deadlines.schedule(timeout - _EARLY, self.patience)
         else:
             self.check = None
 
@@ -505,7 +506,7 @@ class _Setup:
         check = self.check
         if check is not None:
             self.check = None
-            check.cancel()
+            deadlines.cancel(check)
 
 
 def _leave_cause(scope: Scope, error: BackendUnavailable) -> None:

@@ -85,13 +85,13 @@ from typing import Any
 from opentelemetry import trace
 
 from ._checks import count, duration
-from ._eager import start_eagerly
-from ._keepalive_clock import EARLY as _EARLY
-from ._keepalive_clock import QUANTUM as _QUANTUM
-from ._keepalive_clock import KeepaliveClock
-from ._loops import PerLoop
 from ._responses import FinalWrites
 from ._runtime import clock
+from ._runtime.eager import start_eagerly
+from ._runtime.keepalive_clock import EARLY as _EARLY
+from ._runtime.keepalive_clock import QUANTUM as _QUANTUM
+from ._runtime.keepalive_clock import KeepaliveClock
+from ._runtime.loops import PerLoop
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .errors import CallerStalled
 from .observer import Observer, nothing_sent, whole_events

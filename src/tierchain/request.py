@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ._runtime import clock
+from ._runtime.interrupt import Interruption
 from ._types import Scope
 from .backend import Backend
 from .errors import AttemptError
@@ -182,6 +183,7 @@ class TierRequest:
         "committed",
         "deadline",
         "in_chain",
+        "interruption",
         "observer",
         "pin",
         "preference",
@@ -220,6 +222,9 @@ class TierRequest:
         otherwise turn it into a plain 500."""
         self.aborted = False
         """True while the current attempt is being cancelled by :meth:`abort`."""
+        self.interruption = Interruption()
+        """How :meth:`abort` (and Failover's send timeout) cancel the request's task: armed
+        by Failover on entry, so that only their own cancellation is undone."""
         self.cancel_reason: str | None = None
         """The outcome word for an attempt an outer layer cancelled (``budget_exhausted``)."""
         self.try_soonest = False
@@ -300,9 +305,12 @@ class TierRequest:
         if self.aborted:
             return  # already on its way out
         self.aborted = True
-        task = asyncio.current_task()
-        if task is not None:
-            task.cancel(f"tierchain: {error.reason}")
+        interruption = self.interruption
+        if not interruption.armed:  # no Failover armed it: the running task
+            if asyncio.current_task() is None:
+                return
+            interruption.arm()
+        interruption.interrupt(f"tierchain: {error.reason}")
 
     def remaining(self) -> float | None:
         """Seconds left of the request's budget, or None when it has none."""

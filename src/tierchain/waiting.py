@@ -33,9 +33,8 @@ import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 
-from . import _deadlines
 from ._checks import duration
-from ._runtime import clock
+from ._runtime import clock, deadlines
 from .request import TierRequest
 from .telemetry import WAITING_ROOM_REQUESTS, WAITING_ROOM_WAIT, labelled
 
@@ -119,7 +118,7 @@ class WaitingRoom:
         give_up = started + self.max_wait
         outcome = "cancelled"
         shown = 0
-        timer: _deadlines.Deadline | None = None
+        timer: deadlines.Deadline | None = None
         try:
             while True:
                 position = queue.index(waiter) + 1
@@ -140,14 +139,14 @@ class WaitingRoom:
                     outcome = "max_wait"
                     break
                 waiter.event.clear()
-                timer = _deadlines.schedule(
+                timer = deadlines.schedule(
                     min(self.poll, left), waiter.event.set, fixed=left >= self.poll
                 )
                 await waiter.event.wait()
-                _deadlines.cancel(timer)
+                deadlines.cancel(timer)
                 timer = None
         finally:
-            _deadlines.cancel(timer)
+            deadlines.cancel(timer)
             queue.remove(waiter)
             if queue:
                 queue[0].event.set()  # the next in line looks at once

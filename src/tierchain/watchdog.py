@@ -74,11 +74,11 @@ from typing import Any
 import httpx
 from opentelemetry import trace
 
-from . import _deadlines
 from ._checks import count, duration
-from ._deadlines import Deadline
 from ._responses import send_json_error
-from ._runtime import clock
+from ._runtime import clock, deadlines
+from ._runtime.deadlines import Deadline
+from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance, estimate_tokens
 from .errors import BackendBusy, BackendSaturated, StreamError
@@ -281,19 +281,17 @@ class SaturationWatchdog:
             if watch is None:
                 await self.app(scope, receive, send)
                 return
-            task = watch.begin(send)
+            watch.begin(send)
             try:
                 await self.app(scope, receive, watch.send if watch.own else send)
             except asyncio.CancelledError:
-                if watch.fired is None or task.uncancel() > 0:
+                if not watch.ours():
                     if watch.fired is None:
                         watch.cancelled()
                     raise
                 await watch.verdict(send)
             else:
-                if watch.fired is not None and task.cancelling():
-                    # The inner app swallowed our cancellation and returned anyway.
-                    task.uncancel()
+                if watch.swallowed():  # the inner app returned anyway
                     await watch.verdict(send)
                 else:
                     watch.learn()
@@ -376,7 +374,7 @@ class SaturationWatchdog:
         return lifespan_send
 
 
-class _Watch:
+class _Watch(Interruption):
     """One attempt under the watchdog: its timer, reading the attempt's observer.
 
     The waits are one deadline at a time in the loop's shared deadline queue,
@@ -400,7 +398,6 @@ class _Watch:
         "_rate_from",
         "_send",
         "_slow_logged",
-        "_task",
         "_window_end",
         "attempt",
         "backend",
@@ -456,7 +453,7 @@ class _Watch:
         self._rate_from: tuple[float, int] | None = None
         self._slow_logged = False
         self._send: Send | None = None
-        self._task: asyncio.Task[object] | None = None
+        super().__init__()
         self._handle: Deadline | None = None
         self._prober: asyncio.Task[None] | None = None
         if reserve > 0 and tracing_enabled():
@@ -469,14 +466,12 @@ class _Watch:
         (a later tier of a long chain after the earlier ones took their time)."""
         return self._cut <= self.start
 
-    def begin(self, send: Send) -> asyncio.Task[Any]:
-        """Start timing the attempt; returns the task our timer may cancel."""
+    def begin(self, send: Send) -> None:
+        """Start timing the attempt (its task is the one the timer may interrupt)."""
         self._send = send
-        self._task = task = asyncio.current_task()
-        assert task is not None
+        self.arm()
         self.observer.on_first_data.append(self._first_data)
         self._start_timer()
-        return task
 
     def end(self) -> asyncio.Task[None] | None:
         """The attempt is over: stop timing. Returns a cancelled probe to wait for."""
@@ -487,7 +482,7 @@ class _Watch:
         except ValueError:
             pass
         if self._handle is not None:
-            _deadlines.cancel(self._handle)
+            deadlines.cancel(self._handle)
             self._handle = None
         prober = self._prober
         if prober is not None:
@@ -572,13 +567,13 @@ class _Watch:
         handle = self._handle
         if self.stall <= 0:
             if handle is not None:
-                _deadlines.cancel(handle)
+                deadlines.cancel(handle)
                 self._handle = None
             return
-        if handle is not None and _deadlines.due(handle) <= clock.now() + self.stall:
+        if handle is not None and deadlines.due(handle) <= clock.now() + self.stall:
             return  # the window's timer comes first; it times the gap from there
         if handle is not None:
-            _deadlines.cancel(handle)
+            deadlines.cancel(handle)
             self._handle = None
         if self.fired is None:
             self._arm(self.stall, fixed=True)
@@ -647,7 +642,7 @@ class _Watch:
 
     def _arm(self, delay: float, *, fixed: bool) -> None:
         # Our callbacks log, emit and may start a probe: in the request's context.
-        self._handle = _deadlines.schedule(
+        self._handle = deadlines.schedule(
             delay, self._expired, context=contextvars.copy_context(), fixed=fixed
         )
 
@@ -744,7 +739,7 @@ class _Watch:
         if deadline is not None and now >= deadline:
             return
         if self._handle is not None:  # the reserve's or the ceiling's timer
-            _deadlines.cancel(self._handle)
+            deadlines.cancel(self._handle)
             self._handle = None
         if verdict == "working":
             assert status is not None
@@ -832,8 +827,7 @@ class _Watch:
 
     def _fire(self, reason: str) -> None:
         self.fired = reason
-        if self._task is not None:
-            self._task.cancel(f"tierchain: backend saturated ({reason})")
+        self.interrupt(f"tierchain: backend saturated ({reason})")
 
     def _slow(self, now: float) -> None:
         waited = round(now - self.start, 1)

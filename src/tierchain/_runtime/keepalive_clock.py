@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable
 from typing import Protocol
 
-from ._deadlines import Fifo
+from .deadlines import Fifo
 
 __all__ = ["EARLY", "QUANTUM", "Due", "KeepaliveClock"]
 

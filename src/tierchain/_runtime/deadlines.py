@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator, Mapping
 from operator import itemgetter
 from typing import Any
 
-from ._loops import PerLoop, slack
-from ._runtime import clock
+from . import clock
+from .loops import PerLoop, slack
 
 __all__ = ["Deadline", "Fifo", "cancel", "due", "schedule"]
 

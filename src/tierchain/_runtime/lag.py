@@ -14,7 +14,7 @@ import asyncio
 import weakref
 from collections import deque
 
-from ._runtime import clock
+from . import clock
 
 __all__ = ["PERIOD", "lag_since"]
 
