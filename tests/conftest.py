@@ -170,4 +170,3 @@ def _the_real_clock_between_tests():
     from tierchain._runtime import clock
 
     assert clock.now is time.monotonic, f"a test left the package's clock switched: {clock.now!r}"
-    yield

@@ -73,11 +73,13 @@ def test_a_budget_over_real_loopback_sockets_is_spent_exactly_on_time():
 
     async def scenario() -> tuple[int, float]:
         loop = asyncio.get_running_loop()
-        async with serve(Budget(never_answers, default=30.0)) as url:
-            async with httpx.AsyncClient(timeout=120) as client:
-                started = loop.time()
-                response = await client.post(url + "/v1/chat/completions", content=chat_request())
-                return response.status_code, loop.time() - started
+        async with (
+            serve(Budget(never_answers, default=30.0)) as url,
+            httpx.AsyncClient(timeout=120) as client,
+        ):
+            started = loop.time()
+            response = await client.post(url + "/v1/chat/completions", content=chat_request())
+            return response.status_code, loop.time() - started
 
     with virtual_time() as clock:
         status, took = run(clock, scenario())
