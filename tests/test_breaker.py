@@ -324,7 +324,7 @@ async def test_a_hundred_concurrent_requests_after_the_cooldown_send_one_probe(
         return result
 
     tasks = [asyncio.create_task(one()) for _ in range(100)]
-    await asyncio.wait_for(skipped_all.wait(), 2)
+    await skipped_all.wait()  # (however long a busy machine takes: the test's timeout bounds it)
     done = [t for t in tasks if t.done()]
     assert len(done) == 99
     assert tiers.calls["tower"] == 3  # two saturations, then the one probe

@@ -64,8 +64,7 @@ async def read_body(
     # On the shared loop timer (tierchain._runtime.deadlines), not asyncio.timeout: the
     # deadline almost never fires, and an asyncio timer per request costs more
     # than the rest of the body's reading.
-    late = Interruption()
-    late.arm()
+    late = Interruption.on()
     entry = deadlines.schedule(within, late.interrupt)
     try:
         return await _read(receive, limit)

@@ -109,8 +109,8 @@ class DisconnectGuard(Interruption):
     )
 
     def __init__(self, receive: Receive) -> None:
-        super().__init__()
         self._receive = receive
+        self.interrupted = False  # (armed by enter)
         self._watcher: asyncio.Future[Message] | None = None
         self.done = False
         self._gone: asyncio.Event | None = None  # made when first needed

@@ -123,7 +123,8 @@ class Budget:
             spend.req.cancel_reason = _REASON
             await spend.exhausted(send)
         else:
-            spend.swallowed()  # the app swallowed the cancellation and returned anyway
+            if spend.interrupted:
+                spend.swallowed()  # the app swallowed the cancellation and returned anyway
         finally:
             deadlines.cancel(timer)
 
@@ -154,7 +155,7 @@ class _Spend(Interruption):
         self.finished = False
         self._observer: Observer | None = None
         self._send: Send | None = None
-        super().__init__()
+        self.interrupted = False  # (armed by start)
 
     def send(self, message: Message) -> Awaitable[None]:
         """Note what passes and pass it on: the inner send's own awaitable, no frame of ours."""

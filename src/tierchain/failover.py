@@ -63,6 +63,7 @@ from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._responses import caller_cut, error_detail, header, retry_after, send_json_error
 from ._runtime import clock, deadlines
+from ._runtime.interrupt import Interruption
 from ._runtime.loops import slack
 from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
@@ -361,7 +362,7 @@ class Failover:
         span = start_span("tierchain.request", {ATTR_ROUTE: route})
         guard = DisconnectGuard(receive)
         guard.enter()  # (as ``async with guard``, without its two coroutines)
-        req.interruption.arm(guard.task)
+        req.interruption = Interruption.beside(guard)  # the same task, the same baseline
         try:
             if self._waitable and route in self._waitable:
                 await self._wait(scope, req, route)
@@ -376,7 +377,7 @@ class Failover:
                 keys = _SCOPE_SHAPES.setdefault(keys, keys)
             pristine = tuple(scope.values())
             first = True
-            attempt: Attempt | None = Attempt(1, len(chain), chain[0], route)
+            attempt: Attempt | None = Attempt(1, len(chain), chain[0], route, started=clock.now())
             if plan is not None and chain[0].pool is not None:
                 attempt = await self._picked(req, plan, Attempt(1, len(chain), chain[0], route))
             retried = 0
@@ -877,7 +878,7 @@ def _own_abort(req: TierRequest) -> bool:
         return False
     req.aborted = False
     # Only our own cancellation: a pending one (the caller left, the budget) goes on.
-    return req.interruption.ours()
+    return req.interruption is not None and req.interruption.ours()
 
 
 def _skipped(req: TierRequest) -> dict[str, float | None]:
@@ -1345,6 +1346,7 @@ class _Responder:
         self.caller_cut = True
         req.attempt_error = caller_cut(req, "relay")
         req.aborted = True
+        assert req.interruption is not None  # armed on entry
         req.interruption.interrupt("tierchain: caller_stalled")
 
 

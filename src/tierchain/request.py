@@ -222,7 +222,7 @@ class TierRequest:
         otherwise turn it into a plain 500."""
         self.aborted = False
         """True while the current attempt is being cancelled by :meth:`abort`."""
-        self.interruption = Interruption()
+        self.interruption: Interruption | None = None
         """How :meth:`abort` (and Failover's send timeout) cancel the request's task: armed
         by Failover on entry, so that only their own cancellation is undone."""
         self.cancel_reason: str | None = None
@@ -306,10 +306,10 @@ class TierRequest:
             return  # already on its way out
         self.aborted = True
         interruption = self.interruption
-        if not interruption.armed:  # no Failover armed it: the running task
+        if interruption is None:  # no Failover armed one: the running task's
             if asyncio.current_task() is None:
                 return
-            interruption.arm()
+            interruption = self.interruption = Interruption.on()
         interruption.interrupt(f"tierchain: {error.reason}")
 
     def remaining(self) -> float | None:

@@ -32,11 +32,6 @@ from typing import Literal, Protocol, runtime_checkable
 from ._checks import duration
 from ._runtime import clock
 
-
-def _package_clock() -> float:
-    return clock.now()
-
-
 __all__ = [
     "AFFINITY_ENTRIES",
     "AffinityStore",
@@ -387,7 +382,7 @@ class MemoryStore:
         self._ledgers: dict[tuple[str, str], Ledger] = {}
         self._leases: dict[str, dict[str, float]] = {}
         self._affinity: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
-        self._clock: Callable[[], float] = _package_clock if clock is None else clock
+        self._clock = clock
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
         expiry = time.time() + duration("ttl", ttl)
@@ -413,7 +408,10 @@ class MemoryStore:
         return self._pins.pop(route, None) is not None
 
     async def breaker_snapshot(self, route: str, backend: str) -> BreakerSnapshot:
-        return snapshot(self._ledgers.get((route, backend)), self._clock())
+        return snapshot(
+            self._ledgers.get((route, backend)),
+            (clock.now() if self._clock is None else self._clock()),
+        )
 
     async def breaker_acquire(
         self,
@@ -441,7 +439,13 @@ class MemoryStore:
             if not force:
                 return _CLOSED  # the common case allocates nothing
             led = self._ledgers[route, backend] = Ledger()
-        return acquire(led, self._clock(), policy, force=force, wake=wake)
+        return acquire(
+            led,
+            (clock.now() if self._clock is None else self._clock()),
+            policy,
+            force=force,
+            wake=wake,
+        )
 
     async def breaker_record(
         self,
@@ -462,14 +466,20 @@ class MemoryStore:
             led = self._ledgers[key] = Ledger()
         # A ledger is never dropped: its gen must keep counting up.
         return record(
-            led, self._clock(), policy, outcome, gen=gen, probe=probe, retry_after=retry_after
+            led,
+            (clock.now() if self._clock is None else self._clock()),
+            policy,
+            outcome,
+            gen=gen,
+            probe=probe,
+            retry_after=retry_after,
         )
 
     # -- in-flight leases ----------------------------------------------------
 
     def _live(self, backend: str) -> dict[str, float]:
         leases = self._leases.setdefault(backend, {})
-        now = self._clock()
+        now = clock.now() if self._clock is None else self._clock()
         for token in [t for t, until in leases.items() if until <= now]:
             del leases[token]
         return leases
@@ -480,12 +490,12 @@ class MemoryStore:
         leases = self._live(backend)
         if len(leases) >= limit and not force:
             return False, len(leases)
-        leases[token] = self._clock() + ttl
+        leases[token] = (clock.now() if self._clock is None else self._clock()) + ttl
         return True, len(leases)
 
     async def lease_renew(self, backend: str, tokens: list[str], ttl: float) -> None:
         leases = self._live(backend)
-        until = self._clock() + ttl
+        until = (clock.now() if self._clock is None else self._clock()) + ttl
         for token in tokens:
             if token in leases:
                 leases[token] = until

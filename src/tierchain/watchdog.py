@@ -291,7 +291,7 @@ class SaturationWatchdog:
                     raise
                 await watch.verdict(send)
             else:
-                if watch.swallowed():  # the inner app returned anyway
+                if watch.interrupted and watch.swallowed():  # the inner app returned anyway
                     await watch.verdict(send)
                 else:
                     watch.learn()
@@ -453,7 +453,7 @@ class _Watch(Interruption):
         self._rate_from: tuple[float, int] | None = None
         self._slow_logged = False
         self._send: Send | None = None
-        super().__init__()
+        self.interrupted = False  # (armed by begin)
         self._handle: Deadline | None = None
         self._prober: asyncio.Task[None] | None = None
         if reserve > 0 and tracing_enabled():

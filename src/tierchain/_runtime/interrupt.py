@@ -11,8 +11,10 @@ other cancellation pending, a shutdown or an outer layer's, goes on); and when t
 code swallowed the cancellation and returned, :meth:`swallowed` undoes it.
 
 Layers subclass it (their per-request objects already exist, so it costs no allocation),
-or hold one. Nothing outside ``tierchain._runtime`` calls ``cancelling`` or ``uncancel``
-(``tests/test_internals.py`` checks).
+or hold one. It has no ``__init__`` (a subclass calls none, a new one is made in C):
+:meth:`arm` sets every field, and nothing else may be used before it. Nothing outside
+``tierchain._runtime`` calls ``cancelling`` or ``uncancel`` (``tests/test_internals.py``
+checks).
 """
 
 from __future__ import annotations
@@ -28,10 +30,30 @@ class Interruption:
 
     __slots__ = ("_baseline", "_task", "interrupted")
 
-    def __init__(self) -> None:
-        self._task: asyncio.Task[Any] | None = None
-        self._baseline = 0
-        self.interrupted = False
+    _task: asyncio.Task[Any]
+    _baseline: int
+    interrupted: bool
+
+    @classmethod
+    def on(cls, task: asyncio.Task[Any] | None = None) -> Interruption:
+        """A new interruption armed on ``task`` (default: the running task)."""
+        if task is None:
+            task = asyncio.current_task()
+            assert task is not None, "an Interruption is armed inside a task"
+        made = cls()
+        made._task = task
+        made._baseline = task.cancelling()
+        made.interrupted = False
+        return made
+
+    @classmethod
+    def beside(cls, other: Interruption) -> Interruption:
+        """A new interruption of ``other``'s task with ``other``'s baseline (armed at once)."""
+        made = cls()
+        made._task = other._task
+        made._baseline = other._baseline
+        made.interrupted = False
+        return made
 
     def arm(self, task: asyncio.Task[Any] | None = None) -> asyncio.Task[Any]:
         """Take the running task (or ``task``) and its cancellation count as the baseline."""
@@ -43,17 +65,11 @@ class Interruption:
         self.interrupted = False
         return task
 
-    @property
-    def armed(self) -> bool:
-        return self._task is not None
-
     def interrupt(self, reason: str | None = None) -> None:
-        """Cancel the armed task with ``reason`` (once; a no-op before :meth:`arm`)."""
-        task = self._task
-        if task is None or self.interrupted:
-            return
-        self.interrupted = True
-        task.cancel(reason)
+        """Cancel the armed task with ``reason`` (once)."""
+        if not self.interrupted:
+            self.interrupted = True
+            self._task.cancel(reason)
 
     def ours(self) -> bool:
         """In ``except CancelledError``: was it this interruption, with nothing else pending?
@@ -61,10 +77,9 @@ class Interruption:
         True undoes it (the caller then answers instead of re-raising), and the
         interruption may fire again; False means the cancellation must go on.
         """
-        task = self._task
-        if not self.interrupted or task is None:
+        if not self.interrupted:
             return False
-        if task.uncancel() > self._baseline:
+        if self._task.uncancel() > self._baseline:
             return False  # another cancellation is pending: it goes on
         self.interrupted = False
         return True
@@ -72,7 +87,7 @@ class Interruption:
     def swallowed(self) -> bool:
         """After the inner code returned: True when it swallowed this interruption (undone now)."""
         task = self._task
-        if self.interrupted and task is not None and task.cancelling() > self._baseline:
+        if self.interrupted and task.cancelling() > self._baseline:
             task.uncancel()
             self.interrupted = False
             return True
