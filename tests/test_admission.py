@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import httpx
@@ -23,7 +22,16 @@ from tierchain import (
 )
 from tierchain.admission import Admission
 
-from .support import Exchange, FakeBackend, chat_request, openai_stream, serve, streams
+from .support import (
+    Exchange,
+    FakeBackend,
+    chat_request,
+    now,
+    on_virtual_time,
+    openai_stream,
+    serve,
+    streams,
+)
 
 HOSTED = b"".join(openai_stream(["from ", "hosted"]))
 
@@ -53,7 +61,7 @@ class Gateway:
 
         async def app(scope, receive, send):
             if scope["type"] == "http":
-                TierRequest.of(scope).subscribe(lambda e: self.events.append((time.monotonic(), e)))
+                TierRequest.of(scope).subscribe(lambda e: self.events.append((now(), e)))
             await self.failover(scope, receive, send)
 
         self.app = app
@@ -70,6 +78,7 @@ async def post(client: httpx.AsyncClient, url: str) -> httpx.Response:
     return await client.post(url + "/v1/chat/completions", content=chat_request())
 
 
+@on_virtual_time
 async def test_a_full_backend_is_skipped_at_once_and_the_chain_advances(metric):
     release, started = asyncio.Event(), asyncio.Event()
     busy_before = metric(
@@ -105,6 +114,7 @@ async def test_a_full_backend_is_skipped_at_once_and_the_chain_advances(metric):
     assert after == busy_before + 1
 
 
+@on_virtual_time
 async def test_the_busy_state_line_reaches_the_caller_as_an_sse_comment():
     release, started = asyncio.Event(), asyncio.Event()
     async with (
@@ -135,6 +145,7 @@ async def test_the_busy_state_line_reaches_the_caller_as_an_sse_comment():
     assert line in second.content
 
 
+@on_virtual_time
 async def test_the_last_tier_is_never_skipped_for_being_full_it_queues():
     release, started, both = asyncio.Event(), asyncio.Event(), asyncio.Event()
     arrived = 0
@@ -161,6 +172,7 @@ async def test_the_last_tier_is_never_skipped_for_being_full_it_queues():
     assert gw.states("backend_busy") == []
 
 
+@on_virtual_time
 async def test_busy_is_not_a_failure_no_breaker_ledger_counts_it(manual_clock):
     store = MemoryStore(clock=manual_clock)
     release, started = asyncio.Event(), asyncio.Event()
@@ -237,6 +249,7 @@ async def test_leases_count_to_the_limit_and_a_dead_replicas_run_out(breaker_sto
     assert await store.lease_count("tower") == 1
 
 
+@on_virtual_time
 async def test_admission_renews_its_leases_while_an_attempt_runs():
     store = MemoryStore()
     admission = Admission(store, lease=0.09)
@@ -251,6 +264,7 @@ async def test_admission_renews_its_leases_while_an_attempt_runs():
     await admission.aclose()
 
 
+@on_virtual_time
 async def test_a_backend_without_a_limit_takes_no_lease():
     admission = Admission()
     assert await admission.enter(Backend("tower", "http://127.0.0.1:1"), last=False) is None

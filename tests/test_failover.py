@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import httpx
@@ -18,6 +17,8 @@ from .support import (
     answering,
     answers,
     chat_request,
+    now,
+    on_virtual_time,
     openai_stream,
     parse_sse,
     refused_url,
@@ -36,15 +37,16 @@ async def post(url: str, body: bytes, **kw) -> httpx.Response:
         return await client.post(url + "/v1/chat/completions", content=body, **kw)
 
 
+@on_virtual_time
 async def test_a_refused_connection_fails_over_in_well_under_a_second():
     async with FakeBackend("hosted", streams(["from ", "hosted"])) as hosted:
         app, fwd = gateway(
             {"echo": [Backend("tower", refused_url()), Backend("hosted", hosted.url)]}
         )
         async with serve(app) as url:
-            t0 = time.monotonic()
+            t0 = now()
             response = await post(url, chat_request())
-            took = time.monotonic() - t0
+            took = now() - t0
         await fwd.aclose()
     assert response.status_code == 200
     assert took < 1.5
@@ -55,6 +57,7 @@ async def test_a_refused_connection_fails_over_in_well_under_a_second():
     assert response.headers["x-tierchain-backend"] == "hosted"
 
 
+@on_virtual_time
 async def test_a_500_before_anything_was_sent_fails_over(metric):
     before = metric("tierchain_attempts_total", route="echo", backend="tower", outcome="http_500")
     async with (
@@ -73,6 +76,7 @@ async def test_a_500_before_anything_was_sent_fails_over(metric):
     assert after == before + 1
 
 
+@on_virtual_time
 async def test_a_400_passes_through_without_failover():
     body = b'{"error":{"message":"bad temperature","type":"invalid_request_error"}}'
     async with (
@@ -89,6 +93,7 @@ async def test_a_400_passes_through_without_failover():
     assert response.headers["x-tierchain-attempts"] == "tower;outcome=http_400"
 
 
+@on_virtual_time
 async def test_a_multi_megabyte_non_ascii_body_reaches_the_second_tier_byte_identical():
     content = ("Grüße, 世界! 🚀 " * 200_000)[:3_000_000]
     body = json.dumps(
@@ -108,6 +113,7 @@ async def test_a_multi_megabyte_non_ascii_body_reaches_the_second_tier_byte_iden
     assert hosted.requests[0].body == body
 
 
+@on_virtual_time
 async def test_an_oversized_body_gets_413_and_reaches_no_backend():
     async with FakeBackend("tower") as tower:
         app, fwd = gateway({"echo": [Backend("tower", tower.url)]}, max_body=1000)
@@ -119,6 +125,7 @@ async def test_an_oversized_body_gets_413_and_reaches_no_backend():
     assert tower.requests == []
 
 
+@on_virtual_time
 async def test_an_unknown_model_gets_404_naming_it_and_the_known_routes():
     async with FakeBackend("tower") as tower:
         app, fwd = gateway(
@@ -138,6 +145,7 @@ async def test_an_unknown_model_gets_404_naming_it_and_the_known_routes():
     ("body", "needle"),
     [(b"{not json", "not valid JSON"), (b"[1,2]", "JSON object"), (b'{"stream":true}', "'model'")],
 )
+@on_virtual_time
 async def test_a_body_that_cannot_name_a_route_gets_400(body, needle):
     async with FakeBackend("tower") as tower:
         app, fwd = gateway({"echo": [Backend("tower", tower.url)]})
@@ -149,6 +157,7 @@ async def test_a_body_that_cannot_name_a_route_gets_400(body, needle):
     assert tower.requests == []
 
 
+@on_virtual_time
 async def test_when_every_backend_fails_the_caller_gets_502_listing_each_attempt():
     async with FakeBackend("hosted", answers(503)) as hosted:
         app, fwd = gateway(
@@ -169,6 +178,7 @@ async def test_when_every_backend_fails_the_caller_gets_502_listing_each_attempt
     )
 
 
+@on_virtual_time
 async def test_pings_before_the_first_data_event_do_not_commit_the_attempt():
     async def ping_then_die(ex: Exchange) -> None:
         await ex.head()
@@ -188,6 +198,7 @@ async def test_pings_before_the_first_data_event_do_not_commit_the_attempt():
     assert response.headers["x-tierchain-attempts"].startswith("tower;outcome=stream_broken")
 
 
+@on_virtual_time
 async def test_a_stream_that_dies_after_commit_ends_with_an_error_event_not_a_cut():
     async def dies_midway(ex: Exchange) -> None:
         await ex.head()
@@ -209,6 +220,7 @@ async def test_a_stream_that_dies_after_commit_ends_with_an_error_event_not_a_cu
     assert hosted.requests == []
 
 
+@on_virtual_time
 async def test_a_caller_that_disconnects_closes_the_upstream_connection():
     started = asyncio.Event()
 
@@ -228,13 +240,14 @@ async def test_a_caller_that_disconnects_closes_the_upstream_connection():
                 async for _ in r.aiter_raw():
                     break
                 await asyncio.wait_for(started.wait(), 1)
-            t0 = time.monotonic()
+            t0 = now()
             await asyncio.wait_for(tower.connection_closed.wait(), 1)
-            assert time.monotonic() - t0 < 1.5
+            assert now() - t0 < 1.5
             assert tower.open_connections == 0
         await fwd.aclose()
 
 
+@on_virtual_time
 async def test_a_backend_that_answers_garbage_fails_over_and_says_why():
     async def garbage(ex: Exchange) -> None:
         ex._writer.write(b"\x00\xffthis is not HTTP at all\r\n\r\n")
@@ -255,6 +268,7 @@ async def test_a_backend_that_answers_garbage_fails_over_and_says_why():
     assert first in {"tower;outcome=protocol_error", "tower;outcome=connection_reset"}
 
 
+@on_virtual_time
 async def test_a_body_that_stops_short_of_its_content_length_reaches_no_backend():
     # The caller promises more body than it sends and hangs up: nothing is forwarded.
     async with FakeBackend("tower") as tower:
@@ -274,6 +288,7 @@ async def test_a_body_that_stops_short_of_its_content_length_reaches_no_backend(
     assert tower.requests == []
 
 
+@on_virtual_time
 async def test_a_router_that_rewrites_the_scope_still_routes_the_next_attempt():
     # The README's layout: the handler mounted in FastAPI at /v1, inside Failover.
     # Starlette's Mount rewrites the scope it routes (root_path, endpoint, ...): the
@@ -314,6 +329,7 @@ async def test_a_router_that_rewrites_the_scope_still_routes_the_next_attempt():
     ]
 
 
+@on_virtual_time
 async def test_a_guard_callback_that_fails_leaves_the_next_guards_callback_to_run() -> None:
     """The disconnect guards' queue calls each still-guarded request's ``then`` once it
     has run WATCH_AFTER; one that raises is reported and the others still run."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 
 import httpx
 import openai
@@ -18,6 +17,8 @@ from .support import (
     Exchange,
     FakeBackend,
     chat_request,
+    now,
+    on_virtual_time,
     openai_stream,
     refused_url,
     serve,
@@ -47,6 +48,7 @@ def blackhole():
     server.close()
 
 
+@on_virtual_time
 async def test_a_backend_that_never_accepts_costs_the_connect_timeout_then_fails_over(blackhole):
     async with FakeBackend("hosted", streams(["ok"])) as hosted:
         forwarder = Forwarder(connect_timeout=0.2)
@@ -55,15 +57,16 @@ async def test_a_backend_that_never_accepts_costs_the_connect_timeout_then_fails
             routes=Routes({"echo": [Backend("tower", blackhole), Backend("hosted", hosted.url)]}),
         )
         async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
-            t0 = time.monotonic()
+            t0 = now()
             response = await client.post(url + "/v1/chat/completions", content=chat_request())
-            took = time.monotonic() - t0
+            took = now() - t0
         await forwarder.aclose()
     assert response.status_code == 200
     assert response.headers["x-tierchain-attempts"].startswith("tower;outcome=connect_timeout")
-    assert 0.2 <= took < 1.5
+    assert took == pytest.approx(0.2, abs=1e-6)  # the connect timeout, then hosted at once
 
 
+@on_virtual_time
 async def test_hop_by_hop_headers_are_dropped_and_backend_headers_and_model_are_applied():
     async with FakeBackend("hosted", streams(["ok"])) as hosted:
         backend = Backend(
@@ -97,6 +100,7 @@ async def test_hop_by_hop_headers_are_dropped_and_backend_headers_and_model_are_
     assert "transfer-encoding" not in {k for k in response.headers if k != "transfer-encoding"}
 
 
+@on_virtual_time
 async def test_a_forwarder_alone_answers_502_for_a_dead_backend():
     forwarder = Forwarder(backend=Backend("tower", refused_url()))
     async with serve(forwarder) as url, httpx.AsyncClient(timeout=5) as client:
@@ -106,6 +110,7 @@ async def test_a_forwarder_alone_answers_502_for_a_dead_backend():
     assert response.json()["error"]["code"] == "connect_refused"
 
 
+@on_virtual_time
 async def test_a_forwarder_alone_streams_and_ends_a_broken_stream_with_an_error_event():
     first, second = openai_stream(["one", "two"])[:2]
 
@@ -125,6 +130,7 @@ async def test_a_forwarder_alone_streams_and_ends_a_broken_stream_with_an_error_
     assert b'"code":"stream_broken"' in response.content
 
 
+@on_virtual_time
 async def test_the_forwarder_closes_its_client_on_lifespan_shutdown():
     async with FakeBackend("tower") as tower:
         forwarder = Forwarder(backend=Backend("tower", tower.url))
@@ -138,6 +144,7 @@ async def test_the_forwarder_closes_its_client_on_lifespan_shutdown():
         assert tower.open_connections == 0
 
 
+@on_virtual_time
 async def test_a_stream_that_dies_after_commit_raises_api_error_in_the_openai_sdk():
     async def dies_after_two(ex: Exchange) -> None:
         await ex.head()
@@ -167,6 +174,7 @@ async def test_a_stream_that_dies_after_commit_raises_api_error_in_the_openai_sd
     assert hosted.requests == []
 
 
+@on_virtual_time
 async def test_a_caller_that_leaves_while_the_backend_is_silent_closes_the_upstream():
     arrived = asyncio.Event()
 
@@ -186,9 +194,9 @@ async def test_a_caller_that_leaves_while_the_backend_is_silent_closes_the_upstr
                 request.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await request
-            t0 = time.monotonic()
+            t0 = now()
             await asyncio.wait_for(tower.connection_closed.wait(), 1)
-            assert time.monotonic() - t0 < 1.5
+            assert now() - t0 < 1.5
         await forwarder.aclose()
     assert tower.open_connections == 0
     leftovers = [t for t in asyncio.all_tasks() if t.get_name().startswith("tierchain")]

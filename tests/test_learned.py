@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from typing import Any
 
 import httpx
@@ -14,7 +13,16 @@ from tierchain.config import from_env
 from tierchain.learned import Learned, bucket_of
 from tierchain.sketch import LogSketch
 
-from .support import Exchange, FakeBackend, chat_request, openai_stream, serve, streams
+from .support import (
+    Exchange,
+    FakeBackend,
+    chat_request,
+    now,
+    on_virtual_time,
+    openai_stream,
+    serve,
+    streams,
+)
 
 HOSTED = b"".join(openai_stream(["from ", "hosted"]))
 
@@ -115,6 +123,7 @@ def test_slow_after_auto_and_its_variables():
     assert built == Learned(maximum=2.0, min_samples=10)
 
 
+@on_virtual_time
 async def test_learned_from_idle_requests_the_chain_moves_well_under_the_configured_window(
     metric,
 ):
@@ -140,9 +149,9 @@ async def test_learned_from_idle_requests_the_chain_moves_well_under_the_configu
                 r = await client.post(url + "/v1/chat/completions", content=chat_request())
                 assert r.headers["x-tierchain-attempts"] == "tower;outcome=ok"
             saturated = True
-            t0 = time.monotonic()
+            t0 = now()
             r = await client.post(url + "/v1/chat/completions", content=chat_request())
-            took = time.monotonic() - t0
+            took = now() - t0
         await forwarder.aclose()
         await watchdog.aclose()
     assert r.content == HOSTED
