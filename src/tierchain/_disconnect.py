@@ -11,82 +11,29 @@ The watcher starts only after ``WATCH_AFTER`` seconds: a request answered
 sooner (most refusals, most fast answers) never pays for a task, and a caller
 that leaves is still noticed within a fraction of a second. Rather than a loop
 timer per request, the guards of one event loop wait in a queue in the order
-they started, and one deadline on the shared scheduler
-(:mod:`tierchain._runtime.deadlines`), armed only while the queue is not empty,
+they started (:class:`tierchain._runtime.later.Later`), and one loop timer, armed
+only while the queue is not empty,
 starts the watchers of those that are still running ``WATCH_AFTER`` later.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from ._runtime import clock, deadlines
-from ._runtime.deadlines import Fifo
 from ._runtime.interrupt import Interruption
-from ._runtime.loops import PerLoop, slack
+from ._runtime.later import Later
+from ._runtime.loops import PerLoop
 from ._types import Message, Receive
 
 WATCH_AFTER = 0.02
 
 
-class _Starter:
-    """One event loop's queue of guards waiting for their watcher to be due.
-
-    The queue holds due times and numbers only; ``pending`` maps a number to
-    its guard until the guard closes, so a request answered before its watcher
-    was due is not kept alive by the queue.
-    """
-
-    __slots__ = ("armed", "fifo", "loop", "pending", "seq", "slack")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.slack = slack(loop)  # how early a loop timer may fire
-        self.fifo = Fifo()
-        self.pending: dict[int, DisconnectGuard] = {}
-        self.seq = 0
-        self.armed = False
-
-    def add(self, guard: DisconnectGuard) -> None:
-        seq = self.seq = self.seq + 1
-        self.pending[seq] = guard
-        guard._queued = seq
-        guard._starter = self
-        self.fifo.push(clock.now() + WATCH_AFTER, seq, self.pending)
-        if not self.armed:
-            self.armed = True
-            deadlines.schedule(WATCH_AFTER, self._tick)
-
-    def _tick(self) -> None:
-        pending = self.pending
-        for seq in self.fifo.pop_due(clock.now() + self.slack):
-            guard = pending.pop(seq, None)
-            if guard is not None:
-                guard._starter = None
-                guard.start_watching()
-                then, guard.then = guard.then, None
-                if then is not None:
-                    try:
-                        then()
-                    except Exception as exc:  # one broken callback must not stop the others
-                        self.loop.call_exception_handler(
-                            {
-                                "message": "tierchain disconnect-guard callback failed",
-                                "exception": exc,
-                            }
-                        )
-        nxt = self.fifo.next_due(pending)  # (guards closed meanwhile: no need to wake)
-        if nxt < math.inf:
-            deadlines.schedule(max(0.0, nxt - clock.now()), self._tick, fixed=False)
-        else:
-            self.armed = False
-
-
-_starter = PerLoop(_Starter).get  # the running loop's queue of guards
+_starter = PerLoop(
+    lambda loop: Later(loop, WATCH_AFTER, "tierchain disconnect-guard callback failed")
+).get  # the running loop's queue of guards
 
 
 class DisconnectGuard(Interruption):
@@ -114,7 +61,7 @@ class DisconnectGuard(Interruption):
         self._watcher: asyncio.Future[Message] | None = None
         self.done = False
         self._gone: asyncio.Event | None = None  # made when first needed
-        self._starter: _Starter | None = None  # while queued for its watcher
+        self._starter: Later | None = None  # while queued for its watcher
         self._queued = 0
         self.then: Callable[[], object] | None = None
         """Called once when the request has run ``WATCH_AFTER`` seconds (if still
@@ -135,7 +82,8 @@ class DisconnectGuard(Interruption):
     def enter(self) -> None:
         """Start guarding the running task (what ``async with`` does on entry)."""
         self.arm()
-        _starter().add(self)
+        starter = self._starter = _starter()
+        self._queued = starter.add(self)
 
     @property
     def young(self) -> bool:
@@ -146,6 +94,14 @@ class DisconnectGuard(Interruption):
     def task(self) -> asyncio.Task[Any] | None:
         """The task this guard cancels (the request's), once entered."""
         return self._task
+
+    def due_now(self) -> None:
+        """The request has run ``WATCH_AFTER`` seconds: watch it, and call :attr:`then`."""
+        self._starter = None
+        self.start_watching()
+        then, self.then = self.then, None
+        if then is not None:
+            then()
 
     def start_watching(self) -> None:
         """Start the watcher task (once the request has run ``WATCH_AFTER`` seconds).
@@ -191,7 +147,7 @@ class DisconnectGuard(Interruption):
         starter = self._starter
         if starter is not None:
             self._starter = None
-            starter.pending.pop(self._queued, None)
+            starter.discard(self._queued)
         if self._watcher is not None:
             self._watcher.cancel()
 
