@@ -3,6 +3,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
+from .support import RULES_TIMEOUT
+
 
 @pytest.fixture
 def metric():
@@ -154,7 +156,9 @@ async def breaker_store(request, manual_clock):
         yield MemoryStore(clock=manual_clock)
         return
     server = request.getfixturevalue("redis_server")
-    store = RedisStore(server.url, clock=manual_clock)
+    # The rules are under test, not outages: a reply a busy machine delays must not send
+    # the store to its local fallback (the outage tests make stores of their own).
+    store = RedisStore(server.url, clock=manual_clock, timeout=RULES_TIMEOUT)
     try:
         yield store
     finally:

@@ -63,6 +63,10 @@ class Recorder:
         await self.inner(scope, receive, send)
 
 
+RULES_TIMEOUT = 30.0
+"""Seconds: the timeout of a RedisStore whose rules are tested, not its outages."""
+
+
 # -- virtual time -----------------------------------------------------------------
 
 

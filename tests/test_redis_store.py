@@ -22,7 +22,7 @@ from tierchain import (
 )
 from tierchain.store import BreakerPolicy
 
-from .support import FakeBackend, chat_request, serve, streams
+from .support import RULES_TIMEOUT, FakeBackend, chat_request, serve, streams
 
 pytestmark = pytest.mark.redis
 
@@ -73,8 +73,8 @@ async def test_a_saturation_seen_by_one_replica_is_honoured_by_the_other(redis_s
     async with (
         FakeBackend("tower", _silent) as tower,
         FakeBackend("hosted", streams(["ok"])) as hosted,
-        RedisStore(redis_server.url) as store_a,
-        RedisStore(redis_server.url) as store_b,
+        RedisStore(redis_server.url, timeout=RULES_TIMEOUT) as store_a,
+        RedisStore(redis_server.url, timeout=RULES_TIMEOUT) as store_b,
     ):
         routes = Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
         app_a, fwd_a = replica(routes, store_a)
@@ -106,8 +106,8 @@ async def test_a_saturation_seen_by_one_replica_is_honoured_by_the_other(redis_s
 async def test_two_replicas_never_both_take_the_half_open_probe(redis_server):
     clock = [1_000_000.0]
     async with (
-        RedisStore(redis_server.url, clock=lambda: clock[0]) as a,
-        RedisStore(redis_server.url, clock=lambda: clock[0]) as b,
+        RedisStore(redis_server.url, clock=lambda: clock[0], timeout=RULES_TIMEOUT) as a,
+        RedisStore(redis_server.url, clock=lambda: clock[0], timeout=RULES_TIMEOUT) as b,
     ):
         for _ in range(2):
             ticket = await a.breaker_acquire("echo", "tower", POLICY)
