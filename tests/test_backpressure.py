@@ -46,6 +46,8 @@ from .support import (
     chat_request,
     chat_scope,
     chunk_event,
+    now,
+    on_virtual_time,
     openai_stream,
     serve,
 )
@@ -71,9 +73,9 @@ async def floods(ex: Exchange, *, after: float = 0.0) -> None:
 
 async def until(check: Callable[[], Awaitable[bool]], what: str, limit: float = 30.0) -> None:
     """Wait (polling) until ``check()`` is true; fail after ``limit`` seconds."""
-    give_up = time.monotonic() + limit
+    give_up = now() + limit
     while not await check():
-        if time.monotonic() > give_up:
+        if now() > give_up:
             pytest.fail(f"still not {what} after {limit}s")
         await asyncio.sleep(0.02)
 
@@ -212,6 +214,7 @@ async def test_callers_that_stop_reading_are_cut_without_blaming_the_tower(
     assert hosted.requests == []
 
 
+@on_virtual_time
 async def test_the_budget_ending_a_caller_that_stopped_reading_is_bounded_and_no_stall(
     metric: Any,
 ) -> None:

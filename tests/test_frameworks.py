@@ -12,7 +12,16 @@ from examples.fastapi_app import create_app as fastapi_app
 from examples.litestar_app import create_app as litestar_app
 from tierchain import Backend, Routes
 
-from .support import FakeBackend, answers, chat_request, openai_stream, refused_url, serve, streams
+from .support import (
+    FakeBackend,
+    answers,
+    chat_request,
+    on_virtual_time,
+    openai_stream,
+    refused_url,
+    serve,
+    streams,
+)
 
 FRAMEWORKS = [pytest.param(fastapi_app, id="fastapi"), pytest.param(litestar_app, id="litestar")]
 
@@ -61,6 +70,7 @@ async def test_the_example_gateway_passes_a_backend_400_through(factory):
 
 
 @pytest.mark.parametrize("factory", FRAMEWORKS)
+@on_virtual_time
 async def test_the_whole_stack_routes_around_a_quiet_tower_and_then_skips_it(factory):
     # The seed-000 shape through every layer of the example gateway: the tower
     # accepts and goes quiet; the watchdog gives up on it, the hosted tier
