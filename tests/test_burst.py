@@ -10,7 +10,7 @@ import pytest
 from tierchain import burst
 from tierchain.burst import Call, ProbeResult, chat_url, planned_calls, run_probe, verdict
 
-from .support import FakeBackend, completion_body
+from .support import FakeBackend, completion_body, on_virtual_time
 
 SMALL = (1, 10, 20)
 
@@ -108,8 +108,11 @@ async def test_latency_that_grows_with_concurrency_is_evidence_of_queueing_not_o
     assert seen[-1].startswith("[31/31] concurrency 20, repeat 1/1: 20 ok, p50 ")
 
 
+@on_virtual_time  # the probe times its calls on the package clock
 async def test_flat_latency_is_not_called_proof_of_no_admission_control():
-    result = await probe(parallel(0.2), levels=SMALL, repeats=1)  # roomy on a busy machine
+    result = await probe(parallel(0.2), levels=SMALL, repeats=1)
+    # Every call took the backend's 0.2 s, however many ran at once.
+    assert [c.seconds for c in result.calls] == pytest.approx([0.2] * 31, abs=1e-3)
     outcome = verdict(result)
     assert outcome.kind == "flat"
     assert "cannot distinguish no admission control from a backend that absorbed the burst" in (

@@ -49,6 +49,7 @@ from tierchain import (
     SaturationWatchdog,
 )
 from tierchain.learned import Learned
+from tierchain.status import full
 
 from .support import (
     FakeBackend,
@@ -217,6 +218,18 @@ async def competing(url: str) -> AsyncIterator[None]:
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def polled_full(gw: Gateway, name: str, status_url: str) -> None:
+    """Until the gateway's status poller has seen ``name`` full (at most 60 s)."""
+    board = gw.watchdog.board
+    assert board is not None
+    reader = gw.watchdog.reader_for(name)
+    for _ in range(1200):
+        if full(board.peek(status_url, reader), board.limits) is not None:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the status poller never saw {name} full")
+
+
 class Gateway:
     def __init__(self, chain: list[Backend], **watchdog: Any) -> None:
         self.forwarder = Forwarder()
@@ -345,11 +358,16 @@ async def test_a_full_llama_server_is_skipped_before_sending(llama_server, path)
             Backend("tower", llama_server, status_url=llama_server + path),
             Backend("hosted", hosted.url),
         ]
-        gw = Gateway(chain, slow_after=2.0, busy_waiting=1)
+        # A status stays fresh for 5 s (and one asked before sending may take as long), so
+        # that a starved gateway (a loaded CI machine) still judges by what it polled.
+        gw = Gateway(chain, slow_after=2.0, busy_waiting=1, status_stale=5.0, ask_first=5.0)
         async with serve(gw.app) as url, httpx.AsyncClient(timeout=60) as client:
             await first_token(client, url, chat("hi", 4))  # starts the poller
             async with competing(llama_server):
-                await asyncio.sleep(0.3)  # a few polls see the slot busy
+                if path == "/slots":
+                    await polled_full(gw, "tower", llama_server + path)
+                else:
+                    await asyncio.sleep(0.3)  # a few polls (/metrics shows no waiting here)
                 took, response = await first_token(client, url, chat("hi", 8))
         await gw.aclose()
     report(f"status polling {path}, full server", through_gateway=took)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ._checks import duration
+from ._runtime import clock
 from .masking import mask_url
 
 __all__ = [
@@ -135,15 +135,15 @@ async def _one(
     limit: float,
 ) -> Call:
     await go.wait()
-    start = time.perf_counter()
+    start = clock.now()
     try:
         async with asyncio.timeout(limit):
             response = await client.post(url, json=body, headers=headers)
-        return Call(level, repeat, response.status_code, time.perf_counter() - start)
+        return Call(level, repeat, response.status_code, clock.now() - start)
     except TimeoutError:
-        return Call(level, repeat, None, time.perf_counter() - start, f"timeout after {limit:g}s")
+        return Call(level, repeat, None, clock.now() - start, f"timeout after {limit:g}s")
     except httpx.HTTPError as exc:
-        return Call(level, repeat, None, time.perf_counter() - start, type(exc).__name__)
+        return Call(level, repeat, None, clock.now() - start, type(exc).__name__)
 
 
 async def run_probe(
