@@ -6,6 +6,7 @@ import asyncio
 import contextvars
 import gc
 import inspect
+import time
 import weakref
 
 import pytest
@@ -148,3 +149,67 @@ async def test_a_cancelled_deadline_is_not_kept_by_the_queue_until_it_falls_due(
     assert holders == []  # (the test's own frame aside): no queue holds the entry
     timers = _deadlines._TIMERS.get()
     assert all(not gc.is_tracked(x) for fifo in timers.fifos.values() for x in fifo.dues)
+
+
+def test_the_one_tolerance_covers_how_early_the_event_loop_may_run_a_timer():
+    # asyncio runs the timers due within its clock's resolution (a hair early); the
+    # scheduler's tolerance must be at least that, or a wake would find nothing due.
+    assert time.get_clock_info("monotonic").resolution <= _deadlines.EARLY
+    assert _deadlines.EARLY <= 0.001  # and small beside any window it is used for
+
+
+@on_virtual_time
+async def test_what_falls_due_within_the_tolerance_of_a_wake_is_called_in_that_wake():
+    # Thousands of keepalives spread over an interval wake the loop about once per EARLY,
+    # not once each: a wake takes along what falls due within the tolerance.
+    start = now()
+    fired: list[tuple[str, float]] = []
+    _deadlines.schedule(TICK, lambda: fired.append(("due", now() - start)))
+    _deadlines.schedule_at(
+        start + TICK + _deadlines.EARLY / 2, lambda: fired.append(("within", now() - start))
+    )
+    _deadlines.schedule_at(
+        start + TICK + 2 * _deadlines.EARLY, lambda: fired.append(("after", now() - start))
+    )
+    await asyncio.sleep(2 * TICK)
+    assert [name for name, _ in fired] == ["due", "within", "after"]
+    assert fired[0][1] == pytest.approx(TICK, abs=1e-9)
+    assert fired[1][1] == pytest.approx(TICK, abs=1e-9)  # the same wake, half EARLY early
+    assert fired[2][1] == pytest.approx(TICK + 2 * _deadlines.EARLY, abs=1e-9)  # its own
+
+
+@on_virtual_time
+async def test_an_entry_out_of_order_in_its_lane_goes_to_the_heap_and_fires_in_due_order():
+    # A stream's next keepalive is its last output plus the interval: mostly in order
+    # (its lane's FIFO), but one whose last output was earlier than the last queued
+    # must not wait behind it.
+    start = now()
+    fired: list[str] = []
+    late = _deadlines.schedule_at(start + 3 * TICK, lambda: fired.append("3"), lane=TICK)
+    early = _deadlines.schedule_at(start + 2 * TICK, lambda: fired.append("2"), lane=TICK)
+    timers = _deadlines._TIMERS.get()
+    assert list(timers.fifos[TICK].seqs) == [late[1]]
+    assert (early[0], early[1]) in timers.heap
+    await asyncio.sleep(4 * TICK)
+    assert fired == ["2", "3"]
+
+
+@on_virtual_time
+async def test_the_lag_monitor_ticks_on_the_scheduler_and_sees_a_blocked_loop():
+    from tierchain._runtime import lag
+
+    start = now()
+    assert lag.lag_since(start) == 0.0  # not watched in this loop yet
+    lag.watch()
+    lag.watch()  # once per loop
+    await asyncio.sleep(4.5 * lag.PERIOD)  # ticks on time at 1, 2, 3 and 4 periods
+    assert lag.lag_since(start) == pytest.approx(0.0, abs=1e-9)
+    busy_for(6 * lag.PERIOD)  # the tick due at 5 periods runs at 10.5
+    assert lag.lag_since(start) == pytest.approx(5.5 * lag.PERIOD, abs=1e-9)  # overdue now
+    await asyncio.sleep(0)
+    assert lag.lag_since(start) == pytest.approx(5.5 * lag.PERIOD, abs=1e-9)  # as it ran
+    assert lag.lag_since(now()) == pytest.approx(5.5 * lag.PERIOD, abs=1e-9)  # just now
+    await asyncio.sleep(3 * lag.PERIOD)
+    assert lag.lag_since(now() - lag.PERIOD) == pytest.approx(0.0, abs=1e-9)  # on time again
+    timers = _deadlines._TIMERS.get()
+    assert any(e[2] == lag._MONITORS.get()._tick for e in timers.pending.values())

@@ -8,14 +8,12 @@ way the code relies on; then the use site (named in the table) must change, and 
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import os
 import ssl
 import subprocess
 import sys
 import textwrap
-import time
 
 import httpcore
 import httpx
@@ -23,7 +21,6 @@ import pytest
 import uvicorn
 
 from tierchain._pool import FlatPool, FlatTransport
-from tierchain._runtime.loops import slack
 
 from .support import serve
 
@@ -109,32 +106,6 @@ def test_opentelemetry_keeps_the_installed_tracer_provider_in_a_module_global():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "ok"
-
-
-# -- asyncio: the loop's _clock_resolution --------------------------------------------------
-
-
-def test_asyncio_runs_timers_due_within_its_clock_resolution_and_slack_reads_it():
-    loop = asyncio.new_event_loop()
-    try:
-        resolution = loop._clock_resolution  # type: ignore[attr-defined]
-        assert isinstance(resolution, float)
-        assert resolution == time.get_clock_info("monotonic").resolution
-        assert slack(loop) == resolution
-    finally:
-        loop.close()
-    # Why it is the tolerance: the loop runs the timers due before time() + this.
-    assert "_clock_resolution" in inspect.getsource(asyncio.BaseEventLoop._run_once)
-
-
-def test_uvloop_has_no_clock_resolution_and_slack_falls_back_to_a_millisecond():
-    uvloop = pytest.importorskip("uvloop")
-    loop = uvloop.new_event_loop()
-    try:
-        assert not hasattr(loop, "_clock_resolution"), "uvloop has one now: check its value"
-        assert slack(loop) == 1e-3
-    finally:
-        loop.close()
 
 
 # -- uvicorn: the Server methods serve.py overrides ----------------------------------------

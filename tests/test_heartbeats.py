@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from tierchain import Backend, Failover, Forwarder, Heartbeats, Routes, TierRequest
 from tierchain._runtime import clock as runtime_clock
+from tierchain._runtime import deadlines
 
 from .support import (
     Exchange,
@@ -872,7 +873,7 @@ async def test_a_caller_leaving_while_a_keepalive_is_stuck_leaves_nothing_runnin
 
 @on_virtual_time
 async def test_a_stream_the_timer_wakes_just_before_its_commit_is_due_still_commits() -> None:
-    # The keepalive timer treats what falls due within its quantum as due now. Streams
+    # The scheduler treats what falls due within its tolerance as due now. Streams
     # admitted together have commit times that close together, and one woken a moment
     # early used to be judged "not yet" by its write and then left out of the timer:
     # no commit and no keepalive, ever.
@@ -901,13 +902,14 @@ async def test_a_stream_the_timer_wakes_just_before_its_commit_is_due_still_comm
         Heartbeats(app, interval=10.0, commit_after=1.0)(scope, receive, send)
     )
     await asyncio.sleep(0)
-    clock = heartbeats._clock()
-    (seq,) = clock.fifos[1.0].seqs
-    stream = clock.pending[seq]
-    # The timer's wake comes a quarter of its quantum before the commit is due.
-    now = stream.started + 1.0 - heartbeats._QUANTUM / 4
+    timers = deadlines._TIMERS.get()
+    (seq,) = timers.fifos[1.0].seqs
+    stream = timers.pending[seq][2].__self__  # the entry calls its stream's due()
+    assert isinstance(stream, heartbeats._Stream)
+    # The scheduler's wake comes half its tolerance before the commit is due.
+    now = stream.started + 1.0 - deadlines.EARLY / 2
     busy_for(now - runtime_clock.now())  # the virtual clock, moved to that wake
-    clock._fire()
+    timers._fire()
     for _ in range(5):
         await asyncio.sleep(0)
     try:

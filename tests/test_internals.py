@@ -319,10 +319,6 @@ def coroutines_by_hand(tree: ast.AST) -> bool:
     )
 
 
-NOT_YET = {
-    "Four per-loop timer queues": timer_calls,
-}
-
 ROOM = "_runtime/"
 
 
@@ -351,27 +347,27 @@ def test_the_seam_checks_see_what_they_look_for():
     assert coroutines_by_hand(ast.parse("frame = c.cr_frame"))
 
 
-@pytest.mark.parametrize("lead", sorted(NOT_YET))
-def test_the_page_names_every_module_that_does_what_the_runtime_rules_say_it_should_not(lead):
-    text = section(PAGE.read_text(), "Runtime rules")
-    bullet = re.search(rf"^- \*\*{re.escape(lead)}.*?(?=^- |\Z)", text, re.S | re.M)
-    assert bullet is not None, (
-        f"docs/internals.md has no bullet starting {lead!r}: if the code follows that rule "
-        "now, remove its entry from NOT_YET here too"
+def test_one_timer_queue_arms_every_loop_timer_of_the_package():
+    # One scheduler per event loop (_runtime/deadlines.py) holds every deadline, the
+    # disconnect guards' watch, every stream's keepalive and the lag monitor's tick.
+    arming = sorted(
+        m for m in package_modules() if timer_calls(ast.parse((PACKAGE / m).read_text()))
     )
-    listed = re.search(r"In: ((?:`[\w/]+\.py`(?:, )?)+)\.", bullet.group(0))
-    assert listed is not None, f"the bullet {lead!r} names no modules after 'In:'"
-    named = set(re.findall(r"`([\w/]+\.py)`", listed.group(1)))
-    doing = {
-        module
-        for module in package_modules()
-        if NOT_YET[lead](ast.parse((PACKAGE / module).read_text()))
-    }
-    assert named == doing, (
-        f"docs/internals.md's bullet {lead!r} names {sorted(named)}, but the code does it in "
-        f"{sorted(doing)}: bring the page's 'In:' list up to date (none left: delete the "
-        "bullet and its entry in NOT_YET)"
+    assert arming == ["_runtime/deadlines.py"]
+
+
+def test_one_tolerance_for_a_timer_that_fires_early():
+    # The scheduler's EARLY is the only one: no module defines a tolerance of its own.
+    tolerances = sorted(
+        m
+        for m in package_modules()
+        if re.search(
+            r"^_?(EARLY|SLACK|QUANTUM)\s*=|_clock_resolution|def slack\(",
+            (PACKAGE / m).read_text(),
+            re.M,
+        )
     )
+    assert tolerances == ["_runtime/deadlines.py"]
 
 
 # -- one request's path: what each layer reads and writes on the per-request object ---------

@@ -11,9 +11,9 @@ The watcher starts only after ``WATCH_AFTER`` seconds: a request answered
 sooner (most refusals, most fast answers) never pays for a task, and a caller
 that leaves is still noticed within a fraction of a second. Rather than a loop
 timer per request, the guards of one event loop wait in a queue in the order
-they started (:class:`tierchain._runtime.later.Later`), and one loop timer, armed
-only while the queue is not empty,
-starts the watchers of those that are still running ``WATCH_AFTER`` later.
+they started, on the package's scheduler (:mod:`tierchain._runtime.deadlines`:
+a FIFO for this one delay), which starts the watchers of those that are still
+running ``WATCH_AFTER`` later.
 """
 
 from __future__ import annotations
@@ -23,17 +23,11 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from ._runtime import deadlines
 from ._runtime.interrupt import Interruption
-from ._runtime.later import Later
-from ._runtime.loops import PerLoop
 from ._types import Message, Receive
 
 WATCH_AFTER = 0.02
-
-
-_starter = PerLoop(
-    lambda loop: Later(loop, WATCH_AFTER, "tierchain disconnect-guard callback failed")
-).get  # the running loop's queue of guards
 
 
 class DisconnectGuard(Interruption):
@@ -49,7 +43,6 @@ class DisconnectGuard(Interruption):
         "_gone",
         "_queued",
         "_receive",
-        "_starter",
         "_watcher",
         "done",
         "then",
@@ -61,8 +54,7 @@ class DisconnectGuard(Interruption):
         self._watcher: asyncio.Future[Message] | None = None
         self.done = False
         self._gone: asyncio.Event | None = None  # made when first needed
-        self._starter: Later | None = None  # while queued for its watcher
-        self._queued = 0
+        self._queued: deadlines.Deadline | None = None  # while waiting for its watcher
         self.then: Callable[[], object] | None = None
         """Called once when the request has run ``WATCH_AFTER`` seconds (if still
         guarded): work for a request that lives that long, not paid by one answered
@@ -82,13 +74,12 @@ class DisconnectGuard(Interruption):
     def enter(self) -> None:
         """Start guarding the running task (what ``async with`` does on entry)."""
         self.arm()
-        starter = self._starter = _starter()
-        self._queued = starter.add(self)
+        self._queued = deadlines.schedule(WATCH_AFTER, self.due_now)
 
     @property
     def young(self) -> bool:
         """True until the request has run ``WATCH_AFTER`` seconds (:attr:`then` still due)."""
-        return self._starter is not None
+        return self._queued is not None
 
     @property
     def task(self) -> asyncio.Task[Any] | None:
@@ -97,7 +88,7 @@ class DisconnectGuard(Interruption):
 
     def due_now(self) -> None:
         """The request has run ``WATCH_AFTER`` seconds: watch it, and call :attr:`then`."""
-        self._starter = None
+        self._queued = None
         self.start_watching()
         then, self.then = self.then, None
         if then is not None:
@@ -144,10 +135,10 @@ class DisconnectGuard(Interruption):
     def close(self) -> None:
         """Stop guarding: the response is over (what ``async with`` does on exit)."""
         self.done = True
-        starter = self._starter
-        if starter is not None:
-            self._starter = None
-            starter.discard(self._queued)
+        queued = self._queued
+        if queued is not None:
+            self._queued = None
+            deadlines.cancel(queued)
         if self._watcher is not None:
             self._watcher.cancel()
 

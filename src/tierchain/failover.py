@@ -63,8 +63,8 @@ from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._responses import caller_cut, error_detail, header, retry_after, send_json_error
 from ._runtime import clock, deadlines
+from ._runtime.deadlines import EARLY
 from ._runtime.interrupt import Interruption
-from ._runtime.loops import slack
 from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .admission import Admission
@@ -1337,7 +1337,7 @@ class _Responder:
             return
         now = clock.now()
         left = since + timeout - now
-        if left > slack(asyncio.get_running_loop()):
+        if left > EARLY:  # (the scheduler may call this that early)
             self._caller_watch = deadlines.schedule(left, self._caller_due, fixed=False)
             return
         task = self._task

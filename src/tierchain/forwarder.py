@@ -51,6 +51,7 @@ from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, re
 from ._pool import FlatTransport
 from ._responses import send_json_error
 from ._runtime import clock, deadlines
+from ._runtime.deadlines import EARLY
 from ._runtime.lag import lag_since
 from ._runtime.lag import watch as watch_lag
 from ._target import BadTarget, Target, refuse, request_target, upstream_url
@@ -89,7 +90,6 @@ _NOT_RETURNED = _HOP_BY_HOP | {b"set-cookie", b"date", b"server"}
 _LAG_SHARE = 0.25
 # A backend is given at most this many fresh connect windows for the gateway's lag.
 _EXTENSIONS = 3
-_EARLY = 0.001  # the lag check runs this long before the deadline it may move
 _HEADERS_SENT = frozenset(
     {"http11.send_request_headers.started", "http2.send_request_headers.started"}
 )
@@ -482,7 +482,7 @@ class _Setup:
         self.connecting = False  # a connection attempt started (not a wait for a pooled one)
         self.window = clock.now()
         self.extended = 0
-        self.check: deadlines.Deadline | None = deadlines.schedule(timeout - _EARLY, self.patience)
+        self.check: deadlines.Deadline | None = deadlines.schedule(timeout - EARLY, self.patience)
 
     def patience(self) -> None:
         timeout = self.timeout
@@ -490,7 +490,7 @@ class _Setup:
             self.extended += 1
             self.window = clock.now()
             self.timer.reschedule(asyncio.get_running_loop().time() + timeout)
-            self.check = deadlines.schedule(timeout - _EARLY, self.patience)
+            self.check = deadlines.schedule(timeout - EARLY, self.patience)
         else:
             self.check = None
 

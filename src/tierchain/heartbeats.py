@@ -2,72 +2,28 @@
 
 Queued, retrying, prefilling, generating and hung all look the same to a
 streaming caller that only sees silence. Heartbeats turns the request's state
-events (``TierRequest.emit``: ``attempt``, ``backend_failed``,
-``backend_saturated``, ``backend_skipped``, ``still_working``, ``generating``)
-into SSE comment lines, one JSON object each::
+events (``TierRequest.emit``) into SSE comment lines, one JSON object each::
 
     : {"state":"attempt","n":1,"of":2,"backend":"tower","regime":"local"}
 
 and, while nothing else is sent, repeats the current state line every
-``interval`` seconds as a keepalive. SSE clients ignore comment lines, so a
-caller that does not look at them sees exactly the events the backend sent.
+``interval`` seconds as a keepalive. Streaming requests only (``Accept:
+text/event-stream``, or a JSON body with ``"stream": true``); every other
+request, and every request in a wire format without comments (Ollama's NDJSON),
+passes through byte for byte.
 
-It applies to streaming requests only (``Accept: text/event-stream``, or a JSON
-body with ``"stream": true``); every other request passes through byte for byte.
+The commit rule: an answer within ``commit_after`` seconds keeps its real status
+and headers; only a streaming request that had nothing to read for that long is
+committed by Heartbeats itself (``200 text/event-stream``), after which a late
+error becomes one error event in the request's wire format
+(:func:`tierchain.wire.error_bytes`). Lines go in only at event boundaries, never
+after a CR an LF may complete, never as a blank line of their own.
 
-When the response commits (the commit rule)
-    A request answered or refused within ``commit_after`` seconds keeps its
-    real status and headers: a 400, 404, 413 or 502 stays that status. When
-    the real answer is a 2xx event stream, the state lines queued so far are
-    written in front of its first event. Only when a streaming request has
-    had nothing to read for ``commit_after`` seconds does Heartbeats commit
-    the response itself: ``200``, ``text/event-stream``, ``cache-control:
-    no-cache``, ``x-accel-buffering: no``. From then on the inner app's own
-    ``http.response.start`` is swallowed when it is a 2xx (its headers, the
-    ``x-tierchain-*`` trail among them, are lost), and any other answer (a 502
-    from Failover, a 504 from Budget, a 503 from Breaker) becomes one error
-    event in the request's wire format (:func:`tierchain.wire.error_bytes`:
-    ``data: {"error": {...}}`` for OpenAI chat, ``event: error`` for Anthropic
-    Messages and Responses), after which the stream ends.
-
-Wire formats without comments
-    A request whose wire format is Ollama's NDJSON (``/api/chat``,
-    ``/api/generate``, or a route or backend set to ``ollama``) gets no state
-    lines, no keepalives and no commit of our own: its response passes
-    through untouched, line by line, with its real status. See
-    docs/formats.md for what each format's caller is told while it waits.
-
-Framing and safety
-    Comment lines go in only at event boundaries. Inside a Failover every
-    chunk that reaches this layer is whole events (Failover's observer holds a
-    partial one back); used alone, Heartbeats keeps an observer of its own that
-    does the same. Lines never go in after a CR that an LF may still
-    complete, so an upstream event split across chunks at any byte arrives
-    exactly as the backend sent it. A keepalive that falls due inside an event
-    waits for the next boundary. Each line ends in a single newline and never
-    gets a blank line of its own: once a stream has carried an ``id:`` field,
-    the official Python SDK turns a blank line after a comment into an empty
-    event it cannot decode.
-
-Tasks and teardown (after sse-starlette)
-    The inner app runs in the request's own task. No stream has a task or a
-    timer of its own while it waits: one process-wide keepalive timer (one
-    ``TimerHandle`` per event loop) holds every stream's next due time, and
-    when a commit or a keepalive falls due it starts one short-lived write
-    (a task named ``tierchain-heartbeats``) that ends once the line is
-    written. The request owns that write: it is cancelled and awaited when
-    the response ends or the caller leaves. Heartbeats' own writes are
-    serialised with a lock; a relayed chunk with nothing to add goes straight
-    to the server, and a line that falls due while that send is out waits
-    until it is back. Nothing is written after the final chunk. ``receive``
-    is only observed (until the body is in), never read on the app's behalf,
-    so ``http.disconnect`` reaches the inner app (Failover's disconnect guard)
-    untouched.
-
-Deliberate divergences: heartbeats are comments, never empty ``data:`` frames,
-data-less ``event:`` frames or empty-choices chunks; with no state event yet
-the line says ``{"state":"waiting"}``; used alone (no Failover inside),
-Heartbeats itself emits ``generating`` when the first data event passes.
+No stream has a task or a timer of its own while it waits: its next commit or
+keepalive is an entry on the package's scheduler, which writes the line at once
+in the request's context; a write that has to wait becomes a short task
+(``tierchain-heartbeats``) the request owns. Its writes go through one lock (as
+sse-starlette's ``_ping``). docs/heartbeats.md has the whole contract.
 """
 
 from __future__ import annotations
@@ -76,7 +32,6 @@ import asyncio
 import contextlib
 import contextvars
 import inspect
-import json
 import types
 from collections.abc import Awaitable
 from datetime import timedelta
@@ -86,19 +41,18 @@ from opentelemetry import trace
 
 from ._checks import count, duration
 from ._responses import FinalWrites
-from ._runtime import clock
+from ._runtime import clock, deadlines
+from ._runtime.deadlines import EARLY
 from ._runtime.eager import start_eagerly
-from ._runtime.keepalive_clock import EARLY as _EARLY
-from ._runtime.keepalive_clock import QUANTUM as _QUANTUM
-from ._runtime.keepalive_clock import KeepaliveClock
-from ._runtime.loops import PerLoop
+from ._state_lines import state_line
+from ._stream_request import StreamRequest, accepts_event_stream
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .errors import CallerStalled
 from .observer import Observer, nothing_sent, whole_events
 from .request import StateEvent, TierRequest
-from .sse import comment_line, is_event_stream
-from .telemetry import STREAM_HEARTBEATS, labelled, log_event
-from .wire import SSE, allows_comments, answer_event, error_bytes, recognise
+from .sse import is_event_stream
+from .telemetry import log_event
+from .wire import SSE, LateAnswer, allows_comments, error_bytes, recognise
 
 __all__ = ["TASK_NAME", "Heartbeats"]
 
@@ -107,8 +61,6 @@ TASK_NAME = "tierchain-heartbeats"
 """The name of the keepalive side task (one per streaming request)."""
 
 _BODYLESS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
-_SNIFF_LIMIT = 32 * 2**20  # request bytes kept to read "stream" when nothing inside did
-_ANSWER_LIMIT = 2**20  # bytes of a late non-stream answer kept to turn into one event
 _OWN_HEADERS: Headers = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -125,45 +77,10 @@ _PASS = 3  # not ours: every message passes through untouched
 _DONE = 4  # the final chunk went out
 
 
-def _accepts_event_stream(headers: Any) -> bool:
-    for key, value in headers:
-        if key.lower() == b"accept":
-            for item in value.split(b","):
-                if item.split(b";", 1)[0].strip().lower() == b"text/event-stream":
-                    return True
-    return False
-
-
-def _sniff_stream(parts: list[bytes]) -> bool:
-    try:
-        data = json.loads(b"".join(parts))
-    except (UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("stream") is True
-
+_LOOK_AGAIN = 0.002  # a line held beside a relayed send that is out: look again this soon
 
 MIN_INTERVAL = 0.02
 """The shortest keepalive interval: at most 50 keepalive lines a second per stream."""
-
-
-class _LateAnswer:
-    """A non-stream answer arriving after our own commit: its status and (up to
-    ``_ANSWER_LIMIT``) its body, which become one event."""
-
-    __slots__ = ("parts", "size", "status")
-
-    def __init__(self, status: int) -> None:
-        self.status = status
-        self.parts: list[bytes] = []
-        self.size = 0
-
-    def add(self, chunk: bytes) -> None:
-        if chunk and self.size < _ANSWER_LIMIT:
-            self.parts.append(chunk)
-            self.size += len(chunk)
-
-    def event(self, wire: str) -> bytes:
-        return answer_event(self.status, b"".join(self.parts), wire)
 
 
 class Heartbeats:
@@ -197,7 +114,7 @@ class Heartbeats:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        accept = _accepts_event_stream(scope.get("headers", ()))
+        accept = accepts_event_stream(scope.get("headers", ()))
         if not accept and scope.get("method") in _BODYLESS:
             return await self.app(scope, receive, send)
         # The stream's life, in this frame (a waiting stream holds one frame less).
@@ -219,30 +136,6 @@ class Heartbeats:
             writer = stream.close()
             if writer is not None:
                 await asyncio.wait([writer])
-
-
-# The same state lines repeat for every request: each one's bytes, state and
-# counter are found with one lookup.
-_KNOWN_LINES: dict[tuple[tuple[str, Any], ...], tuple[bytes, str, Any]] = {}
-_KNOWN_LINES_MAX = 4096
-
-
-def _new_line(event: StateEvent) -> tuple[bytes, str, Any]:
-    state = str(event.get("state"))
-    try:
-        line = comment_line(event)
-    except (TypeError, ValueError):  # a field that is not JSON: say the state only
-        line = comment_line({"state": state})
-    known = (line, state, labelled(STREAM_HEARTBEATS, state))
-    try:
-        key = tuple(event.items())
-        hash(key)
-    except TypeError:
-        return known  # not kept: encoded each time
-    if len(_KNOWN_LINES) >= _KNOWN_LINES_MAX:
-        _KNOWN_LINES.clear()
-    _KNOWN_LINES[key] = known
-    return known
 
 
 class _Writer:
@@ -294,14 +187,6 @@ class _Writer:
 _AT_ONCE: Any = object()
 
 
-def _timer_failed(exc: Exception) -> None:
-    log_event("stream.heartbeat_failed", level=30, error=repr(exc))
-
-
-# The running loop's keepalive timer (``clock.now`` looked up at each call: it can be switched).
-_clock = PerLoop(lambda loop: KeepaliveClock(loop, lambda: clock.now(), _timer_failed)).get
-
-
 class _Stream:
     """One streaming request, as Heartbeats sees it. Its facts:
 
@@ -313,23 +198,18 @@ class _Stream:
       line is owed at a given time is :meth:`_owed`, whether it can go in :meth:`_can_write`;
     - the output's tail: ``last`` (the last relayed chunk: a CR an LF may complete),
       ``after_own`` (our lines were last: a boundary), ``last_output`` (when);
-    - the request's body, watched for ``"stream": true``: ``body_parts``,
-      ``body_size``, ``body_done``, ``sniffed``, ``awaiting_body``;
-    - its place in the keepalive timer (``clock``, ``entry``, from ``started``), ``gone`` (the
-      request is over or the caller left), and ``out``, the one writer.
+    - ``body``: what the request says of streaming (its Accept header, its body's
+      ``"stream": true``);
+    - ``entry``, its next commit or keepalive on the scheduler (from ``started``), ``gone``
+      (the request is over or the caller left), and ``out``, the one writer.
     """
 
     # Thousands of these may wait at once: slots keep each one small.
     __slots__ = (
         "_receive",
         "_send",
-        "accept",
         "after_own",
-        "awaiting_body",
-        "body_done",
-        "body_parts",
-        "body_size",
-        "clock",
+        "body",
         "context",
         "entry",
         "gone",
@@ -347,7 +227,6 @@ class _Stream:
         "rearm_after",
         "req",
         "said_generating",
-        "sniffed",
         "span",
         "started",
     )
@@ -360,13 +239,11 @@ class _Stream:
         self._send = send
         self.req = TierRequest.of(scope)
         self.path: str = scope.get("path", "")
-        self.accept = accept
+        self.body = StreamRequest(accept)
         self.phase = _WAITING
         self.out = _Writer()  # Heartbeats' own writes to the caller
-        self.clock = _clock()  # the loop's keepalive timer
-        self.entry: int | None = None  # its number in the keepalive timer
+        self.entry: deadlines.Deadline | None = None  # its next commit or keepalive
         self.context = contextvars.copy_context()  # the request's: for that write
-        self.awaiting_body = False  # the commit is due once the body says "stream"
         self.rearm_after = False  # a held-back keepalive went out: time the next one
         self.queue: list[StateEvent] = []  # at most hb.max_queued, the oldest dropped
         self.last = b""  # the last relayed chunk (whole events): is a CR pending?
@@ -374,14 +251,10 @@ class _Stream:
         self.keepalive_due = False
         self.started = clock.now()
         self.last_output = self.started
-        self.body_parts: list[bytes] | None = None if accept else []
-        self.body_size = 0
-        self.body_done = False
-        self.sniffed: bool | None = None
         self.gone = False
         self.observer: Observer | None = None  # alone (no Failover inside): our own
         self.said_generating = False
-        self.late: _LateAnswer | None = None  # own phase: a non-stream answer being collected
+        self.late: LateAnswer | None = None  # own phase: a non-stream answer being collected
         self.inner_started = False
         self.span = trace.get_current_span()
 
@@ -399,19 +272,16 @@ class _Stream:
         """
         if not allows_comments(self.wire()):
             return False
-        if self.accept:
+        if self.body.accept:
             return True
         if self.req.streaming is not None:
             return self.req.streaming
-        if self.sniffed is None and self.body_done:
-            parts, self.body_parts = self.body_parts, None
-            self.sniffed = parts is not None and _sniff_stream(parts)
-        return self.sniffed
+        return self.body.says_stream()
 
     def receive(self) -> Awaitable[Message]:
         """The inner app's receive: watched while the body arrives (it may say
         "stream"), then the host's own (no frame of ours for a waiting stream)."""
-        if self.body_done:
+        if self.body.done:
             return self._receive()
         return self._receive_body()
 
@@ -419,19 +289,10 @@ class _Stream:
         message = await self._receive()
         kind = message["type"]
         if kind == "http.request":
-            if not self.body_done:
-                chunk = message.get("body", b"")
-                if chunk and self.body_parts is not None:
-                    self.body_size += len(chunk)
-                    if self.body_size > _SNIFF_LIMIT:
-                        self.body_parts = None
-                    else:
-                        self.body_parts.append(chunk)
-                if not message.get("more_body", False):
-                    self.body_done = True
-                    if self.awaiting_body:
-                        self.awaiting_body = False
-                        self._kick()
+            body = self.body
+            if body.add(message) and body.awaiting:
+                body.awaiting = False
+                self._kick()
         elif kind == "http.disconnect":
             self.gone = True
         return message
@@ -451,19 +312,6 @@ class _Stream:
 
     # -- writing ---------------------------------------------------------------
 
-    def _line(self, event: StateEvent, keepalive: bool) -> bytes:
-        try:
-            known = _KNOWN_LINES.get(tuple(event.items()))
-        except TypeError:  # a value that cannot be a key
-            known = None
-        if known is None:
-            known = _new_line(event)
-        line, state, counted = known
-        counted.inc()
-        if self.span.is_recording():
-            self.span.add_event("stream.heartbeat", {"state": state, "keepalive": keepalive})
-        return line
-
     def _lines(self) -> bytes:
         """The queued state lines, or (none queued) the current state as a keepalive."""
         if self.keepalive_due:
@@ -471,10 +319,10 @@ class _Stream:
             self.rearm_after = True  # the timer stopped while it waited for a boundary
         if self.queue:
             events, self.queue = self.queue, []
-            line = self._line
-            out = line(events[0], False)
+            span = self.span
+            out = state_line(events[0], span, False)
             for event in events[1:]:
-                out += line(event, False)
+                out += state_line(event, span, False)
             return out
         state = self.req.state or _WAITING_STATE
         if state.get("state") == "generating":
@@ -482,7 +330,7 @@ class _Stream:
             last = observer.last_event_at if observer is not None else None
             if last is not None:  # while a gap grows, say how long it is
                 state = {**state, "idle_s": round(clock.now() - last, 1)}
-        return self._line(state, True)
+        return state_line(state, self.span, True)
 
     @property
     def _pending(self) -> bool:
@@ -624,12 +472,12 @@ class _Stream:
                 self.queue.clear()
             if self.out.live:  # it waited for the commit: time its keepalives instead
                 if self.entry is not None:
-                    self.clock.cancel(self.entry)
+                    deadlines.cancel(self.entry)
                     self.entry = None
                 self._rearm()
             return message
         if self.phase == _OWN and not sse:
-            self.late = _LateAnswer(status)  # its body becomes one event
+            self.late = LateAnswer(status)  # its body becomes one event
         return None
 
     async def _on_body(self, message: Message) -> None:
@@ -695,9 +543,11 @@ class _Stream:
 
     # -- the keepalive timer ------------------------------------------------------
 
-    def due(self, now: float) -> None:
-        """The timer's call: this stream's commit or keepalive may be due at ``now``
-        (the timer's tolerance, ``_EARLY``, already added)."""
+    def due(self) -> None:
+        """The scheduler's call: this stream's commit or keepalive may be due (within
+        the scheduler's tolerance, ``EARLY``)."""
+        self.entry = None
+        now = clock.now() + EARLY
         if self.gone or self.phase >= _PASS:
             return
         out = self.out
@@ -710,15 +560,15 @@ class _Stream:
                 return
             commit_at = self.started + hb.commit_after
             if now < commit_at:
-                self.entry = self.clock.at(self, commit_at)
+                self.entry = deadlines.schedule_at(commit_at, self.due)
             elif streaming is None:
-                self.awaiting_body = True  # receive() starts the commit
+                self.body.awaiting = True  # receive() starts the commit
             else:
                 self._kick()
             return
         if not self._owed(now):
             if hb.interval > 0:  # (0: no keepalives)
-                self.entry = self.clock.at(self, self.last_output + hb.interval)
+                self.entry = deadlines.schedule_at(self.last_output + hb.interval, self.due)
         elif out.task is None and self._can_write(now):
             self._kick(at_once=True)
         # Otherwise a write under way times the next keepalive when done, or the line
@@ -727,12 +577,10 @@ class _Stream:
     def _owed(self, now: float) -> bool:
         """Is a line owed at ``now``: a state line queued, or a keepalive (the stream
         has been quiet for ``interval``)."""
-        if self.queue or self.keepalive_due:
-            return True
-        interval = self.hb.interval
-        return interval > 0 and now >= self.last_output + interval
+        return bool(self.queue) or self.keepalive_due or self._quiet(now)
 
     def _quiet(self, now: float) -> bool:
+        """Has the stream been quiet for ``interval`` at ``now`` (a keepalive is due)?"""
         interval = self.hb.interval
         return interval > 0 and now >= self.last_output + interval
 
@@ -746,7 +594,8 @@ class _Stream:
         if self._quiet(now):
             self.keepalive_due = True
         if sending and self.entry is None:  # look again soon
-            self.entry = self.clock.at(self, now + max(_QUANTUM, self.hb.interval / 10))
+            again = now + max(_LOOK_AGAIN, self.hb.interval / 10)
+            self.entry = deadlines.schedule_at(again, self.due)
         return False
 
     def _kick(self, *, at_once: bool = False) -> None:
@@ -785,7 +634,7 @@ class _Stream:
             and self.phase in (_RELAY, _OWN)
         ):
             # Mostly right after an output: now plus the interval, in the FIFO's order.
-            self.entry = self.clock.after(self, self.last_output, interval)
+            self.entry = deadlines.schedule_at(self.last_output + interval, self.due, lane=interval)
 
     async def _write_owed(self) -> None:
         """Write what is due: our own commit, state lines, a keepalive."""
@@ -795,7 +644,7 @@ class _Stream:
                 while not self.gone:
                     # With the timer's tolerance: it calls what falls due before its
                     # next wake due now, and a stream it woke must not be dropped.
-                    now = clock.now() + _EARLY
+                    now = clock.now() + EARLY
                     if self.phase == _WAITING:
                         if not self.streaming():
                             break
@@ -803,7 +652,8 @@ class _Stream:
                         if now >= commit_at:
                             await self._commit_own()
                         elif self.entry is None:
-                            self.entry = self.clock.at(self, commit_at)  # not yet: back in line
+                            # Not yet: back in line.
+                            self.entry = deadlines.schedule_at(commit_at, self.due)
                         break
                     if self.phase not in (_RELAY, _OWN) or not self._owed(now):
                         break
@@ -833,14 +683,14 @@ class _Stream:
         # the stream goes live when the commit (or the first keepalive) could fall due.
         hb = self.hb
         first_due = min(hb.commit_after, hb.interval) if hb.interval > 0 else hb.commit_after
-        self.entry = self.clock.after(self, self.started, first_due)
+        self.entry = deadlines.schedule_at(self.started + first_due, self.due, lane=first_due)
 
     def close(self) -> asyncio.Task[Any] | None:
         """The request is over: nothing more is due. Returns a writer to wait for, if any."""
         self.req.unsubscribe(self.on_event)  # (it refers back to us: no cycle left behind)
         self.gone = True
         if self.entry is not None:
-            self.clock.cancel(self.entry)
+            deadlines.cancel(self.entry)
             self.entry = None
         task = self.out.task
         if task is not None and task is not _AT_ONCE:

@@ -77,7 +77,7 @@ from opentelemetry import trace
 from ._checks import count, duration
 from ._responses import send_json_error
 from ._runtime import clock, deadlines
-from ._runtime.deadlines import Deadline
+from ._runtime.deadlines import EARLY, Deadline
 from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance, estimate_tokens
@@ -102,7 +102,6 @@ from .wire import recognise
 
 __all__ = ["SaturationWatchdog", "SlowAfter", "window_warnings"]
 
-_EARLY = 1e-3  # a loop timer may fire a hair early; treat that as on time
 _RESERVE_SHARE = 0.5  # a reserve never takes more than this share of the whole budget
 _SILENT = 5.0  # a committed stream silent this long (or its stall window) when the budget ends it
 
@@ -661,18 +660,18 @@ class _Watch(Interruption):
                 self._arm(self.stall, fixed=True)
                 return
             last = self._quiet_since()
-            if not observer.ended and now >= last + self.stall - _EARLY:
+            if not observer.ended and now >= last + self.stall - EARLY:
                 self._stalled(now - last)
             else:
                 self._schedule()  # data arrived since: wait for the new gap
             return
-        if now >= self._ceiling_at - _EARLY:
+        if now >= self._ceiling_at - EARLY:
             self._fire("ceiling")
             return
-        if now >= self._cut - _EARLY:
+        if now >= self._cut - EARLY:
             self._fire("reserve")
             return
-        if now < self._window_end - _EARLY:
+        if now < self._window_end - EARLY:
             self._schedule()
             return
         if self.last:
@@ -722,7 +721,7 @@ class _Watch(Interruption):
             limit = min(limit, deadline - now)
         status = await self._probe(backend.status_url, backend.name, limit)
         now = clock.now()
-        if status is None and (self.fired is not None or now >= self._cut - _EARLY):
+        if status is None and (self.fired is not None or now >= self._cut - EARLY):
             # Cut short at the reserve's point (a starved server answers its status
             # slowly too): no answer, so no verdict; the reserve ends the attempt.
             if self.fired is None and not self.answered():

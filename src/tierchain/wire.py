@@ -51,6 +51,7 @@ __all__ = [
     "PLAIN",
     "RESPONSES",
     "SSE",
+    "LateAnswer",
     "allows_comments",
     "answer_event",
     "check_format",
@@ -151,6 +152,29 @@ def error_bytes(
         return b"event: error\ndata: " + _ENCODER.encode(fields).encode() + b"\n\n"
     error = {"error": {"message": message, "type": type, "code": code}}
     return b"data: " + _ENCODER.encode(error).encode() + b"\n\n"
+
+
+class LateAnswer:
+    """A non-stream answer that arrives after the response began as an event stream:
+    its status and (up to ``LIMIT`` bytes) its body, which become one event
+    (:func:`answer_event`)."""
+
+    LIMIT = 2**20
+
+    __slots__ = ("parts", "size", "status")
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, chunk: bytes) -> None:
+        if chunk and self.size < self.LIMIT:
+            self.parts.append(chunk)
+            self.size += len(chunk)
+
+    def event(self, wire: str) -> bytes:
+        return answer_event(self.status, b"".join(self.parts), wire)
 
 
 def answer_event(status: int, body: bytes, wire: str) -> bytes:

@@ -1,6 +1,10 @@
-"""One loop timer for every per-request deadline (a budget, a watchdog window).
+"""The scheduler: one loop timer per event loop for everything the package times.
 
-asyncio keeps its timers in a heap of handles compared by a Python-level
+Every per-request deadline (a budget, a watchdog window, a send timeout), the
+disconnect guards' ``WATCH_AFTER``, Heartbeats' commits and keepalives and the
+lag monitor's tick are entries here. This stands in for a ``loop.call_at`` per
+entry (or an ``asyncio.sleep`` in a task per waiting stream, as sse-starlette's
+``_ping`` has), because asyncio keeps its timers in a heap of handles compared by a Python-level
 ``__lt__``, and copies the context for each: a few microseconds per timer, paid
 by every request for a deadline that almost never fires. Most of these
 deadlines are "now plus the same delay" (a Budget's default, a backend's
@@ -18,6 +22,12 @@ freed with its request, rather than waiting in a queue for its due time and
 being promoted, with every other such entry, into the collector's oldest
 generation, whose full passes then cost every request. A cancelled entry's
 numbers are dropped when they come up, or when their queue is compacted.
+
+One tolerance: a wake calls what falls due within ``EARLY`` of it, so entries
+due close together are called in one wake (thousands of keepalives spread over
+an interval wake the loop at most about once per ``EARLY``). A callback that
+asks whether its time has come compares with the same tolerance: ``EARLY``,
+from here, is the package's only one.
 """
 
 from __future__ import annotations
@@ -32,9 +42,13 @@ from operator import itemgetter
 from typing import Any
 
 from . import clock
-from .loops import PerLoop, slack
+from .loops import PerLoop
 
-__all__ = ["Deadline", "Fifo", "cancel", "due", "schedule"]
+__all__ = ["EARLY", "Deadline", "Fifo", "cancel", "due", "schedule", "schedule_at"]
+
+EARLY = 1e-3
+"""The one tolerance: what falls due within this of a wake is called at it (a loop timer
+may also fire a hair early: asyncio runs those due within its clock resolution, far less)."""
 
 Deadline = list[Any]
 """A scheduled deadline: ``[due, seq, callback, context, pending]`` (see the module docstring)."""
@@ -91,11 +105,10 @@ class Fifo:
 
 
 class _Timers:
-    __slots__ = ("fifos", "handle", "heap", "heap_limit", "loop", "pending", "seq", "slack", "when")
+    __slots__ = ("fifos", "handle", "heap", "heap_limit", "loop", "pending", "seq", "when")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.slack = slack(loop)  # how early a loop timer may fire
         self.fifos: dict[float, Fifo] = {}
         self.heap: list[tuple[float, int]] = []  # one-off delays: (due, seq)
         self.heap_limit = _COMPACT_AT
@@ -135,7 +148,7 @@ class _Timers:
     def _fire(self) -> None:
         self.handle = None
         self.when = math.inf
-        upto = clock.now() + self.slack
+        upto = clock.now() + EARLY
         pending = self.pending
         ready: list[Deadline] = []
         for fifo in self.fifos.values():
@@ -203,6 +216,26 @@ def schedule(
         fifo.seqs.append(seq)
     else:
         timers.add(entry, delay if fixed else None)
+    return entry
+
+
+def schedule_at(
+    due: float, callback: Callable[[], object], *, lane: float | None = None
+) -> Deadline:
+    """Call ``callback`` at ``due`` (monotonic seconds, :func:`clock.now`'s), with no
+    context of its own. ``lane``: the recurring delay that ``due`` is after a recent
+    time (a stream's last output plus its interval): that delay's FIFO holds it while
+    entries come in due order; without one (or out of order) it goes into the heap."""
+    timers = _TIMERS.get()
+    seq = timers.seq = timers.seq + 1
+    pending = timers.pending
+    entry: Deadline = [due, seq, callback, None, pending]
+    pending[seq] = entry
+    if lane is not None:
+        fifo = timers.fifos.get(lane)
+        if fifo is not None and fifo.dues and fifo.dues[-1] > due:
+            lane = None  # out of order
+    timers.add(entry, lane)
     return entry
 
 

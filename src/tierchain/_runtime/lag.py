@@ -3,39 +3,44 @@
 A connect timeout on a healthy backend is sometimes the gateway's doing: when
 its event loop is overloaded, a connection the kernel made in microseconds is
 not noticed before the timer fires. :func:`lag_since` tells such a timeout from
-the backend's own. One timer per event loop ticks every ``PERIOD`` seconds
-(started on first use) and remembers how late each tick ran; no task is
-involved.
+the backend's own. An entry on the scheduler (:mod:`.deadlines`) ticks every
+``PERIOD`` seconds in each event loop that asked (from its first use) and
+remembers how late each tick ran. It stands in for a task looping over
+``asyncio.sleep(PERIOD)``: no task is involved.
 """
 
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections import deque
 
-from . import clock
+from . import clock, deadlines
+from .loops import PerLoop
 
-__all__ = ["PERIOD", "lag_since"]
+__all__ = ["PERIOD", "lag_since", "watch"]
 
 PERIOD = 0.05
 _KEEP = 200  # ticks remembered: 10 s
 
 
 class _Monitor:
-    __slots__ = ("expected", "handle", "ticks")
+    __slots__ = ("expected", "started", "ticks")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        # (Holds no reference to the loop: the loop's own timer heap keeps it alive.)
         self.ticks: deque[tuple[float, float]] = deque(maxlen=_KEEP)  # (when, how late)
+        self.expected = 0.0
+        self.started = False
+
+    def start(self) -> None:
+        self.started = True
         self.expected = clock.now() + PERIOD
-        self.handle = loop.call_later(PERIOD, self._tick)
+        deadlines.schedule(PERIOD, self._tick)
 
     def _tick(self) -> None:
         now = clock.now()
         self.ticks.append((now, max(0.0, now - self.expected)))
         self.expected = now + PERIOD
-        self.handle = asyncio.get_running_loop().call_later(PERIOD, self._tick)
+        deadlines.schedule(PERIOD, self._tick)
 
     def lag_since(self, since: float) -> float:
         now = clock.now()
@@ -48,19 +53,17 @@ class _Monitor:
         return worst
 
 
-_MONITORS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Monitor] = (
-    weakref.WeakKeyDictionary()
-)
+_MONITORS: PerLoop[_Monitor] = PerLoop(_Monitor)
 
 
 def watch() -> None:
     """Start measuring the running loop's lag (once per loop; cheap to call again)."""
-    loop = asyncio.get_running_loop()
-    if loop not in _MONITORS:
-        _MONITORS[loop] = _Monitor(loop)
+    monitor = _MONITORS.get()
+    if not monitor.started:
+        monitor.start()
 
 
 def lag_since(since: float) -> float:
     """The most the running loop ran late since ``since`` (monotonic seconds); 0 if not watched."""
-    monitor = _MONITORS.get(asyncio.get_running_loop())
-    return monitor.lag_since(since) if monitor is not None else 0.0
+    monitor = _MONITORS.get()
+    return monitor.lag_since(since) if monitor.started else 0.0

@@ -1,5 +1,4 @@
-"""One object per event loop: what the shared timers (deadlines, the disconnect
-watch, the keepalive clock) hang on.
+"""One object per event loop: what the scheduler and the lag monitor hang on.
 
 The objects refer to their loop, so the registry is a plain dict, not a
 WeakKeyDictionary (whose values would keep their keys alive); the entries of
@@ -13,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["PerLoop", "slack"]
+__all__ = ["PerLoop"]
 
 T = TypeVar("T")
 
@@ -47,10 +46,3 @@ class PerLoop(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._by_loop)
-
-
-def slack(loop: asyncio.AbstractEventLoop) -> float:
-    """How early a loop timer may fire: asyncio's own tolerance, else (uvloop) 1 ms."""
-    # asyncio's private ``_clock_resolution``, on purpose: it runs the timers due within it
-    # (docs/internals.md; tests/test_dependency_internals.py fails if it moves).
-    return float(getattr(loop, "_clock_resolution", 1e-3))

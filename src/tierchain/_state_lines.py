@@ -1,0 +1,54 @@
+"""A state event as the SSE comment line Heartbeats writes, counted and traced.
+
+The same few state lines repeat for every request, so each one's bytes and
+counter are found with one lookup (at most ``_KNOWN_MAX`` kept).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry.trace import Span
+
+from .request import StateEvent
+from .sse import comment_line
+from .telemetry import STREAM_HEARTBEATS, labelled
+
+__all__ = ["state_line"]
+
+_KNOWN: dict[tuple[tuple[str, Any], ...], tuple[bytes, str, Any]] = {}
+_KNOWN_MAX = 4096
+
+
+def state_line(event: StateEvent, span: Span, keepalive: bool) -> bytes:
+    """``event``'s comment line; counted in ``tierchain_stream_heartbeats_total`` and,
+    while ``span`` records, a ``stream.heartbeat`` event on it."""
+    try:
+        known = _KNOWN.get(tuple(event.items()))
+    except TypeError:  # a value that cannot be a key
+        known = None
+    if known is None:
+        known = _new(event)
+    line, state, counted = known
+    counted.inc()
+    if span.is_recording():
+        span.add_event("stream.heartbeat", {"state": state, "keepalive": keepalive})
+    return line
+
+
+def _new(event: StateEvent) -> tuple[bytes, str, Any]:
+    state = str(event.get("state"))
+    try:
+        line = comment_line(event)
+    except (TypeError, ValueError):  # a field that is not JSON: say the state only
+        line = comment_line({"state": state})
+    known = (line, state, labelled(STREAM_HEARTBEATS, state))
+    try:
+        key = tuple(event.items())
+        hash(key)
+    except TypeError:
+        return known  # not kept: encoded each time
+    if len(_KNOWN) >= _KNOWN_MAX:
+        _KNOWN.clear()
+    _KNOWN[key] = known
+    return known
