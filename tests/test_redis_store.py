@@ -89,15 +89,14 @@ async def test_a_saturation_seen_by_one_replica_is_honoured_by_the_other(redis_s
                 assert response.headers["x-tierchain-attempts"].startswith(
                     "tower;outcome=saturated"
                 )
-            t0 = time.monotonic()
+            sent_to_tower = len(tower.requests)
             response = await post(client, url_b)
-            took = time.monotonic() - t0
         await fwd_a.aclose()
         await fwd_b.aclose()
         snapshot = await store_b.breaker_snapshot("echo", "tower")
     assert response.status_code == 200
     assert response.headers["x-tierchain-attempts"] == "tower;outcome=skipped, hosted;outcome=ok"
-    assert took < 0.25  # the tower's 0.3 s wait was not paid
+    assert len(tower.requests) == sent_to_tower  # the tower's 0.3 s wait was not paid
     assert len(tower.requests) == 2
     assert snapshot.state == "open"
     assert 890 < snapshot.retry_in <= 900
