@@ -39,6 +39,30 @@ def test_one_stack_alone_runs_for_an_instruction_count():
     assert run(str(BENCH / "layers.py"), "--only", "whole stack", "--requests", "20") == ""
 
 
+def wakes(*flags: str) -> int:
+    """The scheduler's wake-ups in a child's run of 3,000 requests through the whole stack."""
+    code = (
+        "import runpy, sys\n"
+        "from tierchain._runtime import deadlines\n"
+        "fired = []\n"
+        "wake = deadlines._Timers._fire\n"
+        "deadlines._Timers._fire = lambda self: (fired.append(1), wake(self))\n"
+        f"sys.argv = [{str(BENCH / 'layers.py')!r}, '--only', 'whole stack', '--requests', "
+        f"'3000', *{list(flags)!r}]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "print(len(fired))\n"
+    )
+    return int(run("-c", code))
+
+
+def test_the_instruction_count_run_is_on_virtual_time_and_no_timer_falls_due_in_it():
+    # What --virtual-time is for: the scheduler never wakes, so callgrind counts the
+    # requests' own work; on real time the same run wakes it (the disconnect guards'
+    # 20 ms watch falls due several times in the run).
+    assert wakes() > 0
+    assert wakes("--virtual-time") == 0
+
+
 def test_the_waiting_streams_benchmark_holds_every_stream_and_each_hears_from_the_gateway():
     out = run(
         str(BENCH / "waiting.py"),

@@ -233,8 +233,14 @@ def schedule_at(
     pending[seq] = entry
     if lane is not None:
         fifo = timers.fifos.get(lane)
-        if fifo is not None and fifo.dues and fifo.dues[-1] > due:
-            lane = None  # out of order
+        if fifo is not None:
+            dues = fifo.dues
+            if dues and dues[-1] > due:
+                lane = None  # out of order
+            elif len(dues) < fifo.limit and due >= timers.when:
+                dues.append(due)  # the usual case, as in schedule()
+                fifo.seqs.append(seq)
+                return entry
     timers.add(entry, lane)
     return entry
 
