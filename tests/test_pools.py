@@ -545,6 +545,45 @@ async def test_no_second_try_where_none_is_due(first: Any, failover: dict[str, A
     assert [t.split(";")[0] for t in trail(r)] == ["local", "hosted"]
 
 
+async def test_a_backend_that_read_the_request_and_reset_sees_it_once_in_one_counted_attempt(
+    metric: Any,
+) -> None:
+    """Issue 31: a reused keep-alive connection, the request read whole, then a reset. The
+    backend may have worked on it (a paid one did, for 8 s): it is never sent to it again,
+    neither by the pool nor as a same-tier retry; the one attempt is in the trail and the
+    metrics, and the chain moves on."""
+    calls = [0]
+
+    async def ok_then_reset(ex: Exchange) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            await streams(["warm"])(ex)  # leaves the connection idle in the pool
+        else:
+            await ex.reset()
+
+    async with FakeBackend("local") as local, FakeBackend("hosted") as hosted:
+        local.script = ok_then_reset
+        gw = Gateway(
+            [Backend(name="local", url=local.url), Backend(name="hosted", url=hosted.url)],
+            threshold=5,
+        )
+        before = metric(
+            "tierchain_attempts_total", route="echo", backend="local", outcome="connection_reset"
+        )
+        async with serve(gw.app) as url, httpx.AsyncClient() as client:
+            await post(client, url)
+            r = await post(client, url)
+        await gw.aclose()
+    assert r.status_code == 200
+    assert local.open_connections == 0
+    assert len(local.requests) == 2  # one each: the second request was seen exactly once
+    assert trail(r) == ["local;outcome=connection_reset", "hosted;outcome=ok"]
+    after = metric(
+        "tierchain_attempts_total", route="echo", backend="local", outcome="connection_reset"
+    )
+    assert after - before == 1
+
+
 async def test_a_saturation_is_never_tried_again_on_the_same_tier() -> None:
     async with FakeBackend("local") as local, FakeBackend("hosted") as hosted:
         local.script = once_then(quiet)

@@ -13,6 +13,17 @@ made with httpcore's own ``AsyncHTTPConnection``.
 Idle connections are closed once they have been idle ``keepalive_expiry``
 seconds, by a reaper task that runs only while some are idle, so a gateway's
 open file descriptors return to where they were once the load is over.
+
+A request is never sent twice from here. An idle connection the backend has
+closed (or reset) is found before the request is written (httpcore's
+``has_expired`` looks whether the idle socket has become readable: an end or a
+reset waiting there) and dropped for a new one: nothing was sent on it. Once a
+request has been handed to a connection the backend may have read it (a
+connection closed just after that look, the backend's idle timeout racing
+ours, cannot be told apart from a backend that read the request, worked on it
+and then reset), so a failure goes up as it is: Failover decides whether to
+try again, and that try is an attempt of its own (in the attempts header, the
+log and the metrics).
 """
 
 from __future__ import annotations
@@ -28,17 +39,6 @@ import httpx
 from ._runtime import clock
 
 __all__ = ["FlatPool", "FlatTransport"]
-
-
-_REUSE_ERRORS = (httpcore.ReadError, httpcore.WriteError, httpcore.RemoteProtocolError)
-
-
-def _closed_on_reuse(exc: Exception) -> bool:
-    """True when a reused connection failed as a connection the server closed does:
-    a reset, a write into a closed socket, or its end before any response byte."""
-    if isinstance(exc, httpcore.RemoteProtocolError):
-        return "without sending a response" in str(exc)
-    return True
 
 
 class FlatPool:
@@ -86,35 +86,29 @@ class FlatPool:
         if self._closed:
             raise httpcore.PoolTimeout("the connection pool is closed")  # pragma: no cover
         origin = request.url.origin
-        conn = self._take(origin)
-        reused = conn is not None
-        while True:  # (one frame: a request waiting on its backend holds no other of ours)
-            if conn is None:
-                conn = httpcore.AsyncHTTPConnection(
-                    origin=origin,
-                    ssl_context=self._ssl_context,
-                    keepalive_expiry=self._expiry,
-                    socket_options=self._socket_options,
-                )
-            self._busy.add(conn)
-            try:
-                response = await conn.handle_async_request(request)
-            except BaseException as exc:
-                self._busy.discard(conn)
-                await _close_quietly(conn)
-                if reused and isinstance(exc, _REUSE_ERRORS) and _closed_on_reuse(exc):
-                    # The server closed this idle keep-alive connection as we reused it
-                    # (its own idle timeout raced ours): nothing came back, so try once
-                    # more on a new connection rather than fail a healthy backend.
-                    conn, reused = None, False
-                    continue
-                raise
-            return httpcore.Response(
-                status=response.status,
-                headers=response.headers,
-                content=_Released(response.stream, self, conn),
-                extensions=response.extensions,
+        conn = self._take(origin)  # (a stale idle connection is dropped here, unused)
+        if conn is None:
+            conn = httpcore.AsyncHTTPConnection(
+                origin=origin,
+                ssl_context=self._ssl_context,
+                keepalive_expiry=self._expiry,
+                socket_options=self._socket_options,
             )
+        self._busy.add(conn)
+        try:
+            response = await conn.handle_async_request(request)
+        except BaseException:
+            # Never sent again from here: the backend may have read it (see the module
+            # docstring). Failover's own retry, if any, is an attempt of its own.
+            self._busy.discard(conn)
+            await _close_quietly(conn)
+            raise
+        return httpcore.Response(
+            status=response.status,
+            headers=response.headers,
+            content=_Released(response.stream, self, conn),
+            extensions=response.extensions,
+        )
 
     async def _release(self, conn: httpcore.AsyncHTTPConnection) -> None:
         self._busy.discard(conn)

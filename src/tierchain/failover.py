@@ -129,9 +129,9 @@ _SHOWN_WHY = frozenset({"reserve", "too_slow", "incomplete"})
 # Faults worth a second try of the same backend before commit: a proxy in front of
 # the model server answering 502, or 503 without Retry-After with a body typed other
 # than JSON (a model server's own 503 is JSON: it is busy, and the chain moves on).
-# A reset on a reused keep-alive connection never gets here: the Forwarder's pool
-# tries it once more on a new connection itself (_pool.FlatPool); a reset on a new
-# connection is the backend's own failure, and the chain moves on.
+# A reset after the request went out (reason connection_reset) is never tried again:
+# the backend may have read it and worked on it (the Forwarder's pool never resends
+# either; a stale idle connection is dropped before anything is written on it).
 _TRANSIENT = frozenset({"http_502", "http_503"})
 _WAIT_POLL = 0.25  # how often the first in the waiting room looks again unwoken
 
@@ -236,8 +236,8 @@ class Failover:
     ``retries``: how many times one request may send an attempt again to the
     same backend after a transient fault before commit (a 502, a 503 with no
     ``Retry-After`` and a body typed other than JSON: a proxy's, not the model
-    server's own "busy"; a reset on a reused connection is retried by the
-    Forwarder's pool itself); never for a saturation, never past the reserve
+    server's own "busy"; never a reset after the request went out: the
+    backend may have read it); never for a saturation, never past the reserve
     kept for the later tiers, never while another replica of the same pool is
     left to try; the last tier too. 0: never.
 
