@@ -100,6 +100,8 @@ DURATIONS: list[tuple[str, str, str, bool, bool]] = [
     ("SaturationWatchdog", "ceiling", "ceiling", False, False),
     ("SaturationWatchdog", "probe_timeout", "probe_timeout", False, False),
     ("SaturationWatchdog", "stall_after", "stall_after", True, False),
+    ("SaturationWatchdog", "stall_floor", "learned_gap.floor", False, False),
+    ("SaturationWatchdog", "stall_ceiling", "learned_gap.maximum", False, False),
     ("SaturationWatchdog", "reserve", "reserve", True, False),
     ("SaturationWatchdog", "reserve_floor", "reserve_floor", True, False),
     ("SaturationWatchdog", "progress_span", "progress_span", True, False),

@@ -655,6 +655,56 @@ async def test_stall_after_auto_cuts_a_stream_at_its_learned_gap():
     assert gw.requests[-1].attempts[-1].elapsed < 15.0
 
 
+@on_virtual_time
+async def test_by_default_a_mid_answer_stall_on_a_quick_tower_is_cut_within_seconds():
+    """Issue 31: with the watchdog's defaults (no stall_after given), a tower whose tokens
+    come every 50 ms and that goes quiet after 20 of them is cut within 5 s of its last
+    token, not after 120 s; the last tier keeps the patient ceiling."""
+    tokens = [f"t{i} " for i in range(60)]
+    events = openai_stream(tokens)
+    stall = asyncio.Event()
+
+    async def tower_script(ex: Exchange) -> None:
+        await ex.head()
+        for i, event in enumerate(events):
+            if stall.is_set() and i == 20:
+                await ex.wait_closed_by_peer()
+                return
+            await ex.write(event)
+            await asyncio.sleep(0.05)
+        await ex.end()
+
+    async with FakeBackend("tower", tower_script) as tower, FakeBackend("h", hosted_script()) as h:
+        gw = Gateway([Backend("tower", tower.url), Backend("hosted", h.url)], budget=300.0)
+        assert gw.watchdog.learned_gap is not None  # the default: learned
+        assert gw.watchdog.stall_after == 120.0  # the ceiling, until learned
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=300) as client:
+            for _ in range(10):  # ten whole streams: the tower's rhythm is learned
+                assert (await post(client, url, stream=True)).status_code == 200
+            stall.set()
+            started = now()
+            stalled = await post(client, url, stream=True)
+            took = now() - started
+        await gw.aclose()
+    error = json.loads(parse_sse(stalled.content)[-1]["data"])["error"]
+    assert error["code"] == "stalled"
+    window, learned = gw.watchdog.learned_gap.window("tower", None)
+    assert learned
+    assert window == 2.0  # the floor: 50 ms x 10 is under it
+    # 20 tokens (1 s) then the stall, cut 2 s into it: within 5 s of the last token.
+    assert took < 20 * 0.05 + 5.0
+    assert gw.requests[-1].attempts[-1].outcome == "stalled"
+    # The same tower as the last tier is judged by the ceiling: nothing to move on to.
+    from tierchain.request import Attempt, TierRequest
+
+    backend = Backend("tower", tower.url)
+    first = gw.watchdog._watch(TierRequest(), Attempt(1, 2, backend, "echo"))
+    last = gw.watchdog._watch(TierRequest(), Attempt(2, 2, backend, "echo"))
+    assert first is not None
+    assert last is not None
+    assert (first.stall, last.stall) == (2.0, 120.0)
+
+
 def test_check_config_warns_about_windows_and_the_reserve():
     from tierchain.watchdog import window_warnings
 

@@ -142,17 +142,19 @@ class Learned:
 class LearnedGap(Learned):
     """Learn each backend's normal gap between data events; ``stall_after="auto"``.
 
-    One sample per whole stream: its mean gap between data events (the gateway
-    does no per-event work to learn it). The stall window is the ``quantile``
-    of those gaps times ``margin``, between ``floor`` and ``maximum`` (the
-    configured ``stall_after``, used until ``min_samples`` streams were seen).
+    One sample per whole stream (an event stream or NDJSON lines): its mean gap
+    between data events (the gateway does no per-event work to learn it). The
+    stall window is the ``quantile`` of those gaps times ``margin``, between
+    ``floor`` (2 s: a tower whose tokens come every 50 ms is cut 2 s into a
+    stall) and ``maximum`` (120 s, the ceiling, used until ``min_samples``
+    streams were seen: a cold start is as patient as the old fixed default).
     Exported as ``tierchain_learned_stall_after_seconds``. Not bucketed by
     prompt size: pass ``None`` as the body.
     """
 
     maximum: float = 120.0
-    floor: float = 5.0
+    floor: float = 2.0
     quantile: float = 0.99
     margin: float = 10.0
-    min_samples: int = 20
+    min_samples: int = 10
     _gauge: ClassVar[Any] = LEARNED_STALL_AFTER

@@ -13,8 +13,12 @@ host handler, and bounds two waits, reading the attempt's
   route; inside a Failover such an answer is held until whole, so its first
   bytes do not end the window.
 - the gap between data events once the stream has started, ``stall_after``
-  (default 120 s; 0: off; a backend's own ``stall_after`` overrides it). A
-  stream that is long is never cut; one that goes quiet for that long is
+  (default ``"auto"``: on a tier with a later tier, each backend's own learned
+  normal gap, at least ``stall_floor`` (2 s) and at most ``stall_ceiling``
+  (120 s), which is also the window until enough streams were seen and on the
+  last tier; seconds: a fixed window; 0: off; a backend's own ``stall_after``
+  overrides it). A stream that is long is never cut; one that goes quiet for
+  that long is
   ``stalled``: the attempt is cancelled (closing the upstream connection),
   the caller gets an error event, and the backend is charged a failure.
   Time spent waiting for the caller to take a chunk
@@ -117,9 +121,12 @@ class SaturationWatchdog:
     ``(body) -> seconds`` such as :class:`~tierchain.Allowance`. ``ceiling`` is
     the absolute limit on one attempt's wait, never extended. ``probe_timeout``
     bounds each status probe. ``stall_after`` ends a started stream that sent no
-    data event for that long (0: off). ``readers`` maps a backend name to the reader of
-    its status URL (default: :func:`~tierchain.probes.auto_reader`, which
-    recognises the built-in formats by shape). ``client`` supplies the
+    data event for that long (0: off; ``"auto"``, the default: the backend's own
+    learned gap, between ``stall_floor`` and ``stall_ceiling``, on a tier with a
+    later tier; ``stall_ceiling`` until learned and on the last tier). ``readers``
+    maps a backend name to the reader of its status URL (default:
+    :func:`~tierchain.probes.auto_reader`, which recognises the built-in formats
+    by shape). ``client`` supplies the
     ``httpx.AsyncClient`` for probes (then its owner closes it); otherwise one
     is created on first use and closed by :meth:`aclose` or lifespan shutdown.
 
@@ -136,7 +143,9 @@ class SaturationWatchdog:
         slow_after: SlowAfter = 0.0,
         ceiling: float | timedelta = 1800.0,
         probe_timeout: float | timedelta = 4.0,
-        stall_after: float | timedelta | str | LearnedGap = 120.0,
+        stall_after: float | timedelta | str | LearnedGap = "auto",
+        stall_floor: float | timedelta = 2.0,
+        stall_ceiling: float | timedelta = 120.0,
         reserve: float | timedelta | str = "auto",
         reserve_floor: float | timedelta = 5.0,
         progress_span: float | timedelta = 30.0,
@@ -170,7 +179,10 @@ class SaturationWatchdog:
         self.probe_timeout = duration("probe_timeout", probe_timeout)
         self.learned_gap: LearnedGap | None = None
         if isinstance(stall_after, str) and stall_after == "auto":
-            stall_after = LearnedGap()
+            stall_after = LearnedGap(
+                floor=duration("stall_floor", stall_floor),
+                maximum=duration("stall_ceiling", stall_ceiling),
+            )
         if isinstance(stall_after, LearnedGap):
             self.learned_gap = stall_after
             self.stall_after = stall_after.maximum
@@ -316,7 +328,9 @@ class SaturationWatchdog:
         stall = self.stall_after
         if attempt is not None and attempt.backend.stall_after is not None:
             stall = attempt.backend.stall_after  # type: ignore[assignment]  # seconds once built
-        elif self.learned_gap is not None and attempt is not None:
+        elif self.learned_gap is not None and attempt is not None and not attempt.is_last:
+            # The backend's own rhythm where a later tier can take over; the last tier has
+            # nothing to move on to, and waits the ceiling (self.stall_after).
             stall = self.learned_gap.window(attempt.backend.name, None)[0]
         reserve = self._reserve(req, attempt)
         if window <= 0 and stall <= 0 and reserve <= 0:
@@ -508,7 +522,7 @@ class _Watch(Interruption):
                 first = clock.now() - self.start
             learned.observe(self.backend, body, first)
         gaps = self.watchdog.learned_gap
-        if gaps is not None and observer.sse and observer.data_events > 2:
+        if gaps is not None and (observer.sse or observer.ndjson) and observer.data_events > 2:
             last = observer.last_event_at or observer.first_data_at
             mean = (last - observer.first_data_at) / (observer.data_events - 1)
             gaps.observe(self.backend, None, mean)
