@@ -16,7 +16,7 @@ async def test_the_demo_tells_the_outage_story_with_the_tiers_each_request_tried
     trails = [trail_of(o) for o in outcomes]
     assert trails[0] == [("tower", "ok")]
     assert trails[1] == [("tower", "connect_refused"), ("hosted", "ok")]
-    assert trails[2] == [("tower", "http_500"), ("hosted", "ok")]
+    assert trails[2] == [("tower", "http_500"), ("tower", "http_500"), ("hosted", "ok")]
     assert trails[4] == [("hosted", "ok")]  # X-Prefer-Backend: hosted
     assert trails[5] == [("tower", "saturated"), ("hosted", "ok")]
     assert trails[6] == [("tower", "saturated"), ("hosted", "ok")]

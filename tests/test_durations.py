@@ -91,6 +91,8 @@ DURATIONS: list[tuple[str, str, str, bool, bool]] = [
     ("Failover", "body_timeout", "body_timeout", False, True),
     ("Failover", "send_timeout", "send_timeout", False, True),
     ("Failover", "max_wait", "max_wait", False, False),
+    ("Failover", "max_retry_wait", "max_retry_wait", True, False),
+    ("Failover", "max_retry_wait", "max_retry_wait", True, False),
     ("Breaker", "failure_cooldown", "policy.failure_cooldown", True, False),
     ("Breaker", "saturation_cooldown", "policy.saturation_cooldown", True, False),
     ("Breaker", "saturation_backoff", "policy.saturation_backoff", True, False),

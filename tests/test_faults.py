@@ -321,7 +321,8 @@ async def test_when_every_tier_says_429_the_caller_gets_429_with_the_soonest_ret
             answers(429, b'{"error":{"message":"quota exceeded"}}', **{"Retry-After": "3"}),
         ) as hosted,
     ):
-        gw = Gateway([Backend("tower", tower.url), Backend("hosted", hosted.url)])
+        # (retries=0: the Retry-After is not waited out here; tests/test_retries.py waits)
+        gw = Gateway([Backend("tower", tower.url), Backend("hosted", hosted.url)], retries=0)
         async with serve(gw.app) as url:
             response = await post(url, stream=False)
         await gw.aclose()
@@ -350,7 +351,7 @@ async def test_when_any_tier_says_503_the_caller_gets_503():
         FakeBackend("tower", answers(503, b"overloaded", **{"Retry-After": "2"})) as tower,
         FakeBackend("hosted", answers(429)) as hosted,
     ):
-        gw = Gateway([Backend("tower", tower.url), Backend("hosted", hosted.url)])
+        gw = Gateway([Backend("tower", tower.url), Backend("hosted", hosted.url)], retries=0)
         async with serve(gw.app) as url:
             response = await post(url, stream=False)
         await gw.aclose()
@@ -369,7 +370,9 @@ async def test_a_tier_skipped_as_busy_then_a_429_is_503_not_429():
     ):
         chain = [Backend("tower", tower.url, max_in_flight=1), Backend("hosted", hosted.url)]
         forwarder = Forwarder()
-        failover = Failover(forwarder, routes=Routes({"echo": chain}), store=MemoryStore())
+        failover = Failover(
+            forwarder, routes=Routes({"echo": chain}), store=MemoryStore(), retries=0
+        )
         held = await failover.admission.enter(chain[0], last=False)  # the tower is full
         async with serve(failover) as url:
             response = await post(url, stream=False)

@@ -124,7 +124,7 @@ async def test_a_retryable_status_is_its_own_outcome_and_logs_nothing_at_error(
             response = await client.post(url + "/v1/chat/completions", content=chat_request())
     assert response.status_code == 200
     # A 502 (a proxy's "bad gateway") is tried once more on the same tier first.
-    again = f"tower;outcome=http_{status}, " if status == 502 else ""
+    again = f"tower;outcome=http_{status}, " if status in (500, 502) else ""
     assert response.headers["x-tierchain-attempts"] == (
         f"tower;outcome=http_{status}, {again}hosted;outcome=ok"
     )

@@ -476,6 +476,9 @@ async def reset_at_once(ex: Exchange) -> None:
     [
         (answers(502), "http_502"),
         (answers(503, b"<html>no upstream</html>", **{"content-type": "text/html"}), "http_503"),
+        (answers(500), "http_500"),  # issue 31: a 500 once is answered by the same tier
+        (answers(503), "http_503"),  # a model server's own JSON 503, no Retry-After
+        (answers(529), "http_529"),  # Anthropic's "overloaded"
     ],
 )
 async def test_a_transient_fault_is_tried_again_on_the_same_tier(first: Any, outcome: str) -> None:
@@ -524,11 +527,12 @@ async def test_retries_stop_at_their_number_per_request() -> None:
 @pytest.mark.parametrize(
     ("first", "failover"),
     [
-        (answers(503, **{"retry-after": "5"}), {}),  # a model server saying when: not transient
-        (answers(503), {}),  # a model server's own JSON 503: busy, not transient
+        (answers(503, **{"retry-after": "60"}), {}),  # past max_retry_wait: not waited out
+        (answers(429, **{"retry-after": "2"}), {"max_retry_wait": 1}),
+        (answers(429), {}),  # a rate limit that does not say when
         (answers(502), {"retries": 0}),
-        (answers(500), {}),
-        (reset_at_once, {}),  # a reset on a new connection: the backend's own failure
+        (answers(504), {}),  # the backend's own deadline: no second try
+        (reset_at_once, {}),  # a reset after the request went out: it may have been read
     ],
 )
 async def test_no_second_try_where_none_is_due(first: Any, failover: dict[str, Any]) -> None:

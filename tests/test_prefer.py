@@ -26,7 +26,8 @@ from .support import FakeBackend, answers, chat_request, openai_stream, refused_
 
 def gateway(routes: dict[str, list[Backend]], **opts: Any) -> tuple[PreferBackend, Forwarder]:
     forwarder = Forwarder()
-    return PreferBackend(Failover(forwarder, routes=Routes(routes)), **opts), forwarder
+    # (retries=0: a 503 here only moves the chain on; second tries are tests/test_retries.py's)
+    return PreferBackend(Failover(forwarder, routes=Routes(routes), retries=0), **opts), forwarder
 
 
 async def post(url: str, prefer: str | None = None, *, model: str = "echo") -> httpx.Response:

@@ -125,7 +125,7 @@ async def test_the_attempts_span_goes_upstream_as_traceparent_not_the_callers(sp
     ):
         forwarder = Forwarder()
         routes = Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
-        async with serve(Failover(forwarder, routes=routes)) as url:
+        async with serve(Failover(forwarder, routes=routes, retries=0)) as url:
             status, _, _ = await raw_request(
                 url,
                 "/v1/chat/completions",

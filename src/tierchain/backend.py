@@ -74,7 +74,10 @@ class Backend:
     string, such as ``"gpu0"``): when one backend of the group is saturated,
     busy or starved, a request never fails over to another backend of the same
     group (on a single-GPU host it would evict the first model), and goes on to
-    a tier that does not share it. ``pool`` is set by :class:`Pool` on its
+    a tier that does not share it. ``retries`` is how many times one request
+    may try this backend again after a 500, 502, 503 or 529, or once after a
+    Retry-After it waited out (None: Failover's ``retries``; 0: never).
+    ``pool`` is set by :class:`Pool` on its
     replicas (None for a backend standing alone).
     """
 
@@ -90,6 +93,7 @@ class Backend:
     max_in_flight: int | None = None
     wire_format: str | None = None
     shares: str | None = None
+    retries: int | None = None
     pool: str | None = field(default=None, init=False, compare=False)
 
     def __repr__(self) -> str:
@@ -140,6 +144,8 @@ class Backend:
         object.__setattr__(self, "max_in_flight", limit)
         stall = duration(f"{who} stall_after", self.stall_after, allow_none=True)
         object.__setattr__(self, "stall_after", stall)
+        again = count(f"{who} retries", self.retries, minimum=0, allow_none=True)
+        object.__setattr__(self, "retries", again)
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,7 +192,9 @@ class Breaker:
             ticket = await self._acquire(route, name, attempt.force, wake=True)
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
-            raise BackendSkipped(_skip_message(name, ticket), retry_in=ticket.retry_in)
+            raise BackendSkipped(
+                _skip_message(name, ticket), retry_in=ticket.retry_in, why=ticket.reason
+            )
         # The attempt, in this frame (a waiting stream holds one less): the guard
         # reads Failover's observer and settles the outcome once it ends.
         guard = _Guard(self, route, name, ticket, req)

@@ -476,6 +476,8 @@ LAYERS: tuple[Layer, ...] = (
            help="The weights of a pool replica's score (see Pools)."),
         _o("retries", "FAILOVER_RETRIES", integer(0), "a whole number >= 0",
            help="Tries of the same backend again after a transient fault, per request."),
+        _o("max_retry_wait", "FAILOVER_MAX_RETRY_WAIT", seconds(), _SECS_NONNEG,
+           help="The longest Retry-After waited out once before the same backend is retried."),
         _o("waiting_room", "FAILOVER_WAITING_ROOM", boolean, _BOOL,
            help="Wait at the gateway while every backend of the chain is full (see Pools)."),
         _o("max_wait", "FAILOVER_MAX_WAIT", seconds(zero_ok=False), _SECS_POS,
@@ -1055,6 +1057,12 @@ def _toml_count(value: Any) -> int:
     return value
 
 
+def _toml_count_or_zero(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError
+    return value
+
+
 def _toml_bool(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError
@@ -1118,6 +1126,7 @@ BACKEND_KEYS: tuple[BackendKey, ...] = (
     BackendKey("wire_format", _toml_wire_format,
                "one of openai, responses, anthropic, ollama, plain"),
     BackendKey("shares", _toml_text, "a non-empty string naming the hardware, such as gpu0"),
+    BackendKey("retries", _toml_count_or_zero, "a whole number >= 0"),
     BackendKey("headers", lambda v: v, "a table of HTTP header names to strings", field=False),
     BackendKey("api_key_env", _toml_text, "the name of a variable", field=False),
     BackendKey("api_key_header", _toml_header_name,

@@ -454,7 +454,7 @@ async def _story(
         await step("the tower is down: refused in milliseconds, the hosted tier answers")
         tower.mode = "error"
         await tower_server.start()
-        await step("the tower answers 500: failover before a byte reached the caller")
+        await step("the tower answers 500: one more try, then failover before a byte was sent")
         tower.mode = "ok"
         await step("the tower recovered")
         await step(

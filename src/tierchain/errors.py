@@ -75,9 +75,10 @@ class BackendSkipped(AttemptError):
 
     reason = "skipped"
 
-    def __init__(self, message: str = "", *, retry_in: float | None = None) -> None:
+    def __init__(self, message: str = "", *, retry_in: float | None = None, why: str = "") -> None:
         super().__init__(message)
         self.retry_in = retry_in
+        self.why = why  # what opened the breaker (``retry_after``: the backend said when)
 
 
 class BackendBusy(AttemptError):

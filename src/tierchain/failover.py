@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -123,16 +124,23 @@ BACKEND_HEADER = b"x-tierchain-backend"
 _COMMENT_LIMIT = 64 * 1024  # comment bytes held before the first data event
 _REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its message
 _REFUSED = frozenset({429, 503})
+_REFUSALS = frozenset({"http_429", "http_503"})
 # Saturations whose reason the backend_saturated state line carries (the words this
 # layer's callers may not know from the plain stopwatch).
 _SHOWN_WHY = frozenset({"reserve", "too_slow", "incomplete"})
-# Faults worth a second try of the same backend before commit: a proxy in front of
-# the model server answering 502, or 503 without Retry-After with a body typed other
-# than JSON (a model server's own 503 is JSON: it is busy, and the chain moves on).
+# Faults worth a second try of the same backend before commit, after a short random
+# pause: a 500, a 502, a 503 or Anthropic's 529 without a Retry-After.
 # A reset after the request went out (reason connection_reset) is never tried again:
 # the backend may have read it and worked on it (the Forwarder's pool never resends
 # either; a stale idle connection is dropped before anything is written on it).
-_TRANSIENT = frozenset({"http_502", "http_503"})
+_TRANSIENT = frozenset({"http_500", "http_502", "http_503", "http_529"})
+# Refusals that may say when to come back: with a Retry-After the backend gave, waited
+# out once per request (within the budget's room, at most max_retry_wait) and retried.
+_SAID_WHEN = frozenset({"http_429", "http_503", "http_529"})
+_AGAIN = ("transient:", "wait:")
+_JITTER = 0.25  # a second try waits up to this long more, at random (no herd on one backend)
+# The detail of a skip whose breaker a backend's Retry-After opened: the caller hears 429.
+_SAID_WHEN_SKIP = "cooling down for the backend's Retry-After"
 _WAIT_POLL = 0.25  # how often the first in the waiting room looks again unwoken
 
 
@@ -270,6 +278,7 @@ class Failover:
         send_timeout: float | timedelta | None = DEFAULT_SEND_TIMEOUT,
         pick: PickWeights | None = None,
         retries: int = 1,
+        max_retry_wait: float | timedelta = 10.0,
         waiting_room: bool = False,
         max_wait: float | timedelta = 30.0,
         priority_header: str | None = None,
@@ -302,6 +311,7 @@ class Failover:
             pick or PickWeights(), admission=self.admission, store=store, board=self.status_board
         )
         self.retries = count("retries", retries, minimum=0)
+        self.max_retry_wait = duration("max_retry_wait", max_retry_wait, allow_zero=True)
         self.max_wait = duration("max_wait", max_wait)
         # Routes whose chain holds a pool or a backend that shares hardware: only
         # their requests take the slower path (a chain of single backends does not).
@@ -381,6 +391,7 @@ class Failover:
             if plan is not None and chain[0].pool is not None:
                 attempt = await self._picked(req, plan, Attempt(1, len(chain), chain[0], route))
             retried = 0
+            waited = False  # a Retry-After waited out (once per request)
             while attempt is not None:
                 responder = self._begin(req, guard, send, attempt)
                 recorded = len(req.attempts)
@@ -442,19 +453,19 @@ class Failover:
                         if self.waiting is not None:
                             self.waiting.notify()  # a lease freed: the first in line looks
                 fault = responder.fault
-                if (
-                    fault is not None
-                    and fault.startswith("transient:")
-                    and retried < self.retries
-                    and _may_retry(req, attempt)
-                    and not (plan is not None and _sibling_left(req, attempt))
-                ):
-                    retried += 1
-                    labelled(SAME_TIER_RETRIES, route, attempt.backend.name, fault[10:]).inc()
-                    attempt = Attempt(
-                        attempt.n, attempt.of, attempt.backend, route, retry=attempt.retry + 1
-                    )
-                    continue
+                if fault is not None and fault.startswith(_AGAIN):
+                    pause = self._retry_pause(req, attempt, fault, retried, waited)
+                    if pause is not None and not (plan is not None and _sibling_left(req, attempt)):
+                        retried += 1
+                        why = fault.partition(":")[2]
+                        if fault.startswith("wait:"):
+                            waited = True
+                        labelled(SAME_TIER_RETRIES, route, attempt.backend.name, why).inc()
+                        await self._pause(req, attempt, pause, why)
+                        attempt = Attempt(
+                            attempt.n, attempt.of, attempt.backend, route, retry=attempt.retry + 1
+                        )
+                        continue
                 if plan is None:
                     attempt = self._next(req, attempt)
                 else:
@@ -534,6 +545,39 @@ class Failover:
             soonest = next(b for b in chain if b.name == name)
             return Attempt(of, of, soonest, req.route, force=True)
         return None
+
+    def _retry_pause(
+        self, req: TierRequest, attempt: Attempt, fault: str, retried: int, waited: bool
+    ) -> float | None:
+        """How long to pause before trying ``attempt``'s backend again, or None: no
+        second try (none left, no room in the budget, a Retry-After too far off)."""
+        backend = attempt.backend
+        limit = self.retries if backend.retries is None else backend.retries
+        if retried >= limit or not _may_retry(req, attempt):
+            return None
+        pause = _JITTER * random.random()
+        if fault.startswith("wait:"):
+            after = req.attempts[-1].retry_after if req.attempts else None
+            if waited or after is None or after > self.max_retry_wait:
+                return None
+            pause += after
+        left = req.remaining()
+        if left is not None and pause >= left - attempt.reserve:
+            return None  # no room: the later tiers' time is not ours to wait away
+        return pause
+
+    async def _pause(self, req: TierRequest, attempt: Attempt, pause: float, why: str) -> None:
+        """Say so, and wait ``pause`` seconds before the same backend is tried again."""
+        backend = attempt.backend
+        req.emit("retrying", **_named(backend), after_s=round(pause, 1), reason=why)
+        log_event(
+            "dispatch.same_tier_retry",
+            route=attempt.route,
+            backend=backend.name,
+            reason=why,
+            after_s=round(pause, 3),
+        )
+        await asyncio.sleep(pause)
 
     async def _wait(self, scope: Scope, req: TierRequest, route: str) -> None:
         """Wait in the waiting room while every backend of the chain is full."""
@@ -627,7 +671,7 @@ class Failover:
         skipped = _skipped(req)
         trail = [(TRAIL_HEADER, format_trail(req.attempts))]
         records = req.attempts
-        if len(skipped) == of:
+        if len(skipped) == of and not all(r.detail == _SAID_WHEN_SKIP for r in records):
             soonest_s = min((s for s in skipped.values() if s is not None), default=1.0)
             retry = max(1, math.ceil(soonest_s))
             await send_json_error(
@@ -642,12 +686,14 @@ class Failover:
                 ],
             )
             return
-        refused = [r for r in records if r.outcome in ("http_429", "http_503")]
+        refused = [r for r in records if r.outcome in _REFUSALS or _cooling(r)]
         if refused and all(
             r.outcome in ("http_429", "http_503", "skipped", "busy") for r in records
         ):
-            # Every tier said "not now": that is the caller's answer, not a bad gateway.
-            status = 429 if all(r.outcome == "http_429" for r in records) else 503
+            # Every tier said "not now": that is the caller's answer, not a bad gateway. A
+            # tier still cooling down from its own Retry-After says it again: 429 stays 429
+            # for the callers after the first.
+            status = 429 if all(r.outcome == "http_429" or _cooling(r) for r in records) else 503
             given = [r.retry_after for r in records if r.retry_after is not None]
             retry = max(1, math.ceil(min(given))) if given else 1
             await send_json_error(
@@ -734,6 +780,8 @@ class Failover:
         detail: str | None = None
         if isinstance(exc, BackendSkipped):
             retry = exc.retry_in
+            if exc.why == "retry_after":
+                detail = _SAID_WHEN_SKIP
         elif isinstance(exc, RetryableStatus):
             retry, detail = exc.retry_after, exc.detail
         self._record(req, attempt, outcome, retry, detail)
@@ -767,7 +815,9 @@ class Failover:
             fault = _holds(attempt.backend)
         else:
             req.emit("backend_failed", **named, reason=outcome, failing_over=failing_over)
-            if outcome in _TRANSIENT and (outcome != "http_503" or _proxy_503(req, retry)):
+            if outcome in _SAID_WHEN and retry is not None:
+                fault = "wait:" + outcome  # the backend said when: waited out, if there is room
+            elif outcome in _TRANSIENT:
                 fault = "transient:" + outcome
         log_event(
             "dispatch.attempt_failed",
@@ -823,15 +873,6 @@ def _holds(backend: Backend) -> str | None:
     return None if backend.shares is None else "holds:" + backend.shares
 
 
-def _proxy_503(req: TierRequest, retry_after: float | None) -> bool:
-    """True when a 503 looks like a proxy's: no Retry-After, a body that says its type
-    and it is not JSON (nginx's HTML page, Envoy's "no healthy upstream")."""
-    if retry_after is not None or req.observer is None:
-        return False
-    kind = header(req.observer.headers, b"content-type")
-    return kind is not None and b"json" not in kind.lower()
-
-
 def _sibling_left(req: TierRequest, attempt: Attempt) -> bool:
     """True when another replica of the attempt's pool comes next: it is the retry."""
     pool = attempt.backend.pool
@@ -879,6 +920,11 @@ def _own_abort(req: TierRequest) -> bool:
     req.aborted = False
     # Only our own cancellation: a pending one (the caller left, the budget) goes on.
     return req.interruption is not None and req.interruption.ours()
+
+
+def _cooling(record: AttemptRecord) -> bool:
+    """True for a skip whose breaker the backend's own Retry-After opened."""
+    return record.outcome == "skipped" and record.detail == _SAID_WHEN_SKIP
 
 
 def _skipped(req: TierRequest) -> dict[str, float | None]:

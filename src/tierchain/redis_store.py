@@ -63,7 +63,7 @@ end
 """
 
 # KEYS[1] ledger; ARGV: now_ms|'' force lease_ms ttl_ms busy_ms wake
-# -> {admitted, state, gen, probe, retry_in_ms|'', transitions, clean}
+# -> {admitted, state, gen, probe, retry_in_ms|'', transitions, clean[, reason while open]}
 _ACQUIRE = (
     _NOW
     + """
@@ -101,7 +101,7 @@ if st == 'half_open' then
   end
   return {0, st, g, 0, ARGV[5], trans, 0}
 end
-return {0, st, g, 0, tostring(ou - now), trans, 0}
+return {0, st, g, 0, tostring(ou - now), trans, 0, v[8] or ''}
 """
 )
 
@@ -462,7 +462,7 @@ class RedisStore:
         except Exception as exc:
             local = self._went_away(exc)
             return await local.breaker_acquire(route, backend, policy, force=force, wake=wake)
-        admitted, state, gen, probe, retry_ms, transitions, clean = raw
+        admitted, state, gen, probe, retry_ms, transitions, clean = raw[:7]
         return Ticket(
             bool(int(admitted)),
             _text(state),
@@ -471,6 +471,7 @@ class RedisStore:
             _seconds(retry_ms),
             _transitions(transitions),
             bool(int(clean)),
+            _text(raw[7]) if len(raw) > 7 else "",
         )
 
     async def breaker_record(

@@ -95,7 +95,9 @@ class Ticket:
     probe); hand it and ``gen`` back to :meth:`Store.breaker_record`.
     ``transitions`` lists the states this call moved the breaker into.
     ``clean`` says the breaker was closed with both counts at zero, so a
-    success has nothing to clear and need not be recorded.
+    success has nothing to clear and need not be recorded. ``reason`` says,
+    for a breaker that turned the attempt away while open, what opened it
+    (``failure``, ``saturation``, ``retry_after``; ``""`` otherwise).
     """
 
     admitted: bool
@@ -105,6 +107,7 @@ class Ticket:
     retry_in: float | None = None
     transitions: tuple[str, ...] = ()
     clean: bool = False
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +172,7 @@ def acquire(
             led.probe_until = now + policy.probe_lease
             return Ticket(True, "half_open", led.gen, led.probe_token, None, done)
         return Ticket(False, "half_open", led.gen, 0, PROBE_BUSY_RETRY, done)
-    return Ticket(False, "open", led.gen, 0, led.open_until - now, done)
+    return Ticket(False, "open", led.gen, 0, led.open_until - now, done, reason=led.reason)
 
 
 def record(
