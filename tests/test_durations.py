@@ -94,6 +94,7 @@ DURATIONS: list[tuple[str, str, str, bool, bool]] = [
     ("Failover", "max_retry_wait", "max_retry_wait", True, False),
     ("Failover", "max_retry_wait", "max_retry_wait", True, False),
     ("Breaker", "failure_cooldown", "policy.failure_cooldown", True, False),
+    ("Breaker", "probe_every", "policy.probe_every", True, False),
     ("Breaker", "saturation_cooldown", "policy.saturation_cooldown", True, False),
     ("Breaker", "saturation_backoff", "policy.saturation_backoff", True, False),
     ("Breaker", "retry_after_cap", "policy.retry_after_cap", True, False),

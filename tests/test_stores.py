@@ -276,3 +276,68 @@ async def test_wake_does_not_shorten_a_failure_or_retry_after_cooldown(store, cl
     assert not (await store.breaker_acquire(R, B, POLICY, wake=True)).admitted
     await store.breaker_record(R, "other", POLICY, "failure", gen=0, retry_after=60.0)
     assert not (await store.breaker_acquire(R, "other", POLICY, wake=True)).admitted
+
+
+# -- issue 31: mid-stream deaths, recovery probes on a schedule, the skip's reason ----------
+
+
+async def test_two_mid_stream_deaths_in_a_row_open_where_five_failures_would(store, clock):
+    await fail(store, "stream_failure")
+    assert (await store.breaker_snapshot(R, B)).state == "closed"
+    await fail(store, "failure")  # a refused connect between them: counted, no reset
+    await fail(store, "stream_failure")
+    snap = await store.breaker_snapshot(R, B)
+    assert snap.state == "open"
+    assert snap.failures == 3
+    assert snap.retry_in == pytest.approx(30.0, abs=0.01)
+    skipped = await store.breaker_acquire(R, B, POLICY)
+    assert not skipped.admitted
+    assert skipped.reason == "stream_failure"
+
+
+async def test_one_good_attempt_clears_the_mid_stream_count(store):
+    await fail(store, "stream_failure")
+    await fail(store, "success")
+    await fail(store, "stream_failure")
+    assert (await store.breaker_snapshot(R, B)).state == "closed"
+
+
+async def test_an_open_breaker_lets_one_recovery_probe_through_every_probe_every(store, clock):
+    policy = BreakerPolicy(failure_threshold=5, failure_cooldown=30.0, probe_every=10.0)
+    for _ in range(5):
+        ticket = await store.breaker_acquire(R, B, policy)
+        await store.breaker_record(R, B, policy, "failure", gen=ticket.gen)
+    clock.advance(9)
+    assert not (await store.breaker_acquire(R, B, policy)).admitted
+    clock.advance(1)
+    probe = await store.breaker_acquire(R, B, policy)
+    assert probe.admitted
+    assert probe.probe
+    assert probe.state == "open"
+    assert not (await store.breaker_acquire(R, B, policy)).admitted  # one at a time
+    change = await store.breaker_record(R, B, policy, "failure", gen=probe.gen, probe=probe.probe)
+    assert change.state == "open"  # still down: open for another cooldown
+    assert change.retry_in == pytest.approx(30.0, abs=0.01)
+    clock.advance(5)
+    assert not (await store.breaker_acquire(R, B, policy)).admitted
+    clock.advance(5)  # probe_every after the last probe went
+    probe = await store.breaker_acquire(R, B, policy)
+    assert probe.admitted
+    change = await store.breaker_record(R, B, policy, "success", gen=probe.gen, probe=probe.probe)
+    assert change.state == "closed"
+    assert change.transitions == ("closed",)
+    assert (await store.breaker_acquire(R, B, policy)).admitted
+
+
+async def test_no_recovery_probe_before_the_cooldown_for_saturation_or_retry_after(store, clock):
+    policy = BreakerPolicy(probe_every=10.0, saturation_threshold=2, retry_after_cap=120.0)
+    for _ in range(2):
+        ticket = await store.breaker_acquire(R, B, policy)
+        await store.breaker_record(R, B, policy, "saturation", gen=ticket.gen)
+    ticket = await store.breaker_acquire("other", B, policy)
+    await store.breaker_record("other", B, policy, "failure", gen=ticket.gen, retry_after=60.0)
+    clock.advance(20)
+    saturated = await store.breaker_acquire(R, B, policy)
+    limited = await store.breaker_acquire("other", B, policy)
+    assert (saturated.admitted, saturated.reason) == (False, "saturation")
+    assert (limited.admitted, limited.reason) == (False, "retry_after")

@@ -39,8 +39,19 @@ Breaker's own):
   ``BackendUnavailable`` the gateway caused itself (``gateway_fault``: a wait
   for a pooled connection, a connect timeout while its event loop ran late).
 
-So a tower that keeps breaking mid-stream is skipped after
-``failure_threshold`` like any other failing backend.
+A failure of a stream that had already reached the caller (it broke, was cut
+short or stalled mid-answer) is a *mid-stream death*: it costs the caller a
+whole turn, so it counts as a failure and, on a ledger of its own, opens the
+breaker after ``stream_failure_threshold`` (2) in a row, where refused
+connections (milliseconds each) take ``failure_threshold`` (5).
+
+Recovery after a flapping outage: while a breaker is open for failures, one
+request every ``probe_every`` seconds (10 s) goes through as a recovery probe,
+before the cooldown ends (a failed probe keeps it open for another
+``failure_cooldown``): a backend that recovered is back in use within about
+``probe_every`` of recovering, however long it was down. A breaker open for
+saturation or for a ``Retry-After`` is not probed early (a saturated probe
+costs its caller a whole window; the backend said when).
 """
 
 from __future__ import annotations
@@ -79,6 +90,7 @@ from .store import (
 )
 from .telemetry import (
     BACKEND_SKIPPED,
+    BREAKER_RECOVERY_PROBES,
     BREAKER_STATE,
     BREAKER_TRANSITIONS,
     log_event,
@@ -103,7 +115,11 @@ class Breaker:
     ``store`` holds the ledgers (a :class:`~tierchain.MemoryStore` of its own
     when None; pass one :class:`~tierchain.RedisStore` to every replica to share
     them). ``failure_threshold``/``failure_cooldown`` and
-    ``saturation_threshold``/``saturation_cooldown`` are the two ledgers.
+    ``saturation_threshold``/``saturation_cooldown`` are the two ledgers;
+    ``stream_failure_threshold`` is how many mid-stream deaths in a row open
+    the breaker (for ``failure_cooldown``). ``probe_every`` is how often an
+    open breaker lets one request through as a recovery probe before its
+    failure cooldown ends (0: only once it ended).
     ``saturation_backoff`` is the first cooldown after a saturated half-open
     probe (doubling up to ``saturation_cooldown``; 0: always the full cooldown).
     ``retry_after_cap`` bounds how long a ``Retry-After`` may open a breaker.
@@ -125,6 +141,8 @@ class Breaker:
         store: Store | None = None,
         failure_threshold: int = 5,
         failure_cooldown: float | timedelta = 30.0,
+        stream_failure_threshold: int = 2,
+        probe_every: float | timedelta = 10.0,
         saturation_threshold: int = 2,
         saturation_cooldown: float | timedelta = 900.0,
         saturation_backoff: float | timedelta = 30.0,
@@ -135,6 +153,8 @@ class Breaker:
         status_board: StatusBoard | None = None,
     ) -> None:
         failure_threshold = count("failure_threshold", failure_threshold)
+        stream_failure_threshold = count("stream_failure_threshold", stream_failure_threshold)
+        probe_every = duration("probe_every", probe_every, allow_zero=True)
         saturation_threshold = count("saturation_threshold", saturation_threshold)
         failure_cooldown = duration("failure_cooldown", failure_cooldown, allow_zero=True)
         saturation_cooldown = duration("saturation_cooldown", saturation_cooldown, allow_zero=True)
@@ -157,6 +177,8 @@ class Breaker:
             retry_after_cap=retry_after_cap,
             probe_lease=probe_lease,
             saturation_backoff=saturation_backoff,
+            stream_failure_threshold=stream_failure_threshold,
+            probe_every=probe_every,
         )
         self.when_all_open = when_all_open
         self.backend = backend.name if isinstance(backend, Backend) else str(backend)
@@ -190,6 +212,8 @@ class Breaker:
             and _reports_idle(self.status_board, attempt.backend)
         ):
             ticket = await self._acquire(route, name, attempt.force, wake=True)
+        if ticket.probe and ticket.state == "open":
+            _recovery_probe(route, name)
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
             raise BackendSkipped(
@@ -214,6 +238,8 @@ class Breaker:
         route = (req.route if req is not None else None) or ""
         name = self.backend
         ticket = await self._acquire(route, name, False)
+        if ticket.probe and ticket.state == "open":
+            _recovery_probe(route, name)
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
             await self._answer_open(send, req, name, ticket)
@@ -364,6 +390,23 @@ def _reports_idle(board: StatusBoard | None, backend: Backend) -> bool:
     return idle(board.peek(url, auto_reader))
 
 
+def _recovery_probe(route: str, name: str) -> None:
+    """An open breaker let one request through as its recovery probe (``probe_every``)."""
+    BREAKER_RECOVERY_PROBES.labels(route, name).inc()
+    log_event("breaker.recovery_probe", route=route, backend=name)
+
+
+def _mid_stream(outcome: Outcome, req: TierRequest | None, observer: Observer) -> Outcome:
+    """``stream_failure`` for a failure of a stream that had reached the caller (it broke
+    or stalled mid-answer), else ``outcome``."""
+    if outcome != "failure":
+        return outcome
+    if req is not None and req.in_chain:
+        return "stream_failure" if req.committed else outcome
+    framed = observer.sse or observer.ndjson
+    return "stream_failure" if framed and observer.first_data_at is not None else outcome
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
@@ -447,7 +490,9 @@ class _Guard:
             if req is not None and (req.aborted or req.cancel_reason is not None)
             else None
         )
-        await self.breaker.record(self.route, self.name, self.ticket, *_classify(cause or exc))
+        outcome, retry_after = _classify(cause or exc)
+        outcome = _mid_stream(outcome, req, self.observer)
+        await self.breaker.record(self.route, self.name, self.ticket, outcome, retry_after)
 
     def settle(self) -> Awaitable[None] | None:
         """The attempt returned: record what its response showed, once (the
@@ -457,6 +502,7 @@ class _Guard:
             left = None  # the terminator arrived: a transport glitch after it is no failure
             self.observer.end()
         outcome, retry_after = _classify(left) if left is not None else _judge(self.observer)
+        outcome = _mid_stream(outcome, self.req, self.observer)
         if _nothing_to_record(self.ticket, outcome):
             return None
         return self.breaker.record(self.route, self.name, self.ticket, outcome, retry_after)

@@ -491,6 +491,10 @@ LAYERS: tuple[Layer, ...] = (
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
         _o("failure_cooldown", "BREAKER_FAILURE_COOLDOWN", seconds(), _SECS_NONNEG),
+        _o("stream_failure_threshold", "BREAKER_STREAM_FAILURE_THRESHOLD", integer(1), _COUNT,
+           help="Mid-stream deaths in a row that open the breaker."),
+        _o("probe_every", "BREAKER_PROBE_EVERY", seconds(), f"{_SECS} (0: off)",
+           help="How often an open breaker lets one recovery probe through before its cooldown."),
         _o("saturation_threshold", "BREAKER_SATURATION_THRESHOLD", integer(1), _COUNT),
         _o("saturation_cooldown", "BREAKER_SATURATION_COOLDOWN", seconds(), _SECS_NONNEG),
         _o("saturation_backoff", "BREAKER_SATURATION_BACKOFF", seconds(), _SECS_NONNEG,

@@ -62,7 +62,7 @@ local function keep(key, now, ou, pu, ttl)
 end
 """
 
-# KEYS[1] ledger; ARGV: now_ms|'' force lease_ms ttl_ms busy_ms wake
+# KEYS[1] ledger; ARGV: now_ms|'' force lease_ms ttl_ms busy_ms wake probe_every_ms
 # -> {admitted, state, gen, probe, retry_in_ms|'', transitions, clean[, reason while open]}
 _ACQUIRE = (
     _NOW
@@ -72,7 +72,7 @@ local now = now_ms(ARGV[1])
 local force = ARGV[2] == '1'
 local lease = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[4])
-local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r')
+local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r', 'pa')
 if not v[1] then return {1, 'closed', 0, 0, '', '', 1} end
 local st, f, s, ou = v[1], num(v[2]), num(v[3]), num(v[4])
 local pu, pt, g = num(v[5]), num(v[6]), num(v[7])
@@ -91,6 +91,15 @@ if st == 'closed' or force then
   if st == 'closed' and f == 0 and s == 0 then clean = 1 end
   return {1, st, g, 0, '', trans, clean}
 end
+local every = tonumber(ARGV[7] or '0')
+if st == 'open' and every > 0 and (v[8] == 'failure' or v[8] == 'stream_failure')
+    and now >= num(v[9]) and pu <= now then
+  pt = pt + 1
+  pu = now + lease
+  redis.call('HSET', key, 'pu', tostring(pu), 'pt', pt, 'pa', tostring(now + every))
+  keep(key, now, ou, pu, ttl)
+  return {1, st, g, pt, '', trans, 0}
+end
 if st == 'half_open' then
   if pu <= now then
     pt = pt + 1
@@ -106,7 +115,7 @@ return {0, st, g, 0, tostring(ou - now), trans, 0, v[8] or ''}
 )
 
 # KEYS[1] ledger; ARGV: now_ms|'' outcome gen probe retry_after_ms|'' f_threshold
-# f_cooldown_ms s_threshold s_cooldown_ms cap_ms ttl_ms backoff_ms
+# f_cooldown_ms s_threshold s_cooldown_ms cap_ms ttl_ms backoff_ms sf_threshold probe_every_ms
 # -> {state, retry_in_ms|'', failures, saturations, transitions, reason}
 _RECORD = (
     _NOW
@@ -122,7 +131,8 @@ local fth, fcd = tonumber(ARGV[6]), tonumber(ARGV[7])
 local sth, scd = tonumber(ARGV[8]), tonumber(ARGV[9])
 local cap, ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
 local backoff = tonumber(ARGV[12])
-local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r', 'ro')
+local sfth, every = tonumber(ARGV[13]), tonumber(ARGV[14])
+local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r', 'ro', 'sf', 'pa')
 if not v[1] and (outcome == 'success' or outcome == 'neutral') then
   return {'closed', '', 0, 0, '', ''}
 end
@@ -130,6 +140,7 @@ local st = v[1] or 'closed'
 local f, s, ou, pu, pt, g = num(v[2]), num(v[3]), num(v[4]), num(v[5]), num(v[6]), num(v[7])
 local r = v[8] or ''
 local ro = num(v[9])
+local sf, pa = num(v[10]), num(v[11])
 local trans = {}
 if st == 'open' and now >= ou then
   st = 'half_open'
@@ -141,6 +152,7 @@ if outcome == 'success' then
   if fresh then
     f = 0
     s = 0
+    sf = 0
     if st ~= 'closed' then
       st = 'closed'
       ou = 0
@@ -150,12 +162,20 @@ if outcome == 'success' then
       table.insert(trans, 'closed')
     end
   end
-elseif outcome == 'failure' or outcome == 'saturation' then
+elseif outcome == 'failure' or outcome == 'stream_failure' or outcome == 'saturation' then
   local kind, tripped
-  if outcome == 'failure' then
+  if outcome ~= 'saturation' then
     f = f + 1
     kind = fcd
     tripped = f >= fth
+    if outcome == 'stream_failure' then
+      sf = sf + 1
+      if (not tripped) and sf >= sfth then
+        tripped = true
+      else
+        outcome = 'failure'
+      end
+    end
   else
     s = s + 1
     kind = scd
@@ -186,6 +206,7 @@ elseif outcome == 'failure' or outcome == 'saturation' then
     if st ~= 'open' then
       g = g + 1
       pu = 0
+      pa = now + every
       table.insert(trans, 'open')
     end
     st = 'open'
@@ -196,7 +217,7 @@ elseif outcome == 'failure' or outcome == 'saturation' then
   end
 end
 redis.call('HSET', key, 'st', st, 'f', f, 's', s, 'ou', tostring(ou), 'pu', tostring(pu),
-  'pt', pt, 'g', g, 'r', r, 'ro', ro)
+  'pt', pt, 'g', g, 'r', r, 'ro', ro, 'sf', sf, 'pa', tostring(pa))
 keep(key, now, ou, pu, ttl)
 local retry = ''
 if st == 'open' then retry = tostring(ou - now) end
@@ -451,6 +472,7 @@ class RedisStore:
             _ms(self.ttl),
             _ms(PROBE_BUSY_RETRY),
             "1" if wake else "0",
+            _ms(policy.probe_every),
         ]
 
         def orphan(ticket: Ticket) -> None:
@@ -504,6 +526,8 @@ class RedisStore:
             _ms(policy.retry_after_cap),
             _ms(self.ttl),
             _ms(policy.saturation_backoff),
+            str(policy.stream_failure_threshold),
+            _ms(policy.probe_every),
         ]
         try:
             raw = await self._shielded(lambda: self._record(keys=[key], args=args))

@@ -49,9 +49,15 @@ __all__ = [
     "snapshot",
 ]
 
-Outcome = Literal["success", "failure", "saturation", "neutral"]
-"""How an attempt ended, for the breaker. ``neutral`` counts for nothing and
-only gives back a probe slot (a 4xx, a cancelled attempt, a spent budget)."""
+Outcome = Literal["success", "failure", "stream_failure", "saturation", "neutral"]
+"""How an attempt ended, for the breaker. ``stream_failure`` is a failure of a
+stream that had already reached the caller (it broke or stalled mid-answer): it
+counts as a failure and, on a ledger of its own, against
+``stream_failure_threshold``. ``neutral`` counts for nothing and only gives
+back a probe slot (a 4xx, a cancelled attempt, a spent budget)."""
+
+_EARLY_PROBED = frozenset({"failure", "stream_failure"})
+"""Why a breaker may be open and still let a recovery probe through every ``probe_every``."""
 
 PROBE_BUSY_RETRY = 1.0
 """``retry_in`` reported while another request holds the half-open probe slot."""
@@ -85,6 +91,11 @@ class BreakerPolicy:
     saturation_backoff: float = 30.0
     """The first cooldown after a half-open probe saturated; it doubles with each
     further re-open, up to ``saturation_cooldown`` (0: always ``saturation_cooldown``)."""
+    stream_failure_threshold: int = 2
+    """Mid-stream deaths in a row (``stream_failure``) that open the breaker."""
+    probe_every: float = 0.0
+    """While open for failures, one request may probe every this many seconds, before
+    the cooldown ends (0: only once the cooldown ended; the Breaker's default is 10 s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +146,8 @@ class Ledger:
     gen: int = 0
     reason: str = ""
     reopens: int = 0
+    stream_failures: int = 0
+    probe_at: float = 0.0  # while open for failures: when the next recovery probe may go
 
 
 def reopen_cooldown(policy: BreakerPolicy, reopens: int) -> float:
@@ -166,6 +179,19 @@ def acquire(
     if led.state == "closed" or force:
         clean = led.state == "closed" and not led.failures and not led.saturations
         return Ticket(True, led.state, led.gen, 0, None, done, clean)
+    if (
+        led.state == "open"
+        and policy.probe_every > 0
+        and led.reason in _EARLY_PROBED
+        and now >= led.probe_at
+        and led.probe_until <= now
+    ):
+        # A recovery probe before the cooldown ends: a backend that failed fast comes
+        # back within probe_every of recovering, not a whole cooldown (or more) later.
+        led.probe_token += 1
+        led.probe_until = now + policy.probe_lease
+        led.probe_at = now + policy.probe_every
+        return Ticket(True, "open", led.gen, led.probe_token, None, done)
     if led.state == "half_open":
         if led.probe_until <= now:
             led.probe_token += 1
@@ -193,18 +219,25 @@ def record(
     fresh = gen == led.gen
     if outcome == "success":
         if fresh:
-            led.failures = led.saturations = 0
+            led.failures = led.saturations = led.stream_failures = 0
             if led.state != "closed":
                 led.state = "closed"
                 led.open_until = led.probe_until = 0.0
                 led.reason = ""
                 led.reopens = 0
                 transitions.append("closed")
-    elif outcome == "failure" or outcome == "saturation":
-        if outcome == "failure":
+    elif outcome == "failure" or outcome == "stream_failure" or outcome == "saturation":
+        if outcome != "saturation":
             led.failures += 1
             kind_cooldown = policy.failure_cooldown
             tripped = led.failures >= policy.failure_threshold
+            if outcome == "stream_failure":
+                led.stream_failures += 1
+                streams = led.stream_failures >= policy.stream_failure_threshold
+                if not tripped and streams:
+                    tripped = True
+                else:
+                    outcome = "failure"  # (the reason: the failures' own threshold)
         else:
             led.saturations += 1
             kind_cooldown = policy.saturation_cooldown
@@ -234,6 +267,7 @@ def record(
             if led.state != "open":
                 led.gen += 1
                 led.probe_until = 0.0
+                led.probe_at = now + policy.probe_every
                 transitions.append("open")
             led.state = "open"
             if now + cooldown > led.open_until:

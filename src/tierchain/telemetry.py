@@ -248,6 +248,11 @@ BREAKER_TRANSITIONS = Counter(
     "Breaker transitions by the state entered.",
     ["route", "backend", "to"],
 )
+BREAKER_RECOVERY_PROBES = Counter(
+    "tierchain_breaker_recovery_probes",
+    "Requests an open breaker let through as its recovery probe before the cooldown ended.",
+    ["route", "backend"],
+)
 BACKEND_SKIPPED = Counter(
     "tierchain_backend_skipped",
     "Attempts skipped because the backend's breaker was open.",

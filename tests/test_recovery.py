@@ -1,0 +1,138 @@
+"""The breaker spares the next caller sooner and finds a recovered primary (issue 31, item 3).
+
+Over the real layers as ``tierchain serve`` builds them (``build_stack`` with its
+defaults) on uvicorn, with fake backends on loopback and the package clock virtual:
+the fake primary switches state on that clock, so "down for 60 s" is exact however
+busy the machine is. Each case runs with a MemoryStore and with a RedisStore (on a
+throwaway redis-server, on the same virtual clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tierchain.config import from_env
+from tierchain.stack import build_stack
+
+from .support import (
+    RULES_TIMEOUT,
+    Exchange,
+    FakeBackend,
+    chat_request,
+    fault,
+    now,
+    on_virtual_time,
+    parse_sse,
+    serve,
+    streams,
+)
+
+
+def _routes(tmp_path: Path, primary: str, hosted: str) -> Path:
+    routes = tmp_path / "routes.toml"
+    routes.write_text(
+        f'[[routes.echo.backends]]\nname = "primary"\nurl = "{primary}"\n\n'
+        f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{hosted}"\n'
+    )
+    return routes
+
+
+def _answered_by(response: httpx.Response) -> str:
+    """Whose words the data events carry (state lines name every backend tried: not those)."""
+    data = "".join(e["data"] or "" for e in parse_sse(response.content))
+    if "[DONE]" not in data:
+        return ""  # not a whole answer
+    return "primary" if "primary" in data else "hosted" if "hosted" in data else ""
+
+
+def _store(kind: str, request: pytest.FixtureRequest) -> Any:
+    if kind == "memory":
+        return None  # build_stack makes the default MemoryStore (on the package clock)
+    from tierchain import RedisStore
+    from tierchain._runtime import clock
+
+    server = request.getfixturevalue("redis_server")
+    # Redis's own TIME is wall-clock: the store reads the package's (virtual) clock instead.
+    return RedisStore(server.url, clock=clock.now, timeout=RULES_TIMEOUT)
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+@on_virtual_time
+async def test_a_primary_down_60s_then_healthy_is_used_again_within_30s_of_recovering(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """20 requests 4 s apart; the primary answers 500 for its first 60 s, then streams. Every
+    request is answered, and the primary answers again within 30 s of recovering (it used
+    to be never again in the run: one half-open probe landed while it was down, and the
+    cooldown then outlasted the sequence)."""
+    started = now()
+    recovers_at = started + 60.0
+
+    async def primary_script(ex: Exchange) -> None:
+        if now() < recovers_at:
+            await ex.respond(500, b'{"error":{"message":"CUDA error: device lost"}}')
+        else:
+            await streams(["from ", "primary"])(ex)
+
+    store = _store(kind, request)
+    async with (
+        FakeBackend("primary", primary_script) as primary,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        settings = from_env(
+            {
+                "TIERCHAIN_ROUTES_FILE": str(_routes(tmp_path, primary.url, hosted.url)),
+                "TIERCHAIN_IDENTITY": "0",
+            }
+        )
+        app = build_stack(None, settings, store=store)
+        answered: list[tuple[float, int, str]] = []
+        async with serve(app, lifespan="on") as url, httpx.AsyncClient(timeout=300) as client:
+            for i in range(20):
+                await asyncio.sleep(max(0.0, started + 4.0 * i - now()))
+                at = now()
+                r = await client.post(url + "/v1/chat/completions", content=chat_request())
+                answered.append((at - started, r.status_code, _answered_by(r)))
+        if store is not None:
+            await store.aclose()
+    assert all(status == 200 and who for _, status, who in answered), answered
+    back = [at for at, _, who in answered if who == "primary" and at >= 60.0]
+    assert back, answered
+    assert back[0] - 60.0 <= 30.0, answered
+    assert all(who == "hosted" for at, _, who in answered if at < 60.0)
+    # The breaker spared most callers while it was down: a few probes, not two tries each.
+    assert len(primary.requests) < 20
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+@on_virtual_time
+async def test_two_mid_stream_deaths_in_a_row_spare_the_next_caller(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A primary that dies mid-answer twice in a row (each a lost turn for its caller) is
+    skipped by the third caller, with `tierchain serve`'s defaults; it took five before."""
+    store = _store(kind, request)
+    async with (
+        FakeBackend("primary", fault("reset", after=2)) as primary,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        settings = from_env(
+            {
+                "TIERCHAIN_ROUTES_FILE": str(_routes(tmp_path, primary.url, hosted.url)),
+                "TIERCHAIN_IDENTITY": "0",
+            }
+        )
+        app = build_stack(None, settings, store=store)
+        async with serve(app, lifespan="on") as url, httpx.AsyncClient(timeout=300) as client:
+            for _ in range(2):
+                await client.post(url + "/v1/chat/completions", content=chat_request())
+            third = await client.post(url + "/v1/chat/completions", content=chat_request())
+        if store is not None:
+            await store.aclose()
+    assert len(primary.requests) == 2
+    assert _answered_by(third) == "hosted"
