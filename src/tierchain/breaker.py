@@ -396,15 +396,13 @@ def _recovery_probe(route: str, name: str) -> None:
     log_event("breaker.recovery_probe", route=route, backend=name)
 
 
-def _mid_stream(outcome: Outcome, req: TierRequest | None, observer: Observer) -> Outcome:
-    """``stream_failure`` for a failure of a stream that had reached the caller (it broke
-    or stalled mid-answer), else ``outcome``."""
-    if outcome != "failure":
-        return outcome
+def _mid_stream(req: TierRequest | None, observer: Observer) -> Outcome:
+    """A failure's outcome: ``stream_failure`` for a stream that had reached the caller
+    (it broke or stalled mid-answer), else ``failure``."""
     if req is not None and req.in_chain:
-        return "stream_failure" if req.committed else outcome
+        return "stream_failure" if req.committed else "failure"
     framed = observer.sse or observer.ndjson
-    return "stream_failure" if framed and observer.first_data_at is not None else outcome
+    return "stream_failure" if framed and observer.first_data_at is not None else "failure"
 
 
 def _round(value: float | None) -> float | None:
@@ -491,7 +489,8 @@ class _Guard:
             else None
         )
         outcome, retry_after = _classify(cause or exc)
-        outcome = _mid_stream(outcome, req, self.observer)
+        if outcome == "failure":
+            outcome = _mid_stream(req, self.observer)
         await self.breaker.record(self.route, self.name, self.ticket, outcome, retry_after)
 
     def settle(self) -> Awaitable[None] | None:
@@ -502,7 +501,8 @@ class _Guard:
             left = None  # the terminator arrived: a transport glitch after it is no failure
             self.observer.end()
         outcome, retry_after = _classify(left) if left is not None else _judge(self.observer)
-        outcome = _mid_stream(outcome, self.req, self.observer)
+        if outcome == "failure":
+            outcome = _mid_stream(self.req, self.observer)
         if _nothing_to_record(self.ticket, outcome):
             return None
         return self.breaker.record(self.route, self.name, self.ticket, outcome, retry_after)
