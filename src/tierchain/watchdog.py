@@ -326,16 +326,22 @@ class SaturationWatchdog:
         else:
             window = 0.0 if self.off else self.window(req.body if req is not None else None)
         stall = self.stall_after
+        stall_learned = False
         if attempt is not None and attempt.backend.stall_after is not None:
             stall = attempt.backend.stall_after  # type: ignore[assignment]  # seconds once built
         elif self.learned_gap is not None and attempt is not None and not attempt.is_last:
             # The backend's own rhythm where a later tier can take over; the last tier has
             # nothing to move on to, and waits the ceiling (self.stall_after).
-            stall = self.learned_gap.window(attempt.backend.name, None)[0]
+            stall, stall_learned = self.learned_gap.window(attempt.backend.name, None)
         reserve = self._reserve(req, attempt)
         if window <= 0 and stall <= 0 and reserve <= 0:
             return None
-        return _Watch(self, req, window, stall, learned, reserve)
+        watch = _Watch(self, req, window, stall, learned, reserve)
+        if stall_learned:
+            # A learned window varies by backend and sample: not a recurring delay (a
+            # FIFO per distinct value would pile up in the scheduler).
+            watch.stall_fixed = False
+        return watch
 
     def _reserve(self, req: TierRequest | None, attempt: Attempt | None) -> float:
         """Seconds this attempt must leave for the later tiers (0: none to keep)."""
@@ -424,6 +430,7 @@ class _Watch(Interruption):
         "reserve",
         "route",
         "stall",
+        "stall_fixed",
         "start",
         "watchdog",
         "window",
@@ -448,6 +455,7 @@ class _Watch(Interruption):
         self.last = attempt is None or attempt.is_last
         self.window = window
         self.stall = stall
+        self.stall_fixed = True  # the same stall window recurs (see SaturationWatchdog._watch)
         self.reserve = reserve
         shared = req.observer if req is not None and req.in_chain else None
         self.own = shared is None
@@ -589,7 +597,7 @@ class _Watch(Interruption):
             deadlines.cancel(handle)
             self._handle = None
         if self.fired is None:
-            self._arm(self.stall, fixed=True)
+            self._arm(self.stall, fixed=self.stall_fixed)
 
     def answered(self) -> bool:
         """True once the first chunk has arrived (for a held answer: all of it, or
@@ -671,7 +679,7 @@ class _Watch(Interruption):
                 # The caller is not reading, so neither are we: the upstream's silence
                 # is not its own (Failover's send_timeout judges the caller). Look again
                 # one stall window later.
-                self._arm(self.stall, fixed=True)
+                self._arm(self.stall, fixed=self.stall_fixed)
                 return
             last = self._quiet_since()
             if not observer.ended and now >= last + self.stall - EARLY:
