@@ -6,9 +6,11 @@ import asyncio
 import socket
 import struct
 
+import httpcore
 import httpx
+import pytest
 
-from tierchain._pool import FlatTransport
+from tierchain._pool import FlatTransport, NotSent
 
 ANSWER = b'{"ok":true}'
 
@@ -153,3 +155,51 @@ async def test_a_new_connection_that_is_reset_is_not_tried_again():
         await server.wait_closed()
     assert isinstance(error, httpx.ReadError | httpx.RemoteProtocolError)
     assert connections == 1
+
+
+async def test_a_connection_reset_before_the_request_was_written_says_it_was_not_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race a stale check cannot close: the backend resets an idle keep-alive just
+    after the pool looked at it. The request's first write fails, so the backend never
+    had it: the pool raises NotSent (under httpx's ReadError) and sends nothing again."""
+    seen = 0
+    reset = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal seen
+        if await _read_request(reader):
+            seen += 1
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER)
+            )
+            await writer.drain()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # the idle connection reset while in our pool
+        reset.set()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = FlatTransport(limits=httpx.Limits(max_keepalive_connections=4))
+    error: Exception | None = None
+    # Every look at the idle connection happens before the reset reaches it: none sees it.
+    monkeypatch.setattr(httpcore.AsyncHTTPConnection, "has_expired", lambda self: False)
+    try:
+        async with httpx.AsyncClient(transport=transport) as client:
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            await client.post(url, content=b'{"model":"echo"}')
+            await asyncio.wait_for(reset.wait(), 1)
+            for _ in range(20):  # let the reset reach our idle socket
+                await asyncio.sleep(0.01)
+            try:
+                await client.post(url, content=b'{"model":"echo"}')
+            except httpx.TransportError as exc:
+                error = exc
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert isinstance(error, httpx.ReadError | httpx.RemoteProtocolError)
+    assert isinstance(error.__cause__, NotSent)
+    assert seen == 1

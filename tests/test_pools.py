@@ -588,6 +588,43 @@ async def test_a_backend_that_read_the_request_and_reset_sees_it_once_in_one_cou
     assert after - before == 1
 
 
+async def test_a_request_the_backend_reset_before_it_was_written_whole_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The other side of the same race: the backend reset its idle keep-alive just after
+    the pool's look, so a write of the request failed and the backend never had it whole.
+    One more try on the same backend, as an attempt of its own (outcome not_sent)."""
+    import httpcore
+
+    calls = [0]
+
+    async def warm_then_reset(ex: Exchange) -> None:
+        calls[0] += 1
+        await streams(["warm" if calls[0] == 1 else "again"])(ex)
+        if calls[0] == 1:
+            await asyncio.sleep(0.05)
+            await ex.reset()  # the idle connection, reset while in the gateway's pool
+
+    # Every look at the idle connection comes before the reset reaches it.
+    monkeypatch.setattr(httpcore.AsyncHTTPConnection, "has_expired", lambda self: False)
+    async with FakeBackend("local") as local, FakeBackend("hosted") as hosted:
+        local.script = warm_then_reset
+        gw = Gateway(
+            [Backend(name="local", url=local.url), Backend(name="hosted", url=hosted.url)],
+            threshold=5,
+        )
+        async with serve(gw.app) as url, httpx.AsyncClient() as client:
+            await post(client, url)
+            await asyncio.sleep(0.2)
+            r = await post(client, url)
+        await gw.aclose()
+    assert r.status_code == 200
+    assert trail(r) == ["local;outcome=not_sent", "local;outcome=ok"]
+    assert len(local.requests) == 2  # the warm one, and the retry: the reset one never arrived
+    assert hosted.requests == []
+    assert [s["reason"] for s in gw.states("retrying")] == ["not_sent"]
+
+
 async def test_a_saturation_is_never_tried_again_on_the_same_tier() -> None:
     async with FakeBackend("local") as local, FakeBackend("hosted") as hosted:
         local.script = once_then(quiet)

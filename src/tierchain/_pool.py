@@ -24,6 +24,16 @@ ours, cannot be told apart from a backend that read the request, worked on it
 and then reset), so a failure goes up as it is: Failover decides whether to
 try again, and that try is an attempt of its own (in the attempts header, the
 log and the metrics).
+
+Each connection counts the writes that failed on its socket (reads are not
+wrapped: a streamed chunk costs nothing more). A request one of whose writes
+failed (the backend had reset the connection before the request was out:
+httpcore then reads for an early answer, and finds the reset) never reached
+the backend whole, so the backend cannot have acted on it: the pool raises
+:class:`NotSent`, the cause of httpx's ``ReadError``, and Failover may try it
+again on the same backend, as an attempt of its own. A request written whole
+and then met with a reset or an end is the other case above: it may have
+been read.
 """
 
 from __future__ import annotations
@@ -38,7 +48,95 @@ import httpx
 
 from ._runtime import clock
 
-__all__ = ["FlatPool", "FlatTransport"]
+__all__ = ["FlatPool", "FlatTransport", "NotSent"]
+
+_AFTER_CONNECT = (httpcore.ReadError, httpcore.WriteError, httpcore.RemoteProtocolError)
+
+
+class NotSent(httpcore.ReadError):
+    """The connection failed before the request was written whole (a write of it failed)."""
+
+
+class _Written(httpcore.AsyncNetworkStream):
+    """A connection's socket stream, counting its writes that failed.
+
+    Reads, ``aclose`` and ``get_extra_info`` are the wrapped stream's own bound
+    methods, set on the instance: no extra call per read."""
+
+    def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
+        self.failed = 0
+        self._wrap(stream)
+
+    def _wrap(self, stream: httpcore.AsyncNetworkStream) -> None:
+        self._stream = stream
+        self.read = stream.read  # type: ignore[method-assign]
+        self.aclose = stream.aclose  # type: ignore[method-assign]
+        self.get_extra_info = stream.get_extra_info  # type: ignore[method-assign]
+
+    # (The timeout parameters below are httpcore's network interface, not ours to change.)
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        try:
+            await self._stream.write(buffer, timeout)
+        except BaseException:
+            self.failed += 1
+            raise
+
+    async def start_tls(
+        self,
+        ssl_context: Any,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> httpcore.AsyncNetworkStream:
+        # The same wrapper over the TLS stream: the connection's count goes on.
+        self._wrap(await self._stream.start_tls(ssl_context, server_hostname, timeout))
+        return self
+
+
+_NETWORK = httpcore.AnyIOBackend()  # what httpcore's own default picks on asyncio
+
+
+class _Counted(httpcore.AsyncNetworkBackend):
+    """One connection's network backend: it keeps the stream it made, to count writes."""
+
+    def __init__(self) -> None:
+        self.stream: _Written | None = None
+
+    @property
+    def failed(self) -> int:
+        return 0 if self.stream is None else self.stream.failed
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        stream = await _NETWORK.connect_tcp(host, port, timeout, local_address, socket_options)
+        self.stream = _Written(stream)
+        return self.stream
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,  # noqa: ASYNC109
+        socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        stream = await _NETWORK.connect_unix_socket(path, timeout, socket_options)
+        self.stream = _Written(stream)
+        return self.stream
+
+    async def sleep(self, seconds: float) -> None:
+        await _NETWORK.sleep(seconds)
+
+
+class _Connection(httpcore.AsyncHTTPConnection):
+    """httpcore's HTTP/1.1 connection over a network backend that counts its writes."""
+
+    def __init__(self, origin: httpcore.Origin, **kwargs: Any) -> None:
+        self.counted = _Counted()
+        super().__init__(origin, network_backend=self.counted, **kwargs)
 
 
 class FlatPool:
@@ -57,9 +155,9 @@ class FlatPool:
         self._expiry = keepalive_expiry
         self._socket_options = socket_options
         # Per origin, idle connections with the time each became idle, oldest first.
-        self._idle: dict[_Key, list[tuple[float, httpcore.AsyncHTTPConnection]]] = {}
-        self._busy: set[httpcore.AsyncHTTPConnection] = set()
-        self._closing: list[httpcore.AsyncHTTPConnection] = []
+        self._idle: dict[_Key, list[tuple[float, _Connection]]] = {}
+        self._busy: set[_Connection] = set()
+        self._closing: list[_Connection] = []
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -68,7 +166,7 @@ class FlatPool:
         """Open connections: in use and idle."""
         return len(self._busy) + sum(len(v) for v in self._idle.values())
 
-    def _take(self, origin: httpcore.Origin) -> httpcore.AsyncHTTPConnection | None:
+    def _take(self, origin: httpcore.Origin) -> _Connection | None:
         idle = self._idle.get(_key(origin))
         while idle:
             _, conn = idle.pop()  # the most recently used: the least likely to be stale
@@ -77,7 +175,7 @@ class FlatPool:
             self._drop(conn)
         return None
 
-    def _drop(self, conn: httpcore.AsyncHTTPConnection) -> None:
+    def _drop(self, conn: _Connection) -> None:
         """Close a connection that is not in use, soon (the reaper awaits the close)."""
         self._closing.append(conn)
         self._ensure_reaper()
@@ -88,20 +186,24 @@ class FlatPool:
         origin = request.url.origin
         conn = self._take(origin)  # (a stale idle connection is dropped here, unused)
         if conn is None:
-            conn = httpcore.AsyncHTTPConnection(
-                origin=origin,
+            conn = _Connection(
+                origin,
                 ssl_context=self._ssl_context,
                 keepalive_expiry=self._expiry,
                 socket_options=self._socket_options,
             )
         self._busy.add(conn)
+        counted = conn.counted
+        failed = counted.failed
         try:
             response = await conn.handle_async_request(request)
-        except BaseException:
+        except BaseException as exc:
             # Never sent again from here: the backend may have read it (see the module
             # docstring). Failover's own retry, if any, is an attempt of its own.
             self._busy.discard(conn)
             await _close_quietly(conn)
+            if isinstance(exc, _AFTER_CONNECT) and counted.failed != failed:
+                raise NotSent(f"the request was not written whole: {exc!r}") from exc
             raise
         return httpcore.Response(
             status=response.status,
@@ -110,7 +212,7 @@ class FlatPool:
             extensions=response.extensions,
         )
 
-    async def _release(self, conn: httpcore.AsyncHTTPConnection) -> None:
+    async def _release(self, conn: _Connection) -> None:
         self._busy.discard(conn)
         if self._closed or not conn.is_idle() or conn.has_expired():
             await _close_quietly(conn)
@@ -194,10 +296,10 @@ def _key(origin: httpcore.Origin) -> _Key:
 class _Released:
     """A response body that gives its connection back to the pool once closed."""
 
-    def __init__(self, stream: Any, pool: FlatPool, conn: httpcore.AsyncHTTPConnection) -> None:
+    def __init__(self, stream: Any, pool: FlatPool, conn: _Connection) -> None:
         self._stream = stream
         self._pool = pool
-        self._conn: httpcore.AsyncHTTPConnection | None = conn
+        self._conn: _Connection | None = conn
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         async for part in self._stream:

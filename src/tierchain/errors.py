@@ -121,7 +121,7 @@ class BackendUnavailable(AttemptError):
     """The backend could not be reached or broke the connection.
 
     ``reason`` is one of ``connect_refused``, ``connect_timeout``,
-    ``connection_reset``, ``stream_broken``, ``protocol_error`` or
+    ``connection_reset``, ``not_sent``, ``stream_broken``, ``protocol_error`` or
     ``pool_timeout``. ``gateway_fault`` is True when the gateway itself caused
     it (a wait for a pooled connection, or a connect timeout while the
     gateway's event loop was running late): the chain still advances, but no

@@ -19,7 +19,9 @@ An attempt's ``http.response.start`` is held back until it is worth sending:
   one streams on from there), so one cut short, stalled or reset fails over
   without the caller noticing;
 - a retryable status (429, 5xx, Anthropic's 529): never; its ``Retry-After``
-  and message are kept and the chain advances;
+  and message are kept, and the same backend is tried again (a 500, 502, 503
+  or 529 after a short random pause; a ``Retry-After`` within the budget's
+  room waited out once, with a ``retrying`` state line) or the chain advances;
 - a 400 that says the request does not fit the model's context window
   (:func:`tierchain.wire.context_exceeded`), while a later tier exists: the
   chain advances with outcome ``context_exceeded``, not a breaker failure.
@@ -39,8 +41,9 @@ the connection, so the caller sees an incomplete response rather than a
 silently short one). Either way it counts against the backend.
 
 When every tier refused with 429 or 503 the caller gets 429 (503 if any tier
-said 503, or a breaker was open) with the soonest ``Retry-After`` any tier
-gave and each tier's message; otherwise 502 listing every attempt.
+said 503, or a breaker was open for another reason than the backend's own
+``Retry-After``) with the soonest ``Retry-After`` any tier gave and each
+tier's message; otherwise 502 listing every attempt.
 
 When the caller disconnects, the running attempt is cancelled.
 """
@@ -129,11 +132,12 @@ _REFUSALS = frozenset({"http_429", "http_503"})
 # layer's callers may not know from the plain stopwatch).
 _SHOWN_WHY = frozenset({"reserve", "too_slow", "incomplete"})
 # Faults worth a second try of the same backend before commit, after a short random
-# pause: a 500, a 502, a 503 or Anthropic's 529 without a Retry-After.
+# pause: a 500, a 502, a 503 or Anthropic's 529 without a Retry-After, and a reset before
+# any write of the request went through (not_sent: the backend never had it).
 # A reset after the request went out (reason connection_reset) is never tried again:
 # the backend may have read it and worked on it (the Forwarder's pool never resends
 # either; a stale idle connection is dropped before anything is written on it).
-_TRANSIENT = frozenset({"http_500", "http_502", "http_503", "http_529"})
+_TRANSIENT = frozenset({"http_500", "http_502", "http_503", "http_529", "not_sent"})
 # Refusals that may say when to come back: with a Retry-After the backend gave, waited
 # out once per request (within the budget's room, at most max_retry_wait) and retried.
 _SAID_WHEN = frozenset({"http_429", "http_503", "http_529"})
@@ -242,10 +246,13 @@ class Failover:
     ``shares``).
 
     ``retries``: how many times one request may send an attempt again to the
-    same backend after a transient fault before commit (a 502, a 503 with no
-    ``Retry-After`` and a body typed other than JSON: a proxy's, not the model
-    server's own "busy"; never a reset after the request went out: the
-    backend may have read it); never for a saturation, never past the reserve
+    same backend after a transient fault before commit (a 500, 502, 503 or
+    529 with no ``Retry-After``, or a reset before the request was written
+    whole (``not_sent``), after a random pause of up to 0.25 s; a 429, 503 or
+    529 whose ``Retry-After`` is at most ``max_retry_wait`` seconds and fits
+    the budget's room, waited out once per request; never a 400, never a reset
+    after the request went out whole: the backend may have read it; a
+    backend's own ``retries`` overrides it); never for a saturation, never past the reserve
     kept for the later tiers, never while another replica of the same pool is
     left to try; the last tier too. 0: never.
 

@@ -48,7 +48,7 @@ from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._checks import count, duration
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
-from ._pool import FlatTransport
+from ._pool import FlatTransport, NotSent
 from ._responses import send_json_error
 from ._runtime import clock, deadlines
 from ._runtime.deadlines import EARLY
@@ -331,7 +331,9 @@ class Forwarder:
         if isinstance(exc, httpx.ConnectError):
             reason = "connect_refused"
         elif isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
-            reason = "connection_reset"
+            # Reset before any write of the request went through (the pool knows): the
+            # backend never had it. After: it may have read it, and worked on it.
+            reason = "not_sent" if isinstance(exc.__cause__, NotSent) else "connection_reset"
         else:
             reason = "protocol_error"
         await self._unavailable(scope, send, backend, reason, raise_errors)
