@@ -530,7 +530,13 @@ async def test_every_format_passes_clean_through_tierchain_serve_and_a_broken_on
             f'[[routes.echo.backends]]\nname = "tower"\nurl = "{t.url}"\n'
             f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{refused_url()}"\n'
         )
-        env = {"TIERCHAIN_ROUTES_FILE": str(routes), "TIERCHAIN_LOG_FORMAT": "json"}
+        env = {
+            "TIERCHAIN_ROUTES_FILE": str(routes),
+            "TIERCHAIN_LOG_FORMAT": "json",
+            # Three streams break on purpose here; by default two mid-stream deaths in a
+            # row open the tower's breaker (tests/test_recovery.py), sparing the third.
+            "TIERCHAIN_BREAKER_STREAM_FAILURE_THRESHOLD": "5",
+        }
         async with tierchain_serve(env) as served:
             await served.event("tierchain.started", START_TIMEOUT)
             (address,) = (await served.event("serve.listening"))["addresses"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from httpcore._backends.auto import AutoBackend
+from httpcore import AnyIOBackend
 
 from tierchain import Backend, Breaker, Failover, Forwarder, Routes
 from tierchain import forwarder as forwarder_module
@@ -37,7 +37,8 @@ async def post(url: str) -> httpx.Response:
 @asynccontextmanager
 async def lagging_connect(port: int, seconds: float) -> AsyncIterator[None]:
     """The gateway's first connect to ``port`` starts after its event loop was blocked."""
-    real = AutoBackend.connect_tcp
+    # The network backend the Forwarder's pool connects with (tierchain._pool).
+    real = AnyIOBackend.connect_tcp
     blocked_once = False
 
     async def blocked(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -49,11 +50,11 @@ async def lagging_connect(port: int, seconds: float) -> AsyncIterator[None]:
             await asyncio.sleep(0)  # the loop's next turn (and the overdue timers)
         return await real(self, *args, **kwargs)
 
-    AutoBackend.connect_tcp = blocked  # type: ignore[method-assign]
+    AnyIOBackend.connect_tcp = blocked  # type: ignore[method-assign]
     try:
         yield
     finally:
-        AutoBackend.connect_tcp = real  # type: ignore[method-assign]
+        AnyIOBackend.connect_tcp = real  # type: ignore[method-assign]
 
 
 async def test_a_connect_window_the_gateway_loop_lost_is_given_again():

@@ -113,7 +113,13 @@ class _Counted(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Any = None,
     ) -> httpcore.AsyncNetworkStream:
-        stream = await _NETWORK.connect_tcp(host, port, timeout, local_address, socket_options)
+        stream = await _NETWORK.connect_tcp(
+            host=host,
+            port=port,
+            timeout=timeout,
+            local_address=local_address,
+            socket_options=socket_options,
+        )
         self.stream = _Written(stream)
         return self.stream
 
@@ -123,7 +129,9 @@ class _Counted(httpcore.AsyncNetworkBackend):
         timeout: float | None = None,  # noqa: ASYNC109
         socket_options: Any = None,
     ) -> httpcore.AsyncNetworkStream:
-        stream = await _NETWORK.connect_unix_socket(path, timeout, socket_options)
+        stream = await _NETWORK.connect_unix_socket(
+            path=path, timeout=timeout, socket_options=socket_options
+        )
         self.stream = _Written(stream)
         return self.stream
 
