@@ -252,9 +252,10 @@ class Failover:
     529 whose ``Retry-After`` is at most ``max_retry_wait`` seconds and fits
     the budget's room, waited out once per request; never a 400, never a reset
     after the request went out whole: the backend may have read it; a
-    backend's own ``retries`` overrides it); never for a saturation, never past the reserve
-    kept for the later tiers, never while another replica of the same pool is
-    left to try; the last tier too. 0: never.
+    backend's own ``retries`` overrides it); never for a saturation, never
+    past the reserve kept for the later tiers, never while another replica of
+    the same pool is left to try; the last tier too. 0: never.
+    ``max_retry_wait``: the longest ``Retry-After`` waited out so (0: none).
 
     ``waiting_room``: on a route whose every backend has a ``max_in_flight``
     or a ``status_url``, a request that finds every one of them full waits at
