@@ -181,6 +181,7 @@ class TierRequest:
         "cancel_reason",
         "chain",
         "committed",
+        "continuation",
         "deadline",
         "in_chain",
         "interruption",
@@ -216,6 +217,8 @@ class TierRequest:
         """The current attempt's response facts (set by Failover per attempt)."""
         self.committed = False
         """True once a response has started towards the caller (Failover's commit)."""
+        self.continuation: Any = None
+        """Failover's: a broken stream being finished on a later tier (None: none is)."""
         self.attempt_error: AttemptError | None = None
         """Why the current attempt failed, left by the layer that knew (a Forwarder
         that could not connect, a stream found malformed) where a framework might

@@ -1,0 +1,486 @@
+"""A committed stream that breaks or stalls is finished by the next tier, in the caller's stream.
+
+Over real sockets: a uvicorn gateway (the README's stack, and ``tierchain serve``'s
+defaults through ``build_stack``), fake upstreams that speak each wire format byte for
+byte (tests/support.py for OpenAI chat, tests/wire_fakes.py for Anthropic Messages,
+OpenAI Responses and Ollama, with where each shape comes from), and each format's
+official SDK as the caller. The tower sends 40 of 60 tokens and dies, or 20 and goes
+quiet (an explicit ``stall_after``); the hosted fake finishes the answer from the
+partial answer it is sent, the way a model continues a prefill (or refuses it: 400).
+Time is virtual (:func:`tierchain.testing.virtual_time`): a stall costs no wall clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+
+from tierchain import (
+    Backend,
+    Breaker,
+    Budget,
+    Endpoints,
+    Failover,
+    Forwarder,
+    Heartbeats,
+    MemoryStore,
+    PreferBackend,
+    Routes,
+    SaturationWatchdog,
+)
+from tierchain.config import from_env
+from tierchain.continuation import INSTRUCTION
+from tierchain.stack import build_stack
+
+from .support import Exchange, FakeBackend, Script, on_virtual_time, serve
+from .wire_fakes import NDJSON, anthropic_stream, ollama_chat_lines, responses_stream
+
+TOKENS = [f"w{i} " for i in range(60)]
+FULL = "".join(TOKENS)
+MESSAGES = [{"role": "user", "content": "count to sixty"}]
+FORMATS = ["chat", "anthropic", "responses", "ollama"]
+
+
+# -- each format's stream, and what the fakes send --------------------------------------
+
+
+def chat_events(pieces: list[str], *, model: str, id: str) -> list[bytes]:
+    """An OpenAI chat stream (openai.com API reference, "The chat completion chunk
+    object"): a role chunk, content chunks, a finish chunk, ``data: [DONE]``."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        payload = {
+            "id": id,
+            "object": "chat.completion.chunk",
+            "created": 1700000000 if id == "chatcmpl-tower" else 1800000000,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+    events = [chunk({"role": "assistant", "content": ""})]
+    events += [chunk({"content": p}) for p in pieces]
+    events.append(chunk({}, "stop"))
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+def stream_of(fmt: str, pieces: list[str], *, tier: str) -> tuple[list[bytes], int]:
+    """``fmt``'s whole stream of ``pieces`` and the number of events before the first piece."""
+    if fmt == "chat":
+        return chat_events(pieces, model=f"{tier}-model", id=f"chatcmpl-{tier}"), 1
+    if fmt == "anthropic":
+        return anthropic_stream(pieces, model=f"{tier}-model"), 3
+    if fmt == "responses":
+        return responses_stream(pieces), 4
+    return ollama_chat_lines(pieces, model=f"{tier}-model"), 0
+
+
+HEADERS = {"ollama": NDJSON}
+
+
+def tower(fmt: str, *, upto: int = 40, then: str = "reset") -> Script:
+    """The first ``upto`` tokens of the whole answer, then a reset (or silence)."""
+    events, opening = stream_of(fmt, TOKENS, tier="tower")
+
+    async def script(ex: Exchange) -> None:
+        await ex.head(200, HEADERS.get(fmt))
+        for event in events[: opening + upto]:
+            await ex.write(event)
+        if then == "stall":
+            await ex.wait_closed_by_peer()
+            ex.finished = True
+        else:
+            await asyncio.sleep(0.1)  # (virtual) the gateway has read every token sent
+            await ex.reset()
+
+    return script
+
+
+def partial_of(fmt: str, body: dict[str, Any]) -> str:
+    """The partial answer a continuation request carries (and check its shape)."""
+    if fmt == "responses":
+        items = body["input"]
+        assert items[-2]["role"] == "assistant" and items[-1] == {
+            "role": "user",
+            "content": INSTRUCTION,
+        }
+        return str(items[-2]["content"])
+    messages = body["messages"]
+    if fmt == "chat":  # no prefill: the partial answer, then the instruction
+        assert messages[-1] == {"role": "user", "content": INSTRUCTION}
+        return str(messages[-2]["content"])
+    assert messages[-1]["role"] == "assistant"  # a prefill: the model's own continuation point
+    return str(messages[-1]["content"])
+
+
+def finisher(fmt: str, *, echo: bool = False) -> Script:
+    """A model that continues the partial answer it was sent: the rest of FULL, in pieces
+    (``echo``: repeating the partial answer first, as some servers echo a prefill)."""
+
+    async def script(ex: Exchange) -> None:
+        body = json.loads(ex.request.body)
+        partial = partial_of(fmt, body)
+        assert FULL.startswith(partial)
+        rest = FULL[len(partial) :]
+        pieces = [rest[i : i + 7] for i in range(0, len(rest), 7)]
+        if echo:
+            pieces = [partial[:5], partial[5:], *pieces]
+        events, _ = stream_of(fmt, pieces, tier="hosted")
+        await ex.head(200, HEADERS.get(fmt))
+        for event in events:
+            await ex.write(event)
+        await ex.end()
+
+    return script
+
+
+def refuses_prefill(ex: Exchange) -> Any:
+    body = json.dumps(
+        {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": "prefill is not supported"},
+        }
+    ).encode()
+    return ex.respond(400, body)
+
+
+# -- the gateways ------------------------------------------------------------------------
+
+
+def readme_stack(routes: Routes, store: MemoryStore, forwarder: Forwarder) -> Any:
+    """The README's FastAPI stack, carrying ``/v1/*`` and ``/api/*``."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    app.mount("/v1", forwarder)
+    app.mount("/api", forwarder)
+    app.add_middleware(SaturationWatchdog, slow_after=45.0)
+    app.add_middleware(Breaker, store=store)
+    app.add_middleware(Failover, routes=routes, paths=("/v1/", "/api/"))
+    app.add_middleware(PreferBackend, store=store)
+    app.add_middleware(Budget, default=170.0)
+    app.add_middleware(Heartbeats, interval=10.0)
+    app.add_middleware(Endpoints, routes=routes, store=store)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    first: Script, second: Script, *, stack: str = "readme", tmp_path: Path | None = None
+) -> AsyncIterator[tuple[str, FakeBackend, FakeBackend]]:
+    async with FakeBackend("tower", first) as t, FakeBackend("hosted", second) as h:
+        if stack == "readme":
+            routes = Routes(
+                {
+                    "echo": [
+                        Backend(name="tower", url=t.url, regime="local", stall_after=2.0),
+                        Backend(name="hosted", url=h.url, regime="hosted"),
+                    ]
+                }
+            )
+            forwarder = Forwarder(connect_timeout=2.0)
+            try:
+                async with serve(readme_stack(routes, MemoryStore(), forwarder)) as url:
+                    yield url, t, h
+            finally:
+                await forwarder.aclose()
+        else:  # tierchain serve's defaults: build_stack from the variables and a routes file
+            assert tmp_path is not None
+            file = tmp_path / "routes.toml"
+            file.write_text(
+                f'[[routes.echo.backends]]\nname = "tower"\nurl = "{t.url}"\nstall_after = 2\n'
+                f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{h.url}"\n'
+            )
+            settings = from_env({"TIERCHAIN_ROUTES_FILE": str(file)})
+            async with serve(build_stack(None, settings, identity=False), lifespan="on") as url:
+                yield url, t, h
+
+
+# -- the callers: each format's official SDK ----------------------------------------------
+
+
+async def read_with_sdk(fmt: str, url: str) -> str:
+    """The whole answer as the format's SDK reads it (its error raised as it raises it)."""
+    if fmt == "chat":
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        try:
+            stream = await client.chat.completions.create(
+                model="echo", messages=MESSAGES, stream=True  # type: ignore[arg-type]
+            )
+            text = ""
+            async for chunk in stream:
+                assert chunk.id == "chatcmpl-tower" and chunk.model == "tower-model"
+                assert chunk.created == 1700000000
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+            return text
+        finally:
+            await client.close()
+    if fmt == "anthropic":
+        aclient = anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0)
+        try:
+            async with aclient.messages.stream(
+                model="echo", max_tokens=256, messages=MESSAGES  # type: ignore[arg-type]
+            ) as s:
+                streamed = "".join([t async for t in s.text_stream])
+                message = await s.get_final_message()
+            assert message.model == "tower-model" and message.stop_reason == "end_turn"
+            assert len(message.content) == 1
+            assert message.content[0].text == streamed  # type: ignore[union-attr]
+            return streamed
+        finally:
+            await aclient.close()
+    if fmt == "responses":
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        try:
+            async with client.responses.stream(model="echo", input="count to sixty") as s:
+                streamed = ""
+                async for event in s:
+                    if event.type == "response.output_text.delta":
+                        streamed += event.delta
+                final = await s.get_final_response()
+            assert final.id == "resp_01" and final.output_text == streamed
+            assert [item.id for item in final.output] == ["msg_01"]
+            return streamed
+        finally:
+            await client.close()
+    local = ollama.AsyncClient(host=url)
+    try:
+        text = ""
+        async for part in await local.chat(model="echo", messages=MESSAGES, stream=True):
+            assert part.model == "tower-model"
+            text += part.message.content or ""
+        return text
+    finally:
+        await local.close()  # type: ignore[attr-defined]
+
+
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "anthropic": "/v1/messages",
+    "responses": "/v1/responses",
+    "ollama": "/api/chat",
+}
+
+
+async def raw(fmt: str, url: str) -> bytes:
+    body: dict[str, Any] = {"model": "echo", "stream": True}
+    if fmt == "responses":
+        body["input"] = "count to sixty"
+    else:
+        body["messages"] = MESSAGES
+    if fmt == "anthropic":
+        body["max_tokens"] = 256
+    async with httpx.AsyncClient(timeout=30) as client:
+        got = await client.post(url + PATHS[fmt], json=body)
+    assert got.status_code == 200
+    return got.content
+
+
+def one_end(fmt: str, content: bytes) -> None:
+    """Exactly one terminator, at the end, and nothing of a second answer's opening."""
+    if fmt == "chat":
+        assert content.count(b"data: [DONE]") == 1 and content.endswith(b"data: [DONE]\n\n")
+    elif fmt == "anthropic":
+        assert content.count(b"event: message_start") == 1
+        assert content.count(b"event: message_stop") == 1
+    elif fmt == "responses":
+        assert content.count(b"event: response.created") == 1
+        assert content.count(b"event: response.completed") == 1
+        seqs = [
+            json.loads(line[6:])["sequence_number"]
+            for line in content.splitlines()
+            if line.startswith(b"data: {")
+        ]
+        assert seqs == list(range(len(seqs)))  # one sequence, no gap, no repeat
+    else:
+        lines = [json.loads(line) for line in content.splitlines() if line.strip()]
+        assert [line["done"] for line in lines].count(True) == 1 and lines[-1]["done"]
+        assert not any(line.startswith(b":") for line in content.splitlines())
+
+
+# -- the tests ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@on_virtual_time
+async def test_a_stream_that_dies_after_40_of_60_tokens_is_finished_by_hosted(fmt, metric):
+    before = metric(
+        "tierchain_continuations_total", route="echo", to="hosted", outcome="ok", **{"from": "tower"}
+    )
+    async with gateway(tower(fmt), finisher(fmt)) as (url, _, hosted):
+        assert await read_with_sdk(fmt, url) == FULL
+        content = await raw(fmt, url)
+        one_end(fmt, content)
+        sent = partial_of(fmt, json.loads(hosted.requests[-1].body))
+    assert sent.rstrip() == "".join(TOKENS[:40]).rstrip()
+    after = metric(
+        "tierchain_continuations_total", route="echo", to="hosted", outcome="ok", **{"from": "tower"}
+    )
+    assert after - before == 2
+    if fmt != "ollama":  # the state line, as an SSE comment (never inside NDJSON)
+        line = (
+            b': {"state":"continuing","from":"tower","backend":"hosted","after_chars":%d}\n'
+            % len("".join(TOKENS[:40]))
+        )
+        assert line in content
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@on_virtual_time
+async def test_a_stream_that_stalls_after_20_tokens_is_finished_by_hosted(fmt):
+    async with gateway(tower(fmt, upto=20, then="stall"), finisher(fmt)) as (url, _, hosted):
+        assert await read_with_sdk(fmt, url) == FULL
+        one_end(fmt, await raw(fmt, url))
+        assert partial_of(fmt, json.loads(hosted.requests[-1].body)).startswith("w0 w1")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@on_virtual_time
+async def test_a_next_tier_that_echoes_the_prefill_leaves_nothing_twice_at_the_seam(fmt):
+    async with gateway(tower(fmt), finisher(fmt, echo=True)) as (url, _, _hosted):
+        assert await read_with_sdk(fmt, url) == FULL
+
+
+ERRORS: dict[str, tuple[type[BaseException], str]] = {
+    "chat": (openai.APIError, "failed mid-stream"),
+    "anthropic": (anthropic.APIStatusError, "failed mid-stream"),
+    "responses": (openai.APIError, "failed mid-stream"),
+    "ollama": (ollama.ResponseError, "failed mid-stream"),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@on_virtual_time
+async def test_a_next_tier_that_rejects_the_prefill_leaves_the_caller_the_original_error(
+    fmt, metric
+):
+    labels = {"route": "echo", "from": "tower", "to": "hosted", "outcome": "rejected"}
+    before = metric("tierchain_continuations_total", **labels)
+    async with gateway(tower(fmt), refuses_prefill) as (url, _, hosted):
+        kind, words = ERRORS[fmt]
+        with pytest.raises(kind, match=words):
+            await read_with_sdk(fmt, url)
+        content = await raw(fmt, url)
+        assert len(hosted.requests) == 2
+    assert b"stream_broken" in content and b"prefill" not in content
+    assert metric("tierchain_continuations_total", **labels) - before == 2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@on_virtual_time
+async def test_tierchain_serve_defaults_finish_a_broken_stream_on_hosted(fmt, tmp_path):
+    async with gateway(tower(fmt), finisher(fmt), stack="serve", tmp_path=tmp_path) as (url, _, _h):
+        assert await read_with_sdk(fmt, url) == FULL
+    async with gateway(
+        tower(fmt, upto=20, then="stall"), finisher(fmt), stack="serve", tmp_path=tmp_path
+    ) as (url, _, _h):
+        assert await read_with_sdk(fmt, url) == FULL
+
+
+def cut_tool_call(ex: Exchange) -> Any:
+    """A chat stream cut while a tool call is being written."""
+
+    async def script() -> None:
+        call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}
+        await ex.head()
+        for delta in ({"role": "assistant", "content": None, "tool_calls": [call]},):
+            payload = {
+                "id": "c",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "m",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
+            }
+            await ex.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+        await ex.reset()
+
+    return script()
+
+
+@on_virtual_time
+async def test_a_stream_cut_with_a_tool_call_in_flight_ends_with_the_original_error(metric):
+    labels = {"route": "echo", "from": "tower", "to": "hosted", "outcome": "tool_calls"}
+    before = metric("tierchain_continuations_total", **labels)
+    async with gateway(cut_tool_call, finisher("chat")) as (url, _, hosted):
+        content = await raw("chat", url)
+        assert hosted.requests == []
+    assert content.endswith(b'(stream_broken)","type":"upstream_error","code":"stream_broken"}}\n\n')
+    assert metric("tierchain_continuations_total", **labels) - before == 1
+
+
+@on_virtual_time
+async def test_a_route_with_continuations_off_ends_a_broken_stream_with_its_error():
+    async with FakeBackend("tower", tower("chat")) as t, FakeBackend("hosted", finisher("chat")) as h:
+        routes = Routes(
+            {"echo": [Backend(name="tower", url=t.url), Backend(name="hosted", url=h.url)]},
+            continuations={"echo": 0},
+        )
+        forwarder = Forwarder()
+        async with serve(Failover(forwarder, routes=routes)) as url:
+            content = await raw("chat", url)
+        await forwarder.aclose()
+        assert h.requests == []
+    assert b"failed mid-stream (stream_broken)" in content
+
+
+@on_virtual_time
+async def test_at_most_n_continuations_then_the_break_is_the_answer():
+    async with (
+        FakeBackend("tower", tower("chat")) as t,
+        FakeBackend("mid", tower("chat", upto=50)) as m,
+        FakeBackend("hosted", finisher("chat")) as h,
+    ):
+        chain = [Backend(name=n, url=b.url) for n, b in (("tower", t), ("mid", m), ("hosted", h))]
+        forwarder = Forwarder()
+        for n, expect_hosted in ((1, 0), (2, 1)):
+            app = Failover(forwarder, routes=Routes({"echo": chain}), continuations=n)
+            async with serve(app) as url:
+                content = await raw("chat", url)
+            assert len(h.requests) == expect_hosted
+        await forwarder.aclose()
+    # Two continuations: mid finished nothing whole (it too sent the tower's tokens
+    # again and broke); hosted finished the answer.
+    texts = [
+        json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        for line in content.splitlines()
+        if line.startswith(b"data: {") and b'"choices"' in line
+    ]
+    assert "".join(texts) == FULL
+
+
+def test_a_backend_takes_prefill_and_the_routes_file_takes_it_and_continuations(tmp_path):
+    from tierchain.config import ConfigError, load_routes
+
+    assert Backend(name="b", url="http://127.0.0.1:1").prefill is None
+    with pytest.raises(ValueError, match="prefill must be True, False or None"):
+        Backend(name="b", url="http://127.0.0.1:1", prefill="yes")  # type: ignore[arg-type]
+    file = tmp_path / "routes.toml"
+    file.write_text(
+        "[routes.echo]\ncontinuations = 0\n"
+        '[[routes.echo.backends]]\nname = "a"\nurl = "http://127.0.0.1:1"\nprefill = false\n'
+    )
+    routes = load_routes(str(file))
+    assert routes["echo"][0].prefill is False
+    assert routes.continuations("echo", 1) == 0
+    file.write_text(
+        '[routes.echo]\ncontinuations = "1"\n'
+        '[[routes.echo.backends]]\nname = "a"\nurl = "http://127.0.0.1:1"\n'
+    )
+    with pytest.raises(ConfigError, match="continuations"):
+        load_routes(str(file))
+
+
+Check = Callable[[bytes], None]
