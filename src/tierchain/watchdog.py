@@ -502,7 +502,7 @@ class _Watch(Interruption):
         learned = self.watchdog.learned
         if learned is not None:
             body = self.req.body if self.req is not None else None
-            if observer.sse or not self.held:
+            if observer.framed or not self.held:
                 first = observer.first_data_at - self.start
             else:
                 first = clock.now() - self.start
@@ -561,7 +561,7 @@ class _Watch(Interruption):
 
     def _first_data(self) -> None:
         """The first chunk arrived: the window is over; time the gaps from here."""
-        if not self.observer.sse and self.held:
+        if not self.observer.framed and self.held:
             return  # a held answer's first bytes: its window runs on until it is whole
         handle = self._handle
         if self.stall <= 0:
@@ -583,7 +583,7 @@ class _Watch(Interruption):
         observer = self.observer
         if observer.first_data_at is None:
             return False
-        if observer.sse or not self.held:
+        if observer.framed or not self.held:
             return True
         return observer.ended or (self.req is not None and self.req.committed)
 
