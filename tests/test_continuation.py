@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +112,8 @@ def partial_of(fmt: str, body: dict[str, Any]) -> str:
     """The partial answer a continuation request carries (and check its shape)."""
     if fmt == "responses":
         items = body["input"]
-        assert items[-2]["role"] == "assistant" and items[-1] == {
+        assert items[-2]["role"] == "assistant"
+        assert items[-1] == {
             "role": "user",
             "content": INSTRUCTION,
         }
@@ -217,11 +218,14 @@ async def read_with_sdk(fmt: str, url: str) -> str:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         try:
             stream = await client.chat.completions.create(
-                model="echo", messages=MESSAGES, stream=True  # type: ignore[arg-type]
+                model="echo",
+                messages=MESSAGES,
+                stream=True,  # type: ignore[arg-type]
             )
             text = ""
             async for chunk in stream:
-                assert chunk.id == "chatcmpl-tower" and chunk.model == "tower-model"
+                assert chunk.id == "chatcmpl-tower"
+                assert chunk.model == "tower-model"
                 assert chunk.created == 1700000000
                 if chunk.choices and chunk.choices[0].delta.content:
                     text += chunk.choices[0].delta.content
@@ -232,11 +236,14 @@ async def read_with_sdk(fmt: str, url: str) -> str:
         aclient = anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0)
         try:
             async with aclient.messages.stream(
-                model="echo", max_tokens=256, messages=MESSAGES  # type: ignore[arg-type]
+                model="echo",
+                max_tokens=256,
+                messages=MESSAGES,  # type: ignore[arg-type]
             ) as s:
                 streamed = "".join([t async for t in s.text_stream])
                 message = await s.get_final_message()
-            assert message.model == "tower-model" and message.stop_reason == "end_turn"
+            assert message.model == "tower-model"
+            assert message.stop_reason == "end_turn"
             assert len(message.content) == 1
             assert message.content[0].text == streamed  # type: ignore[union-attr]
             return streamed
@@ -251,7 +258,8 @@ async def read_with_sdk(fmt: str, url: str) -> str:
                     if event.type == "response.output_text.delta":
                         streamed += event.delta
                 final = await s.get_final_response()
-            assert final.id == "resp_01" and final.output_text == streamed
+            assert final.id == "resp_01"
+            assert final.output_text == streamed
             assert [item.id for item in final.output] == ["msg_01"]
             return streamed
         finally:
@@ -292,7 +300,8 @@ async def raw(fmt: str, url: str) -> bytes:
 def one_end(fmt: str, content: bytes) -> None:
     """Exactly one terminator, at the end, and nothing of a second answer's opening."""
     if fmt == "chat":
-        assert content.count(b"data: [DONE]") == 1 and content.endswith(b"data: [DONE]\n\n")
+        assert content.count(b"data: [DONE]") == 1
+        assert content.endswith(b"data: [DONE]\n\n")
     elif fmt == "anthropic":
         assert content.count(b"event: message_start") == 1
         assert content.count(b"event: message_stop") == 1
@@ -307,7 +316,8 @@ def one_end(fmt: str, content: bytes) -> None:
         assert seqs == list(range(len(seqs)))  # one sequence, no gap, no repeat
     else:
         lines = [json.loads(line) for line in content.splitlines() if line.strip()]
-        assert [line["done"] for line in lines].count(True) == 1 and lines[-1]["done"]
+        assert [line["done"] for line in lines].count(True) == 1
+        assert lines[-1]["done"]
         assert not any(line.startswith(b":") for line in content.splitlines())
 
 
@@ -318,7 +328,11 @@ def one_end(fmt: str, content: bytes) -> None:
 @on_virtual_time
 async def test_a_stream_that_dies_after_40_of_60_tokens_is_finished_by_hosted(fmt, metric):
     before = metric(
-        "tierchain_continuations_total", route="echo", to="hosted", outcome="ok", **{"from": "tower"}
+        "tierchain_continuations_total",
+        route="echo",
+        to="hosted",
+        outcome="ok",
+        **{"from": "tower"},
     )
     async with gateway(tower(fmt), finisher(fmt)) as (url, _, hosted):
         assert await read_with_sdk(fmt, url) == FULL
@@ -327,7 +341,11 @@ async def test_a_stream_that_dies_after_40_of_60_tokens_is_finished_by_hosted(fm
         sent = partial_of(fmt, json.loads(hosted.requests[-1].body))
     assert sent.rstrip() == "".join(TOKENS[:40]).rstrip()
     after = metric(
-        "tierchain_continuations_total", route="echo", to="hosted", outcome="ok", **{"from": "tower"}
+        "tierchain_continuations_total",
+        route="echo",
+        to="hosted",
+        outcome="ok",
+        **{"from": "tower"},
     )
     assert after - before == 2
     if fmt != "ollama":  # the state line, as an SSE comment (never inside NDJSON)
@@ -375,7 +393,8 @@ async def test_a_next_tier_that_rejects_the_prefill_leaves_the_caller_the_origin
             await read_with_sdk(fmt, url)
         content = await raw(fmt, url)
         assert len(hosted.requests) == 2
-    assert b"stream_broken" in content and b"prefill" not in content
+    assert b"stream_broken" in content
+    assert b"prefill" not in content
     assert metric("tierchain_continuations_total", **labels) - before == 2
 
 
@@ -417,13 +436,18 @@ async def test_a_stream_cut_with_a_tool_call_in_flight_ends_with_the_original_er
     async with gateway(cut_tool_call, finisher("chat")) as (url, _, hosted):
         content = await raw("chat", url)
         assert hosted.requests == []
-    assert content.endswith(b'(stream_broken)","type":"upstream_error","code":"stream_broken"}}\n\n')
+    assert content.endswith(
+        b'(stream_broken)","type":"upstream_error","code":"stream_broken"}}\n\n'
+    )
     assert metric("tierchain_continuations_total", **labels) - before == 1
 
 
 @on_virtual_time
 async def test_a_route_with_continuations_off_ends_a_broken_stream_with_its_error():
-    async with FakeBackend("tower", tower("chat")) as t, FakeBackend("hosted", finisher("chat")) as h:
+    async with (
+        FakeBackend("tower", tower("chat")) as t,
+        FakeBackend("hosted", finisher("chat")) as h,
+    ):
         routes = Routes(
             {"echo": [Backend(name="tower", url=t.url), Backend(name="hosted", url=h.url)]},
             continuations={"echo": 0},
@@ -481,6 +505,3 @@ def test_a_backend_takes_prefill_and_the_routes_file_takes_it_and_continuations(
     )
     with pytest.raises(ConfigError, match="continuations"):
         load_routes(str(file))
-
-
-Check = Callable[[bytes], None]
