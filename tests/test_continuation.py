@@ -505,3 +505,109 @@ def test_a_backend_takes_prefill_and_the_routes_file_takes_it_and_continuations(
     )
     with pytest.raises(ConfigError, match="continuations"):
         load_routes(str(file))
+
+
+@on_virtual_time
+async def test_a_non_stream_answer_cut_short_already_fails_over_whole_with_no_continuation():
+    """A non-stream answer is held until whole: a cut one is answered by hosted from the
+    caller's own request, with no partial answer in it."""
+    whole = json.dumps(
+        {
+            "id": "chatcmpl-hosted",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "hosted-model",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": FULL},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+    ).encode()
+
+    async def cut(ex: Exchange) -> None:
+        await ex.head(200, sse=False)
+        await ex.write(whole[:100])
+        await asyncio.sleep(0.1)
+        await ex.reset()
+
+    async def answers(ex: Exchange) -> None:
+        await ex.respond(200, whole)
+
+    async with gateway(cut, answers) as (url, _, hosted):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        try:
+            answer = await client.chat.completions.create(model="echo", messages=MESSAGES)  # type: ignore[arg-type]
+        finally:
+            await client.close()
+        assert answer.choices[0].message.content == FULL
+        assert json.loads(hosted.requests[-1].body)["messages"] == MESSAGES
+
+
+# -- the seam's rules, event by event (tierchain.continuation) ------------------------------
+
+
+def data_of(out: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in out.splitlines() if line.startswith(b"data: {")]
+
+
+def test_an_anthropic_block_closed_at_the_break_is_followed_by_the_next_index():
+    from tierchain.continuation import seam
+
+    events = anthropic_stream(["Hel", "lo"])
+    sent = b"".join(events[:6])  # the block's deltas and its content_block_stop
+    found = seam("anthropic", "tower", sent, ndjson=False)
+    assert found.ok
+    assert found.text == "Hello"
+    body = json.dumps({"model": "m", "max_tokens": 9, "messages": MESSAGES}).encode()
+    found.request(body, prefill=True)
+    out = data_of(found.splice(b"".join(anthropic_stream([" world"]))))
+    assert [e["type"] for e in out][:3] == ["content_block_start", "ping", "content_block_delta"]
+    assert {e.get("index") for e in out if "index" in e} == {1}
+    assert out[-2]["tierchain"] == {"continued_from": "tower", "after_chars": 5}
+
+
+def test_a_responses_item_closed_at_the_break_is_followed_by_a_new_item_of_its_own_id():
+    from tierchain.continuation import seam
+
+    events = responses_stream(["Hel", "lo"])
+    sent = b"".join(events[:9])  # up to and with output_item.done
+    found = seam("responses", "tower", sent, ndjson=False)
+    assert found.ok
+    found.request(json.dumps({"model": "m", "input": "hi"}).encode(), prefill=False)
+    out = data_of(found.splice(b"".join(responses_stream([" world"]))))
+    assert [e["sequence_number"] for e in out] == list(range(9, 9 + len(out)))
+    added = next(e for e in out if e["type"] == "response.output_item.added")
+    assert added["output_index"] == 1
+    assert added["item"]["id"] == "msg_01_1"
+    completed = out[-1]["response"]
+    assert [item["id"] for item in completed["output"]] == ["msg_01", "msg_01_1"]
+    assert completed["output"][0]["content"][0]["text"] == "Hello"
+
+
+def test_an_openai_chat_seam_drops_the_role_chunk_and_marks_the_usage():
+    from tierchain.continuation import seam
+
+    sent = b"".join(chat_events(["Hel", "lo"], model="tower-model", id="chatcmpl-tower")[:3])
+    found = seam("openai", "tower", sent, ndjson=False)
+    found.request(json.dumps({"model": "m", "messages": MESSAGES}).encode(), prefill=False)
+    theirs = chat_events([" world"], model="hosted-model", id="chatcmpl-hosted")
+    usage = {
+        "id": "chatcmpl-hosted",
+        "object": "chat.completion.chunk",
+        "created": 2,
+        "model": "hosted-model",
+        "choices": [],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10},
+    }
+    theirs.insert(-1, b"data: " + json.dumps(usage).encode() + b"\n\n")
+    out = found.splice(b"".join(theirs))
+    chunks = data_of(out)
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"content": " world"}, {}]
+    assert {(c["id"], c["model"], c["created"]) for c in chunks} == {
+        ("chatcmpl-tower", "tower-model", 1700000000)
+    }
+    assert chunks[-1]["tierchain"] == {"continued_from": "tower", "after_chars": 5}
+    assert out.endswith(b"data: [DONE]\n\n")

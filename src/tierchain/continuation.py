@@ -322,8 +322,9 @@ class _Chat(Seam):
                 if isinstance(delta, dict) and "role" in delta:
                     delta = {k: v for k, v in delta.items() if k != "role"}
                     choice = {**choice, "delta": delta}
-                    if not delta and choice.get("finish_reason") is None:
-                        continue  # only the role: the caller had it
+                    empty = all(v in ("", None) for v in delta.values())
+                    if empty and choice.get("finish_reason") is None:
+                        continue  # only the role (and no text): the caller had it
                 kept.append(choice)
             if not kept and not obj.get("usage"):
                 return []
@@ -477,6 +478,8 @@ class _Responses(Seam):
                 self.part_text = ""
             elif kind == "response.content_part.done":
                 self.part_index = None
+                if self.open_item is not None and isinstance(obj.get("part"), dict):
+                    self.open_item["content"].append(obj["part"])
             elif kind == "response.output_text.delta":
                 delta = obj.get("delta")
                 if isinstance(delta, str):
@@ -527,6 +530,13 @@ class _Responses(Seam):
                 if isinstance(item.get("id"), str):
                     self._item_map[item["id"]] = self.open_item["id"]  # type: ignore[index]
                 return []
+            new_id = item.get("id")
+            taken = {i.get("id") for i in self.items.values()}
+            if isinstance(new_id, str) and new_id in taken:
+                # A new item under an id the caller has already seen: made its own.
+                self._item_map[new_id] = f"{new_id}_{obj['output_index']}"
+                item = {**item, "id": self._item_map[new_id]}
+                obj["item"] = item
             self.items[obj["output_index"]] = item
         if "content_index" in obj and merged:
             theirs = int(obj["content_index"])
@@ -587,7 +597,10 @@ class _Responses(Seam):
                 )
                 obj["part"] = {**part, "text": text}
         elif kind == "response.output_item.done" and isinstance(obj.get("item"), dict):
-            item = self._item(obj["output_index"], obj["item"])
+            item = obj["item"]
+            if item.get("id") in self._item_map:
+                item = {**item, "id": self._item_map[item["id"]]}
+            item = self._item(obj["output_index"], item)
             obj["item"] = item
             self.items[obj["output_index"]] = item
         elif kind in ("response.completed", "response.incomplete", "response.failed"):

@@ -30,7 +30,12 @@ Until then the attempt may still fail over: on an
 ``TierRequest.attempt_error`` by a layer that knew), any other exception, a
 retryable status, or an event stream that ends with no data event
 (``no_data``). After the first byte has gone to the caller there is no
-failover: a later failure (``stream_broken``, ``truncated``, ``stalled``,
+failover. A stream that breaks or stalls while a later tier exists is
+*continued* instead (``continuations``): the next tier gets the caller's request
+with the partial answer in it (:mod:`tierchain.continuation`), and its events are
+spliced into the caller's stream in the first tier's envelope (``_continue``,
+``_Continuing``); if it cannot finish the answer, the caller gets the original
+break. Otherwise a later failure (``stream_broken``, ``truncated``, ``stalled``,
 ``malformed_stream``) drops any partial event and ends the stream with an error
 in the request's wire format (:func:`tierchain.wire.error_bytes`: an OpenAI
 error event, an Anthropic ``event: error``, a Responses ``error`` event, an
@@ -252,6 +257,12 @@ class Failover:
     the gateway (see :mod:`tierchain.waiting`), at most ``max_wait`` seconds,
     first come first served within the band its ``priority_header`` names (one
     of ``priority_bands``, highest first; None: one band for all).
+
+    ``continuations``: how many times per request a committed event stream (or
+    NDJSON stream) that broke or stalled may be finished on a later tier,
+    spliced into the caller's stream (see :mod:`tierchain.continuation`); 0:
+    never. A route's own ``Routes(..., continuations=...)`` wins. A stream with
+    a tool call in flight is never continued.
 
     ``status_board``: the :class:`~tierchain.status.StatusBoard` whose polled
     statuses order a pool's replicas and tell the waiting room a backend is
