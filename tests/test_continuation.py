@@ -179,14 +179,19 @@ def readme_stack(routes: Routes, store: MemoryStore, forwarder: Forwarder) -> An
 
 @contextlib.asynccontextmanager
 async def gateway(
-    first: Script, second: Script, *, stack: str = "readme", tmp_path: Path | None = None
+    first: Script,
+    second: Script,
+    *,
+    stack: str = "readme",
+    tmp_path: Path | None = None,
+    stall_after: float = 2.0,
 ) -> AsyncIterator[tuple[str, FakeBackend, FakeBackend]]:
     async with FakeBackend("tower", first) as t, FakeBackend("hosted", second) as h:
         if stack == "readme":
             routes = Routes(
                 {
                     "echo": [
-                        Backend(name="tower", url=t.url, regime="local", stall_after=2.0),
+                        Backend(name="tower", url=t.url, regime="local", stall_after=stall_after),
                         Backend(name="hosted", url=h.url, regime="hosted"),
                     ]
                 }
@@ -611,3 +616,39 @@ def test_an_openai_chat_seam_drops_the_role_chunk_and_marks_the_usage():
     }
     assert chunks[-1]["tierchain"] == {"continued_from": "tower", "after_chars": 5}
     assert out.endswith(b"data: [DONE]\n\n")
+
+
+def slow_tower(fmt: str, *, every: float) -> Script:
+    """The whole answer, one token every ``every`` seconds: moving, but too slowly."""
+    events, opening = stream_of(fmt, TOKENS, tier="tower")
+
+    async def script(ex: Exchange) -> None:
+        await ex.head(200, HEADERS.get(fmt))
+        for event in events[:opening]:
+            await ex.write(event)
+        for event in events[opening:]:
+            await ex.write(event)
+            await asyncio.sleep(every)
+        await ex.end()
+
+    return script
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@on_virtual_time
+async def test_a_stream_too_slow_for_the_budget_is_cut_at_the_reserve_and_finished_by_hosted(
+    fmt,
+):
+    """The README's budget is 170 s; a tower writing a token every 4 s would need 240 s. At
+    the reserve's point (5 s before the budget ends) it is cut, and hosted finishes."""
+    async with gateway(slow_tower(fmt, every=4.0), finisher(fmt), stall_after=10.0) as (
+        url,
+        _,
+        hosted,
+    ):
+        t0 = asyncio.get_running_loop().time()
+        assert await read_with_sdk(fmt, url) == FULL
+        took = asyncio.get_running_loop().time() - t0
+        partial = partial_of(fmt, json.loads(hosted.requests[-1].body))
+    assert 160 <= took < 170  # (virtual seconds) within the budget, not past it
+    assert 30 <= len(partial.split()) <= 42

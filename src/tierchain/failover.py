@@ -1381,6 +1381,7 @@ class _Responder:
             and self._failover._continuable.get(attempt.route or "")
         ):
             self.kept = [chunk]
+            req.continuable = True
         self._watch_caller()
         await self._to_caller(self.start)
         if not more_body:

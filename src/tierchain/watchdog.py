@@ -390,6 +390,7 @@ class _Watch(Interruption):
     __slots__ = (
         "_ceiling_at",
         "_cut",
+        "_cut_passed",
         "_handle",
         "_moved_at",
         "_previous",
@@ -447,6 +448,7 @@ class _Watch(Interruption):
         self._window_end = self.start + window if window > 0 else math.inf
         deadline = self._deadline()
         self._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
+        self._cut_passed = False  # a committed stream's reserve point passed (or cut it)
         self._previous: Hashable | None = None
         self._moved_at = self.start
         self._rate_from: tuple[float, int] | None = None
@@ -564,6 +566,15 @@ class _Watch(Interruption):
         if not self.observer.framed and self.held:
             return  # a held answer's first bytes: its window runs on until it is whole
         handle = self._handle
+        if self._cut < math.inf and not self._cut_passed:
+            # A reserve to keep: a committed stream that could be continued on the next
+            # tier is cut at its point (see _expired); the gaps are timed too.
+            if handle is not None:
+                deadlines.cancel(handle)
+                self._handle = None
+            if self.fired is None:
+                self._schedule()
+            return
         if self.stall <= 0:
             if handle is not None:
                 deadlines.cancel(handle)
@@ -616,9 +627,11 @@ class _Watch(Interruption):
         """Arm the timer for the next thing that may fall due."""
         observer = self.observer
         if self.answered():
-            if self.stall <= 0 or observer.ended:
+            if observer.ended:
                 return
-            due = self._quiet_since() + self.stall
+            due = self._quiet_since() + self.stall if self.stall > 0 else math.inf
+            if not self._cut_passed:
+                due = min(due, self._cut)
         else:
             due = min(self._window_end, self._ceiling_at, self._cut)
             deadline = self._deadline()
@@ -653,14 +666,20 @@ class _Watch(Interruption):
         observer = self.observer
         if self.answered():
             req = self.req
+            if not self._cut_passed and now >= self._cut - EARLY:
+                self._cut_passed = True
+                if req is not None and req.committed and req.continuable and not observer.ended:
+                    # The reserve's point: the next tier finishes the answer (Failover).
+                    self._fire("reserve")
+                    return
             if req is not None and req.caller_blocked_since is not None and not observer.ended:
                 # The caller is not reading, so neither are we: the upstream's silence
                 # is not its own (Failover's send_timeout judges the caller). Look again
                 # one stall window later.
-                self._arm(self.stall, fixed=True)
+                self._arm(self.stall or _SILENT, fixed=True)
                 return
             last = self._quiet_since()
-            if not observer.ended and now >= last + self.stall - EARLY:
+            if self.stall > 0 and not observer.ended and now >= last + self.stall - EARLY:
                 self._stalled(now - last)
             else:
                 self._schedule()  # data arrived since: wait for the new gap
@@ -867,7 +886,8 @@ class _Watch(Interruption):
                 )
                 return
             raise StreamError(message, reason="stalled")
-        if not self.answered():
+        if not self.answered() or (self.fired == "reserve" and self.attempt is not None):
+            # (Answered: a committed stream cut at the reserve's point, to be continued.)
             await self._saturated(send)
 
     async def _saturated(self, send: Send) -> None:
