@@ -652,3 +652,64 @@ async def test_a_stream_too_slow_for_the_budget_is_cut_at_the_reserve_and_finish
         partial = partial_of(fmt, json.loads(hosted.requests[-1].body))
     assert 160 <= took < 170  # (virtual seconds) within the budget, not past it
     assert 30 <= len(partial.split()) <= 42
+
+
+@on_virtual_time
+async def test_a_stall_with_under_a_second_of_budget_left_ends_with_its_error(metric):
+    labels = {"route": "echo", "from": "tower", "to": "hosted", "outcome": "no_time"}
+    before = metric("tierchain_continuations_total", **labels)
+    async with (
+        FakeBackend("tower", tower("chat", then="stall")) as t,
+        FakeBackend("hosted", finisher("chat")) as h,
+    ):
+        routes = Routes({"echo": [Backend("tower", t.url), Backend("hosted", h.url)]})
+        forwarder = Forwarder()
+        watchdog = SaturationWatchdog(forwarder, stall_after=2.5, reserve=0)
+        app = Budget(Failover(watchdog, routes=routes), default=3.0)
+        async with serve(app) as url:
+            content = await raw("chat", url)
+        await forwarder.aclose()
+        await watchdog.aclose()
+        assert h.requests == []
+    assert b"failed mid-stream (stalled)" in content
+    assert metric("tierchain_continuations_total", **labels) - before == 1
+
+
+def test_the_request_keeps_a_callers_own_prefill_and_asks_in_words_without_prefill():
+    from tierchain.continuation import INSTRUCTION, seam
+
+    sent = b"".join(anthropic_stream(["Hel", "lo "])[:5])
+    found = seam("anthropic", "tower", sent, ndjson=False)
+    own = [*MESSAGES, {"role": "assistant", "content": "Answer: "}]
+    body = json.dumps({"model": "m", "max_tokens": 9, "messages": own}).encode()
+    with_prefill = json.loads(found.request(body, prefill=True) or b"")
+    # The caller's prefill goes on with the partial answer, its trailing space left out.
+    assert with_prefill["messages"] == [
+        *MESSAGES,
+        {"role": "assistant", "content": "Answer: Hello"},
+    ]
+    plain = json.dumps({"model": "m", "max_tokens": 9, "messages": MESSAGES}).encode()
+    in_words = json.loads(found.request(plain, prefill=False) or b"")
+    assert in_words["messages"][-2:] == [
+        {"role": "assistant", "content": "Hello "},
+        {"role": "user", "content": INSTRUCTION},
+    ]
+
+
+def test_what_is_never_continued_says_why():
+    from tierchain.continuation import seam
+
+    generate = b'{"model":"m","response":"Hel","done":false}\n'
+    assert seam("ollama", "tower", generate, ndjson=True).why == "not_chat"
+    assert seam("plain", "tower", b"data: x\n\n", ndjson=False).why == "format"
+    two = b'data: {"id":"c","choices":[{"index":1,"delta":{"content":"x"}}]}\n\n'
+    assert seam("openai", "tower", two, ndjson=False).why == "choices"
+    use = json.dumps(
+        {
+            "type": "content_block_start",
+            "index": 1,
+            "content_block": {"type": "tool_use", "id": "t", "name": "f", "input": {}},
+        }
+    )
+    tool = f"event: content_block_start\ndata: {use}\n\n".encode()
+    assert seam("anthropic", "tower", tool, ndjson=False).why == "tool_use"

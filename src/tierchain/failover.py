@@ -769,7 +769,12 @@ class Failover:
         target = req.chain[attempt.n]
         left = req.remaining()
         why = ""
-        if left is not None and left < _CONTINUE_MIN_LEFT:
+        # At least a second of budget left (or half the reserve the watchdog kept, when
+        # that is shorter: a stream it cut at the reserve's point has about the reserve).
+        least = _CONTINUE_MIN_LEFT
+        if attempt.reserve:
+            least = min(least, attempt.reserve / 2)
+        if left is not None and left < least:
             why = "no_time"
         elif (target.wire_format or req.wire) != wire:
             why = "unsupported"  # another wire format: the envelope could not be kept
