@@ -668,7 +668,13 @@ class _Watch(Interruption):
             req = self.req
             if not self._cut_passed and now >= self._cut - EARLY:
                 self._cut_passed = True
-                if req is not None and req.committed and req.continuable and not observer.ended:
+                if (
+                    req is not None
+                    and req.committed
+                    and req.continuable
+                    and req.caller_blocked_since is None  # (not reading: the caller's time)
+                    and not observer.ended
+                ):
                     # The reserve's point: the next tier finishes the answer (Failover).
                     self._fire("reserve")
                     return
