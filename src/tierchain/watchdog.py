@@ -566,9 +566,15 @@ class _Watch(Interruption):
         if not self.observer.framed and self.held:
             return  # a held answer's first bytes: its window runs on until it is whole
         handle = self._handle
-        if self._cut < math.inf and not self._cut_passed:
-            # A reserve to keep: a committed stream that could be continued on the next
-            # tier is cut at its point (see _expired); the gaps are timed too.
+        cut = self._cut
+        if (
+            cut < math.inf
+            and not self._cut_passed
+            and (self.stall <= 0 or cut < clock.now() + self.stall)
+        ):
+            # The reserve's point comes before the first stall window ends: a committed
+            # stream that could be continued on the next tier is cut there (_expired).
+            # (Otherwise the stall timer comes first, and the cut is timed from it.)
             if handle is not None:
                 deadlines.cancel(handle)
                 self._handle = None
