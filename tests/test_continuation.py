@@ -713,3 +713,20 @@ def test_what_is_never_continued_says_why():
     )
     tool = f"event: content_block_start\ndata: {use}\n\n".encode()
     assert seam("anthropic", "tower", tool, ndjson=False).why == "tool_use"
+
+
+@on_virtual_time
+async def test_a_next_tier_speaking_an_odd_shape_leaves_the_caller_the_original_error():
+    async def odd(ex: Exchange) -> None:
+        await ex.head()
+        await ex.write(b'data: {"id":"x","choices":"not a list"}\n\n')
+        await ex.end()
+
+    async with gateway(tower("chat"), odd) as (url, _, hosted):
+        content = await raw("chat", url)
+        assert len(hosted.requests) == 1
+    assert content.endswith(
+        b'"message":"backend \'tower\' failed mid-stream (stream_broken)",'
+        b'"type":"upstream_error","code":"stream_broken"}}\n\n'
+    )
+    assert b"not a list" not in content

@@ -315,7 +315,11 @@ class _Chat(Seam):
             return [(name, obj)]
         obj = {**obj, **self.envelope}
         choices = obj.get("choices")
-        if isinstance(choices, list) and choices:
+        if choices is not None and not (
+            isinstance(choices, list) and all(isinstance(c, dict) for c in choices)
+        ):
+            raise ValueError("a chunk whose choices are not a list of objects")
+        if choices:
             kept = []
             for choice in choices:
                 delta = choice.get("delta")

@@ -779,7 +779,11 @@ class Failover:
         elif (target.wire_format or req.wire) != wire:
             why = "unsupported"  # another wire format: the envelope could not be kept
         body = previous.body if previous is not None else req.body
-        found = seam(wire, origin, b"".join(sent), ndjson=ndjson)
+        try:
+            found = seam(wire, origin, b"".join(sent), ndjson=ndjson)
+        except Exception as exc:  # events of a shape no format rule expects
+            found = Seam(origin)
+            found.ok, found.why = False, f"unparsed: {exc!r}"
         if not why and not found.ok:
             why = "tool_calls" if found.why in _TOOLS else "unsupported"
         if not why and found.request(body, prefill=False) is None:
@@ -1592,7 +1596,11 @@ class _Continuing(_Responder):
             self.req.abort(exc)
             return nothing_sent()
         seam = self.continuation.seam
-        spliced = seam.splice(out) if out else b""
+        try:
+            spliced = seam.splice(out) if out else b""
+        except Exception as exc:  # an event of a shape the format's rules do not expect
+            self.req.abort(StreamError(f"could not splice: {exc!r}", reason="malformed_stream"))
+            return nothing_sent()
         if not more:
             observer.end()
             if observer.complete:
