@@ -217,10 +217,12 @@ async def gateway(
 # -- the callers: each format's official SDK ----------------------------------------------
 
 
-async def read_with_sdk(fmt: str, url: str) -> str:
+async def read_with_sdk(fmt: str, url: str, headers: dict[str, str] | None = None) -> str:
     """The whole answer as the format's SDK reads it (its error raised as it raises it)."""
     if fmt == "chat":
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        client = openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key="x", max_retries=0, default_headers=headers
+        )
         try:
             stream = await client.chat.completions.create(
                 model="echo",
@@ -238,7 +240,9 @@ async def read_with_sdk(fmt: str, url: str) -> str:
         finally:
             await client.close()
     if fmt == "anthropic":
-        aclient = anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0)
+        aclient = anthropic.AsyncAnthropic(
+            base_url=url, api_key="x", max_retries=0, default_headers=headers
+        )
         try:
             async with aclient.messages.stream(
                 model="echo",
@@ -255,7 +259,9 @@ async def read_with_sdk(fmt: str, url: str) -> str:
         finally:
             await aclient.close()
     if fmt == "responses":
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        client = openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key="x", max_retries=0, default_headers=headers
+        )
         try:
             async with client.responses.stream(model="echo", input="count to sixty") as s:
                 streamed = ""
@@ -269,7 +275,7 @@ async def read_with_sdk(fmt: str, url: str) -> str:
             return streamed
         finally:
             await client.close()
-    local = ollama.AsyncClient(host=url)
+    local = ollama.AsyncClient(host=url, headers=headers)
     try:
         text = ""
         async for part in await local.chat(model="echo", messages=MESSAGES, stream=True):
@@ -639,19 +645,19 @@ def slow_tower(fmt: str, *, every: float) -> Script:
 async def test_a_stream_too_slow_for_the_budget_is_cut_at_the_reserve_and_finished_by_hosted(
     fmt,
 ):
-    """The README's budget is 170 s; a tower writing a token every 4 s would need 240 s. At
-    the reserve's point (5 s before the budget ends) it is cut, and hosted finishes."""
-    async with gateway(slow_tower(fmt, every=4.0), finisher(fmt), stall_after=10.0) as (
+    """A 40 s budget; a tower writing a token a second would need 60 s. At the reserve's
+    point (5 s before the budget ends) it is cut, and hosted finishes the answer."""
+    async with gateway(slow_tower(fmt, every=1.0), finisher(fmt), stall_after=10.0) as (
         url,
         _,
         hosted,
     ):
         t0 = asyncio.get_running_loop().time()
-        assert await read_with_sdk(fmt, url) == FULL
+        assert await read_with_sdk(fmt, url, {"x-request-timeout": "40"}) == FULL
         took = asyncio.get_running_loop().time() - t0
         partial = partial_of(fmt, json.loads(hosted.requests[-1].body))
-    assert 160 <= took < 170  # (virtual seconds) within the budget, not past it
-    assert 30 <= len(partial.split()) <= 42
+    assert 35 <= took < 40  # (virtual seconds) within the budget, not past it
+    assert 33 <= len(partial.split()) <= 36
 
 
 @on_virtual_time
