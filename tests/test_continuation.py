@@ -736,3 +736,29 @@ async def test_a_next_tier_speaking_an_odd_shape_leaves_the_caller_the_original_
         b'"type":"upstream_error","code":"stream_broken"}}\n\n'
     )
     assert b"not a list" not in content
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@on_virtual_time
+async def test_a_healthy_stream_with_a_later_tier_is_never_parsed(fmt, monkeypatch):
+    import tierchain.failover
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a healthy stream's events were parsed")
+
+    monkeypatch.setattr(tierchain.failover, "seam", never)
+    events, _ = stream_of(fmt, TOKENS, tier="tower")
+
+    async def healthy(ex: Exchange) -> None:
+        await ex.head(200, HEADERS.get(fmt))
+        for event in events:
+            await ex.write(event)
+        await ex.end()
+
+    async with gateway(healthy, finisher(fmt)) as (url, _, hosted):
+        assert await read_with_sdk(fmt, url) == FULL
+        content = await raw(fmt, url)
+        assert hosted.requests == []
+    lines = content.splitlines(keepends=True)
+    # Byte for byte as the tower sent it (state lines aside): nothing rewritten, nothing added.
+    assert b"".join(line for line in lines if not line.startswith(b":")) == b"".join(events)
