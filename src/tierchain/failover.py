@@ -320,6 +320,7 @@ class Failover:
             pick or PickWeights(), admission=self.admission, store=store, board=self.status_board
         )
         self.retries = count("retries", retries, minimum=0)
+        self.max_wait = duration("max_wait", max_wait)
         self.continuations = count("continuations", continuations, minimum=0)
         # The routes whose committed streams may be continued on a later tier, and how
         # often per request (a route's own ``continuations`` in Routes wins).
@@ -329,7 +330,6 @@ class Failover:
             if len(self.routes[route]) > 1
             and (n := self.routes.continuations(route, self.continuations)) > 0
         }
-        self.max_wait = duration("max_wait", max_wait)
         # Routes whose chain holds a pool or a backend that shares hardware: only
         # their requests take the slower path (a chain of single backends does not).
         self._special = self.routes.pooled | self.routes.shared
