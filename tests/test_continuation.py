@@ -762,3 +762,33 @@ async def test_a_healthy_stream_with_a_later_tier_is_never_parsed(fmt, monkeypat
     lines = content.splitlines(keepends=True)
     # Byte for byte as the tower sent it (state lines aside): nothing rewritten, nothing added.
     assert b"".join(line for line in lines if not line.startswith(b":")) == b"".join(events)
+
+
+@on_virtual_time
+async def test_a_replica_that_breaks_is_finished_by_another_replica_of_its_pool():
+    from tierchain import Pool
+
+    def replica(ex: Exchange) -> Any:
+        body = json.loads(ex.request.body)
+        if body["messages"][-1]["role"] == "user" and body["messages"][-1] != MESSAGES[-1]:
+            return finisher("chat")(ex)  # asked to finish an answer
+        return tower("chat")(ex)  # asked the question: breaks after 40 tokens
+
+    async with (
+        FakeBackend("a", replica) as a,
+        FakeBackend("b", replica) as b,
+        FakeBackend("hosted", finisher("chat")) as hosted,
+    ):
+        pool = Pool(name="tower", backends=[Backend("tower-a", a.url), Backend("tower-b", b.url)])
+        forwarder = Forwarder()
+        app = Heartbeats(
+            Failover(forwarder, routes=Routes({"echo": [pool, Backend("hosted", hosted.url)]}))
+        )
+        async with serve(app) as url:
+            assert await read_with_sdk("chat", url) == FULL
+            content = await raw("chat", url)
+        await forwarder.aclose()
+        assert hosted.requests == []
+    assert len(a.requests) + len(b.requests) == 4
+    assert b'"state":"continuing","from":"tower-' in content
+    assert b'"backend":"tower","after_chars":150}' in content  # the pool: its replica is picked

@@ -66,7 +66,14 @@ from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._checks import count, duration
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
-from ._responses import caller_cut, error_detail, header, retry_after, send_json_error
+from ._responses import (
+    caller_cut,
+    error_detail,
+    header,
+    retry_after,
+    send_final,
+    send_json_error,
+)
 from ._runtime import clock, deadlines
 from ._runtime.deadlines import EARLY
 from ._runtime.interrupt import Interruption
@@ -767,6 +774,7 @@ class Failover:
             req.continuation = None
             return False
         target = req.chain[attempt.n]
+        to = target.pool or target.name  # (a pool's replica is picked when it starts)
         left = req.remaining()
         why = ""
         # At least a second of budget left (or half the reserve the watchdog kept, when
@@ -790,7 +798,7 @@ class Failover:
             why = "unsupported"  # not a JSON body with messages
         if why:
             req.continuation = None
-            labelled(CONTINUATIONS, route, origin, target.name, why).inc()
+            labelled(CONTINUATIONS, route, origin, to, why).inc()
             log_event(
                 "dispatch.continuation",
                 level=30,
@@ -798,17 +806,17 @@ class Failover:
                 outcome=why,
                 detail=found.why or None,
                 origin=origin,
-                backend=target.name,
+                backend=to,
             )
             return False
         req.continuation = _Continuation(found, error, done + 1, origin, sent, body, wire, ndjson)
-        req.emit("continuing", **{"from": origin}, backend=target.name, after_chars=len(found.text))
+        req.emit("continuing", **{"from": origin}, backend=to, after_chars=len(found.text))
         log_event(
             "dispatch.continuing",
             route=route,
             after_chars=len(found.text),
             origin=origin,
-            backend=target.name,
+            backend=to,
         )
         return True
 
@@ -838,7 +846,8 @@ class Failover:
         cont = req.continuation
         assert cont is not None
         req.continuation = None
-        await send({"type": "http.response.body", "body": cont.error, "more_body": False})
+        message = {"type": "http.response.body", "body": cont.error, "more_body": False}
+        await send_final(send, message, req)
 
     def _record(
         self,
