@@ -792,3 +792,37 @@ async def test_a_replica_that_breaks_is_finished_by_another_replica_of_its_pool(
     assert len(a.requests) + len(b.requests) == 4
     assert b'"state":"continuing","from":"tower-' in content
     assert b'"backend":"tower","after_chars":150}' in content  # the pool: its replica is picked
+
+
+@on_virtual_time
+async def test_the_attempt_spans_and_the_log_say_which_tier_finished_whose_answer(
+    monkeypatch, caplog
+):
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tierchain import telemetry
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", provider)
+    monkeypatch.setattr(telemetry, "tracer", provider.get_tracer("tierchain"))
+    caplog.set_level("INFO", logger="tierchain")
+    try:
+        async with gateway(tower("chat"), finisher("chat")) as (url, _, _hosted):
+            assert await read_with_sdk("chat", url) == FULL
+    finally:
+        provider.shutdown()
+    attempts = [s for s in exporter.get_finished_spans() if s.name == "tierchain.attempt"]
+    by_backend = {s.attributes["tierchain.backend"]: s.attributes for s in attempts}
+    assert by_backend["tower"]["tierchain.outcome"] == "stream_broken"
+    hosted = by_backend["hosted"]
+    assert hosted["tierchain.outcome"] == "ok"
+    assert hosted["tierchain.continuation.from"] == "tower"
+    assert hosted["tierchain.continuation.after_chars"] == len("".join(TOKENS[:40]))
+    events = [r.getMessage().split()[0] for r in caplog.records if r.name == "tierchain"]
+    assert "dispatch.continuing" in events
+    assert "dispatch.continuation" in events
