@@ -411,13 +411,23 @@ async def test_a_next_tier_that_rejects_the_prefill_leaves_the_caller_the_origin
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @on_virtual_time
-async def test_tierchain_serve_defaults_finish_a_broken_stream_on_hosted(fmt, tmp_path):
+async def test_tierchain_serve_defaults_finish_a_broken_stream_on_hosted_or_raise_its_error(
+    fmt, tmp_path
+):
     async with gateway(tower(fmt), finisher(fmt), stack="serve", tmp_path=tmp_path) as (url, _, _h):
         assert await read_with_sdk(fmt, url) == FULL
     async with gateway(
         tower(fmt, upto=20, then="stall"), finisher(fmt), stack="serve", tmp_path=tmp_path
     ) as (url, _, _h):
         assert await read_with_sdk(fmt, url) == FULL
+    async with gateway(tower(fmt), refuses_prefill, stack="serve", tmp_path=tmp_path) as (
+        url,
+        _,
+        _h,
+    ):
+        kind, words = ERRORS[fmt]
+        with pytest.raises(kind, match=words):
+            await read_with_sdk(fmt, url)
 
 
 def cut_tool_call(ex: Exchange) -> Any:
