@@ -653,10 +653,14 @@ def slow_tower(fmt: str, *, every: float) -> Script:
 @pytest.mark.parametrize("fmt", FORMATS)
 @on_virtual_time
 async def test_a_stream_too_slow_for_the_budget_is_cut_at_the_reserve_and_finished_by_hosted(
-    fmt,
+    fmt, metric
 ):
     """A 40 s budget; a tower writing a token a second would need 60 s. At the reserve's
-    point (5 s before the budget ends) it is cut, and hosted finishes the answer."""
+    point (5 s before the budget ends) it is cut, and hosted finishes the answer. The
+    budget's doing: outcome ``reserve``, never a saturation or a failure of the tower."""
+    cut = {"route": "echo", "backend": "tower", "outcome": "reserve"}
+    before = metric("tierchain_attempts_total", **cut)
+    saturated = metric("tierchain_backend_saturated_total", route="echo", backend="tower")
     async with gateway(slow_tower(fmt, every=1.0), finisher(fmt), stall_after=10.0) as (
         url,
         _,
@@ -668,6 +672,8 @@ async def test_a_stream_too_slow_for_the_budget_is_cut_at_the_reserve_and_finish
         partial = partial_of(fmt, json.loads(hosted.requests[-1].body))
     assert 35 <= took < 40  # (virtual seconds) within the budget, not past it
     assert 33 <= len(partial.split()) <= 36
+    assert metric("tierchain_attempts_total", **cut) - before == 1
+    assert metric("tierchain_backend_saturated_total", route="echo", backend="tower") == saturated
 
 
 @on_virtual_time

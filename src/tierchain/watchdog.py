@@ -81,7 +81,7 @@ from ._runtime.deadlines import EARLY, Deadline
 from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance, estimate_tokens
-from .errors import BackendBusy, BackendSaturated, StreamError
+from .errors import BackendBusy, BackendSaturated, BackendUnavailable, StreamError
 from .learned import Learned, LearnedGap
 from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, Status, auto_reader, fetch_status, judge
@@ -898,8 +898,16 @@ class _Watch(Interruption):
                 )
                 return
             raise StreamError(message, reason="stalled")
-        if not self.answered() or (self.fired == "reserve" and self.attempt is not None):
-            # (Answered: a committed stream cut at the reserve's point, to be continued.)
+        if self.fired == "reserve" and self.answered() and self.attempt is not None:
+            # A committed stream cut at the reserve's point for the next tier to finish:
+            # the budget's doing, not the backend's (no breaker counts it).
+            raise BackendUnavailable(
+                f"backend {self.backend!r} was still streaming {self.reserve:g}s before the "
+                "budget ends (the reserve kept for the next tier)",
+                reason="reserve",
+                gateway_fault=True,
+            )
+        if not self.answered():
             await self._saturated(send)
 
     async def _saturated(self, send: Send) -> None:
