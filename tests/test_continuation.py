@@ -842,3 +842,22 @@ async def test_the_attempt_spans_and_the_log_say_which_tier_finished_whose_answe
     events = [r.getMessage().split()[0] for r in caplog.records if r.name == "tierchain"]
     assert "dispatch.continuing" in events
     assert "dispatch.continuation" in events
+
+
+@pytest.mark.parametrize("fmt", ["chat", "anthropic"])
+@on_virtual_time
+async def test_a_next_tier_that_resets_after_its_terminator_has_finished_the_answer(fmt):
+    async def finishes_then_resets(ex: Exchange) -> None:
+        partial = partial_of(fmt, json.loads(ex.request.body))
+        events, _ = stream_of(fmt, [FULL[len(partial) :]], tier="hosted")
+        await ex.head(200, HEADERS.get(fmt))
+        for event in events:
+            await ex.write(event)
+        await asyncio.sleep(0.1)
+        await ex.reset()
+
+    async with gateway(tower(fmt), finishes_then_resets) as (url, _, _hosted):
+        assert await read_with_sdk(fmt, url) == FULL
+        content = await raw(fmt, url)
+    one_end(fmt, content)
+    assert b"error" not in content

@@ -1656,6 +1656,16 @@ class _Continuing(_Responder):
             await self.caller_stalled(error)  # raises
         route = attempt.route or ""
         target = attempt.backend.name
+        observer = self.observer
+        if error is not None and self.refusal is None and self.committed and observer.reached_end():
+            # Every event and the terminator reached the caller; only the transport broke
+            # after (or the final message was already sent): a whole answer.
+            error = None
+            if not self._guard.done:
+                observer.end()
+                self._guard.done = True
+                tail = {"type": "http.response.body", "body": b"", "more_body": False}
+                await self._to_caller(tail)
         if error is None:
             req.continuation = None
             failover._record(req, attempt, "ok")
