@@ -861,3 +861,22 @@ async def test_a_next_tier_that_resets_after_its_terminator_has_finished_the_ans
         content = await raw(fmt, url)
     one_end(fmt, content)
     assert b"error" not in content
+
+
+def test_whitespace_a_prefill_left_out_is_never_there_twice():
+    from tierchain.continuation import seam
+
+    sent = b"".join(anthropic_stream(["Hello", "\n\n"])[:5])
+    body = json.dumps({"model": "m", "max_tokens": 9, "messages": MESSAGES}).encode()
+    for pieces, expected in (
+        (["\n\nNext"], "Next"),  # the whole of it again
+        (["\n", "Next"], "Next"),  # a part of it, then new text
+        (["Next"], "Next"),  # none of it
+        (["Hello\n\n", "Next"], "Next"),  # the whole partial answer again (an echo)
+        (["Hel", "p"], "Help"),  # new text that starts as the answer did
+    ):
+        found = seam("anthropic", "tower", sent, ndjson=False)
+        assert found.text == "Hello\n\n"
+        found.request(body, prefill=True)
+        found.splice(b"".join(anthropic_stream(pieces)))
+        assert found.sent_text == expected, pieces

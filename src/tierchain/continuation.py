@@ -126,6 +126,7 @@ class Seam:
         self.why = ""
         self._prefill = ""  # the prefill sent (the text, perhaps without trailing space)
         self._skip: list[str] = []  # what the next tier may repeat at its start
+        self._tail = ""  # the whitespace the prefill left out
         self._held: list[tuple[str | None, Any]] = []
         self._held_text = ""
         self._checking = False
@@ -150,6 +151,7 @@ class Seam:
             self._prefill = text
             tail = ""
         self._skip = [s for s in (text, tail) if s]
+        self._tail = tail
         self._checking = bool(self._skip)
         self._held, self._held_text = [], ""
         self.sent_text = ""
@@ -207,32 +209,42 @@ class Seam:
             if self._neutral(name, obj):
                 self._held.append((name, obj))  # a ping: it waits with the text
                 return
-            self._release(out)
+            self._release(out, self._tail_repeat())
             self._emit(name, obj, out)
             return
         self._held.append((name, obj))
         self._held_text += piece
         held = self._held_text
         for skip in self._skip:
-            if held == skip or held.startswith(skip):
+            if held.startswith(skip):
                 # The repeat (and perhaps the first new text in the same delta): the
                 # repeat is cut, everything else goes on as it came.
-                rest = held[len(skip) :]
-                events, self._held, self._held_text, self._checking = self._held, [], "", False
-                last = max(i for i, (n, o) in enumerate(events) if self._delta(n, o) is not None)
-                for i, (n, o) in enumerate(events):
-                    if self._delta(n, o) is None:
-                        self._emit(n, o, out)
-                    elif i == last and rest:
-                        self._emit(n, self._with_delta(n, o, rest), out)
+                self._release(out, len(skip))
                 return
         if any(skip.startswith(held) for skip in self._skip):
             return  # still as the start of a repeat: keep holding
-        self._release(out)
+        self._release(out, self._tail_repeat())
 
-    def _release(self, out: list[bytes]) -> None:
+    def _tail_repeat(self) -> int:
+        """How much of the held text repeats the start of the whitespace the prefill left
+        out (the caller has it already), when the held text went another way."""
+        tail, held = self._tail, self._held_text
+        n = 0
+        while n < len(tail) and n < len(held) and tail[n] == held[n]:
+            n += 1
+        return n
+
+    def _release(self, out: list[bytes], cut: int = 0) -> None:
+        """Send what was held at the seam, its first ``cut`` characters of text left out."""
         held, self._held, self._held_text, self._checking = self._held, [], "", False
         for name, obj in held:
+            piece = self._delta(name, obj)
+            if cut and piece is not None:
+                if len(piece) <= cut:
+                    cut -= len(piece)
+                    continue  # all of it a repeat
+                obj = self._with_delta(name, obj, piece[cut:])
+                cut = 0
             self._emit(name, obj, out)
 
     def _neutral(self, name: str | None, obj: Any) -> bool:
