@@ -108,7 +108,8 @@ async def test_a_stream_that_breaks_after_two_events_ends_with_an_error_and_coun
     events = openai_stream(["one", "two", "three"])
     before = metric("tierchain_attempts_total", route="echo", backend="tower", outcome=outcome)
     async with FakeBackend("tower", fault(kind)) as tower, FakeBackend("hosted") as hosted:
-        gw = Gateway([Backend("tower", tower.url), Backend("hosted", hosted.url)])
+        # No continuation: the break's own error (hosted finishing it: test_continuation.py).
+        gw = Gateway([Backend("tower", tower.url), Backend("hosted", hosted.url)], continuations=0)
         async with serve(gw.app) as url:
             response = await post(url)
         await gw.aclose()
@@ -126,7 +127,9 @@ async def test_a_stream_that_breaks_after_two_events_ends_with_an_error_and_coun
 async def test_a_tower_that_keeps_breaking_mid_stream_is_skipped_after_the_threshold():
     async with FakeBackend("tower", fault("reset")) as tower, FakeBackend("hosted") as hosted:
         gw = Gateway(
-            [Backend("tower", tower.url), Backend("hosted", hosted.url)], failure_threshold=2
+            [Backend("tower", tower.url), Backend("hosted", hosted.url)],
+            failure_threshold=2,
+            continuations=0,
         )
         async with serve(gw.app) as url:
             first = await post(url)

@@ -265,9 +265,10 @@ async def test_an_anthropic_stream_that_dies_mid_way_makes_the_sdk_raise():
             body = {"model": "echo", "max_tokens": 64, "messages": MESSAGES, "stream": True}
             got = await raw.post(gw.url + "/v1/messages", json=body)
         assert await gw.failures() == 2
+    # hosted, asked to finish the answer (docs/continuation.md), broke the same way.
     assert got.content.endswith(
         b'event: error\ndata: {"type":"error","error":{"type":"api_error",'
-        b'"message":"backend \'tower\' failed mid-stream (stream_broken)"}}\n\n'
+        b'"message":"backend \'hosted\' failed mid-stream (stream_broken)"}}\n\n'
     )
 
 
@@ -367,6 +368,9 @@ async def test_the_agents_sdk_streams_through_the_readme_stack_and_raises_on_a_b
         assert await run_agent(gw.url) == "Hello"
         assert await gw.failures() == 0
         gw.tower.script = sends(responses_stream(PIECES), upto=5, then="reset")
+        # hosted finishes the broken answer (docs/continuation.md): the agent gets it whole.
+        assert await run_agent(gw.url) == "Hello"
+        gw.hosted.script = gw.tower.script  # hosted breaks too: the agent's run raises
         with pytest.raises(openai.APIError, match="failed mid-stream"):
             await run_agent(gw.url)
 
@@ -423,7 +427,9 @@ async def test_the_ollama_client_streams_and_raises_on_a_stream_without_its_done
         assert "".join(p.message.content or "" for p in parts) == "Hello"
         assert parts[-1].done is True
         assert await gw.failures() == 0
-        gw.tower.script = sends(lines[:-1], headers=NDJSON)
+        # Cut before its done line on both tiers: hosted, asked to finish the answer,
+        # ends the same way, and the caller gets the tower's own break.
+        gw.tower.script = gw.hosted.script = sends(lines[:-1], headers=NDJSON)
         with pytest.raises(ollama.ResponseError, match="truncated"):
             async for _ in await client.chat(model="echo", messages=MESSAGES, stream=True):
                 pass

@@ -158,6 +158,7 @@ async def test_a_stream_that_dies_after_commit_raises_api_error_in_the_openai_sd
         app = Failover(
             forwarder,
             routes=Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]}),
+            continuations=0,  # (hosted would finish it: tests/test_continuation.py)
         )
         async with serve(app) as url:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)

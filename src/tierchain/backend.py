@@ -77,8 +77,12 @@ class Backend:
     a tier that does not share it. ``retries`` is how many times one request
     may try this backend again after a 500, 502, 503 or 529, or once after a
     Retry-After it waited out (None: Failover's ``retries``; 0: never).
-    ``pool`` is set by :class:`Pool` on its
-    replicas (None for a backend standing alone).
+    ``prefill``: whether this backend continues
+    a trailing assistant message (a prefill) when it is asked to finish an
+    answer another tier broke off (see :mod:`tierchain.continuation`); None
+    takes the wire format's default (Anthropic and Ollama yes, OpenAI chat and
+    Responses no: those get the partial answer and a short instruction).
+    ``pool`` is set by :class:`Pool` on its replicas (None for a backend standing alone).
     """
 
     name: str
@@ -94,6 +98,7 @@ class Backend:
     wire_format: str | None = None
     shares: str | None = None
     retries: int | None = None
+    prefill: bool | None = None
     pool: str | None = field(default=None, init=False, compare=False)
 
     def __repr__(self) -> str:
@@ -134,6 +139,10 @@ class Backend:
                 f"got {self.stream_end!r}"
             )
         check_format(f"backend {self.name!r} wire_format", self.wire_format)
+        if self.prefill is not None and not isinstance(self.prefill, bool):
+            raise ValueError(
+                f"backend {self.name!r} prefill must be True, False or None, got {self.prefill!r}"
+            )
         if self.shares is not None and (not isinstance(self.shares, str) or not self.shares):
             raise ValueError(
                 f"backend {self.name!r} shares must be a non-empty string such as 'gpu0' or None, "
@@ -209,16 +218,20 @@ class Routes(Mapping[str, tuple[Backend, ...]]):
     duplicate backend or pool name within a chain, or a route name that is
     empty is a ``ValueError`` naming the route. ``wire_formats`` maps a route to the wire
     format its requests speak (see :mod:`tierchain.wire`), whatever their path;
-    a backend's own ``wire_format`` still wins for that backend.
+    a backend's own ``wire_format`` still wins for that backend. ``continuations``
+    maps a route to how many times per request Failover may finish a broken
+    stream on a later tier (0: never on that route; unset: Failover's own
+    ``continuations``).
     """
 
-    __slots__ = ("_formats", "_routes", "_tiers", "pooled", "shared")
+    __slots__ = ("_continuations", "_formats", "_routes", "_tiers", "pooled", "shared")
 
     def __init__(
         self,
         routes: Mapping[str, Iterable[Backend | Pool]],
         *,
         wire_formats: Mapping[str, str] | None = None,
+        continuations: Mapping[str, int] | None = None,
     ) -> None:
         built: dict[str, tuple[Backend, ...]] = {}
         tiers: dict[str, tuple[Backend | Pool, ...]] = {}
@@ -273,6 +286,11 @@ class Routes(Mapping[str, tuple[Backend, ...]]):
                 raise ValueError(f"wire_formats names route {route!r}, which is not a route")
             formats[route] = check_format(f"route {route!r} wire_format", wire) or ""
         self._formats = {r: w for r, w in formats.items() if w}
+        self._continuations: dict[str, int] = {}
+        for route, n in (continuations or {}).items():
+            if route not in built:
+                raise ValueError(f"continuations names route {route!r}, which is not a route")
+            self._continuations[route] = count(f"route {route!r} continuations", n, minimum=0)
 
     def __getitem__(self, route: str) -> tuple[Backend, ...]:
         return self._routes[route]
@@ -299,6 +317,10 @@ class Routes(Mapping[str, tuple[Backend, ...]]):
     def wire_format(self, route: str) -> str | None:
         """The wire format set for ``route`` (None: recognised from each request's path)."""
         return self._formats.get(route)
+
+    def continuations(self, route: str, default: int) -> int:
+        """How many times a request on ``route`` may be continued (``default``: unset)."""
+        return self._continuations.get(route, default)
 
     def backend(self, route: str, name: str) -> Backend | None:
         """The backend called ``name`` in ``route``'s chain, or None."""

@@ -478,6 +478,8 @@ LAYERS: tuple[Layer, ...] = (
            help="Tries of the same backend again after a transient fault, per request."),
         _o("max_retry_wait", "FAILOVER_MAX_RETRY_WAIT", seconds(), _SECS_NONNEG,
            help="The longest Retry-After waited out once before the same backend is retried."),
+        _o("continuations", "FAILOVER_CONTINUATIONS", integer(0), "a whole number >= 0",
+           help="Times per request a broken stream is finished on a later tier (0: never)."),
         _o("waiting_room", "FAILOVER_WAITING_ROOM", boolean, _BOOL,
            help="Wait at the gateway while every backend of the chain is full (see Pools)."),
         _o("max_wait", "FAILOVER_MAX_WAIT", seconds(zero_ok=False), _SECS_POS,
@@ -1131,6 +1133,7 @@ BACKEND_KEYS: tuple[BackendKey, ...] = (
                "one of openai, responses, anthropic, ollama, plain"),
     BackendKey("shares", _toml_text, "a non-empty string naming the hardware, such as gpu0"),
     BackendKey("retries", _toml_count_or_zero, "a whole number >= 0"),
+    BackendKey("prefill", _toml_bool, "true or false (no quotes)"),
     BackendKey("headers", lambda v: v, "a table of HTTP header names to strings", field=False),
     BackendKey("api_key_env", _toml_text, "the name of a variable", field=False),
     BackendKey("api_key_header", _toml_header_name,
@@ -1141,7 +1144,7 @@ BACKEND_KEYS: tuple[BackendKey, ...] = (
 # fmt: on
 
 _BACKEND_KEYS = {key.name: key for key in BACKEND_KEYS}
-ROUTE_TABLE_KEYS = ("backends", "wire_format")
+ROUTE_TABLE_KEYS = ("backends", "wire_format", "continuations")
 """The keys of a ``[routes.<name>]`` table."""
 _REQUIRED = ("name", "url")
 
@@ -1164,6 +1167,7 @@ def routes_from_toml(
         problems.append("routes: expected at least one [routes.<name>] table")
         table = {}
     formats: dict[str, str] = {}
+    continuations: dict[str, int] = {}
     for route, spec in table.items():
         where = f"routes.{route}"
         if not isinstance(spec, Mapping):
@@ -1181,6 +1185,14 @@ def routes_from_toml(
                 problems.append(
                     f"{where}.wire_format={spec['wire_format']!r}: expected "
                     f"{_BACKEND_KEYS['wire_format'].expected}"
+                )
+        if "continuations" in spec:
+            given = spec["continuations"]
+            if isinstance(given, int) and not isinstance(given, bool) and given >= 0:
+                continuations[route] = given
+            else:
+                problems.append(
+                    f"{where}.continuations={given!r}: expected a whole number >= 0 (0: never)"
                 )
         backends = spec.get("backends")
         if not isinstance(backends, list) or not backends:
@@ -1204,7 +1216,7 @@ def routes_from_toml(
         prefix = f"{source}: " if source else ""
         raise ConfigError([prefix + p for p in problems])
     try:
-        return Routes(built, wire_formats=formats)
+        return Routes(built, wire_formats=formats, continuations=continuations)
     except ValueError as exc:  # pragma: no cover - checked above
         raise ConfigError([f"{source or 'routes'}: {exc}"]) from None
 

@@ -32,7 +32,12 @@ Until then the attempt may still fail over: on an
 ``TierRequest.attempt_error`` by a layer that knew), any other exception, a
 retryable status, or an event stream that ends with no data event
 (``no_data``). After the first byte has gone to the caller there is no
-failover: a later failure (``stream_broken``, ``truncated``, ``stalled``,
+failover. A stream that breaks or stalls while a later tier exists is
+*continued* instead (``continuations``): the next tier gets the caller's request
+with the partial answer in it (:mod:`tierchain.continuation`), and its events are
+spliced into the caller's stream in the first tier's envelope (``_continue``,
+``_Continuing``); if it cannot finish the answer, the caller gets the original
+break. Otherwise a later failure (``stream_broken``, ``truncated``, ``stalled``,
 ``malformed_stream``) drops any partial event and ends the stream with an error
 in the request's wire format (:func:`tierchain.wire.error_bytes`: an OpenAI
 error event, an Anthropic ``event: error``, a Responses ``error`` event, an
@@ -65,7 +70,14 @@ from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._checks import count, duration
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
-from ._responses import caller_cut, error_detail, header, retry_after, send_json_error
+from ._responses import (
+    caller_cut,
+    error_detail,
+    header,
+    retry_after,
+    send_final,
+    send_json_error,
+)
 from ._runtime import clock, deadlines
 from ._runtime.deadlines import EARLY
 from ._runtime.interrupt import Interruption
@@ -73,6 +85,7 @@ from ._target import BadTarget, refuse, request_target
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .admission import Admission
 from .backend import Backend, Routes
+from .continuation import Seam, prefill_for, seam
 from .errors import (
     AttemptError,
     BackendBusy,
@@ -100,15 +113,18 @@ from .request import (
 from .status import StatusBoard, board_within
 from .telemetry import (
     ATTEMPTS,
+    ATTR_AFTER_CHARS,
     ATTR_ATTEMPT_N,
     ATTR_ATTEMPT_OF,
     ATTR_BACKEND,
+    ATTR_CONTINUES,
     ATTR_OUTCOME,
     ATTR_POOL,
     ATTR_REGIME,
     ATTR_RETRY,
     ATTR_ROUTE,
     BACKEND_BUSY,
+    CONTINUATIONS,
     SAME_TIER_RETRIES,
     TIME_TO_FIRST_CHUNK,
     labelled,
@@ -146,6 +162,8 @@ _JITTER = 0.25  # a second try waits up to this long more, at random (no herd on
 # The detail of a skip whose breaker a backend's Retry-After opened: the caller hears 429.
 _SAID_WHEN_SKIP = "cooling down for the backend's Retry-After"
 _WAIT_POLL = 0.25  # how often the first in the waiting room looks again unwoken
+_CONTINUE_MIN_LEFT = 1.0  # budget seconds below which a broken stream is not continued
+_TOOLS = frozenset({"tool_calls", "tool_use", "function_call", "server_tool_use"})
 
 
 Resolver = Callable[[Scope, bytes], str]
@@ -263,6 +281,12 @@ class Failover:
     first come first served within the band its ``priority_header`` names (one
     of ``priority_bands``, highest first; None: one band for all).
 
+    ``continuations``: how many times per request a committed event stream (or
+    NDJSON stream) that broke or stalled may be finished on a later tier,
+    spliced into the caller's stream (see :mod:`tierchain.continuation`); 0:
+    never. A route's own ``Routes(..., continuations=...)`` wins. A stream with
+    a tool call in flight is never continued.
+
     ``status_board``: the :class:`~tierchain.status.StatusBoard` whose polled
     statuses order a pool's replicas and tell the waiting room a backend is
     full (None: the board of the SaturationWatchdog inside ``app``, if any).
@@ -292,6 +316,7 @@ class Failover:
         priority_header: str | None = None,
         priority_bands: Sequence[str] = ("high", "normal", "low"),
         status_board: StatusBoard | None = None,
+        continuations: int = 1,
     ) -> None:
         self.app = app
         self._head = HeadLimits(max_headers, max_header_bytes)
@@ -321,6 +346,15 @@ class Failover:
         self.retries = count("retries", retries, minimum=0)
         self.max_retry_wait = duration("max_retry_wait", max_retry_wait, allow_zero=True)
         self.max_wait = duration("max_wait", max_wait)
+        self.continuations = count("continuations", continuations, minimum=0)
+        # The routes whose committed streams may be continued on a later tier, and how
+        # often per request (a route's own ``continuations`` in Routes wins).
+        self._continuable = {
+            route: n
+            for route in self.routes
+            if len(self.routes[route]) > 1
+            and (n := self.routes.continuations(route, self.continuations)) > 0
+        }
         # Routes whose chain holds a pool or a backend that shares hardware: only
         # their requests take the slower path (a chain of single backends does not).
         self._special = self.routes.pooled | self.routes.shared
@@ -478,6 +512,11 @@ class Failover:
                     attempt = self._next(req, attempt)
                 else:
                     attempt = await self._next_planned(req, plan, attempt, fault)
+            if req.continuation is not None:
+                # A continuation found no tier to run on: the break is the caller's answer.
+                guard.done = True
+                await self._gave_up(req, send)
+                return
             guard.done = True
             if span is not INVALID_SPAN:
                 span.set_attribute(ATTR_OUTCOME, "all_failed")
@@ -757,7 +796,112 @@ class Failover:
                 regime=backend.regime,
                 **fields,
             )
+        if req.continuation is not None:
+            return self._continuing(req, attempt, observer, send, guard)
         return _Responder(self, req, attempt, observer, send, guard, _attempt_span(attempt))
+
+    # -- continuation: finish a broken stream on the next tier ----------------------
+
+    def _continue(
+        self,
+        req: TierRequest,
+        attempt: Attempt,
+        wire: str | None,
+        ndjson: bool,
+        sent: list[bytes],
+        error: bytes,
+    ) -> bool:
+        """After a committed stream broke: set up its continuation on the next tier
+        (True), or say it cannot be (False: the caller gets ``error``).
+
+        Parses the events the caller has (``sent``) once, here, off the healthy path."""
+        route = req.route or ""
+        previous = req.continuation
+        done = previous.done if previous is not None else 0
+        origin = previous.origin if previous is not None else attempt.backend.name
+        if (
+            done >= self._continuable.get(route, 0)
+            or attempt.n >= len(req.chain)
+            or req.cancel_reason is not None
+            or req.body is None
+        ):
+            req.continuation = None
+            return False
+        target = req.chain[attempt.n]
+        to = target.pool or target.name  # (a pool's replica is picked when it starts)
+        left = req.remaining()
+        why = ""
+        # At least a second of budget left (or half the reserve the watchdog kept, when
+        # that is shorter: a stream it cut at the reserve's point has about the reserve).
+        least = _CONTINUE_MIN_LEFT
+        if attempt.reserve:
+            least = min(least, attempt.reserve / 2)
+        if left is not None and left < least:
+            why = "no_time"
+        elif (target.wire_format or req.wire) != wire:
+            why = "unsupported"  # another wire format: the envelope could not be kept
+        body = previous.body if previous is not None else req.body
+        try:
+            found = seam(wire, origin, b"".join(sent), ndjson=ndjson)
+        except Exception as exc:  # events of a shape no format rule expects
+            found = Seam(origin)
+            found.ok, found.why = False, f"unparsed: {exc!r}"
+        if not why and not found.ok:
+            why = "tool_calls" if found.why in _TOOLS else "unsupported"
+        if not why and found.request(body, prefill=False) is None:
+            why = "unsupported"  # not a JSON body with messages
+        if why:
+            req.continuation = None
+            labelled(CONTINUATIONS, route, origin, to, why).inc()
+            log_event(
+                "dispatch.continuation",
+                level=30,
+                route=route,
+                outcome=why,
+                detail=found.why or None,
+                origin=origin,
+                backend=to,
+            )
+            return False
+        req.continuation = _Continuation(found, error, done + 1, origin, sent, body, wire, ndjson)
+        req.emit("continuing", **{"from": origin}, backend=to, after_chars=len(found.text))
+        log_event(
+            "dispatch.continuing",
+            route=route,
+            after_chars=len(found.text),
+            origin=origin,
+            backend=to,
+        )
+        return True
+
+    def _continuing(
+        self,
+        req: TierRequest,
+        attempt: Attempt,
+        observer: Observer,
+        send: Send,
+        guard: DisconnectGuard,
+    ) -> _Continuing:
+        """The responder of an attempt that finishes a broken answer: its request is the
+        original one with the partial answer in it."""
+        cont = req.continuation
+        assert cont is not None
+        backend = attempt.backend
+        wire = backend.wire_format or req.wire
+        req.body = cont.seam.request(cont.body, prefill=prefill_for(wire, backend.prefill))
+        span = _attempt_span(attempt)
+        if span is not INVALID_SPAN:
+            span.set_attribute(ATTR_CONTINUES, cont.origin)
+            span.set_attribute(ATTR_AFTER_CHARS, len(cont.seam.text))
+        return _Continuing(self, req, attempt, observer, send, guard, span, cont)
+
+    async def _gave_up(self, req: TierRequest, send: Send) -> None:
+        """No tier was left to continue on: end the stream with the original break."""
+        cont = req.continuation
+        assert cont is not None
+        req.continuation = None
+        message = {"type": "http.response.body", "body": cont.error, "more_body": False}
+        await send_final(send, message, req)
 
     def _record(
         self,
@@ -984,6 +1128,7 @@ class _Responder:
         "caller_cut",
         "committed",
         "fault",
+        "kept",
         "lease",
         "observer",
         "outcome",
@@ -1022,6 +1167,9 @@ class _Responder:
         self._task: asyncio.Task[Any] | None = None  # the request's task, for the cut
         self.caller_cut = False  # the watch cut the caller (its cancellation is ours)
         self._ended = False
+        # The committed events, by reference, while a continuation could follow a break
+        # (see Failover._continue): parsed only then.
+        self.kept: list[bytes] | None = None
 
     def send(self, message: Message) -> Awaitable[None]:
         """The inner app's send. A committed stream's events go straight on."""
@@ -1038,6 +1186,8 @@ class _Responder:
                 if more:
                     if not out:
                         return nothing_sent()  # part of an event: held until it is whole
+                    if self.kept is not None:
+                        self.kept.append(out)
                     if out is chunk:
                         return self._send(message)  # whole events as they came: passed as is
                     return self._send(
@@ -1048,6 +1198,8 @@ class _Responder:
                     # Truncated: the caller gets the events so far, then (from Failover,
                     # once the app returns) an error event, never a silently short answer.
                     if out:
+                        if self.kept is not None:
+                            self.kept.append(out)
                         return self._send(
                             {"type": "http.response.body", "body": out, "more_body": True}
                         )
@@ -1208,8 +1360,8 @@ class _Responder:
             return True
         outcome = self.outcome = error.reason if isinstance(error, AttemptError) else "error"
         if self.committed:
-            await self.fail_after_commit(error, outcome)
-            return True
+            # False: the stream goes on from the next tier (a continuation).
+            return not await self.fail_after_commit(error, outcome)
         if not isinstance(error, AttemptError):
             log_event(
                 "dispatch.attempt_error",
@@ -1294,14 +1446,23 @@ class _Responder:
         headers.append((TRAIL_HEADER, trail))
         headers.append((BACKEND_HEADER, backend.name.encode()))
         self.start["headers"] = headers
+        if (
+            more_body
+            and attempt.n < attempt.of
+            and (observer.sse or observer.ndjson)
+            and self._failover._continuable.get(attempt.route or "")
+        ):
+            self.kept = [chunk]
+            req.continuable = True
         self._watch_caller()
         await self._to_caller(self.start)
         if not more_body:
             self._guard.done = True
         await self._to_caller({"type": "http.response.body", "body": chunk, "more_body": more_body})
 
-    async def fail_after_commit(self, exc: BaseException, outcome: str) -> None:
-        """End a committed response after its attempt failed mid-way."""
+    async def fail_after_commit(self, exc: BaseException, outcome: str) -> bool:
+        """End a committed response after its attempt failed mid-way, or (True) leave it
+        open for a continuation on the next tier."""
         attempt = self.attempt
         self._failover._record(self.req, attempt, outcome)
         log_event(
@@ -1326,7 +1487,15 @@ class _Responder:
         lease, self.lease = self.lease, None
         if lease is not None:
             await self._failover.admission.leave(lease)
+        kept, self.kept = self.kept, None
+        observer = self.observer
+        if kept is not None and self._failover._continue(
+            self.req, attempt, observer.wire, observer.ndjson, kept, error
+        ):
+            self._guard.done = False  # the stream goes on: the caller is watched again
+            return True
         await self._to_caller({"type": "http.response.body", "body": error, "more_body": False})
+        return False
 
     async def caller_stalled(self, error: CallerStalled) -> None:
         """The caller stopped reading: record it (never the backend's failure), give
@@ -1406,3 +1575,194 @@ class _Responder:
 
 def _has_body(status: int | None) -> bool:
     return status is not None and status >= 200 and status not in (204, 304)
+
+
+class _Continuation:
+    """A broken stream being finished on a later tier (``TierRequest.continuation``)."""
+
+    __slots__ = ("body", "done", "error", "ndjson", "origin", "seam", "sent", "wire")
+
+    def __init__(
+        self,
+        seam: Seam,
+        error: bytes,
+        done: int,
+        origin: str,
+        sent: list[bytes],
+        body: bytes,
+        wire: str | None,
+        ndjson: bool,
+    ) -> None:
+        self.seam = seam
+        self.error = error  # the original break, in the caller's format
+        self.done = done  # continuations started for this request
+        self.origin = origin  # the backend whose answer is being finished
+        self.sent = sent  # every event the caller has (kept by reference)
+        self.body = body  # the caller's own request
+        self.wire = wire
+        self.ndjson = ndjson
+
+
+class _Continuing(_Responder):
+    """The ``send`` of an attempt that finishes a broken answer: nothing of its head
+    reaches the caller; its whole events are spliced into the caller's stream
+    (:meth:`~tierchain.continuation.Seam.splice`). Any failure before its first event
+    ends the stream with the original break; a 400 is the backend refusing the
+    continuation (``prefill_rejected``), never the caller's error."""
+
+    __slots__ = ("continuation",)
+
+    def __init__(
+        self,
+        failover: Failover,
+        req: TierRequest,
+        attempt: Attempt,
+        observer: Observer,
+        send: Send,
+        guard: DisconnectGuard,
+        span: Span,
+        continuation: _Continuation,
+    ) -> None:
+        super().__init__(failover, req, attempt, observer, send, guard, span)
+        self.continuation = continuation
+
+    def send(self, message: Message) -> Awaitable[None]:
+        if self.req.aborted:
+            return nothing_sent()
+        kind = message["type"]
+        observer = self.observer
+        if kind == "http.response.start":
+            status = int(message["status"])
+            headers = list(message.get("headers", ()))
+            observer.start(status, headers)
+            self.start = message
+            cont = self.continuation
+            same = observer.ndjson if cont.ndjson else observer.sse
+            if status >= 300 or not same:
+                self.refusal = []  # kept for its message; the caller never sees it
+            return nothing_sent()
+        if kind != "http.response.body":
+            return nothing_sent()
+        chunk: bytes = message.get("body", b"")
+        more = bool(message.get("more_body", False))
+        if self.refusal is not None:
+            if chunk and sum(map(len, self.refusal)) < _REFUSAL_LIMIT:
+                self.refusal.append(chunk)
+            if not more:
+                observer.end()
+            return nothing_sent()
+        if self.start is None:
+            raise RuntimeError("the inner app sent a body before http.response.start")
+        try:
+            out = observer.body(chunk)
+        except StreamError as exc:
+            self.req.abort(exc)
+            return nothing_sent()
+        seam = self.continuation.seam
+        try:
+            spliced = seam.splice(out) if out else b""
+        except Exception as exc:  # an event of a shape the format's rules do not expect
+            self.req.abort(StreamError(f"could not splice: {exc!r}", reason="malformed_stream"))
+            return nothing_sent()
+        if not more:
+            observer.end()
+            if observer.complete:
+                spliced += seam.finish()
+                self._guard.done = True
+                return self._to_caller(
+                    {"type": "http.response.body", "body": spliced, "more_body": False}
+                )
+        if not spliced:
+            return nothing_sent()
+        if not self.committed:
+            self.committed = True  # the first of its events reaches the caller
+            self.req.emit("generating", **_named(self.attempt.backend))
+            self._watch_caller()
+        self.continuation.sent.append(spliced)
+        return self._to_caller({"type": "http.response.body", "body": spliced, "more_body": True})
+
+    def failure(self) -> AttemptError | None:
+        observer = self.observer
+        if self.refusal is not None:
+            status = observer.status
+            detail = error_detail(b"".join(self.refusal))
+            if status == 400:
+                return AttemptError(
+                    f"the backend refused the continuation: {detail}", reason="prefill_rejected"
+                )
+            if status is not None and status >= 300:
+                return RetryableStatus(
+                    status, retry_after=retry_after(observer.headers), detail=detail
+                )
+            return StreamError("the answer was not in the stream's own framing", reason="no_data")
+        if self.start is None:
+            return AttemptError("the handler returned without answering", reason="no_response")
+        if observer.ended and observer.complete:
+            return None
+        if observer.first_data_at is None:
+            return StreamError("the event stream carried no data event", reason="no_data")
+        return StreamError("the stream ended without its terminator", reason="truncated")
+
+    async def conclude(self, error: BaseException | None) -> bool:
+        failover, req, attempt = self._failover, self.req, self.attempt
+        cont = self.continuation
+        if isinstance(error, CallerStalled):
+            await self.caller_stalled(error)  # raises
+        route = attempt.route or ""
+        target = attempt.backend.name
+        observer = self.observer
+        if error is not None and self.refusal is None and self.committed and observer.reached_end():
+            # Every event and the terminator reached the caller; only the transport broke
+            # after (or the final message was already sent): a whole answer.
+            error = None
+            if not self._guard.done:
+                observer.end()
+                self._guard.done = True
+                tail = {"type": "http.response.body", "body": b"", "more_body": False}
+                await self._to_caller(tail)
+        if error is None:
+            req.continuation = None
+            failover._record(req, attempt, "ok")
+            labelled(CONTINUATIONS, route, cont.origin, target, "ok").inc()
+            log_event(
+                "dispatch.continuation",
+                route=route,
+                outcome="ok",
+                after_chars=len(cont.seam.text),
+                added_chars=len(cont.seam.sent_text),
+                origin=cont.origin,
+                backend=target,
+            )
+            return True
+        outcome = self.outcome = error.reason if isinstance(error, AttemptError) else "error"
+        failover._record(req, attempt, outcome)
+        spliced = cont.seam.spliced
+        result = "rejected" if outcome == "prefill_rejected" else "broken" if spliced else "failed"
+        labelled(CONTINUATIONS, route, cont.origin, target, result).inc()
+        log_event(
+            "dispatch.continuation",
+            level=30,
+            route=route,
+            outcome=result,
+            error=repr(error),
+            after_chars=len(cont.seam.text),
+            origin=cont.origin,
+            backend=target,
+        )
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await failover.admission.leave(lease)
+        self.observer.drop_pending()
+        shown = cont.error
+        if spliced:
+            # It broke in its turn, after some of its text reached the caller: that break
+            # is the caller's error now.
+            own = self.observer.error_bytes(
+                f"backend {target!r} failed mid-stream ({outcome})", "upstream_error", outcome
+            )
+            shown = own if own is not None else shown
+        if failover._continue(req, attempt, cont.wire, cont.ndjson, cont.sent, shown):
+            return False  # one more continuation, on the tier after this one
+        self._guard.done = True
+        await self._to_caller({"type": "http.response.body", "body": shown, "more_body": False})
+        return True

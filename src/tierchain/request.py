@@ -181,6 +181,8 @@ class TierRequest:
         "cancel_reason",
         "chain",
         "committed",
+        "continuable",
+        "continuation",
         "deadline",
         "in_chain",
         "interruption",
@@ -216,6 +218,11 @@ class TierRequest:
         """The current attempt's response facts (set by Failover per attempt)."""
         self.committed = False
         """True once a response has started towards the caller (Failover's commit)."""
+        self.continuable = False
+        """True once Failover committed a stream it could continue on a later tier (the
+        watchdog then cuts it at the reserve's point, for that tier to finish it)."""
+        self.continuation: Any = None
+        """Failover's: a broken stream being finished on a later tier (None: none is)."""
         self.attempt_error: AttemptError | None = None
         """Why the current attempt failed, left by the layer that knew (a Forwarder
         that could not connect, a stream found malformed) where a framework might

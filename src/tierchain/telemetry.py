@@ -51,6 +51,8 @@ ATTR_RETRY = "tierchain.attempt.retry"
 ATTR_ATTEMPT_N = "tierchain.attempt.n"
 ATTR_ATTEMPT_OF = "tierchain.attempt.of"
 ATTR_OUTCOME = "tierchain.outcome"
+ATTR_CONTINUES = "tierchain.continuation.from"
+ATTR_AFTER_CHARS = "tierchain.continuation.after_chars"
 
 # -- lock-free collectors ---------------------------------------------------------
 
@@ -301,6 +303,11 @@ WAITING_ROOM_WAIT = Histogram(
     "(released, max_wait, cancelled).",
     ["route", "outcome"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+CONTINUATIONS = Counter(
+    "tierchain_continuations",
+    "Committed streams that broke and were (or could not be) finished on a later tier.",
+    ["route", "from", "to", "outcome"],
 )
 SAME_TIER_RETRIES = Counter(
     "tierchain_same_tier_retries",

@@ -85,7 +85,7 @@ from ._runtime.deadlines import EARLY, Deadline
 from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance, estimate_tokens
-from .errors import BackendBusy, BackendSaturated, StreamError
+from .errors import BackendBusy, BackendSaturated, BackendUnavailable, StreamError
 from .learned import Learned, LearnedGap
 from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, Status, auto_reader, fetch_status, judge
@@ -410,6 +410,7 @@ class _Watch(Interruption):
     __slots__ = (
         "_ceiling_at",
         "_cut",
+        "_cut_passed",
         "_handle",
         "_moved_at",
         "_previous",
@@ -469,6 +470,7 @@ class _Watch(Interruption):
         self._window_end = self.start + window if window > 0 else math.inf
         deadline = self._deadline()
         self._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
+        self._cut_passed = False  # a committed stream's reserve point passed (or cut it)
         self._previous: Hashable | None = None
         self._moved_at = self.start
         self._rate_from: tuple[float, int] | None = None
@@ -524,7 +526,7 @@ class _Watch(Interruption):
         learned = self.watchdog.learned
         if learned is not None:
             body = self.req.body if self.req is not None else None
-            if observer.sse or not self.held:
+            if observer.framed or not self.held:
                 first = observer.first_data_at - self.start
             else:
                 first = clock.now() - self.start
@@ -583,9 +585,24 @@ class _Watch(Interruption):
 
     def _first_data(self) -> None:
         """The first chunk arrived: the window is over; time the gaps from here."""
-        if not self.observer.sse and self.held:
+        if not self.observer.framed and self.held:
             return  # a held answer's first bytes: its window runs on until it is whole
         handle = self._handle
+        cut = self._cut
+        if (
+            cut < math.inf
+            and not self._cut_passed
+            and (self.stall <= 0 or cut < clock.now() + self.stall)
+        ):
+            # The reserve's point comes before the first stall window ends: a committed
+            # stream that could be continued on the next tier is cut there (_expired).
+            # (Otherwise the stall timer comes first, and the cut is timed from it.)
+            if handle is not None:
+                deadlines.cancel(handle)
+                self._handle = None
+            if self.fired is None:
+                self._schedule()
+            return
         if self.stall <= 0:
             if handle is not None:
                 deadlines.cancel(handle)
@@ -605,7 +622,7 @@ class _Watch(Interruption):
         observer = self.observer
         if observer.first_data_at is None:
             return False
-        if observer.sse or not self.held:
+        if observer.framed or not self.held:
             return True
         return observer.ended or (self.req is not None and self.req.committed)
 
@@ -638,9 +655,11 @@ class _Watch(Interruption):
         """Arm the timer for the next thing that may fall due."""
         observer = self.observer
         if self.answered():
-            if self.stall <= 0 or observer.ended:
+            if observer.ended:
                 return
-            due = self._quiet_since() + self.stall
+            due = self._quiet_since() + self.stall if self.stall > 0 else math.inf
+            if not self._cut_passed:
+                due = min(due, self._cut)
         else:
             due = min(self._window_end, self._ceiling_at, self._cut)
             deadline = self._deadline()
@@ -675,14 +694,26 @@ class _Watch(Interruption):
         observer = self.observer
         if self.answered():
             req = self.req
+            if not self._cut_passed and now >= self._cut - EARLY:
+                self._cut_passed = True
+                if (
+                    req is not None
+                    and req.committed
+                    and req.continuable
+                    and req.caller_blocked_since is None  # (not reading: the caller's time)
+                    and not observer.ended
+                ):
+                    # The reserve's point: the next tier finishes the answer (Failover).
+                    self._fire("reserve")
+                    return
             if req is not None and req.caller_blocked_since is not None and not observer.ended:
                 # The caller is not reading, so neither are we: the upstream's silence
                 # is not its own (Failover's send_timeout judges the caller). Look again
                 # one stall window later.
-                self._arm(self.stall, fixed=self.stall_fixed)
+                self._arm(self.stall or _SILENT, fixed=self.stall_fixed)
                 return
             last = self._quiet_since()
-            if not observer.ended and now >= last + self.stall - EARLY:
+            if self.stall > 0 and not observer.ended and now >= last + self.stall - EARLY:
                 self._stalled(now - last)
             else:
                 self._schedule()  # data arrived since: wait for the new gap
@@ -889,6 +920,15 @@ class _Watch(Interruption):
                 )
                 return
             raise StreamError(message, reason="stalled")
+        if self.fired == "reserve" and self.answered() and self.attempt is not None:
+            # A committed stream cut at the reserve's point for the next tier to finish:
+            # the budget's doing, not the backend's (no breaker counts it).
+            raise BackendUnavailable(
+                f"backend {self.backend!r} was still streaming {self.reserve:g}s before the "
+                "budget ends (the reserve kept for the next tier)",
+                reason="reserve",
+                gateway_fault=True,
+            )
         if not self.answered():
             await self._saturated(send)
 
