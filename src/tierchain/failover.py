@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 
+from . import _json
 from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._checks import count, duration
 from ._disconnect import DisconnectGuard
@@ -148,18 +149,18 @@ def _scan_object(body: bytes) -> dict[str, Any] | None:
     """The usual body (a UTF-8 JSON object) read by the scanner alone, else None.
 
     The same parser as ``json.loads`` without its encoding detection and its
-    Python-level wrappers; anything unusual (or wrong) is left to ``json.loads``,
-    which gives the error message.
+    Python-level wrappers; anything unusual (or wrong) is left to the loader
+    (:mod:`tierchain._json`), which bounds the depth and gives the error message.
     """
-    if body[:1] != b"{":
-        return None
+    if body[:1] != b"{" or not _json.depth_ok(body):
+        return None  # the loader checks the depth of a text with many brackets
     try:
         text = body.decode()
         data, end = _scan(text, 0)
     except (StopIteration, UnicodeDecodeError, ValueError):
         return None
     if end != len(text) and text[end:].strip(" \t\n\r"):
-        return None  # something after the object: json.loads says what
+        return None  # something after the object: the loader says what
     return data if isinstance(data, dict) else None
 
 
@@ -177,7 +178,7 @@ def _json_body(body: bytes) -> dict[str, Any]:
     if data is not None:
         return data
     try:
-        data = json.loads(body)
+        data = _json.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ResolveError(f"the request body is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
@@ -346,7 +347,7 @@ class Failover:
         req.send_timeout = self.send_timeout
         route = self._route(scope, req, body)
         if isinstance(route, _Refusal):
-            return await send_json_error(send, *route)
+            return await send_json_error(send, *route, wire=recognise(target.path))
         chain = self.routes[route]
         for reorder in req.reorderers:
             chain = await self._reordered(route, chain, reorder)

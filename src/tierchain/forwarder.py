@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 from opentelemetry import propagate
 
+from . import _json
 from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._checks import count, duration
 from ._disconnect import DisconnectGuard
@@ -529,7 +530,7 @@ def _response_headers(response: httpx.Response) -> Headers:
 
 def _rewrite_model(body: bytes, model: str) -> bytes:
     try:
-        data = json.loads(body)
+        data = _json.loads(body)
     except ValueError:
         return body
     if not isinstance(data, dict) or "model" not in data:

@@ -34,10 +34,10 @@ lines). tierchain's layers only ever add whole lines at event boundaries.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 
+from . import _json
 from ._runtime import clock
 from ._types import Headers, Message
 from .errors import StreamError
@@ -408,7 +408,7 @@ def _format_end(wire: str, events: bytes) -> bool:
     kind = name
     if kind is None and data:
         try:
-            parsed = json.loads(data)
+            parsed = _json.loads(data)
         except ValueError:
             return False
         kind = parsed.get("type") if isinstance(parsed, dict) else None
@@ -421,7 +421,7 @@ def _done_line(lines: bytes) -> bool:
     """Ollama: is the last line of ``lines`` an object with ``"done": true``?"""
     last = lines.rstrip().rsplit(b"\n", 1)[-1]
     try:
-        parsed = json.loads(last)
+        parsed = _json.loads(last)
     except ValueError:
         return False
     return isinstance(parsed, dict) and parsed.get("done") is True

@@ -57,6 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
+from . import _json
 from ._runtime import clock
 from .backend import Backend
 from .learned import Learned
@@ -86,7 +87,7 @@ def _blocks(body: bytes | None) -> list[bytes]:
     if not body:
         return []
     try:
-        data = json.loads(body)
+        data = _json.loads(body)
     except ValueError:
         return []
     if not isinstance(data, dict):

@@ -68,13 +68,14 @@ Built-in readers (see ``docs/watchdog.md`` for the formats):
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
+
+from ._json import loads as load_json
 
 __all__ = [
     "Reader",
@@ -162,7 +163,7 @@ def judge(status: Status | None, previous: Hashable | None, *, streaming: bool =
 
 def _json(body: bytes) -> Any:
     try:
-        return json.loads(body)
+        return load_json(body)
     except (UnicodeDecodeError, ValueError):
         return None
 

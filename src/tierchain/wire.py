@@ -40,6 +40,7 @@ import json
 import re
 from typing import Any
 
+from . import _json
 from .masking import mask_text
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "check_format",
     "context_exceeded",
     "error_bytes",
+    "error_object",
     "recognise",
 ]
 
@@ -154,6 +156,42 @@ def error_bytes(
     return b"data: " + _ENCODER.encode(error).encode() + b"\n\n"
 
 
+_ANTHROPIC_OWN = frozenset(
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "permission_error",
+        "not_found_error",
+        "request_too_large",
+        "rate_limit_error",
+        "api_error",
+        "overloaded_error",
+        "timeout_error",
+    }
+)
+
+
+def error_object(
+    wire: str | None, message: str, type: str, code: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """A whole error answer's JSON body, in ``wire``'s own shape (the gateway's own answers).
+
+    - Ollama: ``{"error": "..."}``, what Ollama itself answers and its clients read.
+    - Anthropic: ``{"type": "error", "error": {"type", "message"}}`` (its error types).
+    - OpenAI, Responses and plain: ``{"error": {"message", "type", "code", ...}}``.
+    """
+    if "://" in message:
+        message = mask_text(message)
+    if wire == OLLAMA:
+        return {"error": message}
+    if wire == ANTHROPIC:
+        kind = type if type in _ANTHROPIC_OWN else _ANTHROPIC_TYPES.get(type, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    error: dict[str, Any] = {"message": message, "type": type, "code": code}
+    error.update(extra)
+    return {"error": error}
+
+
 class LateAnswer:
     """A non-stream answer that arrives after the response began as an event stream:
     its status and (up to ``LIMIT`` bytes) its body, which become one event
@@ -182,7 +220,7 @@ def answer_event(status: int, body: bytes, wire: str) -> bytes:
     arrived after the response began as an event stream: a 2xx answer as one ``data:``
     event, any other as an error in ``wire``'s own shape (see :func:`error_bytes`)."""
     try:
-        data: Any = json.loads(body) if body else None
+        data: Any = _json.loads(body) if body else None
     except (UnicodeDecodeError, ValueError):
         data = None
     if 200 <= status < 300 and isinstance(data, dict) and "error" not in data:
