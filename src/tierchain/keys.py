@@ -18,8 +18,9 @@ Per key:
   ``X-Prefer-Backend: <backend>`` (reorder, never filter: the rest of the
   chain stays behind it).
 
-The header that carried a valid key is removed before the request goes on: the
-gateway's key is never forwarded, not even to a backend with
+Every credential header that carries the valid key (``Authorization``,
+``x-api-key``, ``api-key``: all of them, not only the first) is removed before
+the request goes on: the gateway's key is never forwarded, not even to a backend with
 ``forward_caller_auth``. Keys are compared in constant time (SHA-256 digests
 through :func:`hmac.compare_digest`, every configured key each time); they are
 registered with the masker (:func:`tierchain.masking.hide`), so no log line,
@@ -161,7 +162,7 @@ class CallerKeys:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
-        presented, carrier = _presented(headers)
+        presented, _ = _presented(headers)
         if presented is None:
             return await refuse_request(
                 scope,
@@ -184,11 +185,20 @@ class CallerKeys:
                 headers=_CHALLENGE,
             )
         prefer = self.header
-        kept = [(k, v) for k, v in headers if k != carrier and (key.prefer or k != prefer)]
+        kept = [
+            (k, v)
+            for k, v in headers
+            if not _carries(k, v, presented) and (key.prefer or k != prefer)
+        ]
         if key.backend is not None and not any(k == prefer for k, _ in kept):
             kept.append((prefer, key.backend.encode()))
         scope["headers"] = kept
         await self.app(scope, receive, send)
+
+
+def _carries(name: bytes, value: bytes, presented: bytes) -> bool:
+    """Does this header carry the gateway key ``presented`` (in any credential header)?"""
+    return name.lower() in _CARRIERS and presented in value
 
 
 def _presented(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
