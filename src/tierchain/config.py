@@ -564,6 +564,13 @@ LAYERS: tuple[Layer, ...] = (
         _o("max_body", "ADMIN_MAX_BODY", size, "a size in bytes such as 16384 or 16k"),
     ), wired=frozenset({"routes", "store"}), code_only=frozenset({"clock"}),
        help="Mounted at TIERCHAIN_ADMIN_PATH when TIERCHAIN_ADMIN_TOKEN is set."),
+    Layer("Endpoints", "tierchain.endpoints", "app", (
+        _o("metrics_key", "METRICS_KEY", token, "16 to 512 printable ASCII characters, no spaces",
+           secret=True,
+           help="When set, /metrics answers only Authorization: Bearer <key> (401 otherwise)."),
+    ), wired=frozenset({"routes", "store"}),
+       code_only=frozenset({"owned_by", "created", "registry", "snapshot_timeout"}),
+       help="/v1/models, /api/tags, /api/ps, /healthz, /readyz and /metrics, in front."),
     Layer("RedisStore", "tierchain.redis_store", "component", (
         _o("prefix", "REDIS_PREFIX", text, "a key prefix such as tierchain:"),
         _o("timeout", "REDIS_TIMEOUT", seconds(zero_ok=False), _SECS_POS),

@@ -82,6 +82,7 @@ from .errors import (
     RetryableStatus,
     StreamError,
 )
+from .keys import caller_name
 from .observer import Observer, nothing_sent
 from .picker import Picker, PickWeights, Prefix, prefix_keys
 from .request import (
@@ -355,7 +356,7 @@ class Failover:
         plan: _Plan | None = None
         if self._special and route in self._special:  # (a pool or shared hardware)
             chain = _gathered(chain)
-            plan = _Plan(req)
+            plan = _Plan(req, (caller_name(scope) or "").encode())
         req.chain = chain
         req.in_chain = True
         req.wire = self.routes.wire_format(route) or recognise(target.path)
@@ -589,7 +590,7 @@ class Failover:
             return attempt
         entering = i == 0 or chain[i - 1].pool != pool
         if plan.prefix is None:
-            plan.prefix = prefix_keys(req.body)
+            plan.prefix = prefix_keys(req.body, plan.salt)
         route = req.route or ""
         if entering and run[0].name in plan.preferred:
             # A preferred or pinned replica leads; the rest are ordered after it.
@@ -785,11 +786,12 @@ class Failover:
 class _Plan:
     """A request's facts for a chain with a pool or shared hardware."""
 
-    __slots__ = ("held", "preferred", "prefix")
+    __slots__ = ("held", "preferred", "prefix", "salt")
 
-    def __init__(self, req: TierRequest) -> None:
+    def __init__(self, req: TierRequest, salt: bytes = b"") -> None:
         self.held: set[str] = set()  # the shares groups known taken
         self.prefix: Prefix | None = None  # the prompt's prefix hashes, once a pool needs them
+        self.salt = salt  # the caller key's name: prefixes never match across keys
         preferred = set()
         if req.pin is not None:
             preferred.add(req.pin)

@@ -42,7 +42,17 @@ from ._head import refuse_request
 from ._types import ASGIApp, Receive, Scope, Send
 from .masking import hide
 
-__all__ = ["CallerKey", "CallerKeys", "key_list", "load_keys_file"]
+__all__ = [
+    "CALLER_SCOPE_KEY",
+    "CallerKey",
+    "CallerKeys",
+    "caller_name",
+    "key_list",
+    "load_keys_file",
+]
+
+CALLER_SCOPE_KEY = "tierchain.caller"
+"""The scope key under which CallerKeys leaves the name of the key a request presented."""
 
 _KEY = re.compile(r"[\x21-\x7e]{16,512}")
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -193,7 +203,14 @@ class CallerKeys:
         if key.backend is not None and not any(k == prefer for k, _ in kept):
             kept.append((prefer, key.backend.encode()))
         scope["headers"] = kept
+        scope[CALLER_SCOPE_KEY] = key.name
         await self.app(scope, receive, send)
+
+
+def caller_name(scope: Scope) -> str | None:
+    """The name of the caller key the request presented (None: no CallerKeys in front)."""
+    name = scope.get(CALLER_SCOPE_KEY)
+    return name if isinstance(name, str) else None
 
 
 def _carries(name: bytes, value: bytes, presented: bytes) -> bool:
