@@ -485,6 +485,11 @@ LAYERS: tuple[Layer, ...] = (
            help="The header naming a request's priority band in the waiting room."),
         _o("priority_bands", "FAILOVER_PRIORITY_BANDS", name_list,
            "names separated by commas, highest first, such as high,normal,low"),
+        _o("max_waiting", "FAILOVER_MAX_WAITING", integer(1), _COUNT,
+           help="Requests waiting in the waiting room beyond which new ones get 503."),
+        _o("waiting_key_share", "FAILOVER_WAITING_KEY_SHARE", fraction,
+           "a fraction above 0 and at most 1, such as 0.25",
+           help="The share of the waiting room one caller key may hold (429 past it)."),
     ), wired=frozenset({"routes", "store", "status_board"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),

@@ -82,7 +82,7 @@ from .errors import (
     RetryableStatus,
     StreamError,
 )
-from .keys import caller_name
+from .keys import caller_name, may_jump
 from .observer import Observer, nothing_sent
 from .picker import Picker, PickWeights, Prefix, prefix_keys
 from .request import (
@@ -114,7 +114,7 @@ from .telemetry import (
     start_span,
     tracing_enabled,
 )
-from .waiting import WaitingRoom
+from .waiting import WaitingRoom, WaitRefused
 from .wire import context_exceeded, recognise
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "DEFAULT_SEND_TIMEOUT", "Failover", "ResolveError"]
@@ -247,7 +247,11 @@ class Failover:
     or a ``status_url``, a request that finds every one of them full waits at
     the gateway (see :mod:`tierchain.waiting`), at most ``max_wait`` seconds,
     first come first served within the band its ``priority_header`` names (one
-    of ``priority_bands``, highest first; None: one band for all).
+    of ``priority_bands``, highest first; None: one band for all). Behind
+    :class:`~tierchain.keys.CallerKeys`, only a key with ``priority`` may name a
+    band above the middle one. At most ``max_waiting`` requests wait (503 with
+    ``Retry-After`` past it), one caller key at most ``waiting_key_share`` of
+    them (429), and a request still waiting after ``max_wait`` gets 503.
 
     ``status_board``: the :class:`~tierchain.status.StatusBoard` whose polled
     statuses order a pool's replicas and tell the waiting room a backend is
@@ -277,6 +281,8 @@ class Failover:
         priority_header: str | None = None,
         priority_bands: Sequence[str] = ("high", "normal", "low"),
         status_board: StatusBoard | None = None,
+        max_waiting: int = 256,
+        waiting_key_share: float = 0.25,
     ) -> None:
         self.app = app
         self._head = HeadLimits(max_headers, max_header_bytes)
@@ -309,7 +315,13 @@ class Failover:
         # their requests take the slower path (a chain of single backends does not).
         self._special = self.routes.pooled | self.routes.shared
         self.waiting = (
-            WaitingRoom(bands=priority_bands, max_wait=self.max_wait, poll=_WAIT_POLL)
+            WaitingRoom(
+                bands=priority_bands,
+                max_wait=self.max_wait,
+                poll=_WAIT_POLL,
+                max_waiting=max_waiting,
+                key_share=waiting_key_share,
+            )
             if waiting_room
             else None
         )
@@ -367,7 +379,18 @@ class Failover:
         req.interruption = Interruption.beside(guard)  # the same task, the same baseline
         try:
             if self._waitable and route in self._waitable:
-                await self._wait(scope, req, route)
+                turned_away = await self._wait(scope, req, route)
+                if turned_away is not None:
+                    guard.done = True
+                    return await send_json_error(
+                        send,
+                        turned_away.status,
+                        turned_away.message,
+                        "rate_limit_error" if turned_away.status == 429 else "server_error",
+                        turned_away.code,
+                        headers=[(b"retry-after", str(turned_away.retry_after).encode())],
+                        wire=req.wire,
+                    )
             # The chain, attempt by attempt, in this frame: a waiting stream holds one
             # frame of ours.
             # The scope as it came, for the attempts after the first (routers such as
@@ -395,6 +418,8 @@ class Failover:
                             responder.lease = await self.admission.enter(
                                 attempt.backend, last=attempt.is_last
                             )
+                            if self.waiting is not None and self.waiting.waiting(route):
+                                self.waiting.notify()  # the room this took is counted now
                         if first:
                             first = False
                             attempt_scope = scope
@@ -537,19 +562,27 @@ class Failover:
             return Attempt(of, of, soonest, req.route, force=True)
         return None
 
-    async def _wait(self, scope: Scope, req: TierRequest, route: str) -> None:
-        """Wait in the waiting room while every backend of the chain is full."""
+    async def _wait(self, scope: Scope, req: TierRequest, route: str) -> WaitRefused | None:
+        """Wait in the waiting room while every backend of the chain is full (None), or
+        the reason the room turns the request away."""
         room = self.waiting
         assert room is not None
         band = room.default_band
+        key = caller_name(scope)
         if self._priority is not None:
             band = room.band(header(scope["headers"], self._priority))
+            if key is not None and not may_jump(scope):
+                band = max(band, room.default_band)  # a key may lower itself, not rise
         chain = req.chain
 
         async def full() -> bool:
             return await self.picker.all_full(chain)
 
-        await room.wait(req, route, full, band)
+        try:
+            await room.wait(req, route, full, band, key)
+        except WaitRefused as refused:
+            return refused
+        return None
 
     async def _next_planned(
         self, req: TierRequest, plan: _Plan, attempt: Attempt, fault: str | None

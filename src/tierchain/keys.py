@@ -17,6 +17,9 @@ Per key:
 - ``backend``: the backend its requests go to first, as if it had sent
   ``X-Prefer-Backend: <backend>`` (reorder, never filter: the rest of the
   chain stays behind it).
+- ``priority``: whether its requests may name a waiting-room band above the
+  middle one (Failover's ``priority_header``); without it a key may only lower
+  itself.
 
 Every credential header that carries the valid key (``Authorization``,
 ``x-api-key``, ``api-key``: all of them, not only the first) is removed before
@@ -53,6 +56,8 @@ __all__ = [
 
 CALLER_SCOPE_KEY = "tierchain.caller"
 """The scope key under which CallerKeys leaves the name of the key a request presented."""
+PRIORITY_SCOPE_KEY = "tierchain.caller_priority"
+"""The scope key under which CallerKeys says whether that key may name a high priority band."""
 
 _KEY = re.compile(r"[\x21-\x7e]{16,512}")
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -68,6 +73,8 @@ class CallerKey:
     key: str = field(repr=False)
     prefer: bool = False
     backend: str | None = None
+    priority: bool = False
+    """May name a waiting-room priority band above the middle one (see Failover)."""
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -94,7 +101,7 @@ def key_list(raw: str) -> tuple[CallerKey, ...]:
 
 def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple[CallerKey, ...]:
     """A TOML file of ``[[keys]]`` tables: ``name``, ``key`` or ``key_env``, ``prefer``,
-    ``backend``. ``key_env`` names the variable that holds the key."""
+    ``backend``, ``priority``. ``key_env`` names the variable that holds the key."""
     env = os.environ if environ is None else environ
     with open(path, "rb") as f:
         data = tomllib.load(f)
@@ -105,7 +112,7 @@ def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple
     for n, table in enumerate(tables, 1):
         if not isinstance(table, dict):
             raise ValueError(f"{path}: [[keys]] entry {n} is not a table")
-        unknown = set(table) - {"name", "key", "key_env", "prefer", "backend"}
+        unknown = set(table) - {"name", "key", "key_env", "prefer", "backend", "priority"}
         if unknown:
             raise ValueError(f"{path}: [[keys]] entry {n} has unknown fields {sorted(unknown)}")
         name = table.get("name", f"key-{n}")
@@ -119,7 +126,10 @@ def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple
         prefer = table.get("prefer", False)
         if not isinstance(prefer, bool):
             raise ValueError(f"{path}: key {name!r}: prefer must be true or false")
-        keys.append(CallerKey(str(name), key, prefer, table.get("backend")))
+        priority = table.get("priority", False)
+        if not isinstance(priority, bool):
+            raise ValueError(f"{path}: key {name!r}: priority must be true or false")
+        keys.append(CallerKey(str(name), key, prefer, table.get("backend"), priority=priority))
     names = [k.name for k in keys]
     if len(set(names)) != len(names):
         raise ValueError(f"{path}: key names must differ")
@@ -204,6 +214,7 @@ class CallerKeys:
             kept.append((prefer, key.backend.encode()))
         scope["headers"] = kept
         scope[CALLER_SCOPE_KEY] = key.name
+        scope[PRIORITY_SCOPE_KEY] = key.priority
         await self.app(scope, receive, send)
 
 
@@ -211,6 +222,14 @@ def caller_name(scope: Scope) -> str | None:
     """The name of the caller key the request presented (None: no CallerKeys in front)."""
     name = scope.get(CALLER_SCOPE_KEY)
     return name if isinstance(name, str) else None
+
+
+def may_jump(scope: Scope) -> bool:
+    """May this request name a waiting-room band above the middle one? Only with a key
+    that has ``priority`` (or with no CallerKeys in front)."""
+    if CALLER_SCOPE_KEY not in scope:
+        return True
+    return scope.get(PRIORITY_SCOPE_KEY) is True
 
 
 def _carries(name: bytes, value: bytes, presented: bytes) -> bool:

@@ -297,6 +297,12 @@ WAITING_ROOM_WAIT = Histogram(
     ["route", "outcome"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
+WAITING_ROOM_REFUSED = Counter(
+    "tierchain_waiting_room_refused",
+    "Requests the waiting room turned away, by why: full (503), key_share (429, one key's "
+    "share of the room taken) or max_wait (503, every backend still full after max_wait).",
+    ["route", "reason"],
+)
 SAME_TIER_RETRIES = Counter(
     "tierchain_same_tier_retries",
     "Attempts sent again to the same backend after a transient fault, by the fault.",
