@@ -39,7 +39,7 @@ from ._checks import count
 from ._responses import send_json_error
 from ._types import Scope, Send
 from .telemetry import REQUESTS_REFUSED, labelled, log_event
-from .wire import recognise
+from .wire import error_format
 
 DEFAULT_MAX_HEADERS = 100
 DEFAULT_MAX_HEADER_BYTES = 32 * 1024
@@ -119,6 +119,6 @@ async def refuse_request(
         type,
         reason,
         headers=[*headers, _CLOSE],
-        wire=recognise(scope.get("path") or ""),
+        wire=error_format(scope.get("path") or ""),
         **extra,
     )

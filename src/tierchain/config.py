@@ -436,6 +436,9 @@ LAYERS: tuple[Layer, ...] = (
            help="Caller keys: without one, 401 on the routed paths (see Caller keys)."),
         _o("keys_file", "API_KEYS_FILE", text, "the path of a TOML file of [[keys]] tables",
            help="Caller keys with what each may steer (see Caller keys)."),
+        _o("open_paths", "API_KEYS_OPEN_PATHS", path_list,
+           "path prefixes separated by commas, such as /api/",
+           help="Where a request without a key goes on all the same (see Caller keys)."),
     ), wired=frozenset({"header"}),
        help="In front of the routed stack when TIERCHAIN_API_KEYS or _FILE is set."),
     Layer("Heartbeats", "tierchain.heartbeats", "middleware", (
@@ -705,6 +708,13 @@ class Settings:
             f"options={self.effective()['options']!r})"
         )
 
+    @property
+    def keys_on(self) -> bool:
+        """Are caller keys configured (``TIERCHAIN_API_KEYS`` or ``_FILE``)? Off: anyone who
+        reaches the port may use every route."""
+        options = self.layers["CallerKeys"].options
+        return bool(options.get("keys") or options.get("keys_file"))
+
     def make_store(self) -> Any:
         """A new store for ``store_url``: a MemoryStore, or a RedisStore."""
         return make_store(self)
@@ -730,6 +740,9 @@ class Settings:
             if name == "Admin" and not self.admin_enabled:
                 continue
             if name == "MemoryStore" or (name == "RedisStore" and self.store_url == "memory://"):
+                continue
+            if name == "CallerKeys" and not self.keys_on:
+                pieces[name] = {"keys": "off"}  # (not a masked "***": nothing is set)
                 continue
             layer = _BY_NAME[name]
             values = {k: plain(v) for k, v in ls.defaults.items()}

@@ -115,7 +115,7 @@ from .telemetry import (
     tracing_enabled,
 )
 from .waiting import WaitingRoom, WaitRefused
-from .wire import context_exceeded, recognise
+from .wire import context_exceeded, error_format, recognise
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "DEFAULT_SEND_TIMEOUT", "Failover", "ResolveError"]
 
@@ -360,7 +360,7 @@ class Failover:
         req.send_timeout = self.send_timeout
         route = self._route(scope, req, body)
         if isinstance(route, _Refusal):
-            return await send_json_error(send, *route, wire=recognise(target.path))
+            return await send_json_error(send, *route, wire=error_format(target.path))
         chain = self.routes[route]
         for reorder in req.reorderers:
             chain = await self._reordered(route, chain, reorder)

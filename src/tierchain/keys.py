@@ -6,8 +6,9 @@ readiness, metrics and model-list endpoints, which stay open, and outside Shed).
 A request presents its key the way the SDKs send one: ``Authorization: Bearer
 <key>`` (OpenAI) or ``x-api-key: <key>`` (Anthropic; ``api-key`` for Azure
 OpenAI clients). Without one, or with one that is not configured, it gets
-``401`` with an OpenAI-style JSON error (``authentication_error``,
-``missing_key`` or ``unknown_key``) and nothing behind runs.
+``401`` with a JSON error (``authentication_error``, ``missing_key`` or
+``unknown_key``; in Ollama's ``{"error": "..."}`` shape on ``/api/*``, OpenAI's
+elsewhere) and nothing behind runs, except under ``open_paths``.
 
 Per key:
 
@@ -38,10 +39,11 @@ import hmac
 import os
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ._head import refuse_request
+from ._target import BadTarget, request_target
 from ._types import ASGIApp, Receive, Scope, Send
 from .masking import hide
 
@@ -141,7 +143,10 @@ class CallerKeys:
 
     ``keys``: :class:`CallerKey` objects (or plain key strings, which may route but
     not steer). ``keys_file``: a TOML file of more (see :func:`load_keys_file`).
-    ``header``: PreferBackend's header (``X-Prefer-Backend``).
+    ``header``: PreferBackend's header (``X-Prefer-Backend``). ``open_paths``: path
+    prefixes (``/api/``) where a request without a valid key goes on all the same,
+    as the anonymous caller (its own headers untouched; one shared share of the
+    waiting room, no priority); a valid key there counts as anywhere else.
     """
 
     def __init__(
@@ -151,8 +156,16 @@ class CallerKeys:
         keys: Iterable[CallerKey | str] = (),
         keys_file: str | None = None,
         header: str = "X-Prefer-Backend",
+        open_paths: Collection[str] = (),
     ) -> None:
         self.app = app
+        if isinstance(open_paths, str) or not all(
+            isinstance(p, str) and p.startswith("/") for p in open_paths
+        ):
+            raise ValueError(
+                f"open_paths must be path prefixes starting with /, got {open_paths!r}"
+            )
+        self.open_paths = tuple(p.encode() for p in open_paths)
         given = [
             k if isinstance(k, CallerKey) else CallerKey(f"key-{i}", k)
             for i, k in enumerate(keys, 1)
@@ -169,6 +182,14 @@ class CallerKeys:
     def __repr__(self) -> str:
         return f"CallerKeys(keys=[{', '.join(k.name for _, k in self._keys)}])"
 
+    def _open(self, scope: Scope) -> bool:
+        """Is the request's (checked, normalised) path under one of ``open_paths``?"""
+        try:
+            path = request_target(scope).path
+        except BadTarget:
+            return False
+        return path.startswith(self.open_paths)
+
     def match(self, presented: bytes) -> CallerKey | None:
         """The configured key equal to ``presented`` (every key compared, in constant time)."""
         digest = hashlib.sha256(presented).digest()
@@ -183,6 +204,11 @@ class CallerKeys:
             return await self.app(scope, receive, send)
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         presented, _ = _presented(headers)
+        key = None if presented is None else self.match(presented)
+        if key is None and self.open_paths and self._open(scope):
+            scope[CALLER_SCOPE_KEY] = ""  # the anonymous caller
+            scope[PRIORITY_SCOPE_KEY] = False
+            return await self.app(scope, receive, send)
         if presented is None:
             return await refuse_request(
                 scope,
@@ -193,7 +219,6 @@ class CallerKeys:
                 type="authentication_error",
                 headers=_CHALLENGE,
             )
-        key = self.match(presented)
         if key is None:
             return await refuse_request(
                 scope,

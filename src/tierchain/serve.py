@@ -284,6 +284,13 @@ def run(
     configure_logging(options.log_format, options.log_level)
     for warning in config_warnings(settings):
         log_event("serve.config_warning", logging.WARNING, warning=warning)
+    if not settings.keys_on:
+        log_event(
+            "serve.keys_off",
+            logging.WARNING,
+            warning="no caller keys are set: anyone who can reach this port may use every "
+            "route; set TIERCHAIN_API_KEYS or TIERCHAIN_API_KEYS_FILE",
+        )
     try:
         drain = Drain(build_stack(None, settings))
     except ConfigError as exc:

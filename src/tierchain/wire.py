@@ -58,6 +58,7 @@ __all__ = [
     "check_format",
     "context_exceeded",
     "error_bytes",
+    "error_format",
     "error_object",
     "recognise",
 ]
@@ -93,6 +94,17 @@ def recognise(path: bytes | str) -> str:
     if path.endswith(_OLLAMA_PATHS):
         return OLLAMA
     return OPENAI
+
+
+def error_format(path: bytes | str) -> str:
+    """The shape of an error the gateway answers itself on ``path``: Ollama's on any
+    ``/api/`` path (Ollama's own apps read ``{"error": "..."}`` there), else as
+    :func:`recognise` says."""
+    if isinstance(path, str):
+        path = path.encode("utf-8", "surrogateescape")
+    if path.startswith(b"/api/"):
+        return OLLAMA
+    return recognise(path)
 
 
 def check_format(what: str, value: Any) -> str | None:
