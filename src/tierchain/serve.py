@@ -198,10 +198,13 @@ class Drain:
 class _Server(uvicorn.Server):
     """uvicorn's server, with tierchain's start and stop events and a clean exit on a signal."""
 
-    def __init__(self, config: uvicorn.Config, *, drain: Drain, drain_timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, *, drain: Drain, drain_timeout: float, keys_on: bool = True
+    ) -> None:
         super().__init__(config)
         self.drain = drain
         self.drain_timeout = drain_timeout
+        self.keys_on = keys_on
         self.signal_name: str | None = None
 
     @contextlib.contextmanager
@@ -238,6 +241,14 @@ class _Server(uvicorn.Server):
             pid=os.getpid(),
             drain_timeout_s=self.drain_timeout,
         )
+        if not self.keys_on:  # once it listens: a gateway that never ran is open to nobody
+            log_event(
+                "serve.keys_off",
+                logging.WARNING,
+                warning="no caller keys are set: anyone who can reach "
+                + ", ".join(addresses)
+                + " may use every route; set TIERCHAIN_API_KEYS or TIERCHAIN_API_KEYS_FILE",
+            )
 
     async def shutdown(self, sockets: Any = None) -> None:
         for server in self.servers:
@@ -284,13 +295,6 @@ def run(
     configure_logging(options.log_format, options.log_level)
     for warning in config_warnings(settings):
         log_event("serve.config_warning", logging.WARNING, warning=warning)
-    if not settings.keys_on:
-        log_event(
-            "serve.keys_off",
-            logging.WARNING,
-            warning="no caller keys are set: anyone who can reach this port may use every "
-            "route; set TIERCHAIN_API_KEYS or TIERCHAIN_API_KEYS_FILE",
-        )
     try:
         drain = Drain(build_stack(None, settings))
     except ConfigError as exc:
@@ -317,7 +321,9 @@ def run(
         timeout_graceful_shutdown=math.ceil(options.drain_timeout) + _BACKSTOP,
         http=_http_protocol(),
     )
-    server = _Server(config, drain=drain, drain_timeout=options.drain_timeout)
+    server = _Server(
+        config, drain=drain, drain_timeout=options.drain_timeout, keys_on=settings.keys_on
+    )
     try:
         server.run(sockets=sockets)
     except SystemExit as exc:  # uvicorn exits when the app fails to start
