@@ -122,6 +122,7 @@ __all__ = ["DEFAULT_RETRY_STATUSES", "DEFAULT_SEND_TIMEOUT", "Failover", "Resolv
 DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
 """Statuses that advance the chain before commit (529: Anthropic's "overloaded")."""
 BACKEND_HEADER = b"x-tierchain-backend"
+_OWN_HEADERS = b"x-tierchain-"  # the gateway's own response headers' prefix
 _COMMENT_LIMIT = 64 * 1024  # comment bytes held before the first data event
 _REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its message
 _REFUSED = frozenset({429, 503})
@@ -1264,6 +1265,8 @@ class _Responder:
             headers.append(
                 (b"content-length", str(len(chunk) if length is None else length).encode())
             )
+        # The gateway's own x-tierchain-* headers win: an upstream's never reach the caller.
+        headers = [(k, v) for k, v in headers if not k.lower().startswith(_OWN_HEADERS)]
         backend = attempt.backend
         if backend.pool is None:
             trail = format_trail(req.attempts, (backend.name, self.outcome))

@@ -525,7 +525,12 @@ def _dropped(key: bytes, dropped: frozenset[bytes]) -> bool:
 def _response_headers(response: httpx.Response) -> Headers:
     raw = response.headers.raw
     dropped = _NOT_RETURNED | _connection_tokens(list(raw))
-    return [(k.lower(), v) for k, v in raw if not _dropped(k, dropped)]
+    # (an upstream's x-tierchain-* never passes for the gateway's own)
+    return [
+        (k.lower(), v)
+        for k, v in raw
+        if not _dropped(k, dropped) and not k.lower().startswith(b"x-tierchain-")
+    ]
 
 
 def _rewrite_model(body: bytes, model: str) -> bytes:
