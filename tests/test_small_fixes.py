@@ -55,3 +55,37 @@ async def test_an_upstreams_x_tierchain_headers_never_reach_the_caller() -> None
     assert via.headers["x-other"] == "kept"
     assert handled.headers.get_list("x-tierchain-backend") == ["tower"]
     assert "x-tierchain-backend" not in bare.headers
+
+
+async def test_a_key_in_the_query_string_is_masked_in_the_access_log(tmp_path) -> None:
+    import signal
+
+    from .test_serve import START_TIMEOUT, tierchain_serve
+
+    secret = "sk-gw-in-the-query-0123456789"
+    routes = tmp_path / "routes.toml"
+    routes.write_text('[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:9"\n')
+    env = {
+        "TIERCHAIN_ROUTES_FILE": str(routes),
+        "TIERCHAIN_LOG_FORMAT": "json",
+        "TIERCHAIN_ACCESS_LOG": "1",
+        "TIERCHAIN_API_KEYS": secret,
+        "TIERCHAIN_PORT": "0",
+    }
+    async with tierchain_serve(env) as served:
+        listening = await served.event("serve.listening", within=START_TIMEOUT)
+        (address,) = listening["addresses"]
+        async with httpx.AsyncClient(base_url=f"http://{address}", timeout=5) as client:
+            await client.get(f"/v1/models?key={secret}&limit=5")
+            await client.get(f"/healthz?q={secret}")
+
+        def logged() -> bool:
+            return sum('"GET /' in line for line in served.lines) >= 2
+
+        await served.until(logged, within=START_TIMEOUT)
+        served.proc.send_signal(signal.SIGTERM)
+        assert await served.exit_status(10.0) == 0
+    access = [line for line in served.lines if '"GET /' in line]
+    assert access
+    assert not [line for line in served.lines if secret in line]
+    assert any("/v1/models?key=***&limit=5" in line for line in access)

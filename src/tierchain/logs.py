@@ -22,12 +22,31 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["JsonFormatter", "TextFormatter"]
+from .masking import mask_text, mask_url
+
+__all__ = ["JsonFormatter", "MaskAccessLog", "TextFormatter"]
 
 
 def _timestamp(record: logging.LogRecord) -> str:
     when = datetime.fromtimestamp(record.created, UTC)
     return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class MaskAccessLog(logging.Filter):
+    """A filter for ``uvicorn.access``: the request target's secret query values (``?key=``,
+    ``?token=``...) and any caller key in it become ``***`` (:mod:`tierchain.masking`).
+
+    uvicorn logs ``(client, method, target, http version, status)`` as the record's args.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            target = args[2]
+            if "?" in target or "@" in target or "#" in target:
+                target = mask_url(target)
+            record.args = (*args[:2], mask_text(target), *args[3:])
+        return True
 
 
 class TextFormatter(logging.Formatter):

@@ -82,7 +82,8 @@ def configure_logging(log_format: str = "text", level: str = "info") -> None:
     ``tierchain`` logs at ``level``; ``uvicorn.error`` and ``uvicorn.access`` at
     INFO (or ``level``, when higher); ``httpx`` and ``httpcore`` at WARNING, so
     their request lines, which print whole backend URLs, stay out; the root
-    logger at WARNING.
+    logger at WARNING. The access log's request targets are masked (``?key=***``:
+    :class:`tierchain.logs.MaskAccessLog`).
     """
     formatter = f"tierchain.logs.{'Json' if log_format == 'json' else 'Text'}Formatter"
     level_name = level.upper()
@@ -92,6 +93,7 @@ def configure_logging(log_format: str = "text", level: str = "info") -> None:
             "version": 1,
             "disable_existing_loggers": False,
             "formatters": {"line": {"()": formatter}},
+            "filters": {"mask": {"()": "tierchain.logs.MaskAccessLog"}},
             "handlers": {
                 "stderr": {
                     "class": "logging.StreamHandler",
@@ -103,7 +105,7 @@ def configure_logging(log_format: str = "text", level: str = "info") -> None:
                 "tierchain": {"level": level_name},
                 "uvicorn": {"level": server_level},
                 "uvicorn.error": {"level": server_level},
-                "uvicorn.access": {"level": server_level},
+                "uvicorn.access": {"level": server_level, "filters": ["mask"]},
                 "httpx": {"level": "WARNING"},
                 "httpcore": {"level": "WARNING"},
             },
