@@ -89,3 +89,19 @@ async def test_a_key_in_the_query_string_is_masked_in_the_access_log(tmp_path) -
     assert access
     assert not [line for line in served.lines if secret in line]
     assert any("/v1/models?key=***&limit=5" in line for line in access)
+
+
+def test_two_virtual_time_blocks_closed_out_of_order_leave_the_real_clock_on() -> None:
+    import time
+
+    from tierchain._runtime import clock
+    from tierchain.testing import virtual_time
+
+    first, second = virtual_time(), virtual_time()
+    one = first.__enter__()
+    two = second.__enter__()
+    first.__exit__(None, None, None)  # the outer block closes first
+    assert clock.now is two  # the block still open keeps its clock
+    second.__exit__(None, None, None)
+    assert clock.now is time.monotonic
+    assert one is not two
