@@ -105,3 +105,39 @@ def test_two_virtual_time_blocks_closed_out_of_order_leave_the_real_clock_on() -
     second.__exit__(None, None, None)
     assert clock.now is time.monotonic
     assert one is not two
+
+
+def test_a_route_name_with_a_line_separator_stays_on_its_log_line(caplog) -> None:
+    import io
+    import logging
+
+    from tierchain.identity import write_identity
+    from tierchain.logs import JsonFormatter, TextFormatter
+    from tierchain.telemetry import log_event
+
+    name = "echo\u2028forged line\u2029\x85\x1b[31m"
+    routes = Routes({name: [Backend("tower", "http://127.0.0.1:9")]})
+    out = io.StringIO()
+    handlers = []
+    for formatter in (TextFormatter(), JsonFormatter(), logging.Formatter()):
+        handler = logging.StreamHandler(out)
+        handler.setFormatter(formatter)
+        handlers.append(handler)
+    tierchain_logger = logging.getLogger("tierchain")
+    for handler in handlers:
+        tierchain_logger.addHandler(handler)
+    old_level = tierchain_logger.level
+    tierchain_logger.setLevel(logging.DEBUG)
+    try:
+        write_identity(routes=routes)
+        log_event("request.route_refused", logging.DEBUG, route=name)
+    finally:
+        tierchain_logger.setLevel(old_level)
+        for handler in handlers:
+            tierchain_logger.removeHandler(handler)
+    written = out.getvalue()
+    assert written.count("\n") == 6  # two events, three formatters: one line each
+    assert len(written.splitlines()) == 6  # (splitlines also breaks at U+2028, NEL, ...)
+    for raw in ("\u2028", "\u2029", "\x85", "\x1b"):
+        assert raw not in written
+    assert "echo\\u2028forged line" in written

@@ -24,7 +24,18 @@ from typing import Any
 
 from .masking import mask_text, mask_url
 
-__all__ = ["JsonFormatter", "MaskAccessLog", "TextFormatter"]
+__all__ = ["JsonFormatter", "MaskAccessLog", "TextFormatter", "one_line"]
+
+# Every character a reader may take for the end of a line (str.splitlines, JavaScript,
+# editors: CR, LF, VT, FF, the C0 and C1 controls, NEL, U+2028, U+2029), escaped. JSON
+# escapes the C0 controls itself, and json.dumps(ensure_ascii=False) leaves the rest raw.
+_LINE_SAFE = {c: f"\\u{c:04x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0), 0x2028, 0x2029)}
+_LINE_SAFE.update({0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"})
+
+
+def one_line(text: str) -> str:
+    """``text`` with every line separator and control character escaped (``\\u2028``)."""
+    return text.translate(_LINE_SAFE) if not text.isprintable() else text
 
 
 def _timestamp(record: logging.LogRecord) -> str:
@@ -59,7 +70,7 @@ class TextFormatter(logging.Formatter):
             line += " exc=" + json.dumps(self.formatException(record.exc_info))
         elif record.exc_text:
             line += " exc=" + json.dumps(record.exc_text)
-        return line.replace("\r", "\\r").replace("\n", "\\n")
+        return one_line(line)
 
 
 class JsonFormatter(logging.Formatter):
@@ -81,4 +92,4 @@ class JsonFormatter(logging.Formatter):
             doc["message"] = record.getMessage()
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, ensure_ascii=False, default=str)
+        return one_line(json.dumps(doc, ensure_ascii=False, default=str))

@@ -32,6 +32,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricF
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+from .logs import one_line
 from .masking import hidden, mask_text
 
 try:
@@ -382,9 +383,11 @@ def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
     for key, value in fields.items():
         if isinstance(value, str) and (every or "://" in value):
             fields[key] = mask_text(value)
-    text = " ".join(
-        f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
-        for key, value in fields.items()
+    text = one_line(
+        " ".join(
+            f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
+            for key, value in fields.items()
+        )
     )
     logger.log(
         level,
