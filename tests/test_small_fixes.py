@@ -141,3 +141,62 @@ def test_a_route_name_with_a_line_separator_stays_on_its_log_line(caplog) -> Non
     for raw in ("\u2028", "\u2029", "\x85", "\x1b"):
         assert raw not in written
     assert "echo\\u2028forged line" in written
+
+
+def _anthropic_observer() -> Any:
+    from tierchain.observer import Observer
+    from tierchain.wire import ANTHROPIC
+
+    observer = Observer(wire=ANTHROPIC)
+    observer.start(200, [(b"content-type", b"text/event-stream")])
+    return observer
+
+
+def test_an_anthropic_stream_ending_message_stop_then_ping_is_whole_however_it_is_split() -> None:
+    from .wire_fakes import _event, anthropic_stream
+
+    # A ping after message_stop: Anthropic sends pings at any time in a stream
+    # (docs.anthropic.com, "Streaming Messages": "Ping events").
+    raw = b"".join(anthropic_stream(["Hel", "lo"])) + _event("ping", {"type": "ping"})
+    tail = len(_event("message_stop", {"type": "message_stop"})) + len(
+        _event("ping", {"type": "ping"})
+    )
+    verdicts = set()
+    whole_before_end = set()
+    for cut in range(len(raw) - tail - 1, len(raw) + 1):
+        observer = _anthropic_observer()
+        observer.body(raw[:cut])
+        observer.body(raw[cut:])
+        whole_before_end.add(observer.reached_end())
+        observer.end()
+        verdicts.add(observer.verdict())
+    assert verdicts == {"ok"}
+    assert whole_before_end == {True}
+
+
+def test_an_anthropic_stream_without_message_stop_is_still_truncated() -> None:
+    from .wire_fakes import _event, anthropic_stream
+
+    raw = b"".join(anthropic_stream(["Hel", "lo"])[:-1]) + _event("ping", {"type": "ping"})
+    observer = _anthropic_observer()
+    observer.body(raw)
+    assert not observer.reached_end()
+    observer.end()
+    assert observer.verdict() == "truncated"
+
+
+@on_virtual_time
+async def test_an_ollama_stream_whose_done_line_arrived_gets_nothing_appended_when_it_breaks():
+    from .wire_fakes import ollama_chat_lines, sends
+
+    lines = ollama_chat_lines(["Hel", "lo"])
+    ndjson = {"content-type": "application/x-ndjson"}
+    async with FakeBackend("tower", sends(lines, headers=ndjson, then="reset")) as tower:
+        forwarder = Forwarder()
+        app = Failover(forwarder, routes=Routes({"echo": [Backend("tower", tower.url)]}))
+        async with serve(app) as url, httpx.AsyncClient() as client:
+            body = b'{"model":"echo","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+            response = await client.post(url + "/api/chat", content=body)
+        await forwarder.aclose()
+    assert response.status_code == 200
+    assert response.content == b"".join(lines)  # no {"error": ...} line after "done": true

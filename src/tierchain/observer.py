@@ -331,9 +331,16 @@ class Observer:
 
     def reached_end(self) -> bool:
         """True when an event stream's last data event so far is its terminator
-        (``data: [DONE]``, or the configured ``stream_end``) with nothing after it:
-        the answer is whole, whatever then happens to the transport."""
-        if not self.sse or self.pending or self._stream_end is None or self.data_events == 0:
+        (``data: [DONE]``, the configured ``stream_end``, Anthropic's ``message_stop``,
+        Ollama's ``"done": true`` line) with nothing after it: the answer is whole,
+        whatever then happens to the transport."""
+        if self.pending.strip() or self.data_events == 0:
+            return False
+        if self.ndjson:
+            return self.wire == OLLAMA and _done_line(self._last)
+        if self.wire == ANTHROPIC and self.sse:
+            return _format_end(ANTHROPIC, self._previous + self._last)
+        if not self.sse or self.pending or self._stream_end is None:
             return False
         if self.ended:
             return self.terminated
@@ -398,11 +405,16 @@ def _no_progress(wire: str | None, events: bytes, observer: Observer) -> bool:
 
 
 _RESPONSES_ENDS = frozenset({"response.completed", "response.failed", "response.incomplete"})
+_PINGS = frozenset({"ping"})
 
 
 def _format_end(wire: str, events: bytes) -> bool:
-    """Anthropic and Responses: does the last event (a ``[DONE]`` after it aside) end it?"""
-    name, data = last_event(events)
+    """Anthropic and Responses: does the last event (a ``[DONE]`` after it aside) end it?
+
+    Anthropic's ``ping`` events after ``message_stop`` do not count, wherever the bytes
+    were split (a ping alone is never kept as the last event; one released with others is
+    passed over here)."""
+    name, data = last_event(events, ignore=_PINGS if wire == ANTHROPIC else ())
     if wire == RESPONSES and data == b"[DONE]":
         name, data = last_event(events, skip_last=True)
     kind = name
