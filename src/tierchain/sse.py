@@ -87,7 +87,7 @@ _DATA_LINE = re.compile(rb"(?:^|[\r\n])data(?::|\r|\n)")
 _FINISH_KEY = b'"finish_reason"'
 
 
-def last_boundary(buf: bytes, start: int = 0, *, line_start: bool = True) -> int:
+def last_boundary(buf: bytes | bytearray, start: int = 0, *, line_start: bool = True) -> int:
     """The index just past the last event boundary (a blank line) in ``buf``; 0 if none.
 
     Only boundaries ending at or after ``start`` are looked for: pass the length of
