@@ -231,3 +231,50 @@ def test_an_event_fed_a_byte_at_a_time_costs_linear_time_not_quadratic() -> None
         small = min(_cpu_to_feed_one_event_a_byte_at_a_time(64 * 1024, framing) for _ in range(3))
         large = min(_cpu_to_feed_one_event_a_byte_at_a_time(256 * 1024, framing) for _ in range(2))
         assert large / small < 8, (framing, small, large)
+
+
+@on_virtual_time
+async def test_a_burst_of_requests_sends_at_most_one_status_get_at_a_time_per_url() -> None:
+    import asyncio
+
+    from tierchain import Breaker, SaturationWatchdog
+
+    from .support import refused_url, streams
+
+    gets_in_flight = 0
+    most = 0
+    gets = 0
+
+    async def tower(ex: Any) -> None:
+        nonlocal gets_in_flight, most, gets
+        if ex.request.path == "/status":
+            gets += 1
+            gets_in_flight += 1
+            most = max(most, gets_in_flight)
+            try:
+                await asyncio.sleep(0.05)  # a status page that takes a moment to answer
+                # The gate shape: nothing generating, so the backend has room.
+                await ex.respond(200, b'{"active_generation_count": 0}')
+            finally:
+                gets_in_flight -= 1
+            return
+        await streams(["ok"])(ex)
+
+    async with FakeBackend("tower", tower) as t:
+        forwarder = Forwarder()
+        watchdog = SaturationWatchdog(forwarder, slow_after=5.0, status_interval=0.05)
+        chain = [
+            Backend("tower", t.url, status_url=t.url + "/status"),
+            Backend("hosted", refused_url()),
+        ]
+        app = Failover(Breaker(watchdog), routes=Routes({"echo": chain}))
+        async with serve(app) as url, httpx.AsyncClient(timeout=30) as client:
+            burst = [
+                client.post(url + "/v1/chat/completions", content=chat_request()) for _ in range(60)
+            ]
+            answers = await asyncio.gather(*burst)
+        await forwarder.aclose()
+        await watchdog.aclose()
+    assert {r.status_code for r in answers} == {200}
+    assert most == 1  # one GET of the status URL in flight at a time, whoever asked
+    assert 1 <= gets < 60
