@@ -278,3 +278,46 @@ async def test_a_burst_of_requests_sends_at_most_one_status_get_at_a_time_per_ur
     assert {r.status_code for r in answers} == {200}
     assert most == 1  # one GET of the status URL in flight at a time, whoever asked
     assert 1 <= gets < 60
+
+
+async def test_an_unexpected_exception_in_the_app_is_a_tierchain_event_not_a_server_traceback(
+    caplog,
+) -> None:
+    import logging
+
+    from tierchain.errors import CallerStalled
+    from tierchain.logs import DropLoggedErrors
+    from tierchain.serve import Drain
+
+    async def broken(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/after-start":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"part", "more_body": True})
+            raise RuntimeError("broke mid-answer")
+        if scope["path"] == "/stalled":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            raise CallerStalled("the caller took no data for 1s (send_timeout)")
+        raise RuntimeError("broke before answering")
+
+    caplog.set_level(logging.INFO)
+    server_log = logging.getLogger("uvicorn.error")
+    dropped = DropLoggedErrors()  # as tierchain serve's logging configuration sets it
+    server_log.addFilter(dropped)
+    try:
+        async with serve(Drain(broken)) as url, httpx.AsyncClient() as client:
+            before = await client.post(url + "/api/chat", content=b"{}")
+            for path in ("/after-start", "/stalled"):
+                try:
+                    await client.get(url + path)
+                except httpx.HTTPError:
+                    pass  # the connection dropped: the only end a started answer has
+    finally:
+        server_log.removeFilter(dropped)
+    assert before.status_code == 500
+    assert before.json() == {"error": "the gateway failed to answer this request"}  # /api/*
+    events = [r for r in caplog.records if getattr(r, "event", None) == "serve.app_error"]
+    assert [r.tierchain["path"] for r in events] == ["/api/chat", "/after-start"]
+    assert all("RuntimeError" in r.tierchain["traceback"] for r in events)
+    assert not [r for r in caplog.records if r.name.startswith("uvicorn") and r.exc_info]

@@ -24,7 +24,14 @@ from typing import Any
 
 from .masking import mask_text, mask_url
 
-__all__ = ["JsonFormatter", "MaskAccessLog", "TextFormatter", "one_line"]
+__all__ = [
+    "DropLoggedErrors",
+    "JsonFormatter",
+    "MaskAccessLog",
+    "TextFormatter",
+    "mark_logged",
+    "one_line",
+]
 
 # Every character a reader may take for the end of a line (str.splitlines, JavaScript,
 # editors: CR, LF, VT, FF, the C0 and C1 controls, NEL, U+2028, U+2029), escaped. JSON
@@ -58,6 +65,26 @@ class MaskAccessLog(logging.Filter):
                 target = mask_url(target)
             record.args = (*args[:2], mask_text(target), *args[3:])
         return True
+
+
+_LOGGED = "_tierchain_logged"
+
+
+def mark_logged(exc: BaseException) -> None:
+    """Note that tierchain logged ``exc`` itself (see :class:`DropLoggedErrors`)."""
+    try:
+        setattr(exc, _LOGGED, True)
+    except AttributeError:  # (an exception type with slots and no __dict__)
+        pass
+
+
+class DropLoggedErrors(logging.Filter):
+    """A filter for ``uvicorn.error``: drops the server's "Exception in ASGI application"
+    traceback for an exception tierchain already logged as an event of its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not getattr(exc, _LOGGED, False)
 
 
 class TextFormatter(logging.Formatter):

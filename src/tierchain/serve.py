@@ -35,6 +35,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import FrameType
@@ -45,11 +46,13 @@ import uvicorn
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .config import ConfigError, Settings, config_warnings, from_env
+from .errors import CallerStalled
+from .logs import mark_logged
 from .request import TierRequest
 from .sse import EVENT_STREAM, NDJSON_LINES, framing
 from .stack import build_stack
 from .telemetry import VERSION, log_event
-from .wire import NDJSON, SSE, error_bytes, recognise
+from .wire import NDJSON, SSE, error_bytes, error_format, recognise
 
 __all__ = ["Drain", "ServeOptions", "bind", "configure_logging", "run"]
 
@@ -93,7 +96,10 @@ def configure_logging(log_format: str = "text", level: str = "info") -> None:
             "version": 1,
             "disable_existing_loggers": False,
             "formatters": {"line": {"()": formatter}},
-            "filters": {"mask": {"()": "tierchain.logs.MaskAccessLog"}},
+            "filters": {
+                "mask": {"()": "tierchain.logs.MaskAccessLog"},
+                "logged": {"()": "tierchain.logs.DropLoggedErrors"},
+            },
             "handlers": {
                 "stderr": {
                     "class": "logging.StreamHandler",
@@ -104,7 +110,7 @@ def configure_logging(log_format: str = "text", level: str = "info") -> None:
             "loggers": {
                 "tierchain": {"level": level_name},
                 "uvicorn": {"level": server_level},
-                "uvicorn.error": {"level": server_level},
+                "uvicorn.error": {"level": server_level, "filters": ["logged"]},
                 "uvicorn.access": {"level": server_level, "filters": ["mask"]},
                 "httpx": {"level": "WARNING"},
                 "httpcore": {"level": "WARNING"},
@@ -162,9 +168,9 @@ class Drain:
         try:
             async with timeout:
                 await self.app(scope, receive, watched)
-        except TimeoutError:
+        except TimeoutError as exc:
             if not timeout.expired():
-                raise  # the app's own
+                return await self._failed(scope, send, exc, started)  # the app's own
             log_event(
                 "serve.request_cut",
                 logging.WARNING,
@@ -189,9 +195,39 @@ class Drain:
                 body = error_bytes(wire, stream, _SHUTTING_DOWN, "server_error", "shutting_down")
                 await send({"type": "http.response.body", "body": body, "more_body": False})
             else:
+                mark_logged(exc)  # (serve.request_cut said it; the server drops the connection)
                 raise
+        except Exception as exc:
+            await self._failed(scope, send, exc, started)
         finally:
             self._running.discard(timeout)
+
+    @staticmethod
+    async def _failed(scope: Scope, send: Send, exc: Exception, started: bool) -> None:
+        """An unexpected exception (or a caller cut for not reading): one tierchain event,
+        never the server's own traceback (its record is dropped by
+        :class:`tierchain.logs.DropLoggedErrors`: the exception is marked logged)."""
+        if not isinstance(exc, CallerStalled):  # (counted and logged where it was cut)
+            log_event(
+                "serve.app_error",
+                logging.ERROR,
+                path=scope["path"][:200],
+                error=repr(exc)[:500],
+                started=started,
+                traceback="".join(traceback.format_exception(exc))[-8000:],
+            )
+        mark_logged(exc)
+        if started:
+            raise exc  # the server drops the connection: the only end a started answer has
+        await send_json_error(
+            send,
+            500,
+            "the gateway failed to answer this request",
+            "server_error",
+            "internal_error",
+            headers=[(b"connection", b"close")],
+            wire=error_format(scope["path"]),
+        )
 
 
 # Overrides uvicorn.Server methods that are public but undocumented (capture_signals,
