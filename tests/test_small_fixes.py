@@ -321,3 +321,22 @@ async def test_an_unexpected_exception_in_the_app_is_a_tierchain_event_not_a_ser
     assert [r.tierchain["path"] for r in events] == ["/api/chat", "/after-start"]
     assert all("RuntimeError" in r.tierchain["traceback"] for r in events)
     assert not [r for r in caplog.records if r.name.startswith("uvicorn") and r.exc_info]
+
+
+@on_virtual_time
+async def test_the_gateways_own_errors_on_ollama_paths_come_in_ollamas_shape() -> None:
+    from .support import refused_url
+
+    forwarder = Forwarder()
+    app = Failover(forwarder, routes=Routes({"echo": [Backend("tower", refused_url())]}))
+    body = b'{"model":"echo","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+    async with serve(app) as url, httpx.AsyncClient() as client:
+        failed = await client.post(url + "/api/chat", content=body)
+        unknown = await client.post(url + "/api/chat", content=body.replace(b"echo", b"nope"))
+        openai = await client.post(url + "/v1/chat/completions", content=chat_request())
+    await forwarder.aclose()
+    assert failed.status_code == 502
+    assert isinstance(failed.json()["error"], str)  # Ollama's {"error": "..."}
+    assert unknown.status_code == 404
+    assert isinstance(unknown.json()["error"], str)
+    assert openai.json()["error"]["type"] == "all_backends_failed"  # OpenAI's, elsewhere

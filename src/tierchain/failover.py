@@ -673,6 +673,7 @@ class Failover:
                 "all_backends_open",
                 "service_unavailable",
                 headers=[*trail, (b"retry-after", str(retry).encode())],
+                wire=req.wire,
                 backends=[
                     {"backend": b, "state": "open", "retry_in_s": s} for b, s in skipped.items()
                 ],
@@ -695,6 +696,7 @@ class Failover:
                 "rate_limit_exceeded" if status == 429 else "all_backends_busy",
                 "rate_limited" if status == 429 else "service_unavailable",
                 headers=[*trail, (b"retry-after", str(retry).encode())],
+                wire=req.wire,
                 attempts=[_attempt_json(r) for r in records],
             )
             return
@@ -705,6 +707,7 @@ class Failover:
             "all_backends_failed",
             "bad_gateway",
             headers=trail,
+            wire=req.wire,
             attempts=[_attempt_json(r) for r in records],
         )
 

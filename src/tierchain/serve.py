@@ -188,6 +188,7 @@ class Drain:
                     "server_error",
                     "shutting_down",
                     headers=[(b"connection", b"close")],
+                    wire=error_format(scope["path"]),
                 )
             elif stream:  # the error in the request's own wire format
                 req = TierRequest.find(scope)

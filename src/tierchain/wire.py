@@ -188,17 +188,19 @@ def error_object(
 ) -> dict[str, Any]:
     """A whole error answer's JSON body, in ``wire``'s own shape (the gateway's own answers).
 
-    - Ollama: ``{"error": "..."}``, what Ollama itself answers and its clients read.
-    - Anthropic: ``{"type": "error", "error": {"type", "message"}}`` (its error types).
+    - Ollama: ``{"error": "..."}``, what Ollama itself answers and its clients read
+      (``extra`` fields beside it).
+    - Anthropic: ``{"type": "error", "error": {"type", "message", ...}}`` (its error
+      types; ``extra`` fields in the error object).
     - OpenAI, Responses and plain: ``{"error": {"message", "type", "code", ...}}``.
     """
     if "://" in message:
         message = mask_text(message)
     if wire == OLLAMA:
-        return {"error": message}
+        return {"error": message, **extra}
     if wire == ANTHROPIC:
         kind = type if type in _ANTHROPIC_OWN else _ANTHROPIC_TYPES.get(type, "api_error")
-        return {"type": "error", "error": {"type": kind, "message": message}}
+        return {"type": "error", "error": {"type": kind, "message": message, **extra}}
     error: dict[str, Any] = {"message": message, "type": type, "code": code}
     error.update(extra)
     return {"error": error}
