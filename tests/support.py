@@ -205,6 +205,7 @@ class Received:
     path: str
     headers: dict[str, str]
     body: bytes
+    head: bytes = b""  # the request head as it came, every header line (repeats too)
 
 
 class Exchange:
@@ -424,7 +425,7 @@ class FakeBackend:
                         headers[k.strip().lower()] = v.strip()
                 length = int(headers.get("content-length", "0"))
                 body = await reader.readexactly(length) if length else b""
-                received = Received(method, path, headers, body)
+                received = Received(method, path, headers, body, head)
                 self.requests.append(received)
                 ex = Exchange(received, writer, reader)
                 try:

@@ -139,6 +139,7 @@ DURATIONS: list[tuple[str, str, str, bool, bool]] = [
 NOT_DURATIONS = {
     ("SaturationWatchdog", "normal_multiple"),  # a multiple of a learned batch wait
     ("SaturationWatchdog", "busy_kv_cache"),  # a fraction
+    ("Failover", "waiting_key_share"),  # a fraction of the waiting room
     ("Learned", "quantile"),
     ("Learned", "margin"),
     ("Learned", "half_life"),  # in samples

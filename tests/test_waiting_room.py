@@ -186,22 +186,24 @@ async def test_a_spent_budget_ends_the_wait_with_a_504() -> None:
     assert len(a.requests) + len(b.requests) == 2  # it never reached a replica
 
 
-async def test_after_max_wait_the_request_goes_on_as_without_a_waiting_room() -> None:
+async def test_after_max_wait_with_every_replica_still_full_the_request_gets_503() -> None:
     gate = Gate()
     async with FakeBackend("a") as a, FakeBackend("b") as b:
         a.script = b.script = gate.script()
         gw = Gateway(two_full_replicas(a, b), max_wait=0.3)
         async with serve(gw.app) as url, httpx.AsyncClient(timeout=10) as client:
             held = await fill(client, url, gate)
-            waiting = asyncio.create_task(post(client, url, "waiting"))
-            await gate.next_arrival()  # sent on to the last replica, full as it is
-            assert b"waiting" in gate.bodies[-1]
+            waiting = await post(client, url, "waiting")
             for go in gate.go:
                 go.set()
-            for task in (*held, waiting):
+            for task in held:
                 assert (await task).status_code == 200
         await gw.aclose()
     assert len(gw.queued()) == 1
+    assert waiting.status_code == 503  # never sent on to a full replica
+    assert waiting.headers["retry-after"] == "1"
+    assert waiting.json()["error"]["code"] == "max_wait"
+    assert len(a.requests) + len(b.requests) == 2
 
 
 async def test_a_route_with_a_backend_that_cannot_say_it_is_full_never_waits() -> None:

@@ -233,7 +233,13 @@ def _stack_rows(settings: Any) -> list[dict[str, Any]]:
                 "sources": dict(settings.layers["Admin"].sources),
             }
         )
-    rows.append({"name": "Endpoints", "options": {"paths": list(ENDPOINT_PATHS)}, "sources": {}})
+    rows.append(
+        {
+            "name": "Endpoints",
+            "options": {"paths": list(ENDPOINT_PATHS), **effective.get("Endpoints", {})},
+            "sources": dict(settings.layers["Endpoints"].sources),
+        }
+    )
     if settings.layers["CallerKeys"].options:
         rows.append(
             {

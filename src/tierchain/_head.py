@@ -39,6 +39,7 @@ from ._checks import count
 from ._responses import send_json_error
 from ._types import Scope, Send
 from .telemetry import REQUESTS_REFUSED, labelled, log_event
+from .wire import error_format
 
 DEFAULT_MAX_HEADERS = 100
 DEFAULT_MAX_HEADER_BYTES = 32 * 1024
@@ -111,4 +112,13 @@ async def refuse_request(
         status=status,
         reason=reason,
     )
-    await send_json_error(send, status, message, type, reason, headers=[*headers, _CLOSE], **extra)
+    await send_json_error(
+        send,
+        status,
+        message,
+        type,
+        reason,
+        headers=[*headers, _CLOSE],
+        wire=error_format(scope.get("path") or ""),
+        **extra,
+    )

@@ -10,11 +10,13 @@ import math
 import time
 from typing import Any
 
+from . import _json
 from ._types import Headers, Message, Send
 from .errors import CallerStalled
 from .request import TierRequest
 from .sse import error_json
 from .telemetry import CALLERS_CUT, labelled, log_event
+from .wire import error_object
 
 
 async def send_json_error(
@@ -25,10 +27,17 @@ async def send_json_error(
     code: str | None = None,
     *,
     headers: Headers | None = None,
+    wire: str | None = None,
     **extra: Any,
 ) -> None:
-    """Answer ``status`` with an OpenAI-compatible JSON error body."""
-    body = json.dumps(error_json(message, type, code, **extra), ensure_ascii=False).encode()
+    """Answer ``status`` with a JSON error body: OpenAI's shape, or ``wire``'s own
+    (:func:`tierchain.wire.error_object`; Ollama's ``{"error": "..."}`` on ``/api/*``)."""
+    error = (
+        error_json(message, type, code, **extra)
+        if wire is None
+        else error_object(wire, message, type, code, **extra)
+    )
+    body = json.dumps(error, ensure_ascii=False).encode()
     all_headers: Headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -68,7 +77,7 @@ def error_detail(body: bytes) -> str | None:
     if not body:
         return None
     try:
-        data = json.loads(body)
+        data = _json.loads(body)
     except (UnicodeDecodeError, ValueError):
         data = None
     if isinstance(data, dict):

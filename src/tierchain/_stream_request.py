@@ -8,9 +8,9 @@ is complete.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from . import _json
 from ._types import Message
 
 __all__ = ["SNIFF_LIMIT", "StreamRequest", "accepts_event_stream"]
@@ -69,7 +69,7 @@ class StreamRequest:
 
 def _says_stream(parts: list[bytes]) -> bool:
     try:
-        data = json.loads(b"".join(parts))
+        data = _json.loads(b"".join(parts))
     except (UnicodeDecodeError, ValueError):
         return False
     return isinstance(data, dict) and data.get("stream") is True

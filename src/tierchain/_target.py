@@ -35,6 +35,7 @@ import httpx
 from ._responses import send_json_error
 from ._types import Scope, Send
 from .telemetry import TARGET_REJECTED, labelled, log_event
+from .wire import error_format
 
 __all__ = ["BadTarget", "Target", "refuse", "request_target", "upstream_url"]
 
@@ -213,5 +214,6 @@ async def refuse(scope: Scope, send: Send, error: BadTarget) -> None:
         str(error),
         "invalid_request_error",
         "invalid_request_target",
+        wire=error_format(scope.get("path") or ""),
         reason=error.reason,
     )

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import _json
 from ._checks import duration
 
 __all__ = ["Allowance", "estimate_tokens", "prompt_text"]
@@ -57,7 +58,7 @@ def _texts(value: Any) -> Iterator[str]:
 def prompt_text(body: bytes) -> list[str]:
     """The pieces of prompt text in an OpenAI-style JSON body (see the module docstring)."""
     try:
-        data = json.loads(body) if body else {}
+        data = _json.loads(body) if body else {}
     except (UnicodeDecodeError, ValueError):
         return [body.decode("utf-8", "replace")]
     if not isinstance(data, dict):

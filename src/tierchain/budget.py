@@ -46,6 +46,7 @@ from .observer import Observer, whole_events
 from .request import TRAIL_HEADER, TierRequest, format_trail
 from .sse import is_event_stream
 from .telemetry import ATTR_OUTCOME, BUDGET_EXHAUSTED, log_event
+from .wire import error_format
 
 __all__ = ["Budget"]
 
@@ -106,7 +107,12 @@ class Budget:
             seconds = self.budget(scope)
         except ValueError as exc:
             return await send_json_error(
-                send, 400, str(exc), "invalid_request_error", "invalid_request_timeout"
+                send,
+                400,
+                str(exc),
+                "invalid_request_error",
+                "invalid_request_timeout",
+                wire=error_format(scope.get("path") or ""),
             )
         if seconds is None:
             return await self.app(scope, receive, send)
@@ -228,6 +234,7 @@ class _Spend(Interruption):
                 _REASON,
                 _REASON,
                 headers=headers,
+                wire=req.wire,
                 budget_s=self.seconds,
                 attempts=[{"backend": r.backend, "outcome": r.outcome} for r in req.attempts],
             )

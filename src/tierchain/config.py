@@ -436,6 +436,9 @@ LAYERS: tuple[Layer, ...] = (
            help="Caller keys: without one, 401 on the routed paths (see Caller keys)."),
         _o("keys_file", "API_KEYS_FILE", text, "the path of a TOML file of [[keys]] tables",
            help="Caller keys with what each may steer (see Caller keys)."),
+        _o("open_paths", "API_KEYS_OPEN_PATHS", path_list,
+           "path prefixes separated by commas, such as /api/",
+           help="Where a request without a key goes on all the same (see Caller keys)."),
     ), wired=frozenset({"header"}),
        help="In front of the routed stack when TIERCHAIN_API_KEYS or _FILE is set."),
     Layer("Heartbeats", "tierchain.heartbeats", "middleware", (
@@ -489,6 +492,11 @@ LAYERS: tuple[Layer, ...] = (
            help="The header naming a request's priority band in the waiting room."),
         _o("priority_bands", "FAILOVER_PRIORITY_BANDS", name_list,
            "names separated by commas, highest first, such as high,normal,low"),
+        _o("max_waiting", "FAILOVER_MAX_WAITING", integer(1), _COUNT,
+           help="Requests waiting in the waiting room beyond which new ones get 503."),
+        _o("waiting_key_share", "FAILOVER_WAITING_KEY_SHARE", fraction,
+           "a fraction above 0 and at most 1, such as 0.25",
+           help="The share of the waiting room one caller key may hold (429 past it)."),
     ), wired=frozenset({"routes", "store", "status_board"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
@@ -576,6 +584,13 @@ LAYERS: tuple[Layer, ...] = (
         _o("max_body", "ADMIN_MAX_BODY", size, "a size in bytes such as 16384 or 16k"),
     ), wired=frozenset({"routes", "store"}), code_only=frozenset({"clock"}),
        help="Mounted at TIERCHAIN_ADMIN_PATH when TIERCHAIN_ADMIN_TOKEN is set."),
+    Layer("Endpoints", "tierchain.endpoints", "app", (
+        _o("metrics_key", "METRICS_KEY", token, "16 to 512 printable ASCII characters, no spaces",
+           secret=True,
+           help="When set, /metrics answers only Authorization: Bearer <key> (401 otherwise)."),
+    ), wired=frozenset({"routes", "store"}),
+       code_only=frozenset({"owned_by", "created", "registry", "snapshot_timeout"}),
+       help="/v1/models, /api/tags, /api/ps, /healthz, /readyz and /metrics, in front."),
     Layer("RedisStore", "tierchain.redis_store", "component", (
         _o("prefix", "REDIS_PREFIX", text, "a key prefix such as tierchain:"),
         _o("timeout", "REDIS_TIMEOUT", seconds(zero_ok=False), _SECS_POS),
@@ -705,6 +720,13 @@ class Settings:
             f"options={self.effective()['options']!r})"
         )
 
+    @property
+    def keys_on(self) -> bool:
+        """Are caller keys configured (``TIERCHAIN_API_KEYS`` or ``_FILE``)? Off: anyone who
+        reaches the port may use every route."""
+        options = self.layers["CallerKeys"].options
+        return bool(options.get("keys") or options.get("keys_file"))
+
     def make_store(self) -> Any:
         """A new store for ``store_url``: a MemoryStore, or a RedisStore."""
         return make_store(self)
@@ -730,6 +752,9 @@ class Settings:
             if name == "Admin" and not self.admin_enabled:
                 continue
             if name == "MemoryStore" or (name == "RedisStore" and self.store_url == "memory://"):
+                continue
+            if name == "CallerKeys" and not self.keys_on:
+                pieces[name] = {"keys": "off"}  # (not a masked "***": nothing is set)
                 continue
             layer = _BY_NAME[name]
             values = {k: plain(v) for k, v in ls.defaults.items()}

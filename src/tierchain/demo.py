@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from . import _json
 from ._types import Receive, Scope, Send
 from .backend import Backend, Routes
 from .breaker import Breaker
@@ -267,12 +268,12 @@ async def ask(
             async for line in response.aiter_lines():
                 if line.startswith(":"):
                     with contextlib.suppress(ValueError):
-                        heartbeats.append(json.loads(line[1:]))
+                        heartbeats.append(_json.loads(line[1:]))
                 elif line.startswith("data:"):
                     payload = line[5:].strip()
                     if payload == "[DONE]":
                         continue
-                    data = json.loads(payload)
+                    data = _json.loads(payload)
                     if "error" in data:
                         error = data["error"].get("message")
                         heartbeats.append({"state": "error event", **data["error"]})

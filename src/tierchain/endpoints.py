@@ -15,7 +15,8 @@ breakers' store, never from a backend:
 ``GET /healthz``          liveness: 200 whenever the process answers at all
 ``GET /readyz``           200 while every route has a backend whose breaker is not open,
                           else 503; the JSON names each backend's state
-``GET /metrics``          Prometheus text exposition of the registry
+``GET /metrics``          Prometheus text exposition of the registry (with ``metrics_key``,
+                          only for ``Authorization: Bearer <metrics_key>``; 401 otherwise)
 ========================  ==================================================================
 
 ``HEAD`` is answered like ``GET`` without a body; any other method on these
@@ -32,9 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
@@ -46,6 +49,7 @@ from ._checks import duration
 from ._responses import send_json_error
 from ._types import ASGIApp, Headers, Receive, Scope, Send
 from .backend import Routes
+from .masking import hide
 from .store import Store
 from .telemetry import log_event
 
@@ -75,6 +79,9 @@ class Endpoints:
     bounds each breaker read; a read that fails or times out shows the
     backend as ``unknown``, which counts as not open, as it does for the
     Breaker, which lets attempts through when its store cannot be read.
+    ``metrics_key``: when set, ``/metrics`` answers only a request presenting
+    ``Authorization: Bearer <metrics_key>`` (compared in constant time; Prometheus's
+    ``authorization`` scrape setting sends it) and 401 to any other; None: open.
     """
 
     def __init__(
@@ -87,8 +94,19 @@ class Endpoints:
         created: int | None = None,
         registry: CollectorRegistry | None = None,
         snapshot_timeout: float | timedelta = 1.0,
+        metrics_key: str | None = None,
     ) -> None:
         snapshot_timeout = duration("snapshot_timeout", snapshot_timeout)
+        self._metrics_digest: bytes | None = None
+        if metrics_key is not None:
+            if not isinstance(metrics_key, str) or not re.fullmatch(
+                r"[\x21-\x7e]{16,512}", metrics_key
+            ):
+                raise ValueError(
+                    "metrics_key must be 16 to 512 printable ASCII characters, no spaces"
+                )
+            hide(metrics_key)
+            self._metrics_digest = hashlib.sha256(metrics_key.encode()).digest()
         self.app = app
         self.routes: Mapping[str, Any] = routes if routes is not None else {}
         self.store = store
@@ -127,6 +145,15 @@ class Endpoints:
                 "method_not_allowed",
                 headers=[(b"allow", _ALLOW), _NO_STORE],
             )
+        if path == "/metrics" and not self._may_read_metrics(scope):
+            return await send_json_error(
+                send,
+                401,
+                "/metrics needs the metrics key: send it as Authorization: Bearer <key>",
+                "authentication_error",
+                "missing_metrics_key",
+                headers=[(b"www-authenticate", b'Bearer realm="tierchain-metrics"'), _NO_STORE],
+            )
         try:
             status, content_type, body, headers = await answer()
         except Exception as exc:  # a broken collector, say: an answer, never a 500
@@ -158,6 +185,19 @@ class Endpoints:
                 "more_body": False,
             }
         )
+
+    def _may_read_metrics(self, scope: Scope) -> bool:
+        if self._metrics_digest is None:
+            return True
+        presented = b""
+        for name, value in scope.get("headers", ()):
+            if name.lower() == b"authorization":
+                scheme, _, rest = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    presented = rest.strip()
+                    break
+        digest = hashlib.sha256(presented).digest()
+        return hmac.compare_digest(digest, self._metrics_digest)
 
     def _answer_for(self, path: str) -> Any:
         if path in ("/v1/models", "/v1/models/"):

@@ -66,6 +66,7 @@ from typing import Any, NamedTuple
 
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 
+from . import _json
 from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._checks import count, duration
 from ._disconnect import DisconnectGuard
@@ -98,6 +99,7 @@ from .errors import (
     RetryableStatus,
     StreamError,
 )
+from .keys import caller_name, may_jump
 from .observer import Observer, nothing_sent
 from .picker import Picker, PickWeights, Prefix, prefix_keys
 from .request import (
@@ -132,14 +134,15 @@ from .telemetry import (
     start_span,
     tracing_enabled,
 )
-from .waiting import WaitingRoom
-from .wire import context_exceeded, recognise
+from .waiting import WaitingRoom, WaitRefused
+from .wire import context_exceeded, error_format, recognise
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "DEFAULT_SEND_TIMEOUT", "Failover", "ResolveError"]
 
 DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
 """Statuses that advance the chain before commit (529: Anthropic's "overloaded")."""
 BACKEND_HEADER = b"x-tierchain-backend"
+_OWN_HEADERS = b"x-tierchain-"  # the gateway's own response headers' prefix
 _COMMENT_LIMIT = 64 * 1024  # comment bytes held before the first data event
 _REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its message
 _REFUSED = frozenset({429, 503})
@@ -178,18 +181,18 @@ def _scan_object(body: bytes) -> dict[str, Any] | None:
     """The usual body (a UTF-8 JSON object) read by the scanner alone, else None.
 
     The same parser as ``json.loads`` without its encoding detection and its
-    Python-level wrappers; anything unusual (or wrong) is left to ``json.loads``,
-    which gives the error message.
+    Python-level wrappers; anything unusual (or wrong) is left to the loader
+    (:mod:`tierchain._json`), which bounds the depth and gives the error message.
     """
-    if body[:1] != b"{":
-        return None
+    if body[:1] != b"{" or not _json.depth_ok(body):
+        return None  # the loader checks the depth of a text with many brackets
     try:
         text = body.decode()
         data, end = _scan(text, 0)
     except (StopIteration, UnicodeDecodeError, ValueError):
         return None
     if end != len(text) and text[end:].strip(" \t\n\r"):
-        return None  # something after the object: json.loads says what
+        return None  # something after the object: the loader says what
     return data if isinstance(data, dict) else None
 
 
@@ -207,7 +210,7 @@ def _json_body(body: bytes) -> dict[str, Any]:
     if data is not None:
         return data
     try:
-        data = json.loads(body)
+        data = _json.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ResolveError(f"the request body is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
@@ -279,7 +282,11 @@ class Failover:
     or a ``status_url``, a request that finds every one of them full waits at
     the gateway (see :mod:`tierchain.waiting`), at most ``max_wait`` seconds,
     first come first served within the band its ``priority_header`` names (one
-    of ``priority_bands``, highest first; None: one band for all).
+    of ``priority_bands``, highest first; None: one band for all). Behind
+    :class:`~tierchain.keys.CallerKeys`, only a key with ``priority`` may name a
+    band above the middle one. At most ``max_waiting`` requests wait (503 with
+    ``Retry-After`` past it), one caller key at most ``waiting_key_share`` of
+    them (429), and a request still waiting after ``max_wait`` gets 503.
 
     ``continuations``: how many times per request a committed event stream (or
     NDJSON stream) that broke or stalled may be finished on a later tier,
@@ -317,6 +324,8 @@ class Failover:
         priority_bands: Sequence[str] = ("high", "normal", "low"),
         status_board: StatusBoard | None = None,
         continuations: int = 1,
+        max_waiting: int = 256,
+        waiting_key_share: float = 0.25,
     ) -> None:
         self.app = app
         self._head = HeadLimits(max_headers, max_header_bytes)
@@ -359,7 +368,13 @@ class Failover:
         # their requests take the slower path (a chain of single backends does not).
         self._special = self.routes.pooled | self.routes.shared
         self.waiting = (
-            WaitingRoom(bands=priority_bands, max_wait=self.max_wait, poll=_WAIT_POLL)
+            WaitingRoom(
+                bands=priority_bands,
+                max_wait=self.max_wait,
+                poll=_WAIT_POLL,
+                max_waiting=max_waiting,
+                key_share=waiting_key_share,
+            )
             if waiting_room
             else None
         )
@@ -398,7 +413,7 @@ class Failover:
         req.send_timeout = self.send_timeout
         route = self._route(scope, req, body)
         if isinstance(route, _Refusal):
-            return await send_json_error(send, *route)
+            return await send_json_error(send, *route, wire=error_format(target.path))
         chain = self.routes[route]
         for reorder in req.reorderers:
             chain = await self._reordered(route, chain, reorder)
@@ -406,7 +421,7 @@ class Failover:
         plan: _Plan | None = None
         if self._special and route in self._special:  # (a pool or shared hardware)
             chain = _gathered(chain)
-            plan = _Plan(req)
+            plan = _Plan(req, (caller_name(scope) or "").encode())
         req.chain = chain
         req.in_chain = True
         req.wire = self.routes.wire_format(route) or recognise(target.path)
@@ -417,7 +432,18 @@ class Failover:
         req.interruption = Interruption.beside(guard)  # the same task, the same baseline
         try:
             if self._waitable and route in self._waitable:
-                await self._wait(scope, req, route)
+                turned_away = await self._wait(scope, req, route)
+                if turned_away is not None:
+                    guard.done = True
+                    return await send_json_error(
+                        send,
+                        turned_away.status,
+                        turned_away.message,
+                        "rate_limit_error" if turned_away.status == 429 else "server_error",
+                        turned_away.code,
+                        headers=[(b"retry-after", str(turned_away.retry_after).encode())],
+                        wire=req.wire,
+                    )
             # The chain, attempt by attempt, in this frame: a waiting stream holds one
             # frame of ours.
             # The scope as it came, for the attempts after the first (routers such as
@@ -446,6 +472,8 @@ class Failover:
                             responder.lease = await self.admission.enter(
                                 attempt.backend, last=attempt.is_last
                             )
+                            if self.waiting is not None and self.waiting.waiting(route):
+                                self.waiting.notify()  # the room this took is counted now
                         if first:
                             first = False
                             attempt_scope = scope
@@ -626,19 +654,27 @@ class Failover:
         )
         await asyncio.sleep(pause)
 
-    async def _wait(self, scope: Scope, req: TierRequest, route: str) -> None:
-        """Wait in the waiting room while every backend of the chain is full."""
+    async def _wait(self, scope: Scope, req: TierRequest, route: str) -> WaitRefused | None:
+        """Wait in the waiting room while every backend of the chain is full (None), or
+        the reason the room turns the request away."""
         room = self.waiting
         assert room is not None
         band = room.default_band
+        key = caller_name(scope)
         if self._priority is not None:
             band = room.band(header(scope["headers"], self._priority))
+            if key is not None and not may_jump(scope):
+                band = max(band, room.default_band)  # a key may lower itself, not rise
         chain = req.chain
 
         async def full() -> bool:
             return await self.picker.all_full(chain)
 
-        await room.wait(req, route, full, band)
+        try:
+            await room.wait(req, route, full, band, key)
+        except WaitRefused as refused:
+            return refused
+        return None
 
     async def _next_planned(
         self, req: TierRequest, plan: _Plan, attempt: Attempt, fault: str | None
@@ -679,7 +715,7 @@ class Failover:
             return attempt
         entering = i == 0 or chain[i - 1].pool != pool
         if plan.prefix is None:
-            plan.prefix = prefix_keys(req.body)
+            plan.prefix = prefix_keys(req.body, plan.salt)
         route = req.route or ""
         if entering and run[0].name in plan.preferred:
             # A preferred or pinned replica leads; the rest are ordered after it.
@@ -728,6 +764,7 @@ class Failover:
                 "all_backends_open",
                 "service_unavailable",
                 headers=[*trail, (b"retry-after", str(retry).encode())],
+                wire=req.wire,
                 backends=[
                     {"backend": b, "state": "open", "retry_in_s": s} for b, s in skipped.items()
                 ],
@@ -752,6 +789,7 @@ class Failover:
                 "rate_limit_exceeded" if status == 429 else "all_backends_busy",
                 "rate_limited" if status == 429 else "service_unavailable",
                 headers=[*trail, (b"retry-after", str(retry).encode())],
+                wire=req.wire,
                 attempts=[_attempt_json(r) for r in records],
             )
             return
@@ -762,6 +800,7 @@ class Failover:
             "all_backends_failed",
             "bad_gateway",
             headers=trail,
+            wire=req.wire,
             attempts=[_attempt_json(r) for r in records],
         )
 
@@ -986,11 +1025,12 @@ class Failover:
 class _Plan:
     """A request's facts for a chain with a pool or shared hardware."""
 
-    __slots__ = ("held", "preferred", "prefix")
+    __slots__ = ("held", "preferred", "prefix", "salt")
 
-    def __init__(self, req: TierRequest) -> None:
+    def __init__(self, req: TierRequest, salt: bytes = b"") -> None:
         self.held: set[str] = set()  # the shares groups known taken
         self.prefix: Prefix | None = None  # the prompt's prefix hashes, once a pool needs them
+        self.salt = salt  # the caller key's name: prefixes never match across keys
         preferred = set()
         if req.pin is not None:
             preferred.add(req.pin)
@@ -1434,6 +1474,8 @@ class _Responder:
             headers.append(
                 (b"content-length", str(len(chunk) if length is None else length).encode())
             )
+        # The gateway's own x-tierchain-* headers win: an upstream's never reach the caller.
+        headers = [(k, v) for k, v in headers if not k.lower().startswith(_OWN_HEADERS)]
         backend = attempt.backend
         if backend.pool is None:
             trail = format_trail(req.attempts, (backend.name, self.outcome))

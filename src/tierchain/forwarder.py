@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 from opentelemetry import propagate
 
+from . import _json
 from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._checks import count, duration
 from ._disconnect import DisconnectGuard
@@ -526,12 +527,17 @@ def _dropped(key: bytes, dropped: frozenset[bytes]) -> bool:
 def _response_headers(response: httpx.Response) -> Headers:
     raw = response.headers.raw
     dropped = _NOT_RETURNED | _connection_tokens(list(raw))
-    return [(k.lower(), v) for k, v in raw if not _dropped(k, dropped)]
+    # (an upstream's x-tierchain-* never passes for the gateway's own)
+    return [
+        (k.lower(), v)
+        for k, v in raw
+        if not _dropped(k, dropped) and not k.lower().startswith(b"x-tierchain-")
+    ]
 
 
 def _rewrite_model(body: bytes, model: str) -> bytes:
     try:
-        data = json.loads(body)
+        data = _json.loads(body)
     except ValueError:
         return body
     if not isinstance(data, dict) or "model" not in data:

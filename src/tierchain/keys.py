@@ -6,8 +6,9 @@ readiness, metrics and model-list endpoints, which stay open, and outside Shed).
 A request presents its key the way the SDKs send one: ``Authorization: Bearer
 <key>`` (OpenAI) or ``x-api-key: <key>`` (Anthropic; ``api-key`` for Azure
 OpenAI clients). Without one, or with one that is not configured, it gets
-``401`` with an OpenAI-style JSON error (``authentication_error``,
-``missing_key`` or ``unknown_key``) and nothing behind runs.
+``401`` with a JSON error (``authentication_error``, ``missing_key`` or
+``unknown_key``; in Ollama's ``{"error": "..."}`` shape on ``/api/*``, OpenAI's
+elsewhere) and nothing behind runs, except under ``open_paths``.
 
 Per key:
 
@@ -17,9 +18,13 @@ Per key:
 - ``backend``: the backend its requests go to first, as if it had sent
   ``X-Prefer-Backend: <backend>`` (reorder, never filter: the rest of the
   chain stays behind it).
+- ``priority``: whether its requests may name a waiting-room band above the
+  middle one (Failover's ``priority_header``); without it a key may only lower
+  itself.
 
-The header that carried a valid key is removed before the request goes on: the
-gateway's key is never forwarded, not even to a backend with
+Every credential header that carries the valid key (``Authorization``,
+``x-api-key``, ``api-key``: all of them, not only the first) is removed before
+the request goes on: the gateway's key is never forwarded, not even to a backend with
 ``forward_caller_auth``. Keys are compared in constant time (SHA-256 digests
 through :func:`hmac.compare_digest`, every configured key each time); they are
 registered with the masker (:func:`tierchain.masking.hide`), so no log line,
@@ -34,14 +39,27 @@ import hmac
 import os
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ._head import refuse_request
+from ._target import BadTarget, request_target
 from ._types import ASGIApp, Receive, Scope, Send
 from .masking import hide
 
-__all__ = ["CallerKey", "CallerKeys", "key_list", "load_keys_file"]
+__all__ = [
+    "CALLER_SCOPE_KEY",
+    "CallerKey",
+    "CallerKeys",
+    "caller_name",
+    "key_list",
+    "load_keys_file",
+]
+
+CALLER_SCOPE_KEY = "tierchain.caller"
+"""The scope key under which CallerKeys leaves the name of the key a request presented."""
+PRIORITY_SCOPE_KEY = "tierchain.caller_priority"
+"""The scope key under which CallerKeys says whether that key may name a high priority band."""
 
 _KEY = re.compile(r"[\x21-\x7e]{16,512}")
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -57,6 +75,8 @@ class CallerKey:
     key: str = field(repr=False)
     prefer: bool = False
     backend: str | None = None
+    priority: bool = False
+    """May name a waiting-room priority band above the middle one (see Failover)."""
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -83,7 +103,7 @@ def key_list(raw: str) -> tuple[CallerKey, ...]:
 
 def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple[CallerKey, ...]:
     """A TOML file of ``[[keys]]`` tables: ``name``, ``key`` or ``key_env``, ``prefer``,
-    ``backend``. ``key_env`` names the variable that holds the key."""
+    ``backend``, ``priority``. ``key_env`` names the variable that holds the key."""
     env = os.environ if environ is None else environ
     with open(path, "rb") as f:
         data = tomllib.load(f)
@@ -94,7 +114,7 @@ def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple
     for n, table in enumerate(tables, 1):
         if not isinstance(table, dict):
             raise ValueError(f"{path}: [[keys]] entry {n} is not a table")
-        unknown = set(table) - {"name", "key", "key_env", "prefer", "backend"}
+        unknown = set(table) - {"name", "key", "key_env", "prefer", "backend", "priority"}
         if unknown:
             raise ValueError(f"{path}: [[keys]] entry {n} has unknown fields {sorted(unknown)}")
         name = table.get("name", f"key-{n}")
@@ -108,7 +128,10 @@ def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple
         prefer = table.get("prefer", False)
         if not isinstance(prefer, bool):
             raise ValueError(f"{path}: key {name!r}: prefer must be true or false")
-        keys.append(CallerKey(str(name), key, prefer, table.get("backend")))
+        priority = table.get("priority", False)
+        if not isinstance(priority, bool):
+            raise ValueError(f"{path}: key {name!r}: priority must be true or false")
+        keys.append(CallerKey(str(name), key, prefer, table.get("backend"), priority=priority))
     names = [k.name for k in keys]
     if len(set(names)) != len(names):
         raise ValueError(f"{path}: key names must differ")
@@ -120,7 +143,10 @@ class CallerKeys:
 
     ``keys``: :class:`CallerKey` objects (or plain key strings, which may route but
     not steer). ``keys_file``: a TOML file of more (see :func:`load_keys_file`).
-    ``header``: PreferBackend's header (``X-Prefer-Backend``).
+    ``header``: PreferBackend's header (``X-Prefer-Backend``). ``open_paths``: path
+    prefixes (``/api/``) where a request without a valid key goes on all the same,
+    as the anonymous caller (its own headers untouched; one shared share of the
+    waiting room, no priority); a valid key there counts as anywhere else.
     """
 
     def __init__(
@@ -130,8 +156,16 @@ class CallerKeys:
         keys: Iterable[CallerKey | str] = (),
         keys_file: str | None = None,
         header: str = "X-Prefer-Backend",
+        open_paths: Collection[str] = (),
     ) -> None:
         self.app = app
+        if isinstance(open_paths, str) or not all(
+            isinstance(p, str) and p.startswith("/") for p in open_paths
+        ):
+            raise ValueError(
+                f"open_paths must be path prefixes starting with /, got {open_paths!r}"
+            )
+        self.open_paths = tuple(p.encode() for p in open_paths)
         given = [
             k if isinstance(k, CallerKey) else CallerKey(f"key-{i}", k)
             for i, k in enumerate(keys, 1)
@@ -148,6 +182,14 @@ class CallerKeys:
     def __repr__(self) -> str:
         return f"CallerKeys(keys=[{', '.join(k.name for _, k in self._keys)}])"
 
+    def _open(self, scope: Scope) -> bool:
+        """Is the request's (checked, normalised) path under one of ``open_paths``?"""
+        try:
+            path = request_target(scope).path
+        except BadTarget:
+            return False
+        return path.startswith(self.open_paths)
+
     def match(self, presented: bytes) -> CallerKey | None:
         """The configured key equal to ``presented`` (every key compared, in constant time)."""
         digest = hashlib.sha256(presented).digest()
@@ -161,7 +203,12 @@ class CallerKeys:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
-        presented, carrier = _presented(headers)
+        presented, _ = _presented(headers)
+        key = None if presented is None else self.match(presented)
+        if key is None and self.open_paths and self._open(scope):
+            scope[CALLER_SCOPE_KEY] = ""  # the anonymous caller
+            scope[PRIORITY_SCOPE_KEY] = False
+            return await self.app(scope, receive, send)
         if presented is None:
             return await refuse_request(
                 scope,
@@ -172,7 +219,6 @@ class CallerKeys:
                 type="authentication_error",
                 headers=_CHALLENGE,
             )
-        key = self.match(presented)
         if key is None:
             return await refuse_request(
                 scope,
@@ -184,11 +230,36 @@ class CallerKeys:
                 headers=_CHALLENGE,
             )
         prefer = self.header
-        kept = [(k, v) for k, v in headers if k != carrier and (key.prefer or k != prefer)]
+        kept = [
+            (k, v)
+            for k, v in headers
+            if not _carries(k, v, presented) and (key.prefer or k != prefer)
+        ]
         if key.backend is not None and not any(k == prefer for k, _ in kept):
             kept.append((prefer, key.backend.encode()))
         scope["headers"] = kept
+        scope[CALLER_SCOPE_KEY] = key.name
+        scope[PRIORITY_SCOPE_KEY] = key.priority
         await self.app(scope, receive, send)
+
+
+def caller_name(scope: Scope) -> str | None:
+    """The name of the caller key the request presented (None: no CallerKeys in front)."""
+    name = scope.get(CALLER_SCOPE_KEY)
+    return name if isinstance(name, str) else None
+
+
+def may_jump(scope: Scope) -> bool:
+    """May this request name a waiting-room band above the middle one? Only with a key
+    that has ``priority`` (or with no CallerKeys in front)."""
+    if CALLER_SCOPE_KEY not in scope:
+        return True
+    return scope.get(PRIORITY_SCOPE_KEY) is True
+
+
+def _carries(name: bytes, value: bytes, presented: bytes) -> bool:
+    """Does this header carry the gateway key ``presented`` (in any credential header)?"""
+    return name.lower() in _CARRIERS and presented in value
 
 
 def _presented(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:

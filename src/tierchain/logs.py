@@ -22,12 +22,69 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["JsonFormatter", "TextFormatter"]
+from .masking import mask_text, mask_url
+
+__all__ = [
+    "DropLoggedErrors",
+    "JsonFormatter",
+    "MaskAccessLog",
+    "TextFormatter",
+    "mark_logged",
+    "one_line",
+]
+
+# Every character a reader may take for the end of a line (str.splitlines, JavaScript,
+# editors: CR, LF, VT, FF, the C0 and C1 controls, NEL, U+2028, U+2029), escaped. JSON
+# escapes the C0 controls itself, and json.dumps(ensure_ascii=False) leaves the rest raw.
+_LINE_SAFE = {c: f"\\u{c:04x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0), 0x2028, 0x2029)}
+_LINE_SAFE.update({0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"})
+
+
+def one_line(text: str) -> str:
+    """``text`` with every line separator and control character escaped (``\\u2028``)."""
+    return text.translate(_LINE_SAFE) if not text.isprintable() else text
 
 
 def _timestamp(record: logging.LogRecord) -> str:
     when = datetime.fromtimestamp(record.created, UTC)
     return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class MaskAccessLog(logging.Filter):
+    """A filter for ``uvicorn.access``: the request target's secret query values (``?key=``,
+    ``?token=``...) and any caller key in it become ``***`` (:mod:`tierchain.masking`).
+
+    uvicorn logs ``(client, method, target, http version, status)`` as the record's args.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            target = args[2]
+            if "?" in target or "@" in target or "#" in target:
+                target = mask_url(target)
+            record.args = (*args[:2], mask_text(target), *args[3:])
+        return True
+
+
+_LOGGED = "_tierchain_logged"
+
+
+def mark_logged(exc: BaseException) -> None:
+    """Note that tierchain logged ``exc`` itself (see :class:`DropLoggedErrors`)."""
+    try:
+        setattr(exc, _LOGGED, True)
+    except AttributeError:  # (an exception type with slots and no __dict__)
+        pass
+
+
+class DropLoggedErrors(logging.Filter):
+    """A filter for ``uvicorn.error``: drops the server's "Exception in ASGI application"
+    traceback for an exception tierchain already logged as an event of its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not getattr(exc, _LOGGED, False)
 
 
 class TextFormatter(logging.Formatter):
@@ -40,7 +97,7 @@ class TextFormatter(logging.Formatter):
             line += " exc=" + json.dumps(self.formatException(record.exc_info))
         elif record.exc_text:
             line += " exc=" + json.dumps(record.exc_text)
-        return line.replace("\r", "\\r").replace("\n", "\\n")
+        return one_line(line)
 
 
 class JsonFormatter(logging.Formatter):
@@ -62,4 +119,4 @@ class JsonFormatter(logging.Formatter):
             doc["message"] = record.getMessage()
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, ensure_ascii=False, default=str)
+        return one_line(json.dumps(doc, ensure_ascii=False, default=str))

@@ -34,10 +34,10 @@ lines). tierchain's layers only ever add whole lines at event boundaries.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 
+from . import _json
 from ._runtime import clock
 from ._types import Headers, Message
 from .errors import StreamError
@@ -128,7 +128,9 @@ class Observer:
         self.data_events = 0
         self.terminated = False
         self.finish_seen = False
-        self.pending = b""
+        # The partial event (or line) held back, grown in place: an event fed a byte
+        # at a time costs linear time, never a copy of everything held per byte.
+        self.pending = bytearray()
         self.pending_cr = False
         self.ended = False
         self.complete = False
@@ -182,8 +184,10 @@ class Observer:
             self.pending_cr = False
             if chunk[:1] == b"\n" and not self.pending:
                 return b"\n" + self.body(chunk[1:]) if len(chunk) > 1 else b"\n"
+        buf: bytes | bytearray
         if self.pending:
-            buf = self.pending + chunk
+            buf = self.pending
+            buf += chunk  # (in place)
             end = last_boundary(buf, self._searched, line_start=False)
         else:
             buf = chunk
@@ -194,12 +198,12 @@ class Observer:
                     f"an event grew past {self.max_event} bytes without ending",
                     reason="malformed_stream",
                 )
-            self.pending = buf
+            self.pending = buf if isinstance(buf, bytearray) else bytearray(buf)
             self._searched = max(0, len(buf) - 3)
             return b""
         if end < len(buf):
-            events = buf[:end]
-            self.pending = buf[end:]
+            events = bytes(buf[:end])
+            self.pending = bytearray(buf[end:])
             self._searched = 0
             if len(self.pending) > self.max_event:
                 raise StreamError(
@@ -207,8 +211,8 @@ class Observer:
                     reason="malformed_stream",
                 )
         else:
-            events = buf
-            self.pending = b""
+            events = bytes(buf)
+            self.pending = bytearray()
             self._searched = 0
         # A released CR may yet be followed by the LF of its own line ending.
         self.pending_cr = end == len(buf) and events[-1:] == b"\r"
@@ -221,7 +225,8 @@ class Observer:
             return b""
         at = chunk.rfind(b"\n")
         if at < 0:
-            pending = self.pending = self.pending + chunk
+            pending = self.pending
+            pending += chunk  # (in place: a line fed a byte at a time costs linear time)
             if len(pending) > self.max_event:
                 raise StreamError(
                     f"a line grew past {self.max_event} bytes without ending",
@@ -229,10 +234,10 @@ class Observer:
                 )
             return b""
         if self.pending:
-            lines = self.pending + chunk[: at + 1]
+            lines = bytes(self.pending + chunk[: at + 1])
         else:
             lines = chunk if at == len(chunk) - 1 else chunk[: at + 1]
-        self.pending = chunk[at + 1 :]
+        self.pending = bytearray(chunk[at + 1 :])
         if lines.strip():
             now = self.last_event_at = clock.now()
             self.data_events += 1
@@ -331,9 +336,16 @@ class Observer:
 
     def reached_end(self) -> bool:
         """True when an event stream's last data event so far is its terminator
-        (``data: [DONE]``, or the configured ``stream_end``) with nothing after it:
-        the answer is whole, whatever then happens to the transport."""
-        if not self.sse or self.pending or self._stream_end is None or self.data_events == 0:
+        (``data: [DONE]``, the configured ``stream_end``, Anthropic's ``message_stop``,
+        Ollama's ``"done": true`` line) with nothing after it: the answer is whole,
+        whatever then happens to the transport."""
+        if self.pending.strip() or self.data_events == 0:
+            return False
+        if self.ndjson:
+            return self.wire == OLLAMA and _done_line(self._last)
+        if self.wire == ANTHROPIC and self.sse:
+            return _format_end(ANTHROPIC, self._previous + self._last)
+        if not self.sse or self.pending or self._stream_end is None:
             return False
         if self.ended:
             return self.terminated
@@ -344,9 +356,9 @@ class Observer:
 
     def drop_pending(self) -> bytes:
         """Forget the partial event held back (a failed attempt's); returns it."""
-        pending, self.pending = self.pending, b""
+        pending, self.pending = self.pending, bytearray()
         self._searched = 0
-        return pending
+        return bytes(pending)
 
     def verdict(self) -> str:
         """The outcome word for a response that passed (``ok`` or why it is not)."""
@@ -398,17 +410,22 @@ def _no_progress(wire: str | None, events: bytes, observer: Observer) -> bool:
 
 
 _RESPONSES_ENDS = frozenset({"response.completed", "response.failed", "response.incomplete"})
+_PINGS = frozenset({"ping"})
 
 
 def _format_end(wire: str, events: bytes) -> bool:
-    """Anthropic and Responses: does the last event (a ``[DONE]`` after it aside) end it?"""
-    name, data = last_event(events)
+    """Anthropic and Responses: does the last event (a ``[DONE]`` after it aside) end it?
+
+    Anthropic's ``ping`` events after ``message_stop`` do not count, wherever the bytes
+    were split (a ping alone is never kept as the last event; one released with others is
+    passed over here)."""
+    name, data = last_event(events, ignore=_PINGS if wire == ANTHROPIC else ())
     if wire == RESPONSES and data == b"[DONE]":
         name, data = last_event(events, skip_last=True)
     kind = name
     if kind is None and data:
         try:
-            parsed = json.loads(data)
+            parsed = _json.loads(data)
         except ValueError:
             return False
         kind = parsed.get("type") if isinstance(parsed, dict) else None
@@ -421,7 +438,7 @@ def _done_line(lines: bytes) -> bool:
     """Ollama: is the last line of ``lines`` an object with ``"done": true``?"""
     last = lines.rstrip().rsplit(b"\n", 1)[-1]
     try:
-        parsed = json.loads(last)
+        parsed = _json.loads(last)
     except ValueError:
         return False
     return isinstance(parsed, dict) and parsed.get("done") is True

@@ -40,7 +40,10 @@ a request with the same leading blocks recently (``AFFINITY_TTL``), it
 probably still holds that prefix in its KV cache and skips its prefill: it goes
 first while it is in the best class and its score is within ``affinity`` of the
 least loaded replica's (Ray Serve's imbalance threshold); otherwise the least
-loaded goes first. The index lives in the Failover's store: a bounded map in
+loaded goes first. The hashes are keyed with the caller key's name (when CallerKeys
+is in front), so a request only ever finds the prefixes its own key sent: another
+key's system prompt cannot be guessed from which replica answers or from the
+``hit`` count. The index lives in the Failover's store: a bounded map in
 memory (:data:`~tierchain.store.AFFINITY_ENTRIES`) or, with a RedisStore, in
 Redis, so every gateway replica sends a conversation to the same backend
 replica.
@@ -57,6 +60,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
+from . import _json
 from ._runtime import clock
 from .backend import Backend
 from .learned import Learned
@@ -86,7 +90,7 @@ def _blocks(body: bytes | None) -> list[bytes]:
     if not body:
         return []
     try:
-        data = json.loads(body)
+        data = _json.loads(body)
     except ValueError:
         return []
     if not isinstance(data, dict):
@@ -114,9 +118,16 @@ class Prefix(NamedTuple):
     sizes: list[int]
 
 
-def prefix_keys(body: bytes | None) -> Prefix:
-    """The hash (and the size) of each leading run of the prompt's blocks, shortest first."""
-    h = hashlib.blake2b(digest_size=16)
+def prefix_keys(body: bytes | None, salt: bytes = b"") -> Prefix:
+    """The hash (and the size) of each leading run of the prompt's blocks, shortest first.
+
+    ``salt`` keys the hash: the caller key's name (see :mod:`tierchain.keys`), so one
+    caller's prompts never match another's (no caller can learn, from which replica
+    answers or from ``tierchain_pool_affinity_total``, what another key's prompts hold).
+    """
+    if len(salt) > 64:  # (blake2b's longest key)
+        salt = hashlib.blake2b(salt, digest_size=32).digest()
+    h = hashlib.blake2b(digest_size=16, key=salt)
     keys: list[str] = []
     sizes: list[int] = []
     size = 0

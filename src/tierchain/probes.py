@@ -68,13 +68,16 @@ Built-in readers (see ``docs/watchdog.md`` for the formats):
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import math
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
+
+from ._json import loads as load_json
+from ._runtime.loops import PerLoop
 
 __all__ = [
     "Reader",
@@ -162,7 +165,7 @@ def judge(status: Status | None, previous: Hashable | None, *, streaming: bool =
 
 def _json(body: bytes) -> Any:
     try:
-        return json.loads(body)
+        return load_json(body)
     except (UnicodeDecodeError, ValueError):
         return None
 
@@ -405,6 +408,51 @@ def auto_reader(body: bytes) -> Status | None:
 
 MAX_STATUS_BYTES = 4 * 2**20
 """A status body larger than this is not read to the end: the answer is unknown."""
+
+
+_FLIGHTS: PerLoop[dict[str, asyncio.Task[Status | None]]] = PerLoop(lambda loop: {})
+
+
+async def _flight(
+    client: httpx.AsyncClient, url: str, limit: float, reader: Reader
+) -> Status | None:
+    try:
+        return await fetch_status(client, url, limit=limit, reader=reader)
+    except asyncio.CancelledError:  # (only at shut-down: nobody waits on a flight then)
+        return None
+
+
+def _landed(flights: dict[str, Any], url: str, task: asyncio.Task[Status | None]) -> None:
+    if flights.get(url) is task:
+        del flights[url]
+
+
+async def fetch_status_once(
+    client: httpx.AsyncClient, url: str, *, limit: float, reader: Reader
+) -> Status | None:
+    """:func:`fetch_status`, with at most one GET of ``url`` in flight in this event loop.
+
+    A caller that finds a GET of ``url`` in flight waits for its answer (within its own
+    ``limit``) instead of sending another: a burst of requests that each want a fresh
+    status (the poller's turn, every attempt's ``ask_first``, every stalled attempt's
+    probe) sends one GET, not one each. The GET is read by the ``reader`` of the caller
+    that sent it (one status URL is one backend's).
+    """
+    if limit <= 0:
+        return None
+    flights = _FLIGHTS.get()
+    task = flights.get(url)
+    if task is None:
+        task = asyncio.get_running_loop().create_task(
+            _flight(client, url, limit, reader), name="tierchain-status-get"
+        )
+        flights[url] = task
+        task.add_done_callback(functools.partial(_landed, flights, url))
+    try:
+        async with asyncio.timeout(limit):
+            return await asyncio.shield(task)
+    except TimeoutError:
+        return None
 
 
 async def fetch_status(

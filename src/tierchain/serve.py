@@ -35,6 +35,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import FrameType
@@ -45,11 +46,13 @@ import uvicorn
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .config import ConfigError, Settings, config_warnings, from_env
+from .errors import CallerStalled
+from .logs import mark_logged
 from .request import TierRequest
 from .sse import EVENT_STREAM, NDJSON_LINES, framing
 from .stack import build_stack
 from .telemetry import VERSION, log_event
-from .wire import NDJSON, SSE, error_bytes, recognise
+from .wire import NDJSON, SSE, error_bytes, error_format, recognise
 
 __all__ = ["Drain", "ServeOptions", "bind", "configure_logging", "run"]
 
@@ -82,7 +85,8 @@ def configure_logging(log_format: str = "text", level: str = "info") -> None:
     ``tierchain`` logs at ``level``; ``uvicorn.error`` and ``uvicorn.access`` at
     INFO (or ``level``, when higher); ``httpx`` and ``httpcore`` at WARNING, so
     their request lines, which print whole backend URLs, stay out; the root
-    logger at WARNING.
+    logger at WARNING. The access log's request targets are masked (``?key=***``:
+    :class:`tierchain.logs.MaskAccessLog`).
     """
     formatter = f"tierchain.logs.{'Json' if log_format == 'json' else 'Text'}Formatter"
     level_name = level.upper()
@@ -92,6 +96,10 @@ def configure_logging(log_format: str = "text", level: str = "info") -> None:
             "version": 1,
             "disable_existing_loggers": False,
             "formatters": {"line": {"()": formatter}},
+            "filters": {
+                "mask": {"()": "tierchain.logs.MaskAccessLog"},
+                "logged": {"()": "tierchain.logs.DropLoggedErrors"},
+            },
             "handlers": {
                 "stderr": {
                     "class": "logging.StreamHandler",
@@ -102,8 +110,8 @@ def configure_logging(log_format: str = "text", level: str = "info") -> None:
             "loggers": {
                 "tierchain": {"level": level_name},
                 "uvicorn": {"level": server_level},
-                "uvicorn.error": {"level": server_level},
-                "uvicorn.access": {"level": server_level},
+                "uvicorn.error": {"level": server_level, "filters": ["logged"]},
+                "uvicorn.access": {"level": server_level, "filters": ["mask"]},
                 "httpx": {"level": "WARNING"},
                 "httpcore": {"level": "WARNING"},
             },
@@ -160,9 +168,9 @@ class Drain:
         try:
             async with timeout:
                 await self.app(scope, receive, watched)
-        except TimeoutError:
+        except TimeoutError as exc:
             if not timeout.expired():
-                raise  # the app's own
+                return await self._failed(scope, send, exc, started)  # the app's own
             log_event(
                 "serve.request_cut",
                 logging.WARNING,
@@ -180,6 +188,7 @@ class Drain:
                     "server_error",
                     "shutting_down",
                     headers=[(b"connection", b"close")],
+                    wire=error_format(scope["path"]),
                 )
             elif stream:  # the error in the request's own wire format
                 req = TierRequest.find(scope)
@@ -187,9 +196,39 @@ class Drain:
                 body = error_bytes(wire, stream, _SHUTTING_DOWN, "server_error", "shutting_down")
                 await send({"type": "http.response.body", "body": body, "more_body": False})
             else:
+                mark_logged(exc)  # (serve.request_cut said it; the server drops the connection)
                 raise
+        except Exception as exc:
+            await self._failed(scope, send, exc, started)
         finally:
             self._running.discard(timeout)
+
+    @staticmethod
+    async def _failed(scope: Scope, send: Send, exc: Exception, started: bool) -> None:
+        """An unexpected exception (or a caller cut for not reading): one tierchain event,
+        never the server's own traceback (its record is dropped by
+        :class:`tierchain.logs.DropLoggedErrors`: the exception is marked logged)."""
+        if not isinstance(exc, CallerStalled):  # (counted and logged where it was cut)
+            log_event(
+                "serve.app_error",
+                logging.ERROR,
+                path=scope["path"][:200],
+                error=repr(exc)[:500],
+                started=started,
+                traceback="".join(traceback.format_exception(exc))[-8000:],
+            )
+        mark_logged(exc)
+        if started:
+            raise exc  # the server drops the connection: the only end a started answer has
+        await send_json_error(
+            send,
+            500,
+            "the gateway failed to answer this request",
+            "server_error",
+            "internal_error",
+            headers=[(b"connection", b"close")],
+            wire=error_format(scope["path"]),
+        )
 
 
 # Overrides uvicorn.Server methods that are public but undocumented (capture_signals,
@@ -198,10 +237,13 @@ class Drain:
 class _Server(uvicorn.Server):
     """uvicorn's server, with tierchain's start and stop events and a clean exit on a signal."""
 
-    def __init__(self, config: uvicorn.Config, *, drain: Drain, drain_timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, *, drain: Drain, drain_timeout: float, keys_on: bool = True
+    ) -> None:
         super().__init__(config)
         self.drain = drain
         self.drain_timeout = drain_timeout
+        self.keys_on = keys_on
         self.signal_name: str | None = None
 
     @contextlib.contextmanager
@@ -238,6 +280,14 @@ class _Server(uvicorn.Server):
             pid=os.getpid(),
             drain_timeout_s=self.drain_timeout,
         )
+        if not self.keys_on:  # once it listens: a gateway that never ran is open to nobody
+            log_event(
+                "serve.keys_off",
+                logging.WARNING,
+                warning="no caller keys are set: anyone who can reach "
+                + ", ".join(addresses)
+                + " may use every route; set TIERCHAIN_API_KEYS or TIERCHAIN_API_KEYS_FILE",
+            )
 
     async def shutdown(self, sockets: Any = None) -> None:
         for server in self.servers:
@@ -310,7 +360,9 @@ def run(
         timeout_graceful_shutdown=math.ceil(options.drain_timeout) + _BACKSTOP,
         http=_http_protocol(),
     )
-    server = _Server(config, drain=drain, drain_timeout=options.drain_timeout)
+    server = _Server(
+        config, drain=drain, drain_timeout=options.drain_timeout, keys_on=settings.keys_on
+    )
     try:
         server.run(sockets=sockets)
     except SystemExit as exc:  # uvicorn exits when the app fails to start

@@ -34,6 +34,7 @@ from ._checks import count, duration
 from ._responses import send_json_error
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .telemetry import SHED_REQUESTS
+from .wire import error_format
 
 __all__ = ["Shed"]
 
@@ -76,6 +77,7 @@ class Shed:
                 "overloaded",
                 "gateway_overloaded",
                 headers=[(b"retry-after", self._retry_header)],
+                wire=error_format(scope.get("path") or ""),
             )
             return
         if not _has_body(scope.get("headers", ())):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from .masking import mask_text
@@ -87,7 +87,7 @@ _DATA_LINE = re.compile(rb"(?:^|[\r\n])data(?::|\r|\n)")
 _FINISH_KEY = b'"finish_reason"'
 
 
-def last_boundary(buf: bytes, start: int = 0, *, line_start: bool = True) -> int:
+def last_boundary(buf: bytes | bytearray, start: int = 0, *, line_start: bool = True) -> int:
     """The index just past the last event boundary (a blank line) in ``buf``; 0 if none.
 
     Only boundaries ending at or after ``start`` are looked for: pass the length of
@@ -144,16 +144,18 @@ def data_values(events: bytes) -> list[bytes]:
     return values
 
 
-def last_event(events: bytes, *, skip_last: bool = False) -> tuple[str | None, bytes]:
+def last_event(
+    events: bytes, *, skip_last: bool = False, ignore: Collection[str] = ()
+) -> tuple[str | None, bytes]:
     """The ``event`` name (None when it has none) and data of the last event in
-    ``events`` (whole events) that carries data; with ``skip_last``, of the one
-    before it. ``(None, b"")`` when there is none."""
+    ``events`` (whole events) that carries data, events named in ``ignore`` aside;
+    with ``skip_last``, of the one before it. ``(None, b"")`` when there is none."""
     found: list[tuple[str | None, bytes]] = []
     name: str | None = None
     lines: list[bytes] | None = None
     for line in _EOL.split(events):
         if not line:
-            if lines is not None:
+            if lines is not None and name not in ignore:
                 found.append((name, b"\n".join(lines)))
             name, lines = None, None
         elif line.startswith(b"event:"):

@@ -140,6 +140,7 @@ def build_stack(
         inner,
         routes=settings.routes,
         store=store if "Breaker" in settings.stack else None,
+        **settings.layers["Endpoints"].options,
     )
     if settings.admin_enabled:
         admin = construct("Admin")

@@ -1,6 +1,9 @@
 """Status polling in the background: know a backend is full before sending to it.
 
-A :class:`StatusBoard` keeps one poller per status URL in this process. A
+A :class:`StatusBoard` keeps one poller per status URL in this process, and
+at most one GET of a status URL is in flight at a time: the poller's turn, an
+attempt that asks before it is sent and a stalled attempt's probe all wait on
+the same GET (:func:`tierchain.probes.fetch_status_once`). A
 poller starts on demand, the first time someone asks about its URL
 (:meth:`StatusBoard.peek`), GETs the URL every ``interval`` seconds while
 traffic keeps asking, and stops by itself once nobody asked for ``idle_stop``
@@ -38,7 +41,7 @@ import httpx
 
 from ._checks import duration
 from ._runtime import clock
-from .probes import Reader, Status, fetch_status, total_slots
+from .probes import Reader, Status, fetch_status, fetch_status_once, total_slots
 
 __all__ = ["Fullness", "StatusBoard", "board_within", "full", "idle"]
 
@@ -170,7 +173,7 @@ class StatusBoard:
         read, before an attempt is sent); the answer is kept as the latest."""
         poller = self._pollers.get(url)
         started = clock.now()
-        status = await fetch_status(client, url, limit=limit, reader=reader)
+        status = await fetch_status_once(client, url, limit=limit, reader=reader)
         if poller is None or started < poller.not_before:
             return status if poller is None else None
         if status is not None and poller.slots is None:
@@ -228,7 +231,9 @@ class StatusBoard:
         ) as client:
             while clock.now() - poller.asked < self.idle_stop:
                 started = clock.now()
-                status = await fetch_status(client, url, limit=self.timeout, reader=poller.reader)
+                status = await fetch_status_once(
+                    client, url, limit=self.timeout, reader=poller.reader
+                )
                 if status is not None and poller.slots is None:
                     props = _props_url(url)
                     if props is not None and status.slots is None and status.processing:

@@ -32,6 +32,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricF
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+from .logs import one_line
 from .masking import hidden, mask_text
 
 try:
@@ -309,6 +310,12 @@ CONTINUATIONS = Counter(
     "Committed streams that broke and were (or could not be) finished on a later tier.",
     ["route", "from", "to", "outcome"],
 )
+WAITING_ROOM_REFUSED = Counter(
+    "tierchain_waiting_room_refused",
+    "Requests the waiting room turned away, by why: full (503), key_share (429, one key's "
+    "share of the room taken) or max_wait (503, every backend still full after max_wait).",
+    ["route", "reason"],
+)
 SAME_TIER_RETRIES = Counter(
     "tierchain_same_tier_retries",
     "Attempts sent again to the same backend after a transient fault, by the fault.",
@@ -388,9 +395,11 @@ def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
     for key, value in fields.items():
         if isinstance(value, str) and (every or "://" in value):
             fields[key] = mask_text(value)
-    text = " ".join(
-        f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
-        for key, value in fields.items()
+    text = one_line(
+        " ".join(
+            f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
+            for key, value in fields.items()
+        )
     )
     logger.log(
         level,

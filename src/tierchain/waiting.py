@@ -14,15 +14,25 @@ request waits here instead:
 - the first in line is let go the moment a lease of this process frees (and
   checks again every ``poll`` seconds, for a lease freed by another gateway
   process or a status that changed);
+- released no faster than the backends admit: a request leaves the room only
+  when a backend has room, and the one released does not wake the next in line
+  (a lease given back does, or the next look); a burst of waiters never lands
+  on a backend at once;
 - bounded by the request's budget (a spent budget is the caller's 504, as
-  anywhere), and by ``max_wait``: after that long the request goes on as it
-  would without a waiting room;
+  anywhere), and by ``max_wait``: after that long, with every backend still
+  full, the request is answered 503 with ``Retry-After`` (it is never sent on
+  to a full backend);
+- bounded in size: past ``max_waiting`` requests waiting in this process a new
+  one gets 503 with ``Retry-After`` at once, and past ``key_share`` of that room
+  held by one caller key (``tierchain.keys``), that key's new one gets 429;
 - while it waits, ``{"state":"queued","position":N,...}`` state lines (and
   their keepalives) tell the caller where it stands.
 
-``tierchain_waiting_room_requests{route}`` is how many wait now and
+``tierchain_waiting_room_requests{route}`` is how many wait now,
 ``tierchain_waiting_room_wait_seconds{route,outcome}`` how long each waited
-(``released``, ``max_wait``, ``cancelled``).
+(``released``, ``max_wait``, ``cancelled``) and
+``tierchain_waiting_room_refused_total{route,reason}`` the requests turned away
+(``full``, ``key_share``, ``max_wait``).
 """
 
 from __future__ import annotations
@@ -30,15 +40,28 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 
-from ._checks import duration
+from ._checks import count, duration
 from ._runtime import clock, deadlines
 from .request import TierRequest
-from .telemetry import WAITING_ROOM_REQUESTS, WAITING_ROOM_WAIT, labelled
+from .telemetry import WAITING_ROOM_REFUSED, WAITING_ROOM_REQUESTS, WAITING_ROOM_WAIT, labelled
 
-__all__ = ["WaitingRoom"]
+__all__ = ["WaitRefused", "WaitingRoom"]
+
+
+class WaitRefused(Exception):
+    """The waiting room turns a request away: its answer's status, code, message and
+    ``Retry-After`` seconds."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
 
 
 class _Waiter:
@@ -54,7 +77,10 @@ class WaitingRoom:
 
     ``bands`` are the priority bands, highest first; ``max_wait`` (seconds) is
     how long a request waits at most; ``poll`` how often the first in line
-    checks again without being woken.
+    checks again without being woken. ``max_waiting`` bounds the requests
+    waiting in this process (every route), ``key_share`` the share of that
+    bound one caller key may hold (0 < share <= 1; a request with no key is
+    bounded only by the whole).
     """
 
     def __init__(
@@ -63,9 +89,21 @@ class WaitingRoom:
         bands: Sequence[str] = ("high", "normal", "low"),
         max_wait: float | timedelta,
         poll: float | timedelta,
+        max_waiting: int = 256,
+        key_share: float = 0.25,
     ) -> None:
         max_wait = duration("max_wait", max_wait)
         poll = duration("poll", poll)
+        self.max_waiting = count("max_waiting", max_waiting, minimum=1)
+        if (
+            isinstance(key_share, bool)
+            or not isinstance(key_share, int | float)
+            or not 0 < key_share <= 1
+        ):
+            raise ValueError(f"key_share must be a number above 0 and at most 1, got {key_share!r}")
+        self.per_key = max(1, math.floor(self.max_waiting * key_share))
+        self._total = 0
+        self._by_key: dict[str, int] = {}
         bands = tuple(bands)
         if not bands or not all(isinstance(b, str) and b for b in bands):
             raise ValueError(f"priority_bands must be non-empty names, got {bands!r}")
@@ -91,6 +129,15 @@ class WaitingRoom:
         """How many requests wait for ``route`` now."""
         return len(self._queues.get(route, ()))
 
+    @property
+    def retry_after(self) -> int:
+        """The ``Retry-After`` (whole seconds) of a request turned away: a tenth of ``max_wait``."""
+        return max(1, math.ceil(self.max_wait / 10))
+
+    def _refuse(self, route: str, status: int, reason: str, message: str) -> WaitRefused:
+        labelled(WAITING_ROOM_REFUSED, route, reason).inc()
+        return WaitRefused(status, reason, message, self.retry_after)
+
     def notify(self) -> None:
         """A lease was given back: the first in line of every route looks again."""
         for queue in self._queues.values():
@@ -102,13 +149,30 @@ class WaitingRoom:
         route: str,
         full: Callable[[], Awaitable[bool]],
         band: int,
+        key: str | None = None,
     ) -> bool:
         """Wait while ``full()`` says every backend is full (or others are ahead).
 
-        Returns True when the request waited, False when it went straight on."""
+        Returns True when the request waited, False when it went straight on;
+        raises :class:`WaitRefused` when the room (or ``key``'s share of it) is
+        full, or when ``max_wait`` ran out with every backend still full."""
         queue = self._queues.get(route)
         if not queue and not await full():
             return False
+        if self._total >= self.max_waiting:
+            raise self._refuse(
+                route, 503, "full", "every backend is full and the waiting room is full"
+            )
+        if key is not None and self._by_key.get(key, 0) >= self.per_key:
+            raise self._refuse(
+                route,
+                429,
+                "key_share",
+                "every backend is full and this key already has its share of the waiting room",
+            )
+        self._total += 1
+        if key is not None:
+            self._by_key[key] = self._by_key.get(key, 0) + 1
         queue = self._queues.setdefault(route, [])
         waiter = _Waiter(band, next(self._seq))
         bisect.insort(queue, waiter, key=lambda w: w.key)
@@ -148,10 +212,27 @@ class WaitingRoom:
         finally:
             deadlines.cancel(timer)
             queue.remove(waiter)
+            self._total -= 1
+            if key is not None:
+                left_for_key = self._by_key[key] - 1
+                if left_for_key:
+                    self._by_key[key] = left_for_key
+                else:
+                    del self._by_key[key]
             if queue:
-                queue[0].event.set()  # the next in line looks at once
+                if outcome != "released":
+                    queue[0].event.set()  # the next in line looks at once
+                # (one released takes the room it found: the next looks when a lease is
+                # given back, or at its next look, never in the same breath)
             elif self._queues.get(route) is queue:
                 del self._queues[route]
             gauge.set(len(queue))
             labelled(WAITING_ROOM_WAIT, route, outcome).observe(clock.now() - started)
+        if outcome == "max_wait":
+            raise self._refuse(
+                route,
+                503,
+                "max_wait",
+                f"every backend is still full after waiting {self.max_wait:g} s",
+            )
         return True

@@ -88,7 +88,7 @@ from .allowance import Allowance, estimate_tokens
 from .errors import BackendBusy, BackendSaturated, BackendUnavailable, StreamError
 from .learned import Learned, LearnedGap
 from .observer import Observer, nothing_sent, whole_events
-from .probes import Reader, Status, auto_reader, fetch_status, judge
+from .probes import Reader, Status, auto_reader, fetch_status_once, judge
 from .request import UNROUTED_KEY, Attempt, TierRequest
 from .status import Fullness, StatusBoard, full
 from .telemetry import (
@@ -867,7 +867,7 @@ class _Watch(Interruption):
         with tracer.start_as_current_span(
             "tierchain.probe", attributes={ATTR_BACKEND: backend, ATTR_ROUTE: self.route}
         ) as span:
-            status = await fetch_status(
+            status = await fetch_status_once(
                 self.watchdog.client,
                 url,
                 limit=limit,

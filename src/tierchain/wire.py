@@ -40,6 +40,7 @@ import json
 import re
 from typing import Any
 
+from . import _json
 from .masking import mask_text
 
 __all__ = [
@@ -57,6 +58,8 @@ __all__ = [
     "check_format",
     "context_exceeded",
     "error_bytes",
+    "error_format",
+    "error_object",
     "recognise",
 ]
 
@@ -91,6 +94,17 @@ def recognise(path: bytes | str) -> str:
     if path.endswith(_OLLAMA_PATHS):
         return OLLAMA
     return OPENAI
+
+
+def error_format(path: bytes | str) -> str:
+    """The shape of an error the gateway answers itself on ``path``: Ollama's on any
+    ``/api/`` path (Ollama's own apps read ``{"error": "..."}`` there), else as
+    :func:`recognise` says."""
+    if isinstance(path, str):
+        path = path.encode("utf-8", "surrogateescape")
+    if path.startswith(b"/api/"):
+        return OLLAMA
+    return recognise(path)
 
 
 def check_format(what: str, value: Any) -> str | None:
@@ -154,6 +168,44 @@ def error_bytes(
     return b"data: " + _ENCODER.encode(error).encode() + b"\n\n"
 
 
+_ANTHROPIC_OWN = frozenset(
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "permission_error",
+        "not_found_error",
+        "request_too_large",
+        "rate_limit_error",
+        "api_error",
+        "overloaded_error",
+        "timeout_error",
+    }
+)
+
+
+def error_object(
+    wire: str | None, message: str, type: str, code: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """A whole error answer's JSON body, in ``wire``'s own shape (the gateway's own answers).
+
+    - Ollama: ``{"error": "..."}``, what Ollama itself answers and its clients read
+      (``extra`` fields beside it).
+    - Anthropic: ``{"type": "error", "error": {"type", "message", ...}}`` (its error
+      types; ``extra`` fields in the error object).
+    - OpenAI, Responses and plain: ``{"error": {"message", "type", "code", ...}}``.
+    """
+    if "://" in message:
+        message = mask_text(message)
+    if wire == OLLAMA:
+        return {"error": message, **extra}
+    if wire == ANTHROPIC:
+        kind = type if type in _ANTHROPIC_OWN else _ANTHROPIC_TYPES.get(type, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message, **extra}}
+    error: dict[str, Any] = {"message": message, "type": type, "code": code}
+    error.update(extra)
+    return {"error": error}
+
+
 class LateAnswer:
     """A non-stream answer that arrives after the response began as an event stream:
     its status and (up to ``LIMIT`` bytes) its body, which become one event
@@ -182,7 +234,7 @@ def answer_event(status: int, body: bytes, wire: str) -> bytes:
     arrived after the response began as an event stream: a 2xx answer as one ``data:``
     event, any other as an error in ``wire``'s own shape (see :func:`error_bytes`)."""
     try:
-        data: Any = json.loads(body) if body else None
+        data: Any = _json.loads(body) if body else None
     except (UnicodeDecodeError, ValueError):
         data = None
     if 200 <= status < 300 and isinstance(data, dict) and "error" not in data:

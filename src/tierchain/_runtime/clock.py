@@ -32,6 +32,9 @@ now: Callable[[], float] = time.monotonic
 """Monotonic seconds: ``time.monotonic`` itself, or a :class:`VirtualClock`'s reading."""
 
 
+_switched: list[tuple[object, VirtualClock]] = []  # the virtual_time blocks open, oldest first
+
+
 class VirtualClock:
     """Virtual monotonic seconds, moved by the event loops it makes (or by :meth:`advance`).
 
@@ -120,9 +123,13 @@ def virtual_time(clock: VirtualClock | None = None) -> Iterator[VirtualClock]:
     """
     global now
     clock = VirtualClock() if clock is None else clock
-    before = now
+    entry = (object(), clock)  # this block's own entry (one clock may be switched on twice)
+    _switched.append(entry)
     now = clock
     try:
         yield clock
     finally:
-        now = before
+        # Blocks may close in any order: the clock in force is the latest block still
+        # open, and the real one once none is (never one already closed).
+        _switched.remove(entry)
+        now = _switched[-1][1] if _switched else time.monotonic

@@ -19,6 +19,7 @@ from urllib.parse import parse_qs
 
 from .._body import CallerGone, read_body
 from .._checks import count, duration, parse_duration
+from .._json import loads as load_json
 from .._responses import header, send_json_error
 from .._types import Headers, Message, Receive, Scope, Send
 from ..backend import Routes
@@ -308,7 +309,7 @@ class _Call:
         if raw is None:
             return None
         try:
-            data = json.loads(raw)
+            data = load_json(raw)
         except (UnicodeDecodeError, ValueError) as exc:
             return await self._api_invalid(_Invalid(f"the body is not valid JSON ({exc})", 400))
         if not isinstance(data, dict):
