@@ -84,7 +84,11 @@ __all__ = [
 PREFIX = "TIERCHAIN_"
 
 # Variables with this prefix that other tools read (the test harness), not the gateway.
-FOREIGN_VARIABLES = frozenset({"TIERCHAIN_CHROMIUM"})
+FOREIGN_VARIABLES = frozenset(
+    {"TIERCHAIN_CHROMIUM", "TIERCHAIN_LLAMA_SERVER", "TIERCHAIN_SMOLLM2_GGUF"}
+)
+"""Variables the test harness reads (docs/benchmarks.md's ``eval`` line exports the last
+two): never a problem, so a shell that ran it can still start ``tierchain serve``."""
 
 
 # -- parsers -----------------------------------------------------------------------
