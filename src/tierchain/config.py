@@ -566,7 +566,7 @@ LAYERS: tuple[Layer, ...] = (
         _o("allowed_origins", "ADMIN_ALLOWED_ORIGINS", origin_list,
            "origins separated by commas, such as https://ops.example"),
         _o("max_body", "ADMIN_MAX_BODY", size, "a size in bytes such as 16384 or 16k"),
-    ), wired=frozenset({"routes", "store"}), code_only=frozenset({"clock"}),
+    ), wired=frozenset({"routes", "store", "keys"}), code_only=frozenset({"clock"}),
        help="Mounted at TIERCHAIN_ADMIN_PATH when TIERCHAIN_ADMIN_TOKEN is set."),
     Layer("RedisStore", "tierchain.redis_store", "component", (
         _o("prefix", "REDIS_PREFIX", text, "a key prefix such as tierchain:"),

@@ -18,6 +18,12 @@ Per key:
   ``X-Prefer-Backend: <backend>`` (reorder, never filter: the rest of the
   chain stays behind it).
 
+Per key, limits (enforced by :class:`tierchain.limits.KeyLimits`, which
+``tierchain serve`` puts right behind this layer when any key has one):
+``rpm`` and ``tpm`` (requests and tokens per minute), ``budget_tokens`` per
+``budget_period``. The matched key is left in the scope under
+:data:`CALLER_KEY` for the layers behind.
+
 The header that carried a valid key is removed before the request goes on: the
 gateway's key is never forwarded, not even to a backend with
 ``forward_caller_auth``. Keys are compared in constant time (SHA-256 digests
@@ -37,16 +43,21 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ._checks import count, duration, parse_duration
 from ._head import refuse_request
 from ._types import ASGIApp, Receive, Scope, Send
 from .masking import hide
 
-__all__ = ["CallerKey", "CallerKeys", "key_list", "load_keys_file"]
+__all__ = ["CALLER_KEY", "CallerKey", "CallerKeys", "key_list", "load_keys_file"]
+
+CALLER_KEY = "tierchain.caller_key"
+"""The scope key under which :class:`CallerKeys` leaves the matched :class:`CallerKey`."""
 
 _KEY = re.compile(r"[\x21-\x7e]{16,512}")
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _CARRIERS = (b"authorization", b"x-api-key", b"api-key")
 _CHALLENGE = [(b"www-authenticate", b'Bearer realm="tierchain"')]
+_LIMITS = ("rpm", "tpm", "budget_tokens", "budget_period")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +68,19 @@ class CallerKey:
     key: str = field(repr=False)
     prefer: bool = False
     backend: str | None = None
+    rpm: int | None = None
+    """Requests per minute (a sliding minute); None: no limit."""
+    tpm: int | None = None
+    """Tokens per minute (input and output, as the backends report them); None: no limit."""
+    budget_tokens: int | None = None
+    """Tokens per ``budget_period``; None: no budget."""
+    budget_period: float = 86400.0
+    """The budget's sliding period in seconds (default a day)."""
+
+    @property
+    def limited(self) -> bool:
+        """True when the key has a rate limit or a budget."""
+        return self.rpm is not None or self.tpm is not None or self.budget_tokens is not None
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -68,6 +92,10 @@ class CallerKey:
             )
         if self.backend is not None and not _NAME.fullmatch(self.backend):
             raise ValueError(f"key {self.name!r}: backend must be a backend name")
+        for limit in ("rpm", "tpm", "budget_tokens"):
+            count(f"key {self.name!r}: {limit}", getattr(self, limit), allow_none=True)
+        period = duration(f"key {self.name!r}: budget_period", self.budget_period, at_least=60.0)
+        object.__setattr__(self, "budget_period", period)  # a timedelta, as seconds
 
 
 def key_list(raw: str) -> tuple[CallerKey, ...]:
@@ -83,7 +111,8 @@ def key_list(raw: str) -> tuple[CallerKey, ...]:
 
 def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple[CallerKey, ...]:
     """A TOML file of ``[[keys]]`` tables: ``name``, ``key`` or ``key_env``, ``prefer``,
-    ``backend``. ``key_env`` names the variable that holds the key."""
+    ``backend``, ``rpm``, ``tpm``, ``budget_tokens``, ``budget_period`` (a duration such as
+    ``"1d"``). ``key_env`` names the variable that holds the key."""
     env = os.environ if environ is None else environ
     with open(path, "rb") as f:
         data = tomllib.load(f)
@@ -94,7 +123,7 @@ def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple
     for n, table in enumerate(tables, 1):
         if not isinstance(table, dict):
             raise ValueError(f"{path}: [[keys]] entry {n} is not a table")
-        unknown = set(table) - {"name", "key", "key_env", "prefer", "backend"}
+        unknown = set(table) - {"name", "key", "key_env", "prefer", "backend", *_LIMITS}
         if unknown:
             raise ValueError(f"{path}: [[keys]] entry {n} has unknown fields {sorted(unknown)}")
         name = table.get("name", f"key-{n}")
@@ -108,7 +137,16 @@ def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple
         prefer = table.get("prefer", False)
         if not isinstance(prefer, bool):
             raise ValueError(f"{path}: key {name!r}: prefer must be true or false")
-        keys.append(CallerKey(str(name), key, prefer, table.get("backend")))
+        limits = {k: table[k] for k in _LIMITS if k in table}
+        if isinstance(limits.get("budget_period"), str):
+            try:
+                limits["budget_period"] = parse_duration(limits["budget_period"])
+            except ValueError as exc:
+                raise ValueError(f"{path}: key {name!r}: budget_period: {exc}") from None
+        try:
+            keys.append(CallerKey(str(name), key, prefer, table.get("backend"), **limits))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
     names = [k.name for k in keys]
     if len(set(names)) != len(names):
         raise ValueError(f"{path}: key names must differ")
@@ -188,6 +226,7 @@ class CallerKeys:
         if key.backend is not None and not any(k == prefer for k, _ in kept):
             kept.append((prefer, key.backend.encode()))
         scope["headers"] = kept
+        scope[CALLER_KEY] = key
         await self.app(scope, receive, send)
 
 
