@@ -425,3 +425,23 @@ def test_the_keys_file_carries_limits_and_backend_budgets(tmp_path):
     path.write_text('[[keys]]\nname = "a"\nkey = "' + KEY_A + '"\nrpm = 0\n')
     with pytest.raises(ValueError, match="rpm must be a whole number >= 1"):
         load_keys_file(str(path))
+
+
+def test_the_keys_file_on_the_limits_page_loads_as_it_is_shown(tmp_path):
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "limits.md").read_text()
+    (block,) = re.findall(r"```toml\n(.*?)```", page, re.S)
+    path = tmp_path / "keys.toml"
+    path.write_text(block)
+    env = {"GW_KEY_APP": KEY_A, "GW_KEY_BATCH": KEY_B}
+    app, batch = load_keys_file(str(path), env)
+    assert (app.rpm, app.tpm, app.budget_tokens, app.budget_period) == (
+        600,
+        200000,
+        5000000,
+        86400.0,
+    )
+    assert (batch.rpm, batch.tpm, batch.budget_tokens) == (30, 50000, None)
+    assert load_budgets(str(path)) == (BackendBudget("hosted", 20000000, 86400.0),)
