@@ -445,3 +445,52 @@ def test_the_keys_file_on_the_limits_page_loads_as_it_is_shown(tmp_path):
     )
     assert (batch.rpm, batch.tpm, batch.budget_tokens) == (30, 50000, None)
     assert load_budgets(str(path)) == (BackendBudget("hosted", 20000000, 86400.0),)
+
+
+async def test_when_no_tier_answers_only_failed_attempts_are_counted_not_tokens():
+    from tierchain import Heartbeats
+
+    store = MemoryStore()
+    async with (
+        FakeBackend("tower", answers(500)) as tower,
+        FakeBackend("hosted", answers(500)) as hosted,
+    ):
+        forwarder = Forwarder()
+        routes = Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
+        app: Any = Heartbeats(Failover(forwarder, routes=routes), commit_after=0.0)
+        app = CallerKeys(KeyLimits(app, store=store), keys=[CallerKey("team-a", KEY_A, rpm=9)])
+        async with serve(app) as url:
+            response = await call(url, KEY_A, chat_request())  # a stream: Heartbeats commits
+        await forwarder.aclose()
+    assert response.status_code == 200  # committed by Heartbeats, then the error event
+    assert b'"error"' in response.content
+    assert totals(await usage_report(store), "team-a") == {
+        ("tower", "failed_attempts"): 1,
+        ("hosted", "failed_attempts"): 1,
+        ("-", "requests"): 1,
+    }
+
+
+async def test_an_embeddings_usage_block_has_no_output_tokens_and_nothing_is_estimated():
+    body = json.dumps(
+        {
+            "object": "list",
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+            "model": "text-embedding-3-small",
+            "usage": {"prompt_tokens": 8, "total_tokens": 8},
+        }
+    ).encode()
+    store = MemoryStore()
+    async with FakeBackend("tower", replies(body)) as tower:
+        app, fwd = limited_gateway(
+            {"echo": [Backend("tower", tower.url)]},
+            [CallerKey("team-a", KEY_A, rpm=9)],
+            store=store,
+        )
+        async with serve(app) as url:
+            request = json.dumps({"model": "echo", "input": "hello"}).encode()
+            response = await call(url, KEY_A, request, "/v1/embeddings")
+        await fwd.aclose()
+    assert response.status_code == 200
+    got = totals(await usage_report(store), "team-a")
+    assert got == {("tower", "input"): 8, ("-", "requests"): 1}

@@ -251,6 +251,8 @@ class KeyLimits:
         """The answering backend's name and its tokens by kind (none when nothing answered)."""
         if meter.status is None or not 200 <= meter.status < 300:
             return "-", []
+        if req is not None and req.attempts and not req.committed:
+            return "-", []  # no attempt began answering (Heartbeats' own 200 is not one)
         attempt = req.attempt if req is not None else None
         backend = attempt.backend.name if attempt is not None else "-"
         wire = (attempt.backend.wire_format if attempt is not None else None) or (

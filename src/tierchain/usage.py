@@ -82,7 +82,10 @@ def _found(wire: str | None, obj: dict[str, Any]) -> tuple[int | None, int | Non
         return None, None
     usage = obj.get("usage")  # OpenAI chat, completions, embeddings
     if isinstance(usage, dict):
-        return _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
+        tokens_in = _int(usage.get("prompt_tokens"))
+        if "completion_tokens" not in usage and tokens_in is not None:
+            return tokens_in, 0  # embeddings: the input is all there is
+        return tokens_in, _int(usage.get("completion_tokens"))
     return None, None
 
 
