@@ -494,3 +494,35 @@ async def test_an_embeddings_usage_block_has_no_output_tokens_and_nothing_is_est
     assert response.status_code == 200
     got = totals(await usage_report(store), "team-a")
     assert got == {("tower", "input"): 8, ("-", "requests"): 1}
+
+
+def _layers(app: Any) -> list[str]:
+    names = []
+    while app is not None:
+        names.append(type(app).__name__)
+        app = getattr(app, "app", None)
+    return names
+
+
+@pytest.mark.parametrize(
+    ("extra", "limited"),
+    [
+        ("", False),
+        ("rpm = 5\n", True),
+        ('\n[[backend_budgets]]\nbackend = "tower"\ntokens = 9\n', True),
+    ],
+)
+def test_serve_adds_the_limits_only_when_a_key_or_backend_has_one(tmp_path, extra, limited):
+    from tierchain.config import from_env
+    from tierchain.stack import build_stack
+
+    routes = tmp_path / "routes.toml"
+    routes.write_text('[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:9"\n')
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'[[keys]]\nname = "a"\nkey = "{KEY_A}"\n{extra}')
+    env = {"TIERCHAIN_ROUTES_FILE": str(routes), "TIERCHAIN_API_KEYS_FILE": str(keys)}
+    layers = _layers(build_stack(None, from_env(env), identity=False))
+    assert ("KeyLimits" in layers) is limited
+    if limited:  # right behind the keys
+        assert layers[layers.index("CallerKeys") + 1] == "KeyLimits"
+    assert ("BackendBudgets" in layers) is ("backend_budgets" in extra)
