@@ -291,3 +291,33 @@ def test_check_config_shows_each_backends_own_options_from_the_routes_file(tmp_p
     code, text = run_check({"TIERCHAIN_ROUTES_FILE": str(path)}, as_json=True)
     (tower,) = json.loads(text)["routes"]["echo"]
     assert (tower["stream_end"], tower["stall_after"], tower["max_in_flight"]) == (None, 300.0, 1)
+
+
+def test_check_config_shows_each_routes_wire_format_and_which_replicas_form_a_pool(tmp_path):
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        '[routes.claude]\nwire_format = "anthropic"\n\n'
+        '[[routes.claude.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n\n'
+        '[[routes.chat.backends]]\npool = "gpus"\nbackends = [\n'
+        '  { name = "gpu-a", url = "http://10.0.0.5:8000" },\n'
+        '  { name = "gpu-b", url = "http://10.0.0.6:8000", wire_format = "openai" },\n]\n\n'
+        '[[routes.chat.backends]]\nname = "hosted"\nurl = "https://api.example.com"\n'
+    )
+    code, text = run_check({"TIERCHAIN_ROUTES_FILE": str(path)})
+    assert code == 0
+    lines = text.splitlines()
+    at = lines.index(
+        "  chat:  wire format from each request's path (openai, responses, anthropic, ollama)"
+    )
+    assert lines[at + 1] == (
+        "    1. pool gpus: 2 replicas (gpu-a, gpu-b), one tier: each attempt picks one by its "
+        "live state"
+    )
+    assert lines[at + 2].startswith("       - gpu-a ")
+    assert lines[at + 3].endswith("http://10.0.0.6:8000  wire_format=openai")
+    assert lines[at + 4].startswith("    2. hosted ")
+    assert "  claude:  wire format anthropic" in lines
+    code, text = run_check({"TIERCHAIN_ROUTES_FILE": str(path)}, as_json=True)
+    doc = json.loads(text)
+    assert doc["wire_formats"]["claude"] == "anthropic"
+    assert doc["pools"] == {"chat": {"gpus": ["gpu-a", "gpu-b"]}}

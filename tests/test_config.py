@@ -172,6 +172,18 @@ def test_a_misspelt_variable_fails_instead_of_leaving_a_safeguard_off(routes_fil
     )
 
 
+def test_the_test_harness_variables_from_the_benchmarks_page_do_not_stop_serve(routes_file):
+    # docs/benchmarks.md: eval "$(bash .ci/llama_server.sh | sed 's/^/export /')"
+    settings = from_env(
+        env(
+            routes_file,
+            TIERCHAIN_LLAMA_SERVER="/opt/llama.cpp/build/bin/llama-server",
+            TIERCHAIN_SMOLLM2_GGUF="/tmp/smollm2-135m-instruct-q8_0.gguf",
+        )
+    )
+    assert settings.routes is not None
+
+
 @pytest.mark.parametrize(
     ("raw", "seconds"),
     [("30", 30.0), ("2.5", 2.5), ("500ms", 0.5), ("15m", 900.0), ("2h", 7200.0), (" 1d ", 86400.0)],

@@ -34,4 +34,8 @@ async def test_the_demo_tells_the_outage_story_with_the_tiers_each_request_tried
     assert "tiers tried: tower (connect_refused) -> hosted (ok)" in text
     assert "backend_busy  backend=tower, in_flight=1, failing_over=True" in text
     assert 'reason="queued"' in text  # the status said requests were waiting: not ours
+    # The log lines' own words are said plainly, once each.
+    assert text.count('(verdict="queued": before giving up on the tower, the gateway asked') == 1
+    assert "its status says requests are waiting in its queue" in text
+    assert text.count("kept back for the later tiers (hosted)") == 1
     assert "log: breaker.half_open" in text  # woken by the status, long before the cooldown

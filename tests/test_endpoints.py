@@ -330,6 +330,9 @@ async def test_the_documented_recipes_answer_models_and_carry_v1_and_api_at_once
                 )
             finally:
                 await ollama_client.close()
+        # The recipe closes its Forwarder at shut-down (lifespan): its kept-alive connection
+        # to the tower is not left to the collector (it was a ResourceWarning after the run).
+        assert namespace["forwarder"]._client is None
     assert [m.model for m in tags.models] == ["echo"]
     assert chat.message.content == "hi there"
     assert [(r.method, r.path) for r in tower.requests] == [("POST", "/api/chat")]

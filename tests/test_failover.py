@@ -95,6 +95,50 @@ async def test_a_400_passes_through_without_failover():
     assert response.headers["x-tierchain-attempts"] == "tower;outcome=http_400"
 
 
+async def not_found_off_v1(ex: Exchange) -> None:
+    """A model server that serves /v1/chat/completions only: anything else is Go's plain
+    ``404 page not found`` (what Ollama's router answers for an unknown path)."""
+    if ex.request.path == "/v1/chat/completions":
+        await streams(["from ", "tower"])(ex)
+    else:
+        await ex.respond(404, b"404 page not found", {"content-type": "text/plain"})
+
+
+@on_virtual_time
+async def test_a_backend_url_ending_in_v1_404s_and_the_next_tier_answers(caplog):
+    async with (
+        FakeBackend("tower", not_found_off_v1) as tower,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        routes = {"echo": [Backend("tower", tower.url + "/v1"), Backend("hosted", hosted.url)]}
+        app, fwd = gateway(routes)
+        with caplog.at_level("WARNING", logger="tierchain"):
+            async with serve(app) as url:
+                response = await post(url, chat_request())
+        await fwd.aclose()
+    assert [r.path for r in tower.requests] == ["/v1/v1/chat/completions"]
+    assert response.status_code == 200
+    assert response.content == b"".join(openai_stream(["from ", "hosted"]))
+    assert response.headers["x-tierchain-attempts"] == "tower;outcome=http_404, hosted;outcome=ok"
+    [line] = [r for r in caplog.records if getattr(r, "event", "") == "dispatch.backend_not_found"]
+    assert line.tierchain["backend"] == "tower"
+    assert "likely a base-URL mistake" in line.tierchain["hint"]
+    assert repr(tower.url) in line.tierchain["hint"]  # the URL it should have been
+
+
+@on_virtual_time
+async def test_a_404_on_the_only_tier_is_a_502_naming_it_not_the_callers_404():
+    async with FakeBackend("tower", not_found_off_v1) as tower:
+        app, fwd = gateway({"echo": [Backend("tower", tower.url + "/v1/")]})
+        async with serve(app) as url:
+            response = await post(url, chat_request())
+        await fwd.aclose()
+    assert response.status_code == 502
+    assert response.json()["error"]["attempts"] == [
+        {"backend": "tower", "outcome": "http_404", "message": "404 page not found"}
+    ]
+
+
 @on_virtual_time
 async def test_a_multi_megabyte_non_ascii_body_reaches_the_second_tier_byte_identical():
     content = ("Grüße, 世界! 🚀 " * 200_000)[:3_000_000]

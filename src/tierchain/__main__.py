@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from ._checks import TEXT_DURATION, duration, parse_duration
+from .backend import Pool
 from .endpoints import PATHS as ENDPOINT_PATHS
 from .telemetry import VERSION
 
@@ -186,6 +187,8 @@ def check_config(
             "warnings": warnings,
             "stack": _stack_rows(settings),
             "routes": fields["routes"],
+            "wire_formats": _wire_formats(settings),
+            "pools": _pools(settings),
             "settings": fields["settings"],
         }
         print(json.dumps(doc, indent=2), file=out)
@@ -198,14 +201,24 @@ def check_config(
         opts = "  ".join(f"{k}={_val(v)}{_src(row, k)}" for k, v in row["options"].items())
         print(f"  {i}. {row['name']:<19} {opts}".rstrip(), file=out)
     print(f"\nroutes ({settings.routes_file or 'none'}):", file=out)
+    wires = _wire_formats(settings)
+    routes = settings.routes
     for route, chain in (fields["routes"] or {}).items():
-        print(f"  {route}:", file=out)
-        for n, b in enumerate(chain, 1):
-            extra = "".join(f"  {k}={_val(b[k])}" for k in _BACKEND_SHOWN if k in b)
-            if b.get("forward_caller_auth"):
-                extra += "  forward_caller_auth=true"
-            hdrs = f"  headers={','.join(b['headers'])}" if "headers" in b else ""
-            print(f"    {n}. {b['name']:<12} {b['url']}{extra}{hdrs}", file=out)
+        print(f"  {route}:  wire format {wires[route]}", file=out)
+        shown = {b["name"]: b for b in chain}
+        for n, tier in enumerate(routes.tiers(route) if routes is not None else (), 1):
+            if isinstance(tier, Pool):
+                names = ", ".join(r.name for r in tier.backends)
+                print(
+                    f"    {n}. pool {tier.name}: {len(tier.backends)} replicas ({names}), "
+                    "one tier: each attempt picks one by its live state",
+                    file=out,
+                )
+                for replica in tier.backends:
+                    line = _backend_line(shown[replica.name], replica.wire_format)
+                    print(f"       - {line}", file=out)
+            else:
+                print(f"    {n}. {_backend_line(shown[tier.name], tier.wire_format)}", file=out)
     store_opts = "".join(
         f"  {k}={_val(v)}" for k, v in fields["settings"]["options"].get("RedisStore", {}).items()
     )
@@ -218,6 +231,41 @@ def check_config(
 
 
 _BACKEND_SHOWN = ("regime", "model", "status_url", "stream_end", "stall_after", "max_in_flight")
+
+
+def _backend_line(b: dict[str, Any], wire_format: str | None) -> str:
+    extra = "".join(f"  {k}={_val(b[k])}" for k in _BACKEND_SHOWN if k in b)
+    if wire_format is not None:
+        extra += f"  wire_format={wire_format}"
+    if b.get("forward_caller_auth"):
+        extra += "  forward_caller_auth=true"
+    hdrs = f"  headers={','.join(b['headers'])}" if "headers" in b else ""
+    return f"{b['name']:<12} {b['url']}{extra}{hdrs}"
+
+
+def _wire_formats(settings: Any) -> dict[str, str]:
+    """Each route's wire format: the one set for it, or recognised from each request's path."""
+    routes = settings.routes
+    if routes is None:
+        return {}
+    return {
+        route: routes.wire_format(route)
+        or "from each request's path (openai, responses, anthropic, ollama)"
+        for route in routes
+    }
+
+
+def _pools(settings: Any) -> dict[str, dict[str, list[str]]]:
+    """Per route, each pool and the replicas that form it (routes without a pool left out)."""
+    routes = settings.routes
+    if routes is None:
+        return {}
+    found: dict[str, dict[str, list[str]]] = {}
+    for route in routes:
+        for tier in routes.tiers(route):
+            if isinstance(tier, Pool):
+                found.setdefault(route, {})[tier.name] = [r.name for r in tier.backends]
+    return found
 
 
 def _stack_rows(settings: Any) -> list[dict[str, Any]]:

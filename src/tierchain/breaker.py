@@ -419,7 +419,7 @@ def _classify(exc: BaseException) -> tuple[Outcome, float | None]:
     if isinstance(exc, BackendSaturated):
         return "saturation", None
     if isinstance(exc, RetryableStatus):
-        if exc.status >= 500 or exc.status == 429:
+        if exc.status >= 500 or exc.status in (429, 404):  # 404: Failover's routed-path fault
             return "failure", exc.retry_after if exc.status in (429, 503) else None
         return "neutral", None
     if isinstance(exc, BackendSkipped | BackendBusy):

@@ -84,7 +84,11 @@ __all__ = [
 PREFIX = "TIERCHAIN_"
 
 # Variables with this prefix that other tools read (the test harness), not the gateway.
-FOREIGN_VARIABLES = frozenset({"TIERCHAIN_CHROMIUM"})
+FOREIGN_VARIABLES = frozenset(
+    {"TIERCHAIN_CHROMIUM", "TIERCHAIN_LLAMA_SERVER", "TIERCHAIN_SMOLLM2_GGUF"}
+)
+"""Variables the test harness reads (docs/benchmarks.md's ``eval`` line exports the last
+two): never a problem, so a shell that ran it can still start ``tierchain serve``."""
 
 
 # -- parsers -----------------------------------------------------------------------
@@ -582,7 +586,7 @@ LAYERS: tuple[Layer, ...] = (
         _o("allowed_origins", "ADMIN_ALLOWED_ORIGINS", origin_list,
            "origins separated by commas, such as https://ops.example"),
         _o("max_body", "ADMIN_MAX_BODY", size, "a size in bytes such as 16384 or 16k"),
-    ), wired=frozenset({"routes", "store"}), code_only=frozenset({"clock"}),
+    ), wired=frozenset({"routes", "store", "keys"}), code_only=frozenset({"clock"}),
        help="Mounted at TIERCHAIN_ADMIN_PATH when TIERCHAIN_ADMIN_TOKEN is set."),
     Layer("Endpoints", "tierchain.endpoints", "app", (
         _o("metrics_key", "METRICS_KEY", token, "16 to 512 printable ASCII characters, no spaces",

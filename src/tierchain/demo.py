@@ -408,10 +408,43 @@ async def run_demo(
     return outcomes
 
 
+# A log line's own words, said plainly the first time each appears in the story.
+_STATUS_SAID = {
+    "queued": "its status says requests are waiting in its queue, so ours is one of them "
+    "(the counters that move are someone else's)",
+    "working": "its status says it is working on our request",
+    "no_progress": "its status says it is busy, but nothing has moved for a while",
+    "idle": "its status says it is doing nothing, so nobody is working on our request",
+    "too_slow": "its status says it is working, but far too slowly to answer in the time left",
+    "unknown": "its status could not be read",
+}
+
+
+def _explained(fields: dict[str, Any], said: set[str]) -> list[str]:
+    """Plain words for the fields of a log line that a reader would not know."""
+    lines: list[str] = []
+    verdict = fields.get("verdict")
+    if isinstance(verdict, str) and f"verdict={verdict}" not in said:
+        said.add(f"verdict={verdict}")
+        plain = _STATUS_SAID.get(verdict, "what the backend's status said")
+        lines.append(
+            f'verdict="{verdict}": before giving up on the tower, the gateway asked its status '
+            f"URL: {plain}"
+        )
+    if fields.get("reserve_s") is not None and "reserve_s" not in said:
+        said.add("reserve_s")
+        lines.append(
+            f"reserve_s={fields['reserve_s']}: the seconds of the request's budget kept back "
+            "for the later tiers (hosted), so the tower was given up in time for them"
+        )
+    return lines
+
+
 class _OutHandler(logging.Handler):
     def __init__(self, out: Callable[[str], None], color: bool) -> None:
         super().__init__(logging.INFO)
         self.out, self.color = out, color
+        self.said: set[str] = set()
 
     def emit(self, record: logging.LogRecord) -> None:
         event = getattr(record, "event", "")
@@ -419,6 +452,9 @@ class _OutHandler(logging.Handler):
             return
         text = f"    log: {record.getMessage()}"
         self.out(f"{DIM}{text}{RESET}" if self.color else text)
+        for line in _explained(getattr(record, "tierchain", {}), self.said):
+            note = f"         ({line})"
+            self.out(f"{DIM}{note}{RESET}" if self.color else note)
 
 
 async def _story(

@@ -22,6 +22,11 @@ An attempt's ``http.response.start`` is held back until it is worth sending:
   and message are kept, and the same backend is tried again (a 500, 502, 503
   or 529 after a short random pause; a ``Retry-After`` within the budget's
   room waited out once, with a ``retrying`` state line) or the chain advances;
+- a 404 for a routed path: never; the backend does not serve what its route
+  sends it (most often a base URL that ends in ``/v1``), a fault of the backend's
+  configuration, not the caller's answer: the chain advances (outcome
+  ``http_404``, a breaker failure) and ``dispatch.backend_not_found`` names the
+  likely base-URL mistake;
 - a 400 that says the request does not fit the model's context window
   (:func:`tierchain.wire.context_exceeded`), while a later tier exists: the
   chain advances with outcome ``context_exceeded``, not a breaker failure.
@@ -57,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import random
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
@@ -141,6 +147,7 @@ __all__ = ["DEFAULT_RETRY_STATUSES", "DEFAULT_SEND_TIMEOUT", "Failover", "Resolv
 
 DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
 """Statuses that advance the chain before commit (529: Anthropic's "overloaded")."""
+_NOT_FOUND = 404  # a routed path the backend does not serve: its fault, the chain advances
 BACKEND_HEADER = b"x-tierchain-backend"
 _OWN_HEADERS = b"x-tierchain-"  # the gateway's own response headers' prefix
 _COMMENT_LIMIT = 64 * 1024  # comment bytes held before the first data event
@@ -1010,6 +1017,8 @@ class Failover:
                 fault = "wait:" + outcome  # the backend said when: waited out, if there is room
             elif outcome in _TRANSIENT:
                 fault = "transient:" + outcome
+            elif outcome == "http_404":
+                _not_found(attempt, failing_over)
         log_event(
             "dispatch.attempt_failed",
             route=attempt.route,
@@ -1020,6 +1029,26 @@ class Failover:
             failing_over=failing_over,
         )
         return fault
+
+
+def _not_found(attempt: Attempt, failing_over: bool) -> None:
+    """Log a backend's 404 for a routed path as what it most likely is: a base-URL mistake."""
+    url = attempt.backend.url.rstrip("/")
+    hint = (
+        f"its URL ends in /v1 and the routed paths already start with /v1: "
+        f"expected the base URL without /v1 ({url[: -len('/v1')]!r})"
+        if url.endswith("/v1")
+        else "check the backend's base URL and that it serves this path and model"
+    )
+    log_event(
+        "dispatch.backend_not_found",
+        level=logging.WARNING,
+        route=attempt.route,
+        backend=attempt.backend.name,
+        url=url,
+        failing_over=failing_over,
+        hint=f"likely a base-URL mistake: {hint}",
+    )
 
 
 class _Plan:
@@ -1260,7 +1289,7 @@ class _Responder:
         status = int(message["status"])
         headers = list(message.get("headers", ()))
         self.observer.start(status, headers)
-        if status in self._failover.retry_statuses:
+        if status in self._failover.retry_statuses or status == _NOT_FOUND:
             self.refusal = []  # kept for its message; the chain advances
             return
         self.start = {**message, "headers": headers}

@@ -22,6 +22,13 @@ Per key:
   middle one (Failover's ``priority_header``); without it a key may only lower
   itself.
 
+Per key, limits (enforced by :class:`tierchain.limits.KeyLimits`, which
+``tierchain serve`` puts right behind this layer when any key has one):
+``rpm`` and ``tpm`` (requests and tokens per minute), ``budget_tokens`` per
+``budget_period``. The matched key is left in the scope under
+:data:`CALLER_KEY` for the layers behind (None for a request let through on an
+open path).
+
 Every credential header that carries the valid key (``Authorization``,
 ``x-api-key``, ``api-key``: all of them, not only the first) is removed before
 the request goes on: the gateway's key is never forwarded, not even to a backend with
@@ -42,29 +49,31 @@ import tomllib
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ._checks import count, duration, parse_duration
 from ._head import refuse_request
 from ._target import BadTarget, request_target
 from ._types import ASGIApp, Receive, Scope, Send
 from .masking import hide
 
 __all__ = [
-    "CALLER_SCOPE_KEY",
+    "CALLER_KEY",
     "CallerKey",
     "CallerKeys",
     "caller_name",
     "key_list",
     "load_keys_file",
+    "may_jump",
 ]
 
-CALLER_SCOPE_KEY = "tierchain.caller"
-"""The scope key under which CallerKeys leaves the name of the key a request presented."""
-PRIORITY_SCOPE_KEY = "tierchain.caller_priority"
-"""The scope key under which CallerKeys says whether that key may name a high priority band."""
+CALLER_KEY = "tierchain.caller_key"
+"""The scope key under which :class:`CallerKeys` leaves the matched :class:`CallerKey`
+(None: a request without a key let through on an open path)."""
 
 _KEY = re.compile(r"[\x21-\x7e]{16,512}")
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _CARRIERS = (b"authorization", b"x-api-key", b"api-key")
 _CHALLENGE = [(b"www-authenticate", b'Bearer realm="tierchain"')]
+_LIMITS = ("rpm", "tpm", "budget_tokens", "budget_period")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +86,19 @@ class CallerKey:
     backend: str | None = None
     priority: bool = False
     """May name a waiting-room priority band above the middle one (see Failover)."""
+    rpm: int | None = None
+    """Requests per minute (a sliding minute); None: no limit."""
+    tpm: int | None = None
+    """Tokens per minute (input and output, as the backends report them); None: no limit."""
+    budget_tokens: int | None = None
+    """Tokens per ``budget_period``; None: no budget."""
+    budget_period: float = 86400.0
+    """The budget's sliding period in seconds (default a day)."""
+
+    @property
+    def limited(self) -> bool:
+        """True when the key has a rate limit or a budget."""
+        return self.rpm is not None or self.tpm is not None or self.budget_tokens is not None
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -88,6 +110,10 @@ class CallerKey:
             )
         if self.backend is not None and not _NAME.fullmatch(self.backend):
             raise ValueError(f"key {self.name!r}: backend must be a backend name")
+        for limit in ("rpm", "tpm", "budget_tokens"):
+            count(f"key {self.name!r}: {limit}", getattr(self, limit), allow_none=True)
+        period = duration(f"key {self.name!r}: budget_period", self.budget_period, at_least=60.0)
+        object.__setattr__(self, "budget_period", period)  # a timedelta, as seconds
 
 
 def key_list(raw: str) -> tuple[CallerKey, ...]:
@@ -103,7 +129,8 @@ def key_list(raw: str) -> tuple[CallerKey, ...]:
 
 def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple[CallerKey, ...]:
     """A TOML file of ``[[keys]]`` tables: ``name``, ``key`` or ``key_env``, ``prefer``,
-    ``backend``, ``priority``. ``key_env`` names the variable that holds the key."""
+    ``backend``, ``priority``, ``rpm``, ``tpm``, ``budget_tokens``, ``budget_period`` (a
+    duration such as ``"1d"``). ``key_env`` names the variable that holds the key."""
     env = os.environ if environ is None else environ
     with open(path, "rb") as f:
         data = tomllib.load(f)
@@ -114,7 +141,7 @@ def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple
     for n, table in enumerate(tables, 1):
         if not isinstance(table, dict):
             raise ValueError(f"{path}: [[keys]] entry {n} is not a table")
-        unknown = set(table) - {"name", "key", "key_env", "prefer", "backend", "priority"}
+        unknown = set(table) - {"name", "key", "key_env", "prefer", "backend", "priority", *_LIMITS}
         if unknown:
             raise ValueError(f"{path}: [[keys]] entry {n} has unknown fields {sorted(unknown)}")
         name = table.get("name", f"key-{n}")
@@ -131,7 +158,18 @@ def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple
         priority = table.get("priority", False)
         if not isinstance(priority, bool):
             raise ValueError(f"{path}: key {name!r}: priority must be true or false")
-        keys.append(CallerKey(str(name), key, prefer, table.get("backend"), priority=priority))
+        limits = {k: table[k] for k in _LIMITS if k in table}
+        if isinstance(limits.get("budget_period"), str):
+            try:
+                limits["budget_period"] = parse_duration(limits["budget_period"])
+            except ValueError as exc:
+                raise ValueError(f"{path}: key {name!r}: budget_period: {exc}") from None
+        try:
+            keys.append(
+                CallerKey(str(name), key, prefer, table.get("backend"), priority=priority, **limits)
+            )
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
     names = [k.name for k in keys]
     if len(set(names)) != len(names):
         raise ValueError(f"{path}: key names must differ")
@@ -206,8 +244,7 @@ class CallerKeys:
         presented, _ = _presented(headers)
         key = None if presented is None else self.match(presented)
         if key is None and self.open_paths and self._open(scope):
-            scope[CALLER_SCOPE_KEY] = ""  # the anonymous caller
-            scope[PRIORITY_SCOPE_KEY] = False
+            scope[CALLER_KEY] = None  # the anonymous caller
             return await self.app(scope, receive, send)
         if presented is None:
             return await refuse_request(
@@ -238,23 +275,25 @@ class CallerKeys:
         if key.backend is not None and not any(k == prefer for k, _ in kept):
             kept.append((prefer, key.backend.encode()))
         scope["headers"] = kept
-        scope[CALLER_SCOPE_KEY] = key.name
-        scope[PRIORITY_SCOPE_KEY] = key.priority
+        scope[CALLER_KEY] = key
         await self.app(scope, receive, send)
 
 
 def caller_name(scope: Scope) -> str | None:
     """The name of the caller key the request presented (None: no CallerKeys in front)."""
-    name = scope.get(CALLER_SCOPE_KEY)
-    return name if isinstance(name, str) else None
+    if CALLER_KEY not in scope:
+        return None
+    key = scope[CALLER_KEY]
+    return key.name if isinstance(key, CallerKey) else ""
 
 
 def may_jump(scope: Scope) -> bool:
     """May this request name a waiting-room band above the middle one? Only with a key
     that has ``priority`` (or with no CallerKeys in front)."""
-    if CALLER_SCOPE_KEY not in scope:
+    if CALLER_KEY not in scope:
         return True
-    return scope.get(PRIORITY_SCOPE_KEY) is True
+    key = scope[CALLER_KEY]
+    return isinstance(key, CallerKey) and key.priority
 
 
 def _carries(name: bytes, value: bytes, presented: bytes) -> bool:

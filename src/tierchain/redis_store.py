@@ -11,7 +11,11 @@ and ``tierchain:pin:<route>`` (a string); route and backend names are
 percent-encoded; in-flight leases are a sorted set per backend,
 ``tierchain:inflight:<backend>`` (member: the lease token, score: its expiry);
 a pool's prefix affinity is a string per prompt-prefix hash,
-``tierchain:affinity:<route>:<hash>`` (the replica that served it).
+``tierchain:affinity:<route>:<hash>`` (the replica that served it); a windowed
+counter (per-key limits, budgets) is a hash of buckets,
+``tierchain:window:<name>`` (field: the bucket number, value: its amount), and
+the usage totals one hash, ``tierchain:usage`` (field: key, route, backend and
+kind; value: tokens or attempts).
 Every key carries a TTL, so nothing lingers forever.
 
 When Redis cannot be reached, the store logs ONE warning, serves breaker
@@ -42,6 +46,7 @@ from .store import (
     MemoryStore,
     Outcome,
     Ticket,
+    WindowCheck,
 )
 from .telemetry import log_event
 
@@ -287,6 +292,93 @@ return redis.call('ZCARD', KEYS[1])
 )
 
 
+# What the window scripts share: sum one bucket hash over its window, dropping old buckets.
+_WINDOWS = (
+    _NOW
+    + """
+local function wsum(key, now, w)
+  local width = w / 60
+  local cur = math.floor(now / width)
+  local oldest = cur - 59
+  local flat = redis.call('HGETALL', key)
+  local sum, first = 0, nil
+  for j = 1, #flat, 2 do
+    local b, v = tonumber(flat[j]), tonumber(flat[j + 1])
+    if b < oldest then
+      redis.call('HDEL', key, flat[j])
+    else
+      sum = sum + v
+      if v > 0 and (first == nil or b < first) then first = b end
+    end
+  end
+  return sum, first, cur, width
+end
+local function wadd(key, now, w, amount)
+  local width = w / 60
+  redis.call('HINCRBY', key, tostring(math.floor(now / width)), amount)
+  redis.call('PEXPIRE', key, math.ceil(w * 2))
+end
+"""
+)
+
+# KEYS: one bucket hash per check; ARGV: now_ms|'' then window_ms limit cost per check
+# -> '' (admitted, costs added) or {ms until there is room, index of the check}
+_WINDOW_ADMIT = (
+    _WINDOWS
+    + """
+local now = now_ms(ARGV[1])
+local wait, which = 0, 0
+for i = 1, #KEYS do
+  local w, lim, cost = tonumber(ARGV[i * 3 - 1]), tonumber(ARGV[i * 3]), tonumber(ARGV[i * 3 + 1])
+  local sum, first, cur, width = wsum(KEYS[i], now, w)
+  if (cost > 0 and sum + cost > lim) or (cost == 0 and sum >= lim) then
+    local r = w
+    if first then r = math.max(1, (first + 60) * width - now) end
+    if r > wait then wait, which = r, i end
+  end
+end
+if wait > 0 then return {tostring(wait), which - 1} end
+for i = 1, #KEYS do
+  local cost = tonumber(ARGV[i * 3 + 1])
+  if cost > 0 then wadd(KEYS[i], now, tonumber(ARGV[i * 3 - 1]), cost) end
+end
+return ''
+"""
+)
+
+# KEYS: the bucket hashes, then the totals hash last; ARGV: now_ms|'' ttl_ms n_windows,
+# window_ms amount per window, then field amount per total
+_USAGE_RECORD = (
+    _WINDOWS
+    + """
+local now, ttl, n = now_ms(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 1, n do
+  local w = tonumber(ARGV[2 + i * 2])
+  wsum(KEYS[i], now, w)
+  wadd(KEYS[i], now, w, tonumber(ARGV[3 + i * 2]))
+end
+local totals = KEYS[n + 1]
+for j = 4 + n * 2, #ARGV, 2 do redis.call('HINCRBY', totals, ARGV[j], ARGV[j + 1]) end
+if #ARGV >= 4 + n * 2 then redis.call('PEXPIRE', totals, ttl) end
+return 1
+"""
+)
+
+# KEYS: bucket hashes; ARGV: now_ms|'' then window_ms per key -> sums
+_WINDOW_SUMS = (
+    _WINDOWS
+    + """
+local now = now_ms(ARGV[1])
+local out = {}
+for i = 1, #KEYS do
+  local sum = wsum(KEYS[i], now, tonumber(ARGV[i + 1]))
+  out[i] = sum
+end
+return out
+"""
+)
+
+
 def _ms(seconds: float) -> str:
     return repr(seconds * 1000.0)
 
@@ -359,6 +451,9 @@ class RedisStore:
         self._lease_acquire = self._redis.register_script(_LEASE_ACQUIRE)
         self._lease_renew = self._redis.register_script(_LEASE_RENEW)
         self._lease_count = self._redis.register_script(_LEASE_COUNT)
+        self._window_admit = self._redis.register_script(_WINDOW_ADMIT)
+        self._usage_record = self._redis.register_script(_USAGE_RECORD)
+        self._window_sums = self._redis.register_script(_WINDOW_SUMS)
         self._fallback: MemoryStore | None = None
         self._retry_at = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -647,6 +742,66 @@ class RedisStore:
             await self._shielded(write)
         except Exception as exc:
             await self._went_away(exc).affinity_set(route, keys, backend, ttl)
+
+    # -- windowed counters and usage totals ---------------------------------------------
+
+    def _window_key(self, name: str) -> str:
+        return f"{self.prefix}window:{quote(name, safe='')}"
+
+    async def window_admit(self, checks: Sequence[WindowCheck]) -> tuple[float, int] | None:
+        local = self._local()
+        if local is not None:
+            return await local.window_admit(checks)
+        keys = [self._window_key(c.name) for c in checks]
+        args = [self._args()]
+        for c in checks:
+            args += [_ms(c.window), str(c.limit), str(c.cost)]
+        try:
+            raw = await self._shielded(lambda: self._window_admit(keys=keys, args=args))
+        except Exception as exc:
+            return await self._went_away(exc).window_admit(checks)
+        if not raw:
+            return None
+        return _seconds(raw[0]) or 0.001, int(raw[1])
+
+    async def usage_record(
+        self, windows: Sequence[tuple[str, float, int]], totals: Sequence[tuple[str, int]]
+    ) -> None:
+        local = self._local()
+        if local is not None:
+            return await local.usage_record(windows, totals)
+        keys = [self._window_key(n) for n, _, _ in windows] + [f"{self.prefix}usage"]
+        args = [self._args(), _ms(self.ttl), str(len(windows))]
+        for _, window, amount in windows:
+            args += [_ms(window), str(amount)]
+        for field_name, amount in totals:
+            args += [field_name, str(amount)]
+        try:
+            await self._shielded(lambda: self._usage_record(keys=keys, args=args))
+        except Exception as exc:
+            await self._went_away(exc).usage_record(windows, totals)
+
+    async def window_sums(self, windows: Sequence[tuple[str, float]]) -> list[int]:
+        local = self._local()
+        if local is not None:
+            return await local.window_sums(windows)
+        keys = [self._window_key(n) for n, _ in windows]
+        args = [self._args(), *(_ms(w) for _, w in windows)]
+        try:
+            raw = await self._call(lambda: self._window_sums(keys=keys, args=args))
+        except Exception as exc:
+            return await self._went_away(exc).window_sums(windows)
+        return [int(v) for v in raw]
+
+    async def usage_totals(self) -> dict[str, int]:
+        local = self._local()
+        if local is not None:
+            return await local.usage_totals()
+        try:
+            raw = await self._call(lambda: self._redis.hgetall(f"{self.prefix}usage"))
+        except Exception as exc:
+            return await self._went_away(exc).usage_totals()
+        return {_text(k): int(v) for k, v in raw.items()}
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

@@ -31,6 +31,8 @@ from .config import (
 )
 from .endpoints import Endpoints
 from .identity import StartupIdentity
+from .keys import CallerKey, load_keys_file
+from .limits import BackendBudget, BackendBudgets, KeyLimits, load_budgets
 
 __all__ = ["CloseOnShutdown", "Mount", "build_stack", "make_store"]
 
@@ -89,7 +91,9 @@ def build_stack(
     Outermost first: the identity line, the Admin mount (when a token is set),
     the :class:`~tierchain.endpoints.Endpoints` (answered here, never
     forwarded), then :class:`~tierchain.keys.CallerKeys` (when keys are set),
-    then Shed (when ``TIERCHAIN_SHED_MAX_CONCURRENT`` is set),
+    then :class:`~tierchain.limits.KeyLimits` (when a key has a limit or the keys
+    file a backend budget; :class:`~tierchain.limits.BackendBudgets` then stands
+    in front of the handler), then Shed (when ``TIERCHAIN_SHED_MAX_CONCURRENT`` is set),
     Heartbeats, Budget, PreferBackend, Failover, Breaker, SaturationWatchdog:
     each that is enabled, with its configured options. The watchdog's status
     board is given to the Breaker and the Failover around it (``status_board``). One
@@ -99,8 +103,12 @@ def build_stack(
     :class:`~tierchain.config.ConfigError` naming the variables it was given.
     """
     problems: list[str] = []
-    needs_store = settings.admin_enabled or any(
-        "store" in find_layer(n).wired for n in settings.stack
+    keys, budgets = _keys_and_budgets(settings, problems)
+    limited = any(k.limited for k in keys) or bool(budgets)
+    needs_store = (
+        settings.admin_enabled
+        or limited
+        or any("store" in find_layer(n).wired for n in settings.stack)
     )
     made_store = store is None and needs_store
     if made_store:
@@ -119,6 +127,8 @@ def build_stack(
             return None
 
     inner = app if app is not None else construct("Forwarder")
+    if budgets and inner is not None:
+        inner = BackendBudgets(inner, store=store, budgets=budgets)  # per attempt, innermost
     board: Any = None  # the watchdog's status board, given to the layers that wrap it
     for name in reversed(settings.stack):
         wired = {"status_board": board} if "status_board" in find_layer(name).wired else {}
@@ -133,6 +143,8 @@ def build_stack(
     if settings.layers["CallerKeys"].options:
         # Keys before anything else routed (Shed included); the endpoints stay open.
         prefer = settings.layers["PreferBackend"].options.get("header", "X-Prefer-Backend")
+        if limited:
+            inner = KeyLimits(inner, store=store, budgets=budgets)  # right behind the keys
         keyed = construct("CallerKeys", inner, header=prefer)
         if keyed is not None:
             inner = keyed
@@ -143,7 +155,7 @@ def build_stack(
         **settings.layers["Endpoints"].options,
     )
     if settings.admin_enabled:
-        admin = construct("Admin")
+        admin = construct("Admin", keys=keys)
         if admin is not None:
             inner = Mount(inner, path=settings.admin_path, mounted=admin)
     if problems:
@@ -153,3 +165,19 @@ def build_stack(
     if settings.identity if identity is None else identity:
         inner = StartupIdentity(inner, settings=settings)
     return inner
+
+
+def _keys_and_budgets(
+    settings: Settings, problems: list[str]
+) -> tuple[tuple[CallerKey, ...], tuple[BackendBudget, ...]]:
+    """The caller keys (with their limits) and the backend budgets the keys file sets."""
+    options = settings.layers["CallerKeys"].options
+    keys: tuple[CallerKey, ...] = tuple(options.get("keys", ()))
+    path = options.get("keys_file")
+    if path is None:
+        return keys, ()
+    try:
+        return keys + load_keys_file(path), load_budgets(path)
+    except (OSError, ValueError) as exc:
+        problems.append(f"TIERCHAIN_API_KEYS_FILE={path}: {exc}")
+        return keys, ()

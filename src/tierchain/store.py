@@ -1,8 +1,10 @@
 """State shared between requests (and, with RedisStore, between replicas).
 
-A store holds three kinds of state: breaker ledgers per (route, backend),
-operator pins per route, and in-flight leases per backend (for
-``Backend(max_in_flight=N)``; see :mod:`tierchain.admission`). :class:`Store` is
+A store holds four kinds of state: breaker ledgers per (route, backend),
+operator pins per route, in-flight leases per backend (for
+``Backend(max_in_flight=N)``; see :mod:`tierchain.admission`), and windowed
+counters with usage totals (per-key limits and token accounting; see
+:mod:`tierchain.limits`). :class:`Store` is
 the protocol every store meets; :class:`MemoryStore` is the embedded default
 that needs no service, and :class:`~tierchain.RedisStore` shares the same
 semantics between replicas.
@@ -34,6 +36,7 @@ from ._runtime import clock
 
 __all__ = [
     "AFFINITY_ENTRIES",
+    "WINDOW_BUCKETS",
     "AffinityStore",
     "BreakerChange",
     "BreakerPolicy",
@@ -44,6 +47,8 @@ __all__ = [
     "Outcome",
     "Store",
     "Ticket",
+    "UsageStore",
+    "WindowCheck",
     "acquire",
     "record",
     "snapshot",
@@ -401,6 +406,79 @@ class AffinityStore(Protocol):
         ...
 
 
+WINDOW_BUCKETS = 60
+"""A windowed counter keeps its window in this many buckets: a window of 60 s counts per
+second, a day's in 24-minute buckets; an amount leaves the window with its bucket."""
+
+
+@dataclass(frozen=True, slots=True)
+class WindowCheck:
+    """One limit to check on admission: the counter ``name`` summed over the last
+    ``window`` seconds must stay within ``limit`` once ``cost`` is added (with
+    ``cost`` 0: must be below ``limit``)."""
+
+    name: str
+    window: float
+    limit: int
+    cost: int = 0
+
+
+@runtime_checkable
+class UsageStore(Protocol):
+    """What per-key limits and usage accounting need from a store: counters summed over
+    a sliding window (in :data:`WINDOW_BUCKETS` buckets), and running totals.
+
+    Counter names and total fields are opaque strings chosen by :mod:`tierchain.limits`.
+    """
+
+    async def window_admit(self, checks: Sequence[WindowCheck]) -> tuple[float, int] | None:
+        """Atomically: when every check passes, add each ``cost`` and return None; else
+        add nothing and return the seconds until the failing counters have room, and the
+        index of the check that needs the longest."""
+        ...
+
+    async def usage_record(
+        self, windows: Sequence[tuple[str, float, int]], totals: Sequence[tuple[str, int]]
+    ) -> None:
+        """Add each (name, window, amount) to its windowed counter and each (field,
+        amount) to the running totals."""
+        ...
+
+    async def window_sums(self, windows: Sequence[tuple[str, float]]) -> list[int]:
+        """Each (name, window) counter's sum over its window now."""
+        ...
+
+    async def usage_totals(self) -> dict[str, int]:
+        """Every running total: field -> amount."""
+        ...
+
+
+def _bucket_of(now: float, window: float) -> int:
+    return int(now // (window / WINDOW_BUCKETS))
+
+
+def window_sum(buckets: dict[int, int], now: float, window: float) -> tuple[int, int | None]:
+    """Drop the buckets that left ``window``; the sum of the rest, and the oldest non-empty one."""
+    oldest = _bucket_of(now, window) - WINDOW_BUCKETS + 1
+    total = 0
+    first: int | None = None
+    for bucket in [b for b in buckets if b < oldest]:
+        del buckets[bucket]
+    for bucket, amount in buckets.items():
+        total += amount
+        if amount and (first is None or bucket < first):
+            first = bucket
+    return total, first
+
+
+def room_in(first: int | None, now: float, window: float) -> float:
+    """Seconds until the oldest non-empty bucket ``first`` leaves the window."""
+    if first is None:
+        return window
+    width = window / WINDOW_BUCKETS
+    return max(0.001, (first + WINDOW_BUCKETS) * width - now)
+
+
 AFFINITY_ENTRIES = 65536
 """How many prefix entries a MemoryStore keeps (the least recently used go first)."""
 
@@ -419,6 +497,8 @@ class MemoryStore:
         self._ledgers: dict[tuple[str, str], Ledger] = {}
         self._leases: dict[str, dict[str, float]] = {}
         self._affinity: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        self._windows: dict[str, dict[int, int]] = {}
+        self._totals: dict[str, int] = {}
         self._clock = clock
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
@@ -569,6 +649,45 @@ class MemoryStore:
             index.move_to_end((route, key))
         while len(index) > AFFINITY_ENTRIES:
             index.popitem(last=False)
+
+    # -- windowed counters and usage totals ---------------------------------------
+
+    async def window_admit(self, checks: Sequence[WindowCheck]) -> tuple[float, int] | None:
+        now = clock.now() if self._clock is None else self._clock()
+        refused: tuple[float, int] | None = None
+        for i, check in enumerate(checks):
+            total, first = window_sum(self._windows.get(check.name, {}), now, check.window)
+            if total + check.cost > check.limit or (not check.cost and total >= check.limit):
+                wait = room_in(first, now, check.window)
+                if refused is None or wait > refused[0]:
+                    refused = (wait, i)
+        if refused is not None:
+            return refused
+        for check in checks:
+            if check.cost:
+                buckets = self._windows.setdefault(check.name, {})
+                bucket = _bucket_of(now, check.window)
+                buckets[bucket] = buckets.get(bucket, 0) + check.cost
+        return None
+
+    async def usage_record(
+        self, windows: Sequence[tuple[str, float, int]], totals: Sequence[tuple[str, int]]
+    ) -> None:
+        now = clock.now() if self._clock is None else self._clock()
+        for name, window, amount in windows:
+            buckets = self._windows.setdefault(name, {})
+            window_sum(buckets, now, window)  # drops what left the window
+            bucket = _bucket_of(now, window)
+            buckets[bucket] = buckets.get(bucket, 0) + amount
+        for key, amount in totals:
+            self._totals[key] = self._totals.get(key, 0) + amount
+
+    async def window_sums(self, windows: Sequence[tuple[str, float]]) -> list[int]:
+        now = clock.now() if self._clock is None else self._clock()
+        return [window_sum(self._windows.get(n, {}), now, w)[0] for n, w in windows]
+
+    async def usage_totals(self) -> dict[str, int]:
+        return dict(self._totals)
 
 
 _CLOSED = Ticket(True, "closed", clean=True)

@@ -337,6 +337,13 @@ TARGET_REJECTED = Counter(
     ["reason"],
 )
 
+TOKENS = Counter(
+    "tierchain_tokens",
+    "Tokens by caller key name, route, backend and kind: input and output as the answering "
+    "backend reported them, input_estimated and output_estimated where it reported none, "
+    "failed_input and failed_output for an attempt that failed after it began answering.",
+    ["key_name", "route", "backend", "kind"],
+)
 REQUESTS_REFUSED = Counter(
     "tierchain_requests_refused",
     "Requests refused before any backend for what the caller sent (headers, framing, a slow "

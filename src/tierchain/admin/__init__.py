@@ -17,6 +17,8 @@ Paths, relative to the mount::
     PUT    /pins/{route}     JSON body {"backend": "...", "ttl": seconds}: pin
     POST   /pins/{route}     the same as PUT
     DELETE /pins/{route}     JSON: remove the pin
+    GET    /usage            JSON: tokens per key name, route, backend and kind, and each
+                             key's limits with what its windows hold now (also on the page)
 
 The JSON API takes ``Authorization: Bearer <token>`` only, compared in constant
 time; a missing or wrong token gets 401 with ``WWW-Authenticate: Bearer

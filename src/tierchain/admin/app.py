@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
@@ -24,6 +24,8 @@ from .._responses import header, send_json_error
 from .._types import Headers, Message, Receive, Scope, Send
 from ..backend import Routes
 from ..errors import BodyTooLarge
+from ..keys import CallerKey
+from ..limits import usage_report
 from ..masking import mask_text
 from ..store import Store
 from ..telemetry import log_event
@@ -100,7 +102,8 @@ class Admin:
     ``session_ttl`` bounds a page login (default 12 h). ``allowed_origins``
     lists extra origins (``https://ops.example``) whose forms are accepted when
     a proxy makes the browser's origin differ from the ``Host`` header.
-    ``max_body`` bounds a request body (default 16 KiB).
+    ``max_body`` bounds a request body (default 16 KiB). ``keys``: the caller keys whose
+    limits the usage read-out shows beside the token totals (``GET /usage`` and the page).
     """
 
     def __init__(
@@ -114,8 +117,10 @@ class Admin:
         allowed_origins: Collection[str] = (),
         max_body: int = 16 * 1024,
         clock: Callable[[], float] = time.time,
+        keys: Iterable[CallerKey] = (),
     ) -> None:
         self.routes = routes if isinstance(routes, Routes) else Routes(routes)
+        self.keys = tuple(keys)
         if store is None:
             raise ValueError("Admin needs store=: pass the same store PreferBackend uses")
         self.store = store
@@ -212,6 +217,13 @@ class _Call:
             if method != "POST":
                 return await self._not_allowed("POST")
             return await self._form(path[1:])
+        if path == "/usage":
+            if method != "GET":
+                return await self._not_allowed("GET")
+            if await self._bearer():
+                usage = await self._store(usage_report, self.admin.store, self.admin.keys)
+                await _json(self._send, 200, usage)
+            return None
         if path == "/pins":
             if method != "GET":
                 return await self._not_allowed("GET")
@@ -501,6 +513,7 @@ class _Call:
             csrf=self.sessions.csrf(session) if session else None,
             error=error,
             degraded=getattr(admin.store, "degraded", False) is True,
+            usage=await self._store(usage_report, admin.store, admin.keys),
         )
         await _html(self._send, status, document)
 

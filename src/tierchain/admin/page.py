@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from .._types import Headers
 from ..backend import Backend, Routes
@@ -113,8 +114,10 @@ def console(
     csrf: str | None,
     error: str | None = None,
     degraded: bool = False,
+    usage: Mapping[str, Any] | None = None,
 ) -> str:
-    """The operator console: every route's chain with its breakers, the pins, the forms.
+    """The operator console: every route's chain with its breakers, the pins, the forms,
+    and (``usage``: :func:`tierchain.limits.usage_report`'s read-out) tokens per key.
 
     ``csrf`` is the session's form token; None shows the page read-only (a
     bearer client without a session). ``breakers`` is keyed by (route, backend).
@@ -178,7 +181,51 @@ def console(
             f"<td>{esc(iso(now + remaining))}</td></tr>"
         )
     out.append("</tbody></table>")
+    if usage is not None:
+        out.append(_usage(usage))
     return document("tierchain operator", "".join(out))
+
+
+def _usage(usage: Mapping[str, Any]) -> str:
+    """Tokens per key name, route, backend and kind; each key's limits and windows now."""
+    out = [
+        '<h2>Usage</h2><table id="usage"><thead><tr><th>key</th><th>route</th>'
+        "<th>backend</th><th>kind</th><th>count</th></tr></thead><tbody>"
+    ]
+    rows = usage.get("usage", [])
+    if not rows:
+        out.append('<tr class="empty"><td colspan="5">Nothing counted yet.</td></tr>')
+    for row in rows:
+        out.append(
+            f'<tr data-key="{esc(row["key_name"], quote=True)}"><td>{esc(row["key_name"])}</td>'
+            f"<td>{esc(row['route'])}</td><td>{esc(row['backend'])}</td>"
+            f"<td>{esc(row['kind'])}</td><td>{esc(str(row['value']))}</td></tr>"
+        )
+    out.append("</tbody></table>")
+    limits = usage.get("limits", [])
+    if limits:
+        out.append(
+            '<table id="limits"><thead><tr><th>key</th><th>requests this minute</th>'
+            "<th>tokens this minute</th><th>budget used</th></tr></thead><tbody>"
+        )
+        for row in limits:
+            cells = [
+                _of(row["rpm_used"], row["rpm"]),
+                _of(row["tpm_used"], row["tpm"]),
+                _of(row["budget_used"], row["budget_tokens"]),
+            ]
+            out.append(
+                f'<tr data-key="{esc(row["key_name"], quote=True)}">'
+                f"<td>{esc(row['key_name'])}</td>"
+                + "".join(f"<td>{esc(c)}</td>" for c in cells)
+                + "</tr>"
+            )
+        out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _of(used: int | None, limit: int | None) -> str:
+    return "no limit" if limit is None else f"{used or 0} of {limit}"
 
 
 def _forms(
