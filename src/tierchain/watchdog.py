@@ -82,7 +82,7 @@ from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance, estimate_tokens
 from .errors import BackendBusy, BackendSaturated, StreamError
-from .learned import Learned, LearnedGap
+from .learned import Learned, LearnedGap, PromptRate
 from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, Status, auto_reader, fetch_status, judge
 from .request import UNROUTED_KEY, Attempt, TierRequest
@@ -102,7 +102,22 @@ from .wire import recognise
 
 __all__ = ["SaturationWatchdog", "SlowAfter", "window_warnings"]
 
+
+def _prompt_rate(value: float | str | PromptRate, margin: float) -> PromptRate | None:
+    """``prompt_rate``: ``"auto"`` (learned), a fixed rate in tokens/s, 0 (off), or one built."""
+    if isinstance(value, PromptRate):
+        return value
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"prompt_rate must be 'auto', tokens per second or 0, got {value!r}")
+        return PromptRate(margin=margin)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"prompt_rate must be 'auto', tokens per second or 0, got {value!r}")
+    return PromptRate(margin=margin, rate=float(value)) if value > 0 else None
+
+
 _RESERVE_SHARE = 0.5  # a reserve never takes more than this share of the whole budget
+_PROMPT_BATCH = 2048  # llama.cpp's default n_batch: its prompt progress moves this many at once
 _SILENT = 5.0  # a committed stream silent this long (or its stall window) when the budget ends it
 
 SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float] | Learned | str
@@ -149,8 +164,13 @@ class SaturationWatchdog:
         busy_waiting: int = 5,
         busy_kv_cache: float = 0.8,
         busy_all_slots: bool = True,
+        prompt_rate: float | str | PromptRate = "auto",
+        prompt_margin: float = 2.0,
+        status_late: float | timedelta = 0.25,
     ) -> None:
         self.app = app
+        self.prompt_rate = _prompt_rate(prompt_rate, prompt_margin)
+        self.status_late = duration("status_late", status_late, allow_zero=True)
         self.learned: Learned | None = None
         if isinstance(slow_after, str) and slow_after == "auto":
             slow_after = Learned()
@@ -319,9 +339,22 @@ class SaturationWatchdog:
         elif self.learned_gap is not None and attempt is not None:
             stall = self.learned_gap.window(attempt.backend.name, None)[0]
         reserve = self._reserve(req, attempt)
-        if window <= 0 and stall <= 0 and reserve <= 0:
+        prefill = self._prefill(req, attempt)
+        if window <= 0 and stall <= 0 and reserve <= 0 and prefill == math.inf:
             return None
-        return _Watch(self, req, window, stall, learned, reserve)
+        return _Watch(self, req, window, stall, learned, reserve, prefill)
+
+    def _prefill(self, req: TierRequest | None, attempt: Attempt | None) -> float:
+        """Seconds this attempt's first token may take at its backend's normal prompt
+        rate (with the margin); inf where not judged: the last tier, no rate, or an
+        answer that does not stream (its first bytes are the whole answer)."""
+        rate = self.prompt_rate
+        if rate is None or attempt is None or attempt.is_last or req is None:
+            return math.inf
+        if req.streaming is False:
+            return math.inf
+        backend = attempt.backend
+        return rate.limit(backend.name, backend.regime, req.body)[0]
 
     def _reserve(self, req: TierRequest | None, attempt: Attempt | None) -> float:
         """Seconds this attempt must leave for the later tiers (0: none to keep)."""
@@ -392,6 +425,7 @@ class _Watch(Interruption):
         "_cut",
         "_handle",
         "_moved_at",
+        "_prefill_end",
         "_previous",
         "_prober",
         "_rate_from",
@@ -423,6 +457,7 @@ class _Watch(Interruption):
         stall: float,
         learned: bool = False,
         reserve: float = 0.0,
+        prefill: float = math.inf,
     ) -> None:
         self.watchdog = watchdog
         self.learned = learned
@@ -445,6 +480,7 @@ class _Watch(Interruption):
         self.fired: str | None = None
         self._ceiling_at = self.start + watchdog.ceiling
         self._window_end = self.start + window if window > 0 else math.inf
+        self._prefill_end = self.start + prefill
         deadline = self._deadline()
         self._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
         self._previous: Hashable | None = None
@@ -500,13 +536,16 @@ class _Watch(Interruption):
         ):
             return
         learned = self.watchdog.learned
+        body = self.req.body if self.req is not None else None
         if learned is not None:
-            body = self.req.body if self.req is not None else None
             if observer.sse or not self.held:
                 first = observer.first_data_at - self.start
             else:
                 first = clock.now() - self.start
             learned.observe(self.backend, body, first)
+        rate = self.watchdog.prompt_rate
+        if rate is not None and observer.sse:  # a first token's own time
+            rate.observe(self.backend, body, observer.first_data_at - self.start)
         gaps = self.watchdog.learned_gap
         if gaps is not None and observer.sse and observer.data_events > 2:
             last = observer.last_event_at or observer.first_data_at
@@ -596,7 +635,7 @@ class _Watch(Interruption):
 
     def _start_timer(self) -> None:
         """Arm the first window (or the ceiling): the same delay for most attempts."""
-        due = min(self._window_end, self._ceiling_at, self._cut)
+        due = min(self._window_end, self._ceiling_at, self._cut, self._prefill_end)
         if due == math.inf:
             return
         deadline = self._deadline()
@@ -620,7 +659,7 @@ class _Watch(Interruption):
                 return
             due = self._quiet_since() + self.stall
         else:
-            due = min(self._window_end, self._ceiling_at, self._cut)
+            due = min(self._window_end, self._ceiling_at, self._cut, self._prefill_end)
             deadline = self._deadline()
             if deadline is not None and due >= deadline:
                 return  # the budget ends this attempt first: a deadline, not a saturation
@@ -671,6 +710,12 @@ class _Watch(Interruption):
         if now >= self._cut - EARLY:
             self._fire("reserve")
             return
+        if now >= self._prefill_end - EARLY:
+            self._too_slow(now)
+            return
+        if self._prober is not None and not self._prober.done():
+            self._schedule_probe_out(now)
+            return
         if now < self._window_end - EARLY:
             self._schedule()
             return
@@ -686,12 +731,22 @@ class _Watch(Interruption):
             self._fire("no_first_chunk" if observer.first_data_at is None else "incomplete")
             return
         self._prober = asyncio.create_task(self._ask(now), name="tierchain-watchdog-probe")
-        # A starved server answers its status slowly too: the reserve's point and
-        # the ceiling stay on the timer while the probe is out.
-        due = min(self._cut, self._ceiling_at)
+        self._schedule_probe_out(now)
+
+    def _schedule_probe_out(self, now: float) -> None:
+        # A starved server answers its status slowly too: the reserve's point, the
+        # ceiling and the expected prefill stay on the timer while the probe is out.
+        due = min(self._cut, self._ceiling_at, self._prefill_end)
         deadline = self._deadline()
         if due != math.inf and (deadline is None or due < deadline):
             self._arm(max(0.0, due - now), fixed=False)
+
+    def _too_slow(self, now: float) -> None:
+        """The expected prefill at the backend's normal prompt rate is over, with no
+        first token: ``too_slow``, whatever a status says."""
+        if self.attempt is not None:
+            self.attempt.verdict = "too_slow"
+        self._fire("too_slow")
 
     def _stalled(self, gap: float) -> None:
         self._log_stall(gap)
@@ -780,6 +835,13 @@ class _Watch(Interruption):
         name = self.backend or ""
         if verdict == "no_progress":
             span = max(watchdog.progress_span, 1.5 * watchdog._batch.get(name, 0.0))
+            prompt_rate = watchdog.prompt_rate
+            normal = prompt_rate.normal_rate(name) if prompt_rate is not None else None
+            if prompt_rate is not None and normal is not None:
+                # One prompt batch at the normal rate (with the margin): no need to
+                # wait progress_span for a move that should have come long before.
+                step = prompt_rate.margin * _PROMPT_BATCH / normal
+                span = min(span, max(step, 1.5 * watchdog._batch.get(name, 0.0)))
             if now - self._moved_at < span:
                 verdict = "working"  # not moved yet, within one step of its granularity
             else:
