@@ -1029,12 +1029,35 @@ def window_warnings(
             "SaturationWatchdog is not in the stack: a quiet first tier on route(s) "
             f"{', '.join(map(repr, later))} is waited on until the budget ends the request"
         ]
-    if watchdog.off and watchdog.learned is None:
+    rate = watchdog.prompt_rate
+    if rate is None:
+        warnings.append(
+            f"prompt_rate is off (0) while route(s) {', '.join(map(repr, later))} have a later "
+            "tier: a working status keeps a starved first tier until its window, the reserve "
+            "or the ceiling ends it; set prompt_rate='auto' (TIERCHAIN_WATCHDOG_PROMPT_RATE=auto)"
+        )
+    if watchdog.off and watchdog.learned is None and rate is None:
         warnings.append(
             f"slow_after is off (0) while route(s) {', '.join(map(repr, later))} have a later "
             "tier: a quiet first tier is waited on until the reserve (or, without a budget, "
             "the ceiling) ends it; set slow_after (TIERCHAIN_SLOW_AFTER=auto)"
         )
+    if rate is not None and rate.rate is None:
+        unmarked = sorted(
+            {
+                str(getattr(chain[0], "name", chain[0]))
+                for route, chain in chains.items()
+                if route in later and getattr(chain[0], "regime", "local") in (None, "")
+            }
+        )
+        if unmarked:
+            least = rate.limit("", None, b"")[0]
+            warnings.append(
+                f"first tier(s) {', '.join(map(repr, unmarked))} have no regime: a quiet one is "
+                f"waited on for {least:g}s at least before anything is learned (local: "
+                f'{rate.limit("", "local", b"")[0]:g}s); set regime = "local" on a local '
+                "server's backend"
+            )
     if budget is not None:
         reserve = min(watchdog.reserve, budget * _RESERVE_SHARE)
         if watchdog.learned is not None:
@@ -1042,9 +1065,12 @@ def window_warnings(
         else:
             window, what = watchdog.window(b""), "slow_after's smallest window"
         if window > budget - reserve and not watchdog.off:
+            ends = "the prompt rate or the reserve" if rate is not None else "the reserve"
             warnings.append(
                 f"{what} ({window:g}s) is longer than the budget minus the reserve "
-                f"({budget:g}s - {reserve:g}s): the reserve, not the window, ends a quiet "
-                "first tier's attempt"
+                f"({budget:g}s - {reserve:g}s): {ends}, not the window, ends a quiet "
+                f"first tier's attempt; set slow_after below {budget - reserve:g}s "
+                f"(TIERCHAIN_SLOW_AFTER=auto, or a number of seconds), or the budget above "
+                f"{window + reserve:g}s (TIERCHAIN_BUDGET_DEFAULT)"
             )
     return warnings
