@@ -212,3 +212,58 @@ async def test_a_long_prompt_on_a_healthy_tower_is_given_its_prefill_at_the_lear
     assert long.content == TOWER_STREAM
     assert hosted.requests == []
     assert gw.states("backend_saturated") == []
+
+
+def batches(rate: float, started: list[float]) -> Any:
+    """Our slot's ``/slots``: its prompt moves a 2,048-token batch at a time at ``rate``
+    tokens a second (llama.cpp counts ``n_prompt_tokens_processed`` per batch)."""
+
+    def status(_path: str) -> bytes:
+        if not started:
+            return llamacpp_slots(0)
+        done = rate * (now() - started[0])
+        return llamacpp_slots(int(done // 2048) * 2048)
+
+    return status
+
+
+@pytest.mark.parametrize(("rate", "kept"), [(82.0, True), (30.0, False)])
+@on_virtual_time
+async def test_a_long_prompts_batches_at_the_normal_rate_keep_it_past_the_regimes_default(
+    rate, kept
+):
+    # About 6,000 tokens (24,000 bytes): the local default gives it 2 x 6,000 / 100 = 120 s.
+    # At 82 tokens a second (an idle CPU) it needs 73 s of prefill plus its decode, and
+    # here 140 s in all: its batches move at the normal rate, so it is kept. At 30 tokens a
+    # second (starved) the batches are slower than the normal allows: cut at 120 s.
+    started: list[float] = []
+    tokens = 6000
+
+    async def tower_script(ex: Exchange) -> None:
+        started.append(now())
+        await asyncio.sleep(140.0 if kept else 10_000.0)
+        await streams(["from ", "tower"])(ex)
+
+    async with (
+        FakeBackend("tower", routed(tower_script, batches(rate, started))) as tower,
+        FakeBackend("hosted", hosted_script()) as hosted,
+    ):
+        gw = Gateway(
+            [
+                Backend("tower", tower.url, regime="local", status_url=tower.url + "/slots"),
+                Backend("hosted", hosted.url, regime="hosted"),
+            ],
+            budget=600.0,
+            slow_after=45.0,
+        )
+        body = chat_request(content="w" * (tokens * 4 - 60))
+        async with serve(gw.app) as url:
+            response = await ask(url, body)
+        await gw.aclose()
+    if kept:
+        assert response.content == TOWER_STREAM
+        assert hosted.requests == []
+    else:
+        assert response.content == HOSTED_STREAM
+        assert gw.attempts[0][0].verdict == "too_slow"
+        assert tower_elapsed(gw, 0) == pytest.approx(120.0, abs=0.5)

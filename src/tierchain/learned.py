@@ -288,6 +288,15 @@ class PromptRate:
             if known.rate.n >= self.min_samples:
                 labelled(LEARNED_PROMPT_RATE, backend).set(known.rate.low())
 
+    def rate_for(self, backend: str, regime: str | None) -> float:
+        """The rate a prefill at ``backend`` is judged by: learned, fixed, or its regime's."""
+        if self.rate is not None:
+            return self.rate
+        known = self._rates.get(backend)
+        if known is None or known.rate.n < self.min_samples:
+            return _REGIME_DEFAULTS.get(regime or "", _OTHER_DEFAULT)[0]
+        return known.rate.low()
+
     def normal_rate(self, backend: str) -> float | None:
         """The learned rate in tokens per second (its slow end), or None until learned."""
         known = self._rates.get(backend)

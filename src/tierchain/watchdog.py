@@ -82,7 +82,7 @@ from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance, estimate_tokens
 from .errors import BackendBusy, BackendSaturated, StreamError
-from .learned import Learned, LearnedGap, PromptRate
+from .learned import Learned, LearnedGap, PromptRate, prompt_tokens
 from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, Status, auto_reader, fetch_status, judge
 from .request import UNROUTED_KEY, Attempt, TierRequest
@@ -877,6 +877,8 @@ class _Watch(Interruption):
             self._moved_at = now
         end = min(self._cut, self._ceiling_at, self._deadline() or math.inf)
         done = status.prompt_done
+        if done:
+            self._batches_at_normal_rate(done, now)
         if done is not None:
             if self._rate_from is None:
                 self._rate_from = (now, done)
@@ -894,6 +896,22 @@ class _Watch(Interruption):
             if normal is not None and now - self.start > watchdog.normal_multiple * normal:
                 return "too_slow"
         return verdict
+
+    def _batches_at_normal_rate(self, done: int, now: float) -> None:
+        """Our slot's prompt moved (a whole batch at a time) at least as fast as the
+        backend's normal rate allows (its rate over the margin): the expected prefill
+        is measured on this prompt itself, from the rate its batches went at."""
+        rate = self.watchdog.prompt_rate
+        if rate is None or self._prefill_end == math.inf or now <= self.start:
+            return
+        observed = done / (now - self.start)
+        backend = self.attempt.backend if self.attempt is not None else None
+        regime = backend.regime if backend is not None else None
+        if observed * rate.margin < rate.rate_for(self.backend or "", regime):
+            return  # slower than the normal allows: a starved server's batches
+        body = self.req.body if self.req is not None else None
+        total = max(float(done), prompt_tokens(body))
+        self._prefill_end = max(self._prefill_end, self.start + rate.margin * total / observed)
 
     async def _probe(self, url: str, backend: str, limit: float) -> Status | None:
         with tracer.start_as_current_span(
