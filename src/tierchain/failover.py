@@ -125,7 +125,7 @@ _REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its me
 _REFUSED = frozenset({429, 503})
 # Saturations whose reason the backend_saturated state line carries (the words this
 # layer's callers may not know from the plain stopwatch).
-_SHOWN_WHY = frozenset({"reserve", "too_slow", "status_late", "incomplete"})
+_SHOWN_WHY = frozenset({"reserve", "too_slow", "incomplete"})
 # Faults worth a second try of the same backend before commit: a proxy in front of
 # the model server answering 502, or 503 without Retry-After with a body typed other
 # than JSON (a model server's own 503 is JSON: it is busy, and the chain moves on).

@@ -118,7 +118,6 @@ def _prompt_rate(value: float | str | PromptRate, margin: float) -> PromptRate |
 
 _RESERVE_SHARE = 0.5  # a reserve never takes more than this share of the whole budget
 _PROMPT_BATCH = 2048  # llama.cpp's default n_batch: its prompt progress moves this many at once
-_LATE_IN_A_ROW = 2  # late status answers in a row after which `working` is not believed
 _SILENT = 5.0  # a committed stream silent this long (or its stall window) when the budget ends it
 
 SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float] | Learned | str
@@ -436,7 +435,6 @@ class _Watch(Interruption):
         "_ceiling_at",
         "_cut",
         "_handle",
-        "_late",
         "_moved_at",
         "_prefill_end",
         "_previous",
@@ -498,7 +496,6 @@ class _Watch(Interruption):
         self._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
         self._previous: Hashable | None = None
         self._moved_at = self.start
-        self._late = 0  # window-end status answers in a row slower than status_late
         self._rate_from: tuple[float, int] | None = None
         self._slow_logged = False
         self._send: Send | None = None
@@ -788,11 +785,8 @@ class _Watch(Interruption):
         limit = min(self.watchdog.probe_timeout, self._ceiling_at - now, self._cut - now)
         if deadline is not None:
             limit = min(limit, deadline - now)
-        asked = clock.now()
         status = await self._probe(backend.status_url, backend.name, limit)
         now = clock.now()
-        late = self.watchdog.status_late
-        self._late = self._late + 1 if late > 0 and now - asked >= late - EARLY else 0
         if status is None and (self.fired is not None or now >= self._cut - EARLY):
             # Cut short at the reserve's point (a starved server answers its status
             # slowly too): no answer, so no verdict; the reserve ends the attempt.
@@ -803,9 +797,6 @@ class _Watch(Interruption):
         verdict: str = judge(status, self._previous, streaming=streaming)
         if status is not None and verdict in ("working", "no_progress"):
             verdict = self._against_time(status, verdict, now)
-        late_working = verdict == "working" and self._late >= _LATE_IN_A_ROW
-        if late_working:
-            verdict = "too_slow"  # its status answers late, again: starved itself
         labelled(PROBE_ANSWERS, backend.name, verdict).inc()
         self.attempt.verdict = verdict
         if self.fired is not None or self.answered():
@@ -836,9 +827,6 @@ class _Watch(Interruption):
                         "still_working", backend=backend.name, pool=backend.pool, elapsed_s=elapsed
                     )
             self._schedule()
-            return
-        if late_working:
-            self._fire("status_late")
             return
         self._fire("probe_unknown" if verdict == "unknown" else verdict)
 
