@@ -82,21 +82,24 @@ def test_before_anything_is_learned_each_regime_has_a_conservative_default():
     assert rate.limit("tower", "local", b"x" * 400_000)[0] == 2000.0
 
 
-def test_the_rate_is_learned_from_healthy_first_tokens_and_small_prompts_teach_the_overhead():
+def test_the_rate_is_learned_from_healthy_first_tokens_and_small_prompts_teach_the_overhead(
+    metric,
+):
     rate = PromptRate()
     body = b"x" * 2500
     for _ in range(3):
-        rate.observe("tower", body, 5.0)  # 125 tokens/s
-    limit, learned = rate.limit("tower", "local", body)
+        rate.observe("learned-tower", body, 5.0)  # 125 tokens/s
+    assert metric("tierchain_learned_prompt_rate", backend="learned-tower") == pytest.approx(125.0)
+    limit, learned = rate.limit("learned-tower", "local", body)
     assert learned
     assert limit == pytest.approx(10.0)  # twice the normal first token
     for _ in range(3):
-        rate.observe("tower", b"hi", 0.5)  # under min_tokens: the fixed cost
-    assert rate.limit("tower", "local", body)[0] == pytest.approx(2 * (0.5 + 5.0))
-    assert rate.normal_rate("tower") == pytest.approx(125.0)
+        rate.observe("learned-tower", b"hi", 0.5)  # under min_tokens: the fixed cost
+    assert rate.limit("learned-tower", "local", body)[0] == pytest.approx(2 * (0.5 + 5.0))
+    assert rate.normal_rate("learned-tower") == pytest.approx(125.0)
     assert rate.normal_rate("other") is None
     # A learned rate never waits less than the floor (2 s).
-    assert rate.limit("tower", "local", b"")[0] == 2.0
+    assert rate.limit("learned-tower", "local", b"")[0] == 2.0
 
 
 def test_prompt_rate_options_are_checked():

@@ -171,6 +171,7 @@ _REGIME_DEFAULTS: dict[str, tuple[float, float]] = {"local": (100.0, 10.0)}
 _OTHER_DEFAULT = (500.0, 30.0)
 """Any other regime (``hosted``, none, ...): a provider's queue is not ours to know."""
 _EW = 0.2  # the weight of a new sample in the running mean and variance of its log
+_GAUGE_EVERY = 16  # rates learned between two updates of the exported gauge
 _SPREAD = 2.0  # standard deviations below the mean rate (above the mean overhead)
 
 
@@ -285,7 +286,8 @@ class PromptRate:
             known.overhead.add(first_data_s)
         else:
             known.rate.add(tokens / first_data_s)
-            if known.rate.n >= self.min_samples:
+            n = known.rate.n - self.min_samples
+            if n >= 0 and n % _GAUGE_EVERY == 0:  # (the healthy path pays for no more)
                 labelled(LEARNED_PROMPT_RATE, backend).set(known.rate.low())
 
     def rate_for(self, backend: str, regime: str | None) -> float:
