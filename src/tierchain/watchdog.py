@@ -53,6 +53,11 @@ whose observed progress cannot finish in time, or a wait past
 ``normal_multiple`` times the learned normal, is ``too_slow``; no progress is
 judged over ``progress_span``, not between two close probes.
 
+The prompt rate: before any window, a streamed attempt with a later tier is judged
+against its backend's normal prompt rate (learned, or its regime's default): past
+``prompt_margin`` times the prompt's expected prefill with no first token it is
+``too_slow``, whatever a status says (see :class:`~tierchain.learned.PromptRate`).
+
 The last tier (or a request with no Failover) is never cut by the window: it
 is recorded as slow and only the budget or the ceiling ends it. The ceiling
 (``ceiling`` seconds after the attempt started, on the monotonic clock) is
@@ -142,6 +147,12 @@ class SaturationWatchdog:
     background while traffic flows (0: no polling, no skipping); a status older
     than ``status_stale`` is unknown. ``busy_waiting``, ``busy_kv_cache`` and
     ``busy_all_slots`` are the thresholds past which a polled status says full.
+
+    ``prompt_rate`` (``"auto"``: learned per backend, see
+    :class:`~tierchain.learned.PromptRate`; a number: tokens per second; 0: off) and
+    ``prompt_margin`` bound the wait for a first token by the prompt's expected prefill,
+    whatever a status says. ``status_late``: a status asked before sending that takes
+    this long (or never answers) skips the backend as busy.
     """
 
     def __init__(
