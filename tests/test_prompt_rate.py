@@ -25,6 +25,7 @@ from .support import (
     Exchange,
     FakeBackend,
     chat_request,
+    completion_body,
     now,
     on_virtual_time,
     openai_stream,
@@ -270,3 +271,45 @@ async def test_a_long_prompts_batches_at_the_normal_rate_keep_it_past_the_regime
         assert response.content == HOSTED_STREAM
         assert gw.attempts[0][0].verdict == "too_slow"
         assert tower_elapsed(gw, 0) == pytest.approx(120.0, abs=0.5)
+
+
+@pytest.mark.parametrize("generating", [False, True], ids=["prefilling", "generating"])
+@on_virtual_time
+async def test_an_answer_that_does_not_stream_is_judged_by_its_slot_at_its_expected_prefill(
+    generating,
+):
+    # No first token to wait for: past the expected prefill (12.5 s), /slots tells a slot
+    # still reading a prompt (too slow: the starved tower) from one writing the answer (a
+    # long healthy answer, kept until it is whole at 30 s).
+    def slots(_path: str) -> bytes:
+        return llamacpp_slots(625, decoded=40) if generating else llamacpp_slots(0)
+
+    async def tower_script(ex: Exchange) -> None:
+        if not generating:
+            await quiet(ex)
+            return
+        await asyncio.sleep(30.0)
+        await ex.respond(200, completion_body("from tower"))
+
+    async with (
+        FakeBackend("tower", routed(tower_script, slots)) as tower,
+        FakeBackend("hosted", hosted_script()) as hosted,
+    ):
+        gw = Gateway(
+            [
+                Backend("tower", tower.url, regime="local", status_url=tower.url + "/slots"),
+                Backend("hosted", hosted.url, regime="hosted"),
+            ],
+            budget=170.0,
+            slow_after=45.0,
+        )
+        async with serve(gw.app) as url:
+            response = await ask(url, chat_request(stream=False, content="w" * 2400))
+        await gw.aclose()
+    if generating:
+        assert response.content == completion_body("from tower")
+        assert hosted.requests == []
+    else:
+        assert response.content == completion_body("from hosted")
+        assert gw.attempts[0][0].verdict == "too_slow"
+        assert tower_elapsed(gw, 0) == pytest.approx(12.4, abs=0.2)

@@ -358,13 +358,14 @@ class SaturationWatchdog:
     def _prefill(self, req: TierRequest | None, attempt: Attempt | None) -> float:
         """Seconds this attempt's first token may take at its backend's normal prompt
         rate (with the margin); inf where not judged: the last tier, no rate, or an
-        answer that does not stream (its first bytes are the whole answer)."""
+        answer that does not stream (its first bytes are the whole answer) from a
+        backend with no status URL to tell a prompt still read from an answer written."""
         rate = self.prompt_rate
         if rate is None or attempt is None or attempt.is_last or req is None:
             return math.inf
-        if req.streaming is False:
-            return math.inf
         backend = attempt.backend
+        if req.streaming is False and backend.status_url is None:
+            return math.inf
         return rate.limit(backend.name, backend.regime, req.body)[0]
 
     def _reserve(self, req: TierRequest | None, attempt: Attempt | None) -> float:
@@ -446,10 +447,12 @@ class _Watch(Interruption):
         "_ceiling_at",
         "_cut",
         "_handle",
+        "_held_prompt",
         "_moved_at",
         "_prefill_end",
         "_previous",
         "_prober",
+        "_prompt_due",
         "_rate_from",
         "_send",
         "_slow_logged",
@@ -503,6 +506,9 @@ class _Watch(Interruption):
         self._ceiling_at = self.start + watchdog.ceiling
         self._window_end = self.start + window if window > 0 else math.inf
         self._prefill_end = self.start + prefill
+        # A held answer's prompt rate is judged with a status: still reading the prompt?
+        self._held_prompt = req is not None and req.streaming is False
+        self._prompt_due = False
         deadline = self._deadline()
         self._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
         self._previous: Hashable | None = None
@@ -733,7 +739,18 @@ class _Watch(Interruption):
             self._fire("reserve")
             return
         if now >= self._prefill_end - EARLY:
-            self._too_slow(now)
+            if not self._held_prompt:
+                self._too_slow(now)
+                return
+            # A held answer has no first token to wait for: its status says whether a
+            # slot still reads a prompt (too slow) or the answer is being written.
+            self._prefill_end = math.inf
+            self._prompt_due = True
+            if self._prober is None or self._prober.done():
+                self._prober = asyncio.create_task(
+                    self._ask(now, window=False), name="tierchain-watchdog-probe"
+                )
+            self._schedule_probe_out(now)
             return
         if self._prober is not None and not self._prober.done():
             self._schedule_probe_out(now)
@@ -787,8 +804,9 @@ class _Watch(Interruption):
             "tierchain.backend_stalled", {ATTR_BACKEND: self.backend or "", "idle_s": gap}
         )
 
-    async def _ask(self, now: float) -> None:
-        """Ask the backend whether it is still working; extend, or call it saturated."""
+    async def _ask(self, now: float, *, window: bool = True) -> None:
+        """Ask the backend whether it is still working; extend, or call it saturated.
+        ``window``: asked at a window's end (a ``working`` answer extends it by one)."""
         assert self.attempt is not None
         backend = self.attempt.backend
         assert backend.status_url is not None
@@ -808,6 +826,9 @@ class _Watch(Interruption):
         verdict: str = judge(status, self._previous, streaming=streaming)
         if status is not None and verdict in ("working", "no_progress"):
             verdict = self._against_time(status, verdict, now)
+        prompt_due, self._prompt_due = self._prompt_due, False
+        if prompt_due and verdict == "working" and status is not None and status.prefilling:
+            verdict = "too_slow"  # past its expected prefill, a slot still reads a prompt
         labelled(PROBE_ANSWERS, backend.name, verdict).inc()
         self.attempt.verdict = verdict
         if self.fired is not None or self.answered():
@@ -820,7 +841,8 @@ class _Watch(Interruption):
         if verdict == "working":
             assert status is not None
             self._previous = status.progress
-            self._window_end += self.window
+            if window:
+                self._window_end += self.window
             elapsed = round(now - self.start, 1)
             log_event(
                 "dispatch.backend_still_working",
