@@ -572,7 +572,9 @@ async def test_a_starved_llama_server_reaches_hosted_with_the_reserve_left(
     assert gw.trail() == [("tower", "saturated"), ("hosted", "ok")]
     (saturated,) = gw.states("backend_saturated")
     assert saturated["failing_over"] is True
-    assert saturated["reason"] in ("reserve", "too_slow")
+    # The reserve, the prompt rate, or (no reason on the line) the probe's own verdict:
+    # starved, the server may not even have taken our task from its queue yet ("idle").
+    assert saturated.get("reason") in (None, "reserve", "too_slow")
     left, reserve = gw.left_after(0)
     assert reserve > 0
     assert left >= 0.99 * reserve  # the tower left hosted its reserve (its end takes a moment)
@@ -581,7 +583,7 @@ async def test_a_starved_llama_server_reaches_hosted_with_the_reserve_left(
     assert len(hosted.requests) == 1
     report(
         f"starved to {STARVED_PERCENT}% of a CPU, status_url={path}, "
-        f"{'stream' if stream else 'non-stream'}, ended for {saturated['reason']} after "
+        f"{'stream' if stream else 'non-stream'}, ended for {saturated.get('reason')} after "
         f"{len(gw.states('still_working'))} still_working, last verdict "
         f"{gw.attempts[-1][0].verdict}",
         tower=gw.requests[-1].attempts[0].elapsed,
