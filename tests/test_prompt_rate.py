@@ -313,3 +313,47 @@ async def test_an_answer_that_does_not_stream_is_judged_by_its_slot_at_its_expec
         assert response.content == completion_body("from hosted")
         assert gw.attempts[0][0].verdict == "too_slow"
         assert tower_elapsed(gw, 0) == pytest.approx(12.4, abs=0.2)
+
+
+@on_virtual_time
+async def test_a_prompt_stuck_after_a_batch_is_no_progress_after_one_batch_at_the_normal_rate():
+    # Learned: 625-token prompts read in 0.625 s (1,000 tokens a second). A 10,000-token
+    # prompt's slot moves its first 2,048-token batch at 1 s, then never again: one batch
+    # at the normal rate, times the margin, is 4.1 s, so it is no_progress some 4 s after
+    # the move, not after progress_span (30 s) and before its expected prefill (20 s).
+    phase = ["learn"]
+    started: list[float] = []
+
+    def slots(_path: str) -> bytes:
+        if not started or now() - started[0] < 1.0:
+            return llamacpp_slots(0)
+        return llamacpp_slots(2048)
+
+    async def tower_script(ex: Exchange) -> None:
+        if phase[0] == "learn":
+            await after(0.625)(ex)
+            return
+        started.append(now())
+        await quiet(ex)
+
+    async with (
+        FakeBackend("tower", routed(tower_script, slots)) as tower,
+        FakeBackend("hosted", hosted_script()) as hosted,
+    ):
+        gw = Gateway(
+            [
+                Backend("tower", tower.url, regime="local", status_url=tower.url + "/slots"),
+                Backend("hosted", hosted.url, regime="hosted"),
+            ],
+            budget=170.0,
+            slow_after=0.5,
+        )
+        async with serve(gw.app) as url:
+            for _ in range(3):
+                assert (await ask(url, chat_request(content="w" * 2440))).content == TOWER_STREAM
+            phase[0] = "stuck"
+            response = await ask(url, chat_request(content="w" * 39_940))
+        await gw.aclose()
+    assert response.content == HOSTED_STREAM
+    assert gw.attempts[3][0].verdict == "no_progress"
+    assert 4.0 < tower_elapsed(gw, 3) < 7.0
