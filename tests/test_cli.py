@@ -230,7 +230,8 @@ def test_check_config_warns_when_a_backend_url_ends_in_v1_and_the_requests_carry
     # The LiteLLM copy trap: api_base ".../v1" + the caller's "/v1/chat/completions".
     path = tmp_path / "routes.toml"
     path.write_text(
-        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n\n'
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n'
+        'regime = "local"\n\n'
         '[[routes.echo.backends]]\nname = "proxy"\nurl = "http://127.0.0.1:4000/v1/"\n'
     )
     environ = {"TIERCHAIN_ROUTES_FILE": str(path)}

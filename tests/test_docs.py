@@ -181,7 +181,8 @@ def test_the_documented_routes_problems_and_warning_are_what_check_config_prints
     printed = out.getvalue().splitlines()
     assert documented_lines("### Problems and warnings") == printed[1:]
     Path("routes.toml").write_text(
-        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n\n'
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n'
+        'regime = "local"\n\n'
         '[[routes.echo.backends]]\nname = "proxy"\nurl = "http://127.0.0.1:4000/v1"\n'
     )
     out = io.StringIO()

@@ -23,7 +23,16 @@ import pytest
 
 from tierchain.config import build_stack, from_env
 
-from .support import Exchange, FakeBackend, chat_request, openai_stream, serve, streams
+from .support import (
+    Exchange,
+    FakeBackend,
+    chat_request,
+    now,
+    on_virtual_time,
+    openai_stream,
+    serve,
+    streams,
+)
 from .test_docs_run import BLOCKS, ROOT, Block
 
 TOWER_URL = "http://127.0.0.1:11434"
@@ -136,3 +145,72 @@ async def test_the_environment_quick_start_reaches_hosted_past_a_quiet_tower(sou
     assert_hosted_past_the_tower(response)
     if source.startswith("tierchain serve"):
         assert settings.middleware_kwargs("SaturationWatchdog")["slow_after"].maximum == 30.0
+
+
+# -- issue 32: the documented budget, no header: the prompt rate ends the wait ----------
+
+FIRST_CALLER_BOUND = 15.0  # seconds before anything is learned (issue 32)
+
+
+async def ask_as_documented(url: str) -> tuple[httpx.Response, float]:
+    """One request with no budget header (the documented budget applies), and how long it
+    took on the virtual clock."""
+    started = now()
+    async with httpx.AsyncClient(timeout=600) as client:
+        response = await client.post(url + "/v1/chat/completions", content=chat_request())
+    return response, now() - started
+
+
+def assert_too_slow_first(response: httpx.Response) -> None:
+    assert response.status_code == 200
+    assert response.content.endswith(HOSTED)
+    if "x-tierchain-attempts" in response.headers:
+        assert response.headers["x-tierchain-attempts"] == (
+            "tower;outcome=saturated, hosted;outcome=ok"
+        )
+    else:
+        states = [
+            json.loads(line[2:])
+            for line in response.content.decode().splitlines()
+            if line.startswith(": {")
+        ]
+        saturated = [s for s in states if s["state"] == "backend_saturated"]
+        assert saturated[0]["reason"] == "too_slow"
+
+
+@pytest.mark.parametrize("block", GATEWAYS, ids=[b.id for b in GATEWAYS])
+@on_virtual_time
+async def test_a_documented_gateway_reaches_hosted_within_15s_on_its_own_budget(block, monkeypatch):
+    async with (
+        FakeBackend("tower", quiet) as tower,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        code = block.code.replace(TOWER_URL, tower.url).replace(HOSTED_URL, hosted.url)
+        module = types.ModuleType(f"docs_block_{block.line}")
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        exec(compile(code, block.id, "exec"), module.__dict__)  # the block, as written
+        async with serve(module.__dict__["app"], lifespan="auto") as url:
+            response, took = await ask_as_documented(url)
+    assert_too_slow_first(response)
+    assert took < FIRST_CALLER_BOUND
+
+
+@pytest.mark.parametrize("source", ["docs/index.md export line", "tierchain serve defaults"])
+@on_virtual_time
+async def test_the_environment_quick_start_reaches_hosted_within_15s_on_its_own_budget(
+    source, tmp_path
+):
+    async with (
+        FakeBackend("tower", quiet) as tower,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        routes = tmp_path / "routes.toml"
+        _routes_file(routes, tower.url, hosted.url)
+        env = _export_line() if source.startswith("docs") else {}
+        env["TIERCHAIN_ROUTES_FILE"] = str(routes)
+        settings = from_env(env)
+        app = build_stack(None, settings, identity=False)
+        async with serve(app, lifespan="on") as url:
+            response, took = await ask_as_documented(url)
+    assert_too_slow_first(response)
+    assert took < FIRST_CALLER_BOUND

@@ -109,6 +109,7 @@ DURATIONS: list[tuple[str, str, str, bool, bool]] = [
     ("SaturationWatchdog", "reserve_floor", "reserve_floor", True, False),
     ("SaturationWatchdog", "progress_span", "progress_span", True, False),
     ("SaturationWatchdog", "ask_first", "ask_first", True, False),
+    ("SaturationWatchdog", "status_late", "status_late", True, False),
     ("SaturationWatchdog", "status_interval", "board.interval", True, False),
     ("SaturationWatchdog", "status_stale", "board.stale_after", False, False),
     ("Forwarder", "connect_timeout", "connect_timeout", False, False),
@@ -138,6 +139,7 @@ DURATIONS: list[tuple[str, str, str, bool, bool]] = [
 # Float (or None) parameters of those classes that are not durations.
 NOT_DURATIONS = {
     ("SaturationWatchdog", "normal_multiple"),  # a multiple of a learned batch wait
+    ("SaturationWatchdog", "prompt_margin"),  # a multiple of the expected prefill
     ("SaturationWatchdog", "busy_kv_cache"),  # a fraction
     ("Failover", "waiting_key_share"),  # a fraction of the waiting room
     ("Learned", "quantile"),

@@ -881,7 +881,8 @@ def test_check_config_names_a_replica_by_its_place_in_its_pool(tmp_path: Any) ->
 
     path = tmp_path / "routes.toml"
     path.write_text(
-        '[[routes.echo.backends]]\nname = "hosted"\nurl = "http://127.0.0.1:3"\n\n'
+        '[[routes.echo.backends]]\nname = "hosted"\nurl = "http://127.0.0.1:3"\n'
+        'regime = "hosted"\n\n'
         '[[routes.echo.backends]]\npool = "tower"\n'
         '[[routes.echo.backends.backends]]\nname = "tower-a"\nurl = "http://127.0.0.1:1"\n'
         '[[routes.echo.backends.backends]]\nname = "tower-b"\nurl = "http://127.0.0.1:2/v1"\n'

@@ -68,7 +68,7 @@ NICE = shutil.which("nice")
 # The end-of-text tokens of SmolLM2, held down so a competing generation runs long.
 NO_EOS = {"0": -100, "1": -100, "2": -100}
 JSON = {"content-type": "application/json"}
-CONTEXT = 4096
+CONTEXT = 8192  # room for the 6,000-token prompt
 
 
 def _model() -> str | None:
@@ -487,15 +487,22 @@ class ReadmeGateway:
     """The README's stack (Heartbeats, Budget, PreferBackend, Failover, Breaker,
     SaturationWatchdog, Forwarder), tower then hosted, each request recorded."""
 
-    def __init__(self, tower: Backend, hosted: str) -> None:
+    def __init__(
+        self,
+        tower: Backend,
+        hosted: str,
+        *,
+        slow_after: float = SLOW_AFTER,
+        budget: float = BUDGET,
+    ) -> None:
         routes = Routes({"echo": [tower, Backend("hosted", hosted, regime="hosted")]})
         store = MemoryStore()
         self.forwarder = Forwarder(connect_timeout=2.0)
-        self.watchdog = SaturationWatchdog(self.forwarder, slow_after=SLOW_AFTER)
+        self.watchdog = SaturationWatchdog(self.forwarder, slow_after=slow_after)
         app: Any = Breaker(self.watchdog, store=store)
         app = Failover(app, routes=routes, paths=("/v1/", "/api/"))
         app = PreferBackend(app, store=store)
-        app = Budget(app, default=BUDGET)
+        app = Budget(app, default=budget)
         inner = Heartbeats(app, interval=10.0)
         self.app = recorder = Recorder(inner)
         self.requests, self.attempts, self.events = (
@@ -553,10 +560,21 @@ async def test_a_starved_llama_server_reaches_hosted_with_the_reserve_left(
         assert response.content.endswith(HOSTED_STREAM)  # after the state lines
     else:
         assert response.content == HOSTED_WHOLE
+    assert len(hosted.requests) == 1
+    if gw.trail()[0] == ("tower", "busy"):
+        # Its status, asked before sending, answered later than status_late (a starved
+        # server answers in 63 to 810 ms): skipped before anything was sent (issue 32).
+        (busy,) = gw.states("backend_busy")
+        assert busy["reason"].startswith("status late")
+        assert gw.trail() == [("tower", "busy"), ("hosted", "ok")]
+        report(f"starved, status_url={path}, skipped before sending: {busy['reason']}")
+        return
     assert gw.trail() == [("tower", "saturated"), ("hosted", "ok")]
     (saturated,) = gw.states("backend_saturated")
     assert saturated["failing_over"] is True
-    assert saturated["reason"] in ("reserve", "too_slow")
+    # The reserve, the prompt rate, or (no reason on the line) the probe's own verdict:
+    # starved, the server may not even have taken our task from its queue yet ("idle").
+    assert saturated.get("reason") in (None, "reserve", "too_slow")
     left, reserve = gw.left_after(0)
     assert reserve > 0
     assert left >= 0.99 * reserve  # the tower left hosted its reserve (its end takes a moment)
@@ -565,7 +583,7 @@ async def test_a_starved_llama_server_reaches_hosted_with_the_reserve_left(
     assert len(hosted.requests) == 1
     report(
         f"starved to {STARVED_PERCENT}% of a CPU, status_url={path}, "
-        f"{'stream' if stream else 'non-stream'}, ended for {saturated['reason']} after "
+        f"{'stream' if stream else 'non-stream'}, ended for {saturated.get('reason')} after "
         f"{len(gw.states('still_working'))} still_working, last verdict "
         f"{gw.attempts[-1][0].verdict}",
         tower=gw.requests[-1].attempts[0].elapsed,
@@ -614,4 +632,151 @@ async def test_the_same_request_on_an_idle_llama_server_is_answered_by_the_tower
         tower=gw.requests[-1].attempts[0].elapsed,
         budget_left=left,
         reserve=reserve,
+    )
+
+
+# -- every documented configuration against the starved server (issue 32) ------------
+#
+# The six gateways of the issue's table, each as documented: the README's stack
+# (slow_after 45, budget 170) without a status URL, with /slots and with /metrics;
+# `tierchain serve`'s defaults (a routes file and nothing else) without and with /slots;
+# docs/index.md's environment quick start (/metrics, the allowance, budget 170). Three
+# callers each, the same prompt (about 725 tokens: the idle server reads it in 2 to 11 s,
+# starved it needs more than a minute). Before anything is learned, the tower's regime
+# (local) gives its first token 14.5 s at most: the first caller's first data comes from
+# hosted in about 15 s (it took 34 to 86 s, or never, before), and the third caller is
+# not sent to the tower at all (its breaker is open, or its status is late).
+
+DOCUMENTED = [
+    "readme",
+    "serve",
+    "serve+slots",
+    "readme+slots",
+    "readme+metrics",
+    "index.md",
+]
+FIRST_TOKEN_LIMIT = 14.5 + 1.0  # the local regime's default for this prompt, and a second
+
+
+def _routes_toml(tower: str, status_url: str | None, hosted: str) -> str:
+    status = f'status_url = "{status_url}"\n' if status_url else ""
+    return (
+        "[[routes.echo.backends]]\n"
+        f'name = "tower"\nurl = "{tower}"\nregime = "local"\n{status}\n'
+        "[[routes.echo.backends]]\n"
+        f'name = "hosted"\nurl = "{hosted}"\nregime = "hosted"\n'
+    )
+
+
+def _documented_gateway(config: str, server: Server, hosted: str, tmp_path: Any) -> Any:
+    """The app for ``config``, and the Recorder around it."""
+    from tierchain.config import build_stack, from_env
+
+    from .test_docs_quiet_tower import _export_line
+
+    path = {"slots": "/slots", "metrics": "/metrics"}.get(config.partition("+")[2])
+    if config == "index.md":
+        path = "/metrics"
+    status_url = server.url + path if path else None
+    if config.startswith("readme"):
+        tower = Backend("tower", server.url, regime="local", status_url=status_url)
+        return ReadmeGateway(tower, hosted, slow_after=45.0, budget=170.0)
+    routes = tmp_path / "routes.toml"
+    routes.write_text(_routes_toml(server.url, status_url, hosted))
+    env = _export_line() if config == "index.md" else {}
+    env["TIERCHAIN_ROUTES_FILE"] = str(routes)
+    gw = Recorder(build_stack(None, from_env(env), identity=False))
+    return gw
+
+
+async def first_data(client: httpx.AsyncClient, url: str, body: bytes) -> tuple[float, bytes]:
+    """Seconds to the first data event at the caller, and the whole response."""
+    t0 = time.monotonic()
+    took = None
+    chunks: list[bytes] = []
+    async with client.stream(
+        "POST", url + "/v1/chat/completions", content=body, headers=JSON
+    ) as response:
+        async for line in response.aiter_lines():
+            if took is None and line.startswith("data:"):
+                took = time.monotonic() - t0
+            chunks.append(line.encode() + b"\n")
+    assert took is not None, "no data event arrived"
+    return took, b"".join(chunks)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("config", DOCUMENTED)
+async def test_each_documented_gateway_reaches_hosted_in_seconds_past_a_starved_llama_server(
+    starved_server, config, tmp_path
+):
+    async with FakeBackend("hosted", hosted_script()) as hosted:
+        gw = _documented_gateway(config, starved_server, hosted.url, tmp_path)
+        body = chat(long_prompt(PROMPT_WORDS), 2)
+        times = []
+        async with (
+            serve(gw.app if hasattr(gw, "watchdog") else gw, lifespan="auto") as url,
+            httpx.AsyncClient(timeout=240) as client,
+        ):
+            for _ in range(3):
+                took, content = await first_data(client, url, body)
+                assert b'"hosted"' in content  # hosted's answer (its second delta)
+                times.append(took)
+        if hasattr(gw, "aclose"):
+            await gw.aclose()
+    trails = [[(r.backend, r.outcome) for r in req.attempts] for req in gw.requests]
+    for trail in trails:
+        assert trail[-1] == ("hosted", "ok")
+    tower_first = gw.requests[0].attempts[0]
+    assert tower_first.outcome in ("saturated", "busy")  # too_slow, or its status was late
+    assert tower_first.elapsed < FIRST_TOKEN_LIMIT  # the gateway's own recorded time
+    assert trails[2][0][1] in ("skipped", "busy")  # the third caller is never sent there
+    report(
+        f"starved, documented gateway {config!r}, tower outcomes {[t[0][1] for t in trails]}",
+        caller_1=times[0],
+        caller_2=times[1],
+        caller_3=times[2],
+        tower_1=tower_first.elapsed,
+    )
+
+
+@pytest.mark.timeout(600)
+async def test_a_6000_token_prompt_on_an_idle_llama_server_is_kept_by_the_readme_stack(
+    idle_server,
+):
+    # Seed 002's side: a long prompt on an idle tower, the README stack with /slots. Its
+    # prefill outlasts slow_after (45 s) and the status says working. Three requests of the
+    # usual size teach the tower's normal prompt rate first (on a machine this loaded the
+    # idle server reads 30 to 100 tokens a second, and its /slots answers 0.4 to 6 s late
+    # while it reads a 2,048-token batch); the long prompt is then given its prefill at that
+    # rate, and its batches, moving at it, measure it on itself. 4,600 words: 4,669 tokens
+    # by the server's count, 6,231 by the byte estimate. The budget is the README's 170 s
+    # raised to 500 s: loaded, this prefill alone took up to 175 s.
+    async with FakeBackend("hosted", hosted_script()) as hosted:
+        tower = Backend(
+            "tower", idle_server.url, regime="local", status_url=idle_server.url + "/slots"
+        )
+        gw = ReadmeGateway(tower, hosted.url, slow_after=45.0, budget=500.0)
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=600) as client:
+            warm = []
+            for _ in range(3):
+                took, _content = await first_data(client, url, chat(long_prompt(PROMPT_WORDS), 2))
+                assert gw.trail() == [("tower", "ok")]
+                warm.append(took)
+            took, content = await first_data(client, url, chat(long_prompt(4600), 2))
+        await gw.aclose()
+    assert gw.trail() == [("tower", "ok")]
+    assert hosted.requests == []
+    assert b"from hosted" not in content
+    rate = gw.watchdog.prompt_rate
+    assert rate is not None
+    learned = rate.normal_rate("tower")
+    assert learned is not None
+    report(
+        f"idle, a 6,231-token (estimated) prompt, the README stack with /slots, learned "
+        f"{learned:.0f} tokens/s",
+        warm_1=warm[0],
+        warm_2=warm[1],
+        warm_3=warm[2],
+        tower=took,
     )

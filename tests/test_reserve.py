@@ -717,14 +717,20 @@ def test_check_config_warns_about_windows_and_the_reserve():
     from tierchain.watchdog import window_warnings
 
     chains = {"echo": ("tower", "hosted"), "solo": ("tower",)}
-    off = SaturationWatchdog(lambda *a: None, status_interval=0)  # type: ignore[arg-type]
-    (warning,) = window_warnings(off, chains, 170.0)
+    off = SaturationWatchdog(lambda *a: None, status_interval=0, prompt_rate=0)  # type: ignore[arg-type]
+    rate_off, warning = window_warnings(off, chains, 170.0)
+    assert "prompt_rate is off (0)" in rate_off
+    assert rate_off.endswith("set prompt_rate='auto' (TIERCHAIN_WATCHDOG_PROMPT_RATE=auto)")
     assert "slow_after is off (0) while route(s) 'echo' have a later tier" in warning
+    # With the prompt rate on (the default), a quiet tower is caught without a window.
+    assert window_warnings(SaturationWatchdog(lambda *a: None), chains, 170.0) == []  # type: ignore[arg-type]
     allowance = SaturationWatchdog(lambda *a: None, slow_after=Allowance(), status_interval=0)  # type: ignore[arg-type]
     (warning,) = window_warnings(allowance, chains, 170.0)
-    assert warning.startswith(
+    assert warning == (
         "slow_after's smallest window (360s) is longer than the budget minus the reserve "
-        "(170s - 5s)"
+        "(170s - 5s): the prompt rate or the reserve, not the window, ends a quiet first "
+        "tier's attempt; set slow_after below 165s (TIERCHAIN_SLOW_AFTER=auto, or a number of "
+        "seconds), or the budget above 365s (TIERCHAIN_BUDGET_DEFAULT)"
     )
     fine = SaturationWatchdog(lambda *a: None, slow_after=45.0, status_interval=0)  # type: ignore[arg-type]
     assert window_warnings(fine, chains, 170.0) == []
@@ -744,17 +750,32 @@ def test_check_config_prints_the_warnings(tmp_path):
         '[[routes.echo.backends]]\nname = "hosted"\nurl = "https://api.example.com"\n'
     )
     env = {"TIERCHAIN_ROUTES_FILE": str(routes), "TIERCHAIN_SLOW_AFTER": "0"}
+    env["TIERCHAIN_WATCHDOG_PROMPT_RATE"] = "0"
     out = io.StringIO()
     assert check_config(environ=env, out=out) == 0  # a warning is not a problem
-    assert "1 warning(s):\n  - slow_after is off (0) while route(s) 'echo' have a later tier" in (
+    assert "2 warning(s):\n  - prompt_rate is off (0) while route(s) 'echo' have a later" in (
         out.getvalue()
     )
+    assert "  - slow_after is off (0) while route(s) 'echo' have a later tier" in out.getvalue()
     out = io.StringIO()
     assert check_config(as_json=True, environ=env, out=out) == 0
-    assert len(json.loads(out.getvalue())["warnings"]) == 1
+    assert len(json.loads(out.getvalue())["warnings"]) == 2
+    # serve's defaults catch a quiet tower; a tower with no regime is given 30 s, and the
+    # warning names the value to set.
     out = io.StringIO()
     assert check_config(environ={"TIERCHAIN_ROUTES_FILE": str(routes)}, out=out) == 0
-    assert "warning(s)" not in out.getvalue()  # serve's default, slow_after=auto, catches it
+    assert "1 warning(s):\n  - first tier(s) 'tower' have no regime: a quiet one is waited on " in (
+        out.getvalue()
+    )
+    assert 'set regime = "local" on a local server\'s backend' in out.getvalue()
+    routes.write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:11434"\n'
+        'regime = "local"\n\n'
+        '[[routes.echo.backends]]\nname = "hosted"\nurl = "https://api.example.com"\n'
+    )
+    out = io.StringIO()
+    assert check_config(environ={"TIERCHAIN_ROUTES_FILE": str(routes)}, out=out) == 0
+    assert "warning(s)" not in out.getvalue()
 
 
 def test_reserve_options_are_checked():

@@ -50,11 +50,15 @@ class Tower:
         self.chat = chat or streams(["from ", "tower"])
         self.served = asyncio.Event()
         self.hang_status = False
+        self.broken_status = False
 
     async def script(self, ex: Exchange) -> None:
         if ex.request.path == "/metrics":
             if self.hang_status:
                 await ex.wait_closed_by_peer()
+                return
+            if self.broken_status:
+                await ex.respond(500, b"oops", {"content-type": "text/plain"})
                 return
             body = self.body
             await ex.respond(200, body, {"content-type": "text/plain"})
@@ -166,7 +170,7 @@ async def test_every_slot_busy_is_full():
 
 
 @on_virtual_time
-async def test_a_status_never_read_is_asked_first_and_a_stale_or_silent_one_never_blocks():
+async def test_a_status_never_read_is_asked_first_a_late_one_is_busy_a_failing_one_never_blocks():
     tower = Tower(vllm(8, 6))
     async with (
         FakeBackend("tower", tower.script) as fake,
@@ -182,11 +186,20 @@ async def test_a_status_never_read_is_asked_first_and_a_stale_or_silent_one_neve
             await tower.polled_with(vllm(8, 6))
             tower.hang_status = True  # from now on the status never answers
             await asyncio.sleep(0.15)  # the full status goes stale
-            later = await post(client, url)  # asked, no answer within ask_first: try it
+            # Asked, no answer within status_late (250 ms): a server that slow to say
+            # how it is doing is starved itself (issue 32): never "send it".
+            late = await post(client, url)
+            tower.hang_status, tower.broken_status = False, True  # fails at once
+            await asyncio.sleep(0.15)
+            later = await post(client, url)  # a status that fails says nothing: try it
         await gw.aclose()
     assert first.content == HOSTED
+    assert late.content == HOSTED
     assert later.content == TOWER
-    assert [e["reason"] for e in gw.states("backend_busy")] == ["6 waiting"]
+    assert [e["reason"] for e in gw.states("backend_busy")] == [
+        "6 waiting",
+        "status late (0.25s)",
+    ]
 
 
 @on_virtual_time

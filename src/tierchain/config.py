@@ -335,6 +335,16 @@ def slow_after_or_auto(raw: str) -> float | str:
     return value
 
 
+def prompt_rate(raw: str) -> float | str:
+    """``auto`` (learned per backend), a rate in prompt tokens per second, or 0 (off)."""
+    if raw.strip().lower() == _AUTO:
+        return _AUTO
+    value = float(raw.strip())
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError
+    return value
+
+
 SERVE_DEFAULTS: dict[str, dict[str, Any]] = {"SaturationWatchdog": {"slow_after": _AUTO}}
 """Where ``tierchain serve`` differs from the classes' own defaults: a quiet first tier
 must be caught without any variable set."""
@@ -549,6 +559,14 @@ LAYERS: tuple[Layer, ...] = (
            help="KV-cache use at which a backend is full."),
         _o("busy_all_slots", "WATCHDOG_BUSY_ALL_SLOTS", boolean, _BOOL,
            help="Every /slots slot busy means full."),
+        _o("prompt_rate", "WATCHDOG_PROMPT_RATE", prompt_rate,
+           "auto, a number of prompt tokens per second, or 0 (off)",
+           help="A first token later than the prompt needs at this rate (times the margin) "
+           "is too_slow, whatever a status says."),
+        _o("prompt_margin", "WATCHDOG_PROMPT_MARGIN", number_above_zero, "a number >= 1",
+           help="How many times the expected prefill a first token may take."),
+        _o("status_late", "WATCHDOG_STATUS_LATE", seconds(), f"{_SECS} (0: off)",
+           help="A status answer slower than this counts as full, never as room."),
     ), code_only=frozenset({"readers", "client"})),
     Layer("Allowance", "tierchain.allowance", "component", (
         _o("cold_start", "ALLOWANCE_COLD_START", seconds(), _SECS_NONNEG),

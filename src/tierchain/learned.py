@@ -31,9 +31,15 @@ from typing import Any, ClassVar
 
 from ._checks import count, duration
 from .sketch import LogSketch
-from .telemetry import LEARNED_SLOW_AFTER, LEARNED_STALL_AFTER, labelled, log_event
+from .telemetry import (
+    LEARNED_PROMPT_RATE,
+    LEARNED_SLOW_AFTER,
+    LEARNED_STALL_AFTER,
+    labelled,
+    log_event,
+)
 
-__all__ = ["BUCKETS", "Learned", "LearnedGap", "bucket_of"]
+__all__ = ["BUCKETS", "Learned", "LearnedGap", "PromptRate", "bucket_of", "prompt_tokens"]
 
 BUCKETS = ("1k", "4k", "16k", "64k", "more")
 _LIMITS = (1_000, 4_000, 16_000, 64_000)
@@ -158,3 +164,148 @@ class LearnedGap(Learned):
     margin: float = 10.0
     min_samples: int = 10
     _gauge: ClassVar[Any] = LEARNED_STALL_AFTER
+
+
+# -- the prompt rate ----------------------------------------------------------
+
+_REGIME_DEFAULTS: dict[str, tuple[float, float]] = {"local": (100.0, 10.0)}
+"""Per regime, before anything is learned: (prompt tokens per second, least wait)."""
+_OTHER_DEFAULT = (500.0, 30.0)
+"""Any other regime (``hosted``, none, ...): a provider's queue is not ours to know."""
+_EW = 0.2  # the weight of a new sample in the running mean and variance of its log
+_GAUGE_EVERY = 16  # rates learned between two updates of the exported gauge
+_SPREAD = 2.0  # standard deviations below the mean rate (above the mean overhead)
+
+
+def prompt_tokens(body: bytes | None) -> float:
+    """The prompt size of ``body`` in tokens, from its bytes (4 a token, JSON included)."""
+    return len(body or b"") / 4
+
+
+@dataclass(slots=True)
+class _Running:
+    """A running mean and variance of log(value), recent samples weighing more."""
+
+    n: int = 0
+    mean: float = 0.0
+    var: float = 0.0
+
+    def add(self, value: float) -> None:
+        x = math.log(value)
+        self.n += 1
+        if self.n == 1:
+            self.mean, self.var = x, 0.0
+            return
+        delta = x - self.mean
+        self.mean += _EW * delta
+        self.var = (1 - _EW) * (self.var + _EW * delta * delta)
+
+    def low(self) -> float:
+        return math.exp(self.mean - _SPREAD * math.sqrt(self.var))
+
+    def high(self) -> float:
+        return math.exp(self.mean + _SPREAD * math.sqrt(self.var))
+
+
+@dataclass(slots=True)
+class _Rate:
+    rate: _Running = field(default_factory=_Running)
+    overhead: _Running = field(default_factory=_Running)
+
+
+@dataclass
+class PromptRate:
+    """Each backend's normal prompt rate: how long a first token may take for this prompt.
+
+    From the gateway's own healthy attempts (time to first data event, prompt
+    size) it learns per backend a rate in prompt tokens per second (the slow
+    end of its normal: the running mean of log(tokens / seconds) less two
+    standard deviations) and, from prompts under ``min_tokens``, the fixed
+    cost of a first token (the slow end likewise). The prompt size is estimated
+    from the body's bytes, 4 a token, JSON included: no parse on the request
+    path, and the same estimate teaches the rate and judges it, so its bias
+    cancels out. A request whose expected prefill is over,
+
+        limit = max(floor, margin * (overhead + tokens / rate))
+
+    with no first token is ``too_slow``, whatever its status says. Until a
+    backend has ``min_samples`` rates, its regime's built-in default applies
+    (``local``: 100 tokens/s, at least 10 s; any other regime: 500 tokens/s,
+    at least 30 s), so a 625-token prompt on an unlearned local tower waits
+    12.5 s at most, and a 90k-token one 30 minutes (the ceiling cuts first).
+    ``rate`` fixes the rate for every backend instead (nothing is learned).
+    """
+
+    margin: float = 2.0
+    floor: float = 2.0
+    """The least wait once a rate is learned (a first token has fixed costs)."""
+    min_samples: int = 3
+    min_tokens: int = 64
+    """Prompts smaller than this teach the fixed cost, not the rate."""
+    rate: float | None = None
+    _rates: dict[str, _Rate] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("margin", "floor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.margin < 1:
+            raise ValueError(f"margin must be a number >= 1, got {self.margin!r}")
+        if self.rate is not None and not (
+            isinstance(self.rate, int | float) and math.isfinite(self.rate) and self.rate > 0
+        ):
+            raise ValueError(f"rate must be a number of tokens per second > 0, got {self.rate!r}")
+        self.min_samples = count("min_samples", self.min_samples)
+        self.min_tokens = count("min_tokens", self.min_tokens)
+
+    def limit(self, backend: str, regime: str | None, body: bytes | None) -> tuple[float, bool]:
+        """Seconds a first token may take for ``body`` at ``backend``, and whether learned."""
+        tokens = prompt_tokens(body)
+        if self.rate is not None:
+            return max(self.floor, self.margin * tokens / self.rate), False
+        known = self._rates.get(backend)
+        if known is None or known.rate.n < self.min_samples:
+            rate, least = _REGIME_DEFAULTS.get(regime or "", _OTHER_DEFAULT)
+            overhead = 0.0
+            if known is not None and known.overhead.n >= self.min_samples:
+                overhead = known.overhead.high()
+            return max(least, self.margin * (overhead + tokens / rate)), False
+        overhead = known.overhead.high() if known.overhead.n >= self.min_samples else 0.0
+        return max(self.floor, self.margin * (overhead + tokens / known.rate.low())), True
+
+    def observe(self, backend: str, body: bytes | None, first_data_s: float) -> None:
+        """One healthy attempt's time to its first data event."""
+        if self.rate is not None or not (first_data_s > 0 and math.isfinite(first_data_s)):
+            return
+        known = self._rates.get(backend)
+        if known is None:
+            known = self._rates[backend] = _Rate()
+        tokens = prompt_tokens(body)
+        if tokens < self.min_tokens:
+            known.overhead.add(first_data_s)
+        else:
+            known.rate.add(tokens / first_data_s)
+            n = known.rate.n - self.min_samples
+            if n >= 0 and n % _GAUGE_EVERY == 0:  # (the healthy path pays for no more)
+                labelled(LEARNED_PROMPT_RATE, backend).set(known.rate.low())
+
+    def rate_for(self, backend: str, regime: str | None) -> float:
+        """The rate a prefill at ``backend`` is judged by: learned, fixed, or its regime's."""
+        if self.rate is not None:
+            return self.rate
+        known = self._rates.get(backend)
+        if known is None or known.rate.n < self.min_samples:
+            return _REGIME_DEFAULTS.get(regime or "", _OTHER_DEFAULT)[0]
+        return known.rate.low()
+
+    def normal_rate(self, backend: str) -> float | None:
+        """The learned rate in tokens per second (its slow end), or None until learned."""
+        known = self._rates.get(backend)
+        if self.rate is not None:
+            return self.rate
+        if known is None or known.rate.n < self.min_samples:
+            return None
+        return known.rate.low()

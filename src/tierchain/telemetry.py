@@ -277,6 +277,11 @@ LEARNED_SLOW_AFTER = Gauge(
     "The learned first-chunk window in force (slow_after=auto), by backend and prompt size.",
     ["backend", "bucket"],
 )
+LEARNED_PROMPT_RATE = Gauge(
+    "tierchain_learned_prompt_rate",
+    "The learned normal prompt rate in tokens per second (the slow end), by backend.",
+    ["backend"],
+)
 LEARNED_STALL_AFTER = Gauge(
     "tierchain_learned_stall_after_seconds",
     "The learned gap allowed between data events (stall_after=auto), by backend.",

@@ -57,6 +57,11 @@ whose observed progress cannot finish in time, or a wait past
 ``normal_multiple`` times the learned normal, is ``too_slow``; no progress is
 judged over ``progress_span``, not between two close probes.
 
+The prompt rate: before any window, a streamed attempt with a later tier is judged
+against its backend's normal prompt rate (learned, or its regime's default): past
+``prompt_margin`` times the prompt's expected prefill with no first token it is
+``too_slow``, whatever a status says (see :class:`~tierchain.learned.PromptRate`).
+
 The last tier (or a request with no Failover) is never cut by the window: it
 is recorded as slow and only the budget or the ceiling ends it. The ceiling
 (``ceiling`` seconds after the attempt started, on the monotonic clock) is
@@ -86,7 +91,7 @@ from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance, estimate_tokens
 from .errors import BackendBusy, BackendSaturated, BackendUnavailable, StreamError
-from .learned import Learned, LearnedGap
+from .learned import Learned, LearnedGap, PromptRate, prompt_tokens
 from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, Status, auto_reader, fetch_status_once, judge
 from .request import UNROUTED_KEY, Attempt, TierRequest
@@ -106,7 +111,22 @@ from .wire import recognise
 
 __all__ = ["SaturationWatchdog", "SlowAfter", "window_warnings"]
 
+
+def _prompt_rate(value: float | str | PromptRate, margin: float) -> PromptRate | None:
+    """``prompt_rate``: ``"auto"`` (learned), a fixed rate in tokens/s, 0 (off), or one built."""
+    if isinstance(value, PromptRate):
+        return value
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"prompt_rate must be 'auto', tokens per second or 0, got {value!r}")
+        return PromptRate(margin=margin)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"prompt_rate must be 'auto', tokens per second or 0, got {value!r}")
+    return PromptRate(margin=margin, rate=float(value)) if value > 0 else None
+
+
 _RESERVE_SHARE = 0.5  # a reserve never takes more than this share of the whole budget
+_PROMPT_BATCH = 2048  # llama.cpp's default n_batch: its prompt progress moves this many at once
 _SILENT = 5.0  # a committed stream silent this long (or its stall window) when the budget ends it
 
 SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float] | Learned | str
@@ -134,6 +154,12 @@ class SaturationWatchdog:
     background while traffic flows (0: no polling, no skipping); a status older
     than ``status_stale`` is unknown. ``busy_waiting``, ``busy_kv_cache`` and
     ``busy_all_slots`` are the thresholds past which a polled status says full.
+
+    ``prompt_rate`` (``"auto"``: learned per backend, see
+    :class:`~tierchain.learned.PromptRate`; a number: tokens per second; 0: off) and
+    ``prompt_margin`` bound the wait for a first token by the prompt's expected prefill,
+    whatever a status says. ``status_late``: a status asked before sending that takes
+    this long (or never answers) skips the backend as busy.
     """
 
     def __init__(
@@ -158,8 +184,13 @@ class SaturationWatchdog:
         busy_waiting: int = 5,
         busy_kv_cache: float = 0.8,
         busy_all_slots: bool = True,
+        prompt_rate: float | str | PromptRate = "auto",
+        prompt_margin: float = 2.0,
+        status_late: float | timedelta = 0.25,
     ) -> None:
         self.app = app
+        self.prompt_rate = _prompt_rate(prompt_rate, prompt_margin)
+        self.status_late = duration("status_late", status_late, allow_zero=True)
         self.learned: Learned | None = None
         if isinstance(slow_after, str) and slow_after == "auto":
             slow_after = Learned()
@@ -334,14 +365,28 @@ class SaturationWatchdog:
             # nothing to move on to, and waits the ceiling (self.stall_after).
             stall, stall_learned = self.learned_gap.window(attempt.backend.name, None)
         reserve = self._reserve(req, attempt)
-        if window <= 0 and stall <= 0 and reserve <= 0:
+        prefill = self._prefill(req, attempt)
+        if window <= 0 and stall <= 0 and reserve <= 0 and prefill == math.inf:
             return None
-        watch = _Watch(self, req, window, stall, learned, reserve)
+        watch = _Watch(self, req, window, stall, learned, reserve, prefill)
         if stall_learned:
             # A learned window varies by backend and sample: not a recurring delay (a
             # FIFO per distinct value would pile up in the scheduler).
             watch.stall_fixed = False
         return watch
+
+    def _prefill(self, req: TierRequest | None, attempt: Attempt | None) -> float:
+        """Seconds this attempt's first token may take at its backend's normal prompt
+        rate (with the margin); inf where not judged: the last tier, no rate, or an
+        answer that does not stream (its first bytes are the whole answer) from a
+        backend with no status URL to tell a prompt still read from an answer written."""
+        rate = self.prompt_rate
+        if rate is None or attempt is None or attempt.is_last or req is None:
+            return math.inf
+        backend = attempt.backend
+        if req.streaming is False and backend.status_url is None:
+            return math.inf
+        return rate.limit(backend.name, backend.regime, req.body)[0]
 
     def _reserve(self, req: TierRequest | None, attempt: Attempt | None) -> float:
         """Seconds this attempt must leave for the later tiers (0: none to keep)."""
@@ -373,7 +418,18 @@ class SaturationWatchdog:
     async def _ask_room(self, name: str, url: str, reader: Reader) -> None:
         board = self.board
         assert board is not None
-        self._room(name, url, await board.ask(url, reader, self.client, self.ask_first))
+        late = self.status_late
+        started = clock.now()
+        status = await board.ask(url, reader, self.client, max(self.ask_first, late))
+        took = clock.now() - started
+        if late > 0 and took >= late - EARLY:
+            # A local server answers its status in milliseconds: one that takes this
+            # long (or never answers) is starved itself, and never "send it".
+            why = f"status late ({took:.2f}s)"
+            if board.finishing_cut(url):
+                why += ", finishing a prompt batch of a request we cut"
+            raise BackendBusy(f"backend {name!r} is full ({why})", why=why)
+        self._room(name, url, status)
 
     def _room(self, name: str, url: str, status: Status | None) -> None:
         board = self.board
@@ -412,9 +468,12 @@ class _Watch(Interruption):
         "_cut",
         "_cut_passed",
         "_handle",
+        "_held_prompt",
         "_moved_at",
+        "_prefill_end",
         "_previous",
         "_prober",
+        "_prompt_due",
         "_rate_from",
         "_send",
         "_slow_logged",
@@ -445,6 +504,7 @@ class _Watch(Interruption):
         stall: float,
         learned: bool = False,
         reserve: float = 0.0,
+        prefill: float = math.inf,
     ) -> None:
         self.watchdog = watchdog
         self.learned = learned
@@ -468,6 +528,10 @@ class _Watch(Interruption):
         self.fired: str | None = None
         self._ceiling_at = self.start + watchdog.ceiling
         self._window_end = self.start + window if window > 0 else math.inf
+        self._prefill_end = self.start + prefill
+        # A held answer's prompt rate is judged with a status: still reading the prompt?
+        self._held_prompt = req is not None and req.streaming is False
+        self._prompt_due = False
         deadline = self._deadline()
         self._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
         self._cut_passed = False  # a committed stream's reserve point passed (or cut it)
@@ -524,13 +588,16 @@ class _Watch(Interruption):
         ):
             return
         learned = self.watchdog.learned
+        body = self.req.body if self.req is not None else None
         if learned is not None:
-            body = self.req.body if self.req is not None else None
             if observer.framed or not self.held:
                 first = observer.first_data_at - self.start
             else:
                 first = clock.now() - self.start
             learned.observe(self.backend, body, first)
+        rate = self.watchdog.prompt_rate
+        if rate is not None and observer.framed:  # a first token's own time
+            rate.observe(self.backend, body, observer.first_data_at - self.start)
         gaps = self.watchdog.learned_gap
         if gaps is not None and (observer.sse or observer.ndjson) and observer.data_events > 2:
             last = observer.last_event_at or observer.first_data_at
@@ -635,7 +702,7 @@ class _Watch(Interruption):
 
     def _start_timer(self) -> None:
         """Arm the first window (or the ceiling): the same delay for most attempts."""
-        due = min(self._window_end, self._ceiling_at, self._cut)
+        due = min(self._window_end, self._ceiling_at, self._cut, self._prefill_end)
         if due == math.inf:
             return
         deadline = self._deadline()
@@ -661,7 +728,7 @@ class _Watch(Interruption):
             if not self._cut_passed:
                 due = min(due, self._cut)
         else:
-            due = min(self._window_end, self._ceiling_at, self._cut)
+            due = min(self._window_end, self._ceiling_at, self._cut, self._prefill_end)
             deadline = self._deadline()
             if deadline is not None and due >= deadline:
                 return  # the budget ends this attempt first: a deadline, not a saturation
@@ -724,6 +791,23 @@ class _Watch(Interruption):
         if now >= self._cut - EARLY:
             self._fire("reserve")
             return
+        if now >= self._prefill_end - EARLY:
+            if not self._held_prompt:
+                self._too_slow(now)
+                return
+            # A held answer has no first token to wait for: its status says whether a
+            # slot still reads a prompt (too slow) or the answer is being written.
+            self._prefill_end = math.inf
+            self._prompt_due = True
+            if self._prober is None or self._prober.done():
+                self._prober = asyncio.create_task(
+                    self._ask(now, window=False), name="tierchain-watchdog-probe"
+                )
+            self._schedule_probe_out(now)
+            return
+        if self._prober is not None and not self._prober.done():
+            self._schedule_probe_out(now)
+            return
         if now < self._window_end - EARLY:
             self._schedule()
             return
@@ -739,12 +823,22 @@ class _Watch(Interruption):
             self._fire("no_first_chunk" if observer.first_data_at is None else "incomplete")
             return
         self._prober = asyncio.create_task(self._ask(now), name="tierchain-watchdog-probe")
-        # A starved server answers its status slowly too: the reserve's point and
-        # the ceiling stay on the timer while the probe is out.
-        due = min(self._cut, self._ceiling_at)
+        self._schedule_probe_out(now)
+
+    def _schedule_probe_out(self, now: float) -> None:
+        # A starved server answers its status slowly too: the reserve's point, the
+        # ceiling and the expected prefill stay on the timer while the probe is out.
+        due = min(self._cut, self._ceiling_at, self._prefill_end)
         deadline = self._deadline()
         if due != math.inf and (deadline is None or due < deadline):
             self._arm(max(0.0, due - now), fixed=False)
+
+    def _too_slow(self, now: float) -> None:
+        """The expected prefill at the backend's normal prompt rate is over, with no
+        first token: ``too_slow``, whatever a status says."""
+        if self.attempt is not None:
+            self.attempt.verdict = "too_slow"
+        self._fire("too_slow")
 
     def _stalled(self, gap: float) -> None:
         self._log_stall(gap)
@@ -763,8 +857,9 @@ class _Watch(Interruption):
             "tierchain.backend_stalled", {ATTR_BACKEND: self.backend or "", "idle_s": gap}
         )
 
-    async def _ask(self, now: float) -> None:
-        """Ask the backend whether it is still working; extend, or call it saturated."""
+    async def _ask(self, now: float, *, window: bool = True) -> None:
+        """Ask the backend whether it is still working; extend, or call it saturated.
+        ``window``: asked at a window's end (a ``working`` answer extends it by one)."""
         assert self.attempt is not None
         backend = self.attempt.backend
         assert backend.status_url is not None
@@ -784,6 +879,9 @@ class _Watch(Interruption):
         verdict: str = judge(status, self._previous, streaming=streaming)
         if status is not None and verdict in ("working", "no_progress"):
             verdict = self._against_time(status, verdict, now)
+        prompt_due, self._prompt_due = self._prompt_due, False
+        if prompt_due and verdict == "working" and status is not None and status.prefilling:
+            verdict = "too_slow"  # past its expected prefill, a slot still reads a prompt
         labelled(PROBE_ANSWERS, backend.name, verdict).inc()
         self.attempt.verdict = verdict
         if self.fired is not None or self.answered():
@@ -796,7 +894,8 @@ class _Watch(Interruption):
         if verdict == "working":
             assert status is not None
             self._previous = status.progress
-            self._window_end += self.window
+            if window:
+                self._window_end += self.window
             elapsed = round(now - self.start, 1)
             log_event(
                 "dispatch.backend_still_working",
@@ -833,6 +932,13 @@ class _Watch(Interruption):
         name = self.backend or ""
         if verdict == "no_progress":
             span = max(watchdog.progress_span, 1.5 * watchdog._batch.get(name, 0.0))
+            prompt_rate = watchdog.prompt_rate
+            normal = prompt_rate.normal_rate(name) if prompt_rate is not None else None
+            if prompt_rate is not None and normal is not None:
+                # One prompt batch at the normal rate (with the margin): no need to
+                # wait progress_span for a move that should have come long before.
+                step = prompt_rate.margin * _PROMPT_BATCH / normal
+                span = min(span, max(step, 1.5 * watchdog._batch.get(name, 0.0)))
             if now - self._moved_at < span:
                 verdict = "working"  # not moved yet, within one step of its granularity
             else:
@@ -845,6 +951,8 @@ class _Watch(Interruption):
             self._moved_at = now
         end = min(self._cut, self._ceiling_at, self._deadline() or math.inf)
         done = status.prompt_done
+        if done:
+            self._batches_at_normal_rate(done, now)
         if done is not None:
             if self._rate_from is None:
                 self._rate_from = (now, done)
@@ -862,6 +970,22 @@ class _Watch(Interruption):
             if normal is not None and now - self.start > watchdog.normal_multiple * normal:
                 return "too_slow"
         return verdict
+
+    def _batches_at_normal_rate(self, done: int, now: float) -> None:
+        """Our slot's prompt moved (a whole batch at a time) at least as fast as the
+        backend's normal rate allows (its rate over the margin): the expected prefill
+        is measured on this prompt itself, from the rate its batches went at."""
+        rate = self.watchdog.prompt_rate
+        if rate is None or self._prefill_end == math.inf or now <= self.start:
+            return
+        observed = done / (now - self.start)
+        backend = self.attempt.backend if self.attempt is not None else None
+        regime = backend.regime if backend is not None else None
+        if observed * rate.margin < rate.rate_for(self.backend or "", regime):
+            return  # slower than the normal allows: a starved server's batches
+        body = self.req.body if self.req is not None else None
+        total = max(float(done), prompt_tokens(body))
+        self._prefill_end = max(self._prefill_end, self.start + rate.margin * total / observed)
 
     async def _probe(self, url: str, backend: str, limit: float) -> Status | None:
         with tracer.start_as_current_span(
@@ -1006,12 +1130,35 @@ def window_warnings(
             "SaturationWatchdog is not in the stack: a quiet first tier on route(s) "
             f"{', '.join(map(repr, later))} is waited on until the budget ends the request"
         ]
-    if watchdog.off and watchdog.learned is None:
+    rate = watchdog.prompt_rate
+    if rate is None:
+        warnings.append(
+            f"prompt_rate is off (0) while route(s) {', '.join(map(repr, later))} have a later "
+            "tier: a working status keeps a starved first tier until its window, the reserve "
+            "or the ceiling ends it; set prompt_rate='auto' (TIERCHAIN_WATCHDOG_PROMPT_RATE=auto)"
+        )
+    if watchdog.off and watchdog.learned is None and rate is None:
         warnings.append(
             f"slow_after is off (0) while route(s) {', '.join(map(repr, later))} have a later "
             "tier: a quiet first tier is waited on until the reserve (or, without a budget, "
             "the ceiling) ends it; set slow_after (TIERCHAIN_SLOW_AFTER=auto)"
         )
+    if rate is not None and rate.rate is None:
+        unmarked = sorted(
+            {
+                str(getattr(chain[0], "name", chain[0]))
+                for route, chain in chains.items()
+                if route in later and getattr(chain[0], "regime", "local") in (None, "")
+            }
+        )
+        if unmarked:
+            least = rate.limit("", None, b"")[0]
+            warnings.append(
+                f"first tier(s) {', '.join(map(repr, unmarked))} have no regime: a quiet one is "
+                f"waited on for {least:g}s at least before anything is learned (local: "
+                f'{rate.limit("", "local", b"")[0]:g}s); set regime = "local" on a local '
+                "server's backend"
+            )
     if budget is not None:
         reserve = min(watchdog.reserve, budget * _RESERVE_SHARE)
         if watchdog.learned is not None:
@@ -1019,9 +1166,12 @@ def window_warnings(
         else:
             window, what = watchdog.window(b""), "slow_after's smallest window"
         if window > budget - reserve and not watchdog.off:
+            ends = "the prompt rate or the reserve" if rate is not None else "the reserve"
             warnings.append(
                 f"{what} ({window:g}s) is longer than the budget minus the reserve "
-                f"({budget:g}s - {reserve:g}s): the reserve, not the window, ends a quiet "
-                "first tier's attempt"
+                f"({budget:g}s - {reserve:g}s): {ends}, not the window, ends a quiet "
+                f"first tier's attempt; set slow_after below {budget - reserve:g}s "
+                f"(TIERCHAIN_SLOW_AFTER=auto, or a number of seconds), or the budget above "
+                f"{window + reserve:g}s (TIERCHAIN_BUDGET_DEFAULT)"
             )
     return warnings
