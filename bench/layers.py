@@ -15,7 +15,9 @@ between runs; instruction counts do not. ``--only NAME`` runs one stack, so that
 Add ``--virtual-time`` for that count: the run is on tierchain's virtual clock
 (``tierchain.testing.virtual_time``), so no timer falls due while the loop is busy,
 and the count is the requests' own work rather than the timer wake-ups that
-callgrind's fifty-fold slowness multiplies per request.
+callgrind's fifty-fold slowness multiplies per request. ``--chunks N`` makes
+each answer N data events: the difference between ``--chunks 51`` and
+``--chunks 1``, divided by 50, is the count per streamed chunk.
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ def stacks() -> dict[str, Callable[[Any], Any]]:
     }
 
 
-async def main(requests: int, rounds: int, only: str | None) -> None:
+async def main(requests: int, rounds: int, only: str | None, chunks: int = 1) -> None:
     apps = {
-        name: make(overhead.make_handler(1))
+        name: make(overhead.make_handler(chunks))
         for name, make in stacks().items()
         if only is None or name.removeprefix("+ ") == only
     }
@@ -83,15 +85,18 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--only", choices=[n.removeprefix("+ ") for n in stacks()])
     parser.add_argument("--virtual-time", action="store_true", help="run on virtual time")
+    parser.add_argument(
+        "--chunks", type=int, default=1, help="SSE data events per answer (default 1)"
+    )
     args = parser.parse_args()
     if not args.virtual_time:
-        asyncio.run(main(args.requests, args.rounds, args.only))
+        asyncio.run(main(args.requests, args.rounds, args.only, args.chunks))
     else:
         from tierchain.testing import virtual_time
 
         with virtual_time() as clock:
             loop = clock.new_event_loop()
             try:
-                loop.run_until_complete(main(args.requests, args.rounds, args.only))
+                loop.run_until_complete(main(args.requests, args.rounds, args.only, args.chunks))
             finally:
                 loop.close()
