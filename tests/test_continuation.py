@@ -42,7 +42,7 @@ from tierchain.config import from_env
 from tierchain.continuation import INSTRUCTION
 from tierchain.stack import build_stack
 
-from .support import Exchange, FakeBackend, Script, on_virtual_time, serve
+from .support import Exchange, FakeBackend, Script, now, on_virtual_time, serve
 from .wire_fakes import NDJSON, anthropic_stream, ollama_chat_lines, responses_stream
 
 TOKENS = [f"w{i} " for i in range(60)]
@@ -184,8 +184,9 @@ async def gateway(
     *,
     stack: str = "readme",
     tmp_path: Path | None = None,
-    stall_after: float = 2.0,
+    stall_after: float | None = 2.0,
 ) -> AsyncIterator[tuple[str, FakeBackend, FakeBackend]]:
+    """``stall_after`` None: the tower's own learned gap (the default ``"auto"``)."""
     async with FakeBackend("tower", first) as t, FakeBackend("hosted", second) as h:
         if stack == "readme":
             routes = Routes(
@@ -205,8 +206,9 @@ async def gateway(
         else:  # tierchain serve's defaults: build_stack from the variables and a routes file
             assert tmp_path is not None
             file = tmp_path / "routes.toml"
+            stall = "" if stall_after is None else f"stall_after = {stall_after:g}\n"
             file.write_text(
-                f'[[routes.echo.backends]]\nname = "tower"\nurl = "{t.url}"\nstall_after = 2\n'
+                f'[[routes.echo.backends]]\nname = "tower"\nurl = "{t.url}"\n{stall}'
                 f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{h.url}"\n'
             )
             settings = from_env({"TIERCHAIN_ROUTES_FILE": str(file)})
@@ -880,3 +882,51 @@ def test_whitespace_a_prefill_left_out_is_never_there_twice():
         found.request(body, prefill=True)
         found.splice(b"".join(anthropic_stream(pieces)))
         assert found.sent_text == expected, pieces
+
+
+@pytest.mark.parametrize("stack", ["readme", "serve"])
+@on_virtual_time
+async def test_a_mid_answer_stall_on_a_50ms_tower_is_finished_by_hosted_within_5s(
+    stack, tmp_path
+):
+    """The default ``stall_after="auto"``: once the tower's normal gap (50 ms) is learned,
+    a stall 20 tokens in is cut at the 2 s floor and hosted finishes the answer; the
+    caller's first hosted text comes under 5 s after the tower's last token."""
+    from tierchain.learned import LearnedGap
+
+    warm_up = LearnedGap.min_samples
+    events, opening = stream_of("chat", TOKENS, tier="tower")
+    served = 0
+    stalled_at: list[float] = []
+    asked_at: list[float] = []
+
+    async def rhythmic_tower(ex: Exchange) -> None:
+        nonlocal served
+        served += 1
+        await ex.head(200)
+        for n, event in enumerate(events):
+            if served > warm_up and n == opening + 20:
+                await ex.wait_closed_by_peer()  # quiet, the connection held open
+                ex.finished = True
+                return
+            await ex.write(event)
+            if served > warm_up and n == opening + 19:
+                stalled_at.append(now())  # the last token before the silence
+            await asyncio.sleep(0.05)
+        await ex.end()
+
+    finish = finisher("chat")
+
+    async def timed_hosted(ex: Exchange) -> None:
+        asked_at.append(now())
+        await finish(ex)
+
+    async with gateway(
+        rhythmic_tower, timed_hosted, stack=stack, tmp_path=tmp_path, stall_after=None
+    ) as (url, _, hosted):
+        for _ in range(warm_up):
+            assert await read_with_sdk("chat", url) == FULL
+        assert hosted.requests == []  # the healthy streams were never cut
+        assert await read_with_sdk("chat", url) == FULL
+    assert len(stalled_at) == 1 and len(asked_at) == 1
+    assert 1.99 < asked_at[0] - stalled_at[0] < 5.0  # the 2 s floor, then hosted

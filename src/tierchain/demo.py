@@ -219,7 +219,9 @@ async def _aclose_all(app: Any) -> None:
 def build_gateway(routes: Routes, forwarder: Forwarder, timing: Timing) -> Any:
     """The whole tierchain stack in its fixed order, around the Forwarder."""
     store = MemoryStore()
-    app: Any = SaturationWatchdog(forwarder, slow_after=timing.slow_after)
+    # A status answer late by a second (not the default quarter) before it counts as a
+    # starved tower: the demo's fake tower shares one busy machine with everything else.
+    app: Any = SaturationWatchdog(forwarder, slow_after=timing.slow_after, status_late=1.0)
     app = Breaker(app, store=store, saturation_cooldown=timing.saturation_cooldown)
     app = Failover(app, routes=routes)
     app = PreferBackend(app, store=store)
