@@ -11,7 +11,8 @@ mid-stream reset, mid-stream stall, trickle, 429 and 503 with ``Retry-After``,
 is healthy. Both are the test suite's fake backend (tests/support.py).
 
 Every answer is checked byte for byte, heartbeat lines aside: it must be the
-tower's or hosted's stream exactly (completed), or a prefix of one of them
+tower's or hosted's stream exactly (completed), the tower's first events then
+hosted finishing the answer in the tower's envelope (continued), or a prefix of one of them
 with at least one data event followed by one error event (lost after commit,
 by design: the caller already had data when the tower broke). Anything else
 with no data is a loss that should not have been; anything that is neither is
@@ -217,6 +218,7 @@ def run_gateway(port: int, tower: str, hosted: str) -> None:
 class Tally:
     requests: int = 0
     completed: int = 0
+    continued: int = 0
     lost_by_design: int = 0
     lost_should_not: int = 0
     corrupted: int = 0
@@ -228,13 +230,39 @@ class Tally:
             self.samples.append(f"{what}: {detail}")
 
 
+def continued(body: bytes) -> bool:
+    """The tower's first whole events (at least one with data), then hosted finishing the
+    answer in the tower's envelope (a continuation: the fake hosted tier answers its own
+    text whatever partial answer it is sent), one finish and one ``data: [DONE]``."""
+    if not body.endswith(b"data: [DONE]\n\n") or body.count(b"data: [DONE]") != 1:
+        return False
+    prefix = b""
+    for event in openai_stream(TOWER_PIECES)[:-2]:  # (not its finish, not [DONE])
+        prefix += event
+        if not body.startswith(prefix):
+            return False
+        rest = body[len(prefix) : -len(b"data: [DONE]\n\n")].split(b"\n\n")
+        try:
+            chunks = [json.loads(e[len(b"data: ") :]) for e in rest if e.startswith(b"data: ")]
+        except ValueError:
+            return False
+        if not chunks or chunks[-1]["choices"][0]["finish_reason"] != "stop":
+            continue
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        if text == "".join(HOSTED_PIECES):
+            return True
+    return False
+
+
 def classify(status: int, raw: bytes) -> str:
-    """completed | lost_by_design | lost_should_not | corrupted, for one answer."""
+    """completed | continued | lost_by_design | lost_should_not | corrupted, for one answer."""
     if status != 200:
         return "lost_should_not"
     body = HEARTBEAT.sub(b"", raw)
     if body in (TOWER, HOSTED):
         return "completed"
+    if continued(body):
+        return "continued"
     error = ERROR_EVENT.search(body)
     if error is None or error.end() != len(body):
         return "lost_should_not" if b"data:" not in body else "corrupted"
@@ -348,6 +376,7 @@ async def soak(callers: int, seconds: float, seed: int = 1, settle: float = 8.0)
         "seconds": seconds,
         "requests": tally.requests,
         "completed": tally.completed,
+        "continued": tally.continued,
         "lost_after_commit_by_design": tally.lost_by_design,
         "lost_should_not_have_been": tally.lost_should_not,
         "corrupted": tally.corrupted,
@@ -378,7 +407,10 @@ def main() -> None:
         return
     mb = 2**20
     print(f"{r['callers']} callers for {r['seconds']:.0f} s through the README stack")
-    print(f"  requests {r['requests']}, completed {r['completed']}")
+    print(
+        f"  requests {r['requests']}, completed {r['completed']}, "
+        f"continued on hosted {r['continued']}"
+    )
     print(
         f"  lost: {r['lost_after_commit_by_design']} after commit (by design), "
         f"{r['lost_should_not_have_been']} that should not have been"

@@ -886,9 +886,7 @@ def test_whitespace_a_prefill_left_out_is_never_there_twice():
 
 @pytest.mark.parametrize("stack", ["readme", "serve"])
 @on_virtual_time
-async def test_a_mid_answer_stall_on_a_50ms_tower_is_finished_by_hosted_within_5s(
-    stack, tmp_path
-):
+async def test_a_mid_answer_stall_on_a_50ms_tower_is_finished_by_hosted_within_5s(stack, tmp_path):
     """The default ``stall_after="auto"``: once the tower's normal gap (50 ms) is learned,
     a stall 20 tokens in is cut at the 2 s floor and hosted finishes the answer; the
     caller's first hosted text comes under 5 s after the tower's last token."""
@@ -928,5 +926,6 @@ async def test_a_mid_answer_stall_on_a_50ms_tower_is_finished_by_hosted_within_5
             assert await read_with_sdk("chat", url) == FULL
         assert hosted.requests == []  # the healthy streams were never cut
         assert await read_with_sdk("chat", url) == FULL
-    assert len(stalled_at) == 1 and len(asked_at) == 1
+    assert len(stalled_at) == 1
+    assert len(asked_at) == 1
     assert 1.99 < asked_at[0] - stalled_at[0] < 5.0  # the 2 s floor, then hosted

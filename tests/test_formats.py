@@ -336,10 +336,12 @@ async def test_a_responses_stream_cut_short_makes_the_sdk_raise():
         with pytest.raises(openai.APIError, match="truncated"):
             async with client.responses.stream(model="echo", input="hi") as s:
                 await s.get_final_response()
-        # Cut after its four opening events: no answer yet, so every tier was tried.
-        gw.tower.script = gw.hosted.script = sends(responses_stream(PIECES), upto=4)
+    # Cut after its four opening events: no answer yet, so every tier was tried. (A new
+    # gateway: two streams broken after commit have opened both breakers above.)
+    async with gateway(sends(responses_stream(PIECES), upto=4)) as gw:
+        gw.hosted.script = sends(responses_stream(PIECES), upto=4)
         with pytest.raises(openai.APIStatusError, match="all 2 backends") as caught:
-            await client.responses.create(model="echo", input="hi", stream=True)
+            await gw.openai().responses.create(model="echo", input="hi", stream=True)
         assert caught.value.status_code == 502
 
 

@@ -326,7 +326,7 @@ async def test_a_failed_attempt_is_told_apart_from_the_billed_one():
     assert response.status_code == 200
     got = totals(await usage_report(store), "team-a")
     assert got == {
-        ("tower", "failed_attempts"): 1,
+        ("tower", "failed_attempts"): 2,  # a 500, and the same-tier retry's 500
         ("hosted", "input"): 6,
         ("hosted", "output"): 2,
         ("-", "requests"): 1,
@@ -465,8 +465,8 @@ async def test_when_no_tier_answers_only_failed_attempts_are_counted_not_tokens(
     assert response.status_code == 200  # committed by Heartbeats, then the error event
     assert b'"error"' in response.content
     assert totals(await usage_report(store), "team-a") == {
-        ("tower", "failed_attempts"): 1,
-        ("hosted", "failed_attempts"): 1,
+        ("tower", "failed_attempts"): 2,  # a 500, and the same-tier retry's 500
+        ("hosted", "failed_attempts"): 2,  # each backend has its own retry
         ("-", "requests"): 1,
     }
 

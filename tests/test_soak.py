@@ -28,7 +28,8 @@ async def test_fifty_callers_through_a_randomly_failing_tower_lose_only_by_desig
     result = await load_soak().soak(callers=50, seconds=20, seed=7)
     detail = result["samples"]
     assert result["requests"] > 500
-    assert result["completed"] > result["requests"] * 0.8
+    assert result["completed"] + result["continued"] > result["requests"] * 0.8
+    assert result["continued"] > 0  # streams the tower broke, finished by hosted
     assert result["lost_should_not_have_been"] == 0, detail
     assert result["corrupted"] == 0, detail
     # Everything the load made has gone: tasks, and connections (idle ones after keep-alive).

@@ -55,10 +55,20 @@ def bucket_of(body: bytes | None) -> str:
     return BUCKETS[-1]
 
 
+_RECOMPUTE_EVERY = 16  # samples between two computations of a learned window
+
+
 @dataclass(slots=True)
 class _Normal:
     sketch: LogSketch
     saturated: int = 0
+    value: float = 0.0
+    """The window last computed from the sketch (0: compute it again). A request reads
+    it, not the sketch: the quantile is a walk over the sketch's 200 buckets, done once
+    per ``_RECOMPUTE_EVERY`` samples (every sample while the sketch is young). Being one
+    of the sketch's bucket edges times the margin, it recurs: the watchdog's timer for
+    it waits in a queue of equal delays."""
+    fresh: int = 0
 
 
 @dataclass
@@ -110,11 +120,13 @@ class Learned:
         normal = self._normals.get((backend, bucket))
         if normal is None or normal.sketch.count < self.min_samples:
             return self.maximum, False
-        q = normal.sketch.quantile(self.quantile)
-        if q is None:  # pragma: no cover - count > 0 means a sample
-            return self.maximum, False
-        value = min(self.maximum, max(self.floor, q * self.margin))
-        labelled(self._gauge, backend, bucket).set(value)
+        value = normal.value
+        if not value:
+            q = normal.sketch.quantile(self.quantile)
+            if q is None:  # pragma: no cover - count > 0 means a sample
+                return self.maximum, False
+            value = normal.value = min(self.maximum, max(self.floor, q * self.margin))
+            labelled(self._gauge, backend, bucket).set(value)
         return value, True
 
     def normal(self, backend: str, body: bytes | None) -> float | None:
@@ -129,6 +141,10 @@ class Learned:
         normal = self._normal(backend, bucket_of(body))
         normal.sketch.add(first_data_s)
         normal.saturated = 0
+        normal.fresh += 1
+        if normal.fresh >= _RECOMPUTE_EVERY or normal.sketch.count < 4 * self.min_samples:
+            normal.value = 0.0  # computed again by the next window()
+            normal.fresh = 0
 
     def saturated(self, backend: str, body: bytes | None, learned: bool) -> None:
         """An attempt was cut; under a learned window twice in a row, forget the bucket."""
@@ -140,6 +156,7 @@ class Learned:
         if normal.saturated >= _FORGET_AFTER:
             normal.sketch.reset()
             normal.saturated = 0
+            normal.value = 0.0
             labelled(self._gauge, backend, bucket).set(self.maximum)
             log_event("watchdog.normal_forgotten", backend=backend, bucket=bucket)
 
@@ -172,6 +189,7 @@ _REGIME_DEFAULTS: dict[str, tuple[float, float]] = {"local": (100.0, 10.0)}
 """Per regime, before anything is learned: (prompt tokens per second, least wait)."""
 _OTHER_DEFAULT = (500.0, 30.0)
 """Any other regime (``hosted``, none, ...): a provider's queue is not ours to know."""
+_LEASTS = frozenset(least for _, least in (*_REGIME_DEFAULTS.values(), _OTHER_DEFAULT))
 _EW = 0.2  # the weight of a new sample in the running mean and variance of its log
 _GAUGE_EVERY = 16  # rates learned between two updates of the exported gauge
 _SPREAD = 2.0  # standard deviations below the mean rate (above the mean overhead)
@@ -260,6 +278,11 @@ class PromptRate:
             raise ValueError(f"rate must be a number of tokens per second > 0, got {self.rate!r}")
         self.min_samples = count("min_samples", self.min_samples)
         self.min_tokens = count("min_tokens", self.min_tokens)
+
+    def recurs(self, seconds: float) -> bool:
+        """True for a limit most requests share (a regime's least wait, or the floor):
+        its timer can wait in a queue of equal delays instead of the heap."""
+        return seconds == self.floor or seconds in _LEASTS
 
     def limit(self, backend: str, regime: str | None, body: bytes | None) -> tuple[float, bool]:
         """Seconds a first token may take for ``body`` at ``backend``, and whether learned."""

@@ -86,6 +86,7 @@ class Observer:
         "ended",
         "finish_seen",
         "first_data_at",
+        "framed",
         "headers",
         "last_event_at",
         "max_event",
@@ -120,6 +121,8 @@ class Observer:
         self.headers: Headers = []
         self.sse = False
         self.ndjson = False
+        self.framed = False
+        """True when the body is a stream of whole units (events or lines) judged at its end."""
         self.opened = False
         """True once an event that opens the answer but is not progress passed (an
         Anthropic ``message_start`` or ``ping``, a Responses ``response.created``)."""
@@ -147,6 +150,7 @@ class Observer:
         kind = framing(headers)
         self.sse = kind == EVENT_STREAM
         self.ndjson = kind == NDJSON_LINES
+        self.framed = self.sse or self.ndjson
 
     def body(self, chunk: bytes) -> bytes:
         """Note a body chunk; return what may go to the caller now (whole events only).
@@ -246,11 +250,6 @@ class Observer:
                 self.first_data_at = now
                 self._first()
         return lines
-
-    @property
-    def framed(self) -> bool:
-        """True when the body is a stream of whole units (events or lines) judged at its end."""
-        return self.sse or self.ndjson
 
     def error_bytes(self, message: str, type: str, code: str | None = None) -> bytes | None:
         """An error to end this response with after commit, in its wire format's own
@@ -456,7 +455,7 @@ def whole_events(observer: Observer, message: Message) -> Message | None:
         out = observer.body(chunk)
     except StreamError:
         out = observer.drop_pending() + chunk
-        observer.sse = observer.ndjson = False  # stop splitting this stream
+        observer.sse = observer.ndjson = observer.framed = False  # stop splitting this stream
     if not more:
         observer.end()
         observer.drop_pending()

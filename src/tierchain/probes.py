@@ -77,6 +77,8 @@ from typing import Any, Literal
 import httpx
 
 from ._json import loads as load_json
+from ._runtime import clock
+from ._runtime.deadlines import EARLY
 from ._runtime.loops import PerLoop
 
 __all__ = [
@@ -410,21 +412,35 @@ MAX_STATUS_BYTES = 4 * 2**20
 """A status body larger than this is not read to the end: the answer is unknown."""
 
 
-_FLIGHTS: PerLoop[dict[str, asyncio.Task[Status | None]]] = PerLoop(lambda loop: {})
+_FLIGHTS: PerLoop[dict[str, asyncio.Task[tuple[Status | None, bool]]]] = PerLoop(lambda loop: {})
 
 
 async def _flight(
     client: httpx.AsyncClient, url: str, limit: float, reader: Reader
-) -> Status | None:
+) -> tuple[Status | None, bool]:
+    """The status, and whether the GET ran out of its ``limit`` (rather than failed)."""
+    sent = clock.now()
     try:
-        return await fetch_status(client, url, limit=limit, reader=reader)
+        status = await fetch_status(client, url, limit=limit, reader=reader)
     except asyncio.CancelledError:  # (only at shut-down: nobody waits on a flight then)
-        return None
+        return None, False
+    return status, status is None and clock.now() - sent >= limit - EARLY
 
 
-def _landed(flights: dict[str, Any], url: str, task: asyncio.Task[Status | None]) -> None:
+_SENT_AT: PerLoop[dict[str, float]] = PerLoop(lambda loop: {})
+"""When the GET in flight for each status URL was sent (:func:`clock.now`'s time)."""
+
+
+def _landed(flights: dict[str, Any], url: str, task: asyncio.Task[Any]) -> None:
     if flights.get(url) is task:
         del flights[url]
+        _SENT_AT.get().pop(url, None)
+
+
+def status_asked_at(url: str) -> float | None:
+    """When the GET of ``url`` now in flight was sent (None: none is): a caller that
+    joins it has waited for the status since then, not since it joined."""
+    return _SENT_AT.get().get(url)
 
 
 async def fetch_status_once(
@@ -436,23 +452,29 @@ async def fetch_status_once(
     ``limit``) instead of sending another: a burst of requests that each want a fresh
     status (the poller's turn, every attempt's ``ask_first``, every stalled attempt's
     probe) sends one GET, not one each. The GET is read by the ``reader`` of the caller
-    that sent it (one status URL is one backend's).
+    that sent it (one status URL is one backend's). A GET joined that ran out of its own
+    (shorter) limit is followed by one of ours for the time we have left: a status that
+    is late is late for our own limit, never "unknown" sooner.
     """
-    if limit <= 0:
-        return None
+    end = clock.now() + limit
     flights = _FLIGHTS.get()
-    task = flights.get(url)
-    if task is None:
-        task = asyncio.get_running_loop().create_task(
-            _flight(client, url, limit, reader), name="tierchain-status-get"
-        )
-        flights[url] = task
-        task.add_done_callback(functools.partial(_landed, flights, url))
-    try:
-        async with asyncio.timeout(limit):
-            return await asyncio.shield(task)
-    except TimeoutError:
-        return None
+    while (left := end - clock.now()) > 0:
+        task = flights.get(url)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(
+                _flight(client, url, left, reader), name="tierchain-status-get"
+            )
+            flights[url] = task
+            _SENT_AT.get()[url] = clock.now()
+            task.add_done_callback(functools.partial(_landed, flights, url))
+        try:
+            async with asyncio.timeout(left):
+                status, timed_out = await asyncio.shield(task)
+        except TimeoutError:
+            return None
+        if status is not None or not timed_out:
+            return status
+    return None
 
 
 async def fetch_status(

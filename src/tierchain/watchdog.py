@@ -93,7 +93,7 @@ from .allowance import Allowance, estimate_tokens
 from .errors import BackendBusy, BackendSaturated, BackendUnavailable, StreamError
 from .learned import Learned, LearnedGap, PromptRate, prompt_tokens
 from .observer import Observer, nothing_sent, whole_events
-from .probes import Reader, Status, auto_reader, fetch_status_once, judge
+from .probes import Reader, Status, auto_reader, fetch_status_once, judge, status_asked_at
 from .request import UNROUTED_KEY, Attempt, TierRequest
 from .status import Fullness, StatusBoard, full
 from .telemetry import (
@@ -351,47 +351,41 @@ class SaturationWatchdog:
     def _watch(self, req: TierRequest | None, attempt: Attempt | None) -> _Watch | None:
         """The attempt's watch, or None when there is nothing to time."""
         learned = False
+        body = req.body if req is not None else None
         if self.learned is not None and attempt is not None:
-            window, learned = self.learned.window(attempt.backend.name, req.body if req else None)
+            window, learned = self.learned.window(attempt.backend.name, body)
             window = min(window, self.ceiling)
         else:
-            window = 0.0 if self.off else self.window(req.body if req is not None else None)
+            window = 0.0 if self.off else self.window(body)
         stall = self.stall_after
-        stall_learned = False
-        if attempt is not None and attempt.backend.stall_after is not None:
-            stall = attempt.backend.stall_after  # type: ignore[assignment]  # seconds once built
-        elif self.learned_gap is not None and attempt is not None and not attempt.is_last:
-            # The backend's own rhythm where a later tier can take over; the last tier has
-            # nothing to move on to, and waits the ceiling (self.stall_after).
-            stall, stall_learned = self.learned_gap.window(attempt.backend.name, None)
-        reserve = self._reserve(req, attempt)
-        prefill = self._prefill(req, attempt)
+        prefill = math.inf
+        reserve = 0.0
+        if attempt is not None:
+            backend = attempt.backend
+            last = attempt.n >= attempt.of
+            if backend.stall_after is not None:
+                stall = backend.stall_after  # type: ignore[assignment]  # seconds once built
+            elif self.learned_gap is not None and not last:
+                # The backend's own rhythm where a later tier can take over; the last tier
+                # has nothing to move on to, and waits the ceiling (self.stall_after).
+                stall = self.learned_gap.window(backend.name, None)[0]
+            if not last and req is not None:
+                if req.deadline is not None:
+                    reserve = self._reserve(req, attempt)
+                rate = self.prompt_rate
+                # The first token's time at the backend's normal prompt rate (with the
+                # margin); not judged for an answer that does not stream (its first bytes
+                # are the whole answer) from a backend with no status URL to tell a prompt
+                # still read from an answer written.
+                if rate is not None and (req.streaming is not False or backend.status_url):
+                    prefill = rate.limit(backend.name, backend.regime, body)[0]
         if window <= 0 and stall <= 0 and reserve <= 0 and prefill == math.inf:
             return None
-        watch = _Watch(self, req, window, stall, learned, reserve, prefill)
-        if stall_learned:
-            # A learned window varies by backend and sample: not a recurring delay (a
-            # FIFO per distinct value would pile up in the scheduler).
-            watch.stall_fixed = False
-        return watch
+        return _Watch(self, req, window, stall, learned, reserve, prefill)
 
-    def _prefill(self, req: TierRequest | None, attempt: Attempt | None) -> float:
-        """Seconds this attempt's first token may take at its backend's normal prompt
-        rate (with the margin); inf where not judged: the last tier, no rate, or an
-        answer that does not stream (its first bytes are the whole answer) from a
-        backend with no status URL to tell a prompt still read from an answer written."""
-        rate = self.prompt_rate
-        if rate is None or attempt is None or attempt.is_last or req is None:
-            return math.inf
-        backend = attempt.backend
-        if req.streaming is False and backend.status_url is None:
-            return math.inf
-        return rate.limit(backend.name, backend.regime, req.body)[0]
-
-    def _reserve(self, req: TierRequest | None, attempt: Attempt | None) -> float:
-        """Seconds this attempt must leave for the later tiers (0: none to keep)."""
-        if attempt is None or req is None or req.deadline is None or attempt.is_last:
-            return 0.0
+    def _reserve(self, req: TierRequest, attempt: Attempt) -> float:
+        """Seconds this attempt (not the last, in a request with a deadline) must leave
+        for the later tiers (0: none to keep)."""
         reserve = self.reserve
         if self.reserve_auto and self.learned is not None and attempt.n < len(req.chain):
             later = req.chain[attempt.n].name
@@ -419,8 +413,11 @@ class SaturationWatchdog:
         board = self.board
         assert board is not None
         late = self.status_late
-        started = clock.now()
-        status = await board.ask(url, reader, self.client, max(self.ask_first, late))
+        # A GET already in flight (the poller's, another attempt's) is joined: the
+        # backend has kept us waiting for its status since that GET was sent.
+        started = status_asked_at(url) or clock.now()
+        limit = max(self.ask_first, late) - (clock.now() - started)
+        status = await board.ask(url, reader, self.client, limit) if limit > 0 else None
         took = clock.now() - started
         if late > 0 and took >= late - EARLY:
             # A local server answers its status in milliseconds: one that takes this
@@ -490,7 +487,6 @@ class _Watch(Interruption):
         "reserve",
         "route",
         "stall",
-        "stall_fixed",
         "start",
         "watchdog",
         "window",
@@ -516,7 +512,6 @@ class _Watch(Interruption):
         self.last = attempt is None or attempt.is_last
         self.window = window
         self.stall = stall
-        self.stall_fixed = True  # the same stall window recurs (see SaturationWatchdog._watch)
         self.reserve = reserve
         shared = req.observer if req is not None and req.in_chain else None
         self.own = shared is None
@@ -664,6 +659,8 @@ class _Watch(Interruption):
             # The reserve's point comes before the first stall window ends: a committed
             # stream that could be continued on the next tier is cut there (_expired).
             # (Otherwise the stall timer comes first, and the cut is timed from it.)
+            if handle is not None and deadlines.due(handle) <= cut:
+                return  # the window's timer comes first; _expired times the rest from it
             if handle is not None:
                 deadlines.cancel(handle)
                 self._handle = None
@@ -681,7 +678,7 @@ class _Watch(Interruption):
             deadlines.cancel(handle)
             self._handle = None
         if self.fired is None:
-            self._arm(self.stall, fixed=self.stall_fixed)
+            self._arm(self.stall, fixed=True)
 
     def answered(self) -> bool:
         """True once the first chunk has arrived (for a held answer: all of it, or
@@ -710,10 +707,14 @@ class _Watch(Interruption):
             return  # the budget ends this attempt first: a deadline, not a saturation
         if due == self._window_end:
             delay = self.window
-            # A learned or computed window varies by request: not a recurring delay.
-            fixed = not self.learned and not callable(self.watchdog.slow_after)
+            # A computed window varies by request: not a recurring delay (a learned one
+            # recurs: one of the sketch's bucket edges times the margin).
+            fixed = not callable(self.watchdog.slow_after)
         elif due == self._ceiling_at:
             delay, fixed = self.watchdog.ceiling, True
+        elif due == self._prefill_end and self.watchdog.prompt_rate is not None:
+            delay = due - self.start  # (the watch starts as it is armed)
+            fixed = self.watchdog.prompt_rate.recurs(delay)
         else:
             delay, fixed = max(0.0, due - clock.now()), False
         self._arm(delay, fixed=fixed)
@@ -777,7 +778,7 @@ class _Watch(Interruption):
                 # The caller is not reading, so neither are we: the upstream's silence
                 # is not its own (Failover's send_timeout judges the caller). Look again
                 # one stall window later.
-                self._arm(self.stall or _SILENT, fixed=self.stall_fixed)
+                self._arm(self.stall or _SILENT, fixed=True)
                 return
             last = self._quiet_since()
             if self.stall > 0 and not observer.ended and now >= last + self.stall - EARLY:
