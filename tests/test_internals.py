@@ -303,17 +303,60 @@ def cancellation_by_hand(tree: ast.AST) -> bool:
     )
 
 
+_COROUTINE_STATE = {"cr_frame", "cr_running", "cr_await", "cr_suspended", "getcoroutinestate"}
+
+
 def coroutines_by_hand(tree: ast.AST) -> bool:
-    """``coro.send``/``coro.throw`` on a coroutine, or a read of its ``cr_frame``."""
+    """``coro.send``/``coro.throw`` on a coroutine, or a look at its state (``cr_frame``,
+    ``cr_running``, ``cr_await``, ``inspect.getcoroutinestate``...)."""
     return any(
-        isinstance(n, ast.Attribute)
-        and (
-            n.attr == "cr_frame"
-            or (
-                n.attr in {"send", "throw"}
-                and isinstance(n.value, ast.Name)
-                and n.value.id == "coro"
+        (
+            isinstance(n, ast.Attribute)
+            and (
+                n.attr in _COROUTINE_STATE
+                or (
+                    n.attr in {"send", "throw"}
+                    and isinstance(n.value, ast.Name)
+                    and n.value.id == "coro"
+                )
             )
+        )
+        or (isinstance(n, ast.ImportFrom) and any(a.name in _COROUTINE_STATE for a in n.names))
+        for n in ast.walk(tree)
+    )
+
+
+_CLOCKS = {"monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns"}
+
+
+def clock_reads(tree: ast.AST) -> bool:
+    """A monotonic clock read directly: ``time.monotonic()``, ``time.perf_counter()``, or
+    ``from time import monotonic`` (every layer reads ``clock.now()``)."""
+    return any(
+        (
+            isinstance(n, ast.Attribute)
+            and n.attr in _CLOCKS
+            and isinstance(n.value, ast.Name)
+            and n.value.id == "time"
+        )
+        or (
+            isinstance(n, ast.ImportFrom)
+            and n.module == "time"
+            and any(a.name in _CLOCKS for a in n.names)
+        )
+        for n in ast.walk(tree)
+    )
+
+
+def subclasses_interruption(tree: ast.AST) -> bool:
+    """A class that inherits ``Interruption``: layers hold one (composition), so the
+    runtime's fields (the task, its baseline) stay the runtime's."""
+    return any(
+        isinstance(n, ast.ClassDef)
+        and any(
+            (isinstance(base, ast.Name) and base.id == "Interruption")
+            or (isinstance(base, ast.Attribute) and base.attr == "Interruption")
+            for base in n.bases
         )
         for n in ast.walk(tree)
     )
@@ -323,7 +366,9 @@ ROOM = "_runtime/"
 
 
 @pytest.mark.parametrize(
-    "check", [timer_calls, cancellation_by_hand, coroutines_by_hand], ids=lambda f: f.__name__
+    "check",
+    [timer_calls, cancellation_by_hand, coroutines_by_hand, clock_reads],
+    ids=lambda f: f.__name__,
 )
 def test_nothing_outside_the_runtime_room_touches_timers_cancellation_or_coroutines(check):
     # The seam: loop timers, cancel-with-a-reason and its undoing, and coroutines driven by
@@ -345,6 +390,40 @@ def test_the_seam_checks_see_what_they_look_for():
     assert not cancellation_by_hand(ast.parse("deadlines.cancel(entry)"))
     assert coroutines_by_hand(ast.parse("coro.send(None)"))
     assert coroutines_by_hand(ast.parse("frame = c.cr_frame"))
+    assert coroutines_by_hand(ast.parse("inspect.getcoroutinestate(c) != CLOSED"))
+    assert coroutines_by_hand(ast.parse("from inspect import getcoroutinestate"))
+    assert coroutines_by_hand(ast.parse("busy = c.cr_running"))
+    assert clock_reads(ast.parse("now = time.monotonic()"))
+    assert clock_reads(ast.parse("from time import perf_counter"))
+    assert not clock_reads(ast.parse("now = clock.now()"))
+    assert not clock_reads(ast.parse("expiry = clock.wall() + ttl"))
+    assert subclasses_interruption(ast.parse("class _Watch(Interruption): pass"))
+    assert subclasses_interruption(ast.parse("class G(interrupt.Interruption): pass"))
+    assert not subclasses_interruption(ast.parse("class _Watch:\n    cut: Interruption"))
+
+
+def test_no_layer_inherits_the_runtimes_interruption():
+    # Budget's _Spend, the watchdog's _Watch and the DisconnectGuard hold an Interruption
+    # (``cut``); the room defines it, and only the room may extend it.
+    outside = sorted(
+        module
+        for module in package_modules()
+        if not module.startswith(ROOM)
+        and subclasses_interruption(ast.parse((PACKAGE / module).read_text()))
+    )
+    assert not outside, f"Interruption subclassed outside {ROOM}: {outside}"
+
+
+def test_a_deadline_handle_is_a_typed_object_not_a_list():
+    # What schedule() returns is the room's own Deadline (named fields, slots), which the
+    # layers only hand back to cancel() and due() (mypy, strict, refuses an index into it).
+    from tierchain._runtime import deadlines
+
+    assert isinstance(deadlines.Deadline, type)
+    assert not issubclass(deadlines.Deadline, list | tuple)
+    assert set(deadlines.Deadline.__slots__) == {"due", "seq", "callback", "context", "pending"}
+    source = (PACKAGE / "_runtime" / "deadlines.py").read_text()
+    assert not re.search(r"^Deadline\s*=", source, re.M)  # a class, not an alias of a list
 
 
 def test_one_timer_queue_arms_every_loop_timer_of_the_package():
