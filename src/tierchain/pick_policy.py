@@ -184,15 +184,15 @@ class PickPolicy:
         rejects it, ``n - i + 1`` (the first filter's rejects go last)."""
         n = len(self.filters)
         cls = [0] * len(candidates)
-        where = {id(c): i for i, c in enumerate(candidates)}
         left: Sequence[Candidate] = candidates
         for i, keep in enumerate(self.filters):
             kept = keep(left)
-            if len(kept) != len(left):
+            if len(kept) != len(left):  # (the usual case, all pass, costs no set)
                 passed = {id(c) for c in kept}
-                for c in left:
-                    if id(c) not in passed:
-                        cls[where[id(c)]] = n - i
+                rejected = {id(c) for c in left if id(c) not in passed}
+                for at, c in enumerate(candidates):
+                    if id(c) in rejected:
+                        cls[at] = n - i
             left = kept
         return cls
 

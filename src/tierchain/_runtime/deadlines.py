@@ -53,23 +53,24 @@ may also fire a hair early: asyncio runs those due within its clock resolution, 
 
 class Deadline:
     """A scheduled deadline, the handle :func:`schedule` and :func:`schedule_at` return:
-    give it back to :func:`cancel` or :func:`due`; its fields are the scheduler's."""
+    give it back to :func:`cancel` or :func:`due`; its fields are the scheduler's.
+
+    It has no ``__init__``: the scheduler makes one with ``object.__new__`` and sets the
+    fields, for about the cost of the list it replaces (a Python ``__init__`` costs a frame
+    per deadline, and every request schedules several).
+    """
 
     __slots__ = ("callback", "context", "due", "pending", "seq")
 
-    def __init__(
-        self,
-        due: float,
-        seq: int,
-        callback: Callable[[], object] | None,
-        context: contextvars.Context | None,
-        pending: dict[int, Deadline],
-    ) -> None:
-        self.due = due
-        self.seq = seq
-        self.callback = callback  # None once it fired or was cancelled
-        self.context = context
-        self.pending = pending
+    due: float
+    seq: int
+    callback: Callable[[], object] | None
+    """None once it fired or was cancelled."""
+    context: contextvars.Context | None
+    pending: dict[int, Deadline]
+
+
+_new = object.__new__
 
 
 _due_of = attrgetter("due")
@@ -227,7 +228,12 @@ def schedule(
     due = clock.now() + delay
     seq = timers.seq = timers.seq + 1
     pending = timers.pending
-    entry = Deadline(due, seq, callback, context, pending)
+    entry = _new(Deadline)  # (no __init__: see Deadline)
+    entry.due = due
+    entry.seq = seq
+    entry.callback = callback
+    entry.context = context
+    entry.pending = pending
     pending[seq] = entry
     fifo = timers.fifos.get(delay) if fixed else None
     if fifo is not None and len(fifo.seqs) < fifo.limit and due >= timers.when:
@@ -248,7 +254,12 @@ def schedule_at(
     timers = _TIMERS.get()
     seq = timers.seq = timers.seq + 1
     pending = timers.pending
-    entry = Deadline(due, seq, callback, None, pending)
+    entry = _new(Deadline)  # (no __init__: see Deadline)
+    entry.due = due
+    entry.seq = seq
+    entry.callback = callback
+    entry.context = None
+    entry.pending = pending
     pending[seq] = entry
     if lane is not None:
         fifo = timers.fifos.get(lane)
