@@ -75,7 +75,7 @@ async def test_cancelled_entries_do_not_pile_up_in_a_recurring_delays_queue():
     timers = _deadlines._TIMERS.get()
     queued = timers.fifos[delay].seqs
     assert len(queued) <= 1_024
-    assert all(entry[1] in queued for entry in live)
+    assert all(entry.seq in queued for entry in live)
     for entry in live:
         _deadlines.cancel(entry)
 
@@ -117,7 +117,7 @@ async def test_cancelled_one_off_deadlines_do_not_pile_up_in_the_heap():
         _deadlines.cancel(_deadlines.schedule(30.0 + n * 1e-3, lambda: None, fixed=False))
     heap = _deadlines._TIMERS.get().heap
     assert len(heap) <= 1_024
-    assert (live[0], live[1]) in heap
+    assert (live.due, live.seq) in heap
     _deadlines.cancel(live)
 
 
@@ -188,8 +188,8 @@ async def test_an_entry_out_of_order_in_its_lane_goes_to_the_heap_and_fires_in_d
     late = _deadlines.schedule_at(start + 3 * TICK, lambda: fired.append("3"), lane=TICK)
     early = _deadlines.schedule_at(start + 2 * TICK, lambda: fired.append("2"), lane=TICK)
     timers = _deadlines._TIMERS.get()
-    assert list(timers.fifos[TICK].seqs) == [late[1]]
-    assert (early[0], early[1]) in timers.heap
+    assert list(timers.fifos[TICK].seqs) == [late.seq]
+    assert (early.due, early.seq) in timers.heap
     await asyncio.sleep(4 * TICK)
     assert fired == ["2", "3"]
 
@@ -212,4 +212,4 @@ async def test_the_lag_monitor_ticks_on_the_scheduler_and_sees_a_blocked_loop():
     await asyncio.sleep(3 * lag.PERIOD)
     assert lag.lag_since(now() - lag.PERIOD) == pytest.approx(0.0, abs=1e-9)  # on time again
     timers = _deadlines._TIMERS.get()
-    assert any(e[2] == lag._MONITORS.get()._tick for e in timers.pending.values())
+    assert any(e.callback == lag._MONITORS.get()._tick for e in timers.pending.values())

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import uvicorn
 
-from tierchain._pool import FlatPool, FlatTransport
+from tierchain._connections import FlatPool, FlatTransport
 
 from .support import serve
 

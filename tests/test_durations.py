@@ -39,6 +39,7 @@ from tierchain import (
     Shed,
     _checks,
     config,
+    routes_file,
 )
 from tierchain.__main__ import main
 from tierchain.admin import app as admin_app
@@ -383,7 +384,9 @@ NOT_TEXTS = [
 
 
 def test_the_variables_and_the_admin_read_text_with_the_same_function():
-    assert config.parse_duration is _checks.parse_duration
+    # the variables and the routes file through text_seconds, which reads parse_duration
+    assert config.text_seconds is _checks.text_seconds
+    assert routes_file.text_seconds is _checks.text_seconds
     assert admin_app.parse_duration is _checks.parse_duration
 
 

@@ -904,7 +904,7 @@ async def test_a_stream_the_timer_wakes_just_before_its_commit_is_due_still_comm
     await asyncio.sleep(0)
     timers = deadlines._TIMERS.get()
     (seq,) = timers.fifos[1.0].seqs
-    stream = timers.pending[seq][2].__self__  # the entry calls its stream's due()
+    stream = timers.pending[seq].callback.__self__  # the entry calls its stream's due()
     assert isinstance(stream, heartbeats._Stream)
     # The scheduler's wake comes half its tolerance before the commit is due.
     now = stream.started + 1.0 - deadlines.EARLY / 2

@@ -16,7 +16,7 @@ from httpcore import AnyIOBackend
 
 from tierchain import Backend, Breaker, Failover, Forwarder, Routes
 from tierchain import forwarder as forwarder_module
-from tierchain._pool import FlatTransport
+from tierchain._connections import FlatTransport
 
 from .support import Exchange, FakeBackend, answers, chat_request, serve, streams
 
@@ -37,7 +37,7 @@ async def post(url: str) -> httpx.Response:
 @asynccontextmanager
 async def lagging_connect(port: int, seconds: float) -> AsyncIterator[None]:
     """The gateway's first connect to ``port`` starts after its event loop was blocked."""
-    # The network backend the Forwarder's pool connects with (tierchain._pool).
+    # The network backend the Forwarder's pool connects with (tierchain._connections).
     real = AnyIOBackend.connect_tcp
     blocked_once = False
 

@@ -22,7 +22,7 @@ from tierchain import (
 )
 from tierchain.store import BreakerPolicy
 
-from .support import RULES_TIMEOUT, FakeBackend, chat_request, serve, streams
+from .support import RULES_TIMEOUT, FakeBackend, chat_request, on_virtual_time, serve, streams
 
 pytestmark = pytest.mark.redis
 
@@ -302,3 +302,21 @@ async def test_a_late_reply_is_not_sent_again_so_one_outcome_counts_once(redis_s
     assert shared.failures == 1  # Redis ran it once; it was not sent a second time
     events = [getattr(r, "event", "") for r in caplog.records]
     assert events.count("store.redis_unavailable") == 1
+
+
+@on_virtual_time
+async def test_the_wait_before_redis_is_tried_again_runs_on_the_package_clock():
+    # Nothing listens on the port: the first call falls back to memory. Redis is tried again
+    # after reconnect_every on the package's one clock (virtual here), not on time.monotonic.
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with RedisStore(f"redis://127.0.0.1:{port}/0", reconnect_every=60) as store:
+        await store.breaker_acquire("echo", "tower", POLICY)
+        assert store.degraded
+        assert store._local() is not None  # within reconnect_every: the fallback serves
+        await asyncio.sleep(60)  # virtual: the clock jumps, no real time passes
+        assert store._local() is None  # this caller tries Redis again
+        assert store._local() is not None  # and the rest stay on the fallback meanwhile

@@ -8,6 +8,7 @@ The host's forwarding handler asks :func:`current_attempt` where to send each
 attempt, or is simply :class:`Forwarder`.
 """
 
+from . import config as _config
 from .admin import Admin
 from .allowance import Allowance
 from .backend import Backend, Pool, Routes
@@ -39,9 +40,14 @@ from .prefer import PreferBackend
 from .redis_store import RedisStore
 from .request import Attempt, TierRequest, current_attempt
 from .shed import Shed
+from .stack import build_stack as _build_stack
 from .store import MemoryStore
 from .telemetry import VERSION as __version__
 from .watchdog import SaturationWatchdog
+
+# tierchain.config.build_stack, the old path: set here so that config never imports the
+# stack that imports it (docs/internals.md, the floors).
+_config.build_stack = _build_stack
 
 __all__ = [
     "Admin",

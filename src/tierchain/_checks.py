@@ -20,7 +20,7 @@ import re
 from datetime import timedelta
 from typing import Literal, overload
 
-__all__ = ["TEXT_DURATION", "count", "duration", "parse_duration"]
+__all__ = ["HEADER_NAME", "TEXT_DURATION", "count", "duration", "parse_duration", "text_seconds"]
 
 TEXT_DURATION = "seconds such as 30, 2.5, 500ms, 15m or 2h"
 """How the text grammar of :func:`parse_duration` is described to a user."""
@@ -41,6 +41,23 @@ def parse_duration(text: str) -> float:
     if match is None:
         raise ValueError(f"not a duration such as 30, 2.5, 500ms, 15m or 2h: {text[:40]!r}")
     return float(match[1]) * _UNITS[(match[2] or "").lower()]
+
+
+def text_seconds(text: str, *, zero_ok: bool = True) -> float:
+    """Seconds from ``text`` (:func:`parse_duration`), finite, and above zero unless
+    ``zero_ok``: a bare ``ValueError`` otherwise (the caller's message says what it expects).
+    The one reading of a duration written as text: the variables and the routes file."""
+    try:
+        value = parse_duration(text)
+    except ValueError:
+        raise ValueError from None
+    if not math.isfinite(value) or (value == 0 and not zero_ok):
+        raise ValueError
+    return value
+
+
+HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""An HTTP header name (RFC 9110's token), as a variable or the routes file may give one."""
 
 
 def _as_seconds(value: object) -> float | None:

@@ -30,7 +30,7 @@ from ._types import Message, Receive
 WATCH_AFTER = 0.02
 
 
-class DisconnectGuard(Interruption):
+class DisconnectGuard:
     """Cancel the owning task promptly when the caller disconnects.
 
     Use as ``async with DisconnectGuard(receive) as guard:``; the context
@@ -44,13 +44,14 @@ class DisconnectGuard(Interruption):
         "_queued",
         "_receive",
         "_watcher",
+        "cut",
         "done",
         "then",
     )
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
-        self.interrupted = False  # (armed by enter)
+        self.cut = Interruption()  # armed by enter
         self._watcher: asyncio.Future[Message] | None = None
         self.done = False
         self._gone: asyncio.Event | None = None  # made when first needed
@@ -73,7 +74,7 @@ class DisconnectGuard(Interruption):
 
     def enter(self) -> None:
         """Start guarding the running task (what ``async with`` does on entry)."""
-        self.arm()
+        self.cut.arm()
         self._queued = deadlines.schedule(WATCH_AFTER, self.due_now)
 
     @property
@@ -84,7 +85,7 @@ class DisconnectGuard(Interruption):
     @property
     def task(self) -> asyncio.Task[Any] | None:
         """The task this guard cancels (the request's), once entered."""
-        return self._task
+        return self.cut.task
 
     def due_now(self) -> None:
         """The request has run ``WATCH_AFTER`` seconds: watch it, and call :attr:`then`."""
@@ -116,7 +117,7 @@ class DisconnectGuard(Interruption):
             return
         self.gone.set()
         if not self.done:
-            self.interrupt("tierchain: the caller disconnected")
+            self.cut.interrupt("tierchain: the caller disconnected")
 
     async def receive(self) -> Message:
         """What an inner app gets after the body: waits for the disconnect."""
@@ -148,4 +149,4 @@ class DisconnectGuard(Interruption):
         Only then is it swallowed (and undone), and only when no other cancellation
         (a Budget timeout, a server shutdown) is pending.
         """
-        return self.ours()
+        return self.cut.ours()

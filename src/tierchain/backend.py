@@ -21,12 +21,15 @@ from ._checks import count, duration
 from .masking import MASK, SECRET_NAME, mask_text, mask_url
 from .wire import check_format
 
-__all__ = ["Backend", "Pool", "Routes"]
+__all__ = ["BACKEND_NAME", "Backend", "Pool", "Routes", "check_url"]
 
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+BACKEND_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+"""What a backend's (or a pool's) name may be: 1-64 characters from ``A-Z a-z 0-9 . _ -``."""
 
 
-def _check_url(what: str, url: str) -> str:
+def check_url(what: str, url: str) -> str:
+    """``url`` when it is an http or https URL with a host; ``ValueError`` naming ``what``
+    (and the URL, masked) otherwise."""
     try:
         parts = urlsplit(url)
     except ValueError as exc:
@@ -118,13 +121,13 @@ class Backend:
         return f"Backend({', '.join(shown)})"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+        if not isinstance(self.name, str) or not BACKEND_NAME.fullmatch(self.name):
             raise ValueError(
                 f"backend name {self.name!r} must be 1-64 characters from A-Z a-z 0-9 . _ -"
             )
-        _check_url(f"backend {self.name!r} url", self.url)
+        check_url(f"backend {self.name!r} url", self.url)
         if self.status_url is not None:
-            _check_url(f"backend {self.name!r} status_url", self.status_url)
+            check_url(f"backend {self.name!r} status_url", self.status_url)
         object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
         if not isinstance(self.forward_caller_auth, bool):
             raise ValueError(
@@ -175,7 +178,7 @@ class Pool:
     backends: Sequence[Backend]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+        if not isinstance(self.name, str) or not BACKEND_NAME.fullmatch(self.name):
             raise ValueError(
                 f"pool name {self.name!r} must be 1-64 characters from A-Z a-z 0-9 . _ -"
             )

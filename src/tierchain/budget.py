@@ -122,20 +122,20 @@ class Budget:
         try:
             await self.app(scope, receive, spend.send)
         except asyncio.CancelledError:
-            if not spend.ours():
+            if not spend.cut.ours():
                 raise
             await spend.exhausted(send)
         except BudgetExhausted:
             spend.req.cancel_reason = _REASON
             await spend.exhausted(send)
         else:
-            if spend.interrupted:
-                spend.swallowed()  # the app swallowed the cancellation and returned anyway
+            if spend.cut.interrupted:
+                spend.cut.swallowed()  # the app swallowed the cancellation and returned anyway
         finally:
             deadlines.cancel(timer)
 
 
-class _Spend(Interruption):
+class _Spend:
     """One request under a budget: its timer and what has been sent.
 
     Inside a Failover, the events that reach this layer are already whole and
@@ -147,6 +147,7 @@ class _Spend(Interruption):
         "_observer",
         "_send",
         "budget",
+        "cut",
         "finished",
         "req",
         "seconds",
@@ -161,7 +162,7 @@ class _Spend(Interruption):
         self.finished = False
         self._observer: Observer | None = None
         self._send: Send | None = None
-        self.interrupted = False  # (armed by start)
+        self.cut = Interruption()  # armed by start
 
     def send(self, message: Message) -> Awaitable[None]:
         """Note what passes and pass it on: the inner send's own awaitable, no frame of ours."""
@@ -200,15 +201,15 @@ class _Spend(Interruption):
             delay = max(0.0, deadline - clock.now())
         req.deadline = deadline
         req.budget = delay if req.budget is None else min(req.budget, delay)
-        self.arm()
+        self.cut.arm()
         return deadlines.schedule(delay, self._fire, fixed=fixed)
 
     def _fire(self) -> None:
         """The deadline: cancel the request's task, unless it is already answered."""
-        if self.finished or self.interrupted:
+        if self.finished or self.cut.interrupted:
             return
         self.req.cancel_reason = _REASON  # before the cancellation lands
-        self.interrupt("tierchain: the request's budget is spent")
+        self.cut.interrupt("tierchain: the request's budget is spent")
 
     async def exhausted(self, send: Send) -> None:
         req = self.req

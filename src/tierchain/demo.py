@@ -18,7 +18,6 @@ import json
 import logging
 import socket
 import sys
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 
 from . import _json
+from ._runtime import clock
 from ._types import Receive, Scope, Send
 from .backend import Backend, Routes
 from .breaker import Breaker
@@ -256,7 +256,7 @@ async def ask(
 ) -> Outcome:
     """Send one streaming chat request; collect heartbeats and content as they arrive."""
     body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": prompt}]}
-    t0 = time.monotonic()
+    t0 = clock.now()
     heartbeats: list[dict[str, Any]] = []
     text: list[str] = []
     error = None
@@ -284,7 +284,7 @@ async def ask(
                             text.append(choice.get("delta", {}).get("content") or "")
         trail = response.headers.get("x-tierchain-attempts", "")
         return Outcome(
-            response.status_code, trail, "".join(text), heartbeats, time.monotonic() - t0, error
+            response.status_code, trail, "".join(text), heartbeats, clock.now() - t0, error
         )
 
 

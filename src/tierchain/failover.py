@@ -436,7 +436,7 @@ class Failover:
         span = start_span("tierchain.request", {ATTR_ROUTE: route})
         guard = DisconnectGuard(receive)
         guard.enter()  # (as ``async with guard``, without its two coroutines)
-        req.interruption = Interruption.beside(guard)  # the same task, the same baseline
+        req.interruption = Interruption.beside(guard.cut)  # the same task, the same baseline
         try:
             if self._waitable and route in self._waitable:
                 turned_away = await self._wait(scope, req, route)

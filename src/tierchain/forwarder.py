@@ -47,9 +47,9 @@ from opentelemetry import propagate
 from . import _json
 from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._checks import count, duration
+from ._connections import FlatTransport, NotSent
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
-from ._pool import FlatTransport, NotSent
 from ._responses import send_json_error
 from ._runtime import clock, deadlines
 from ._runtime.deadlines import EARLY
@@ -151,7 +151,7 @@ class Forwarder:
             limits = httpx.Limits(
                 max_connections=None, max_keepalive_connections=self._max_keepalive
             )
-            # Its cost per request does not grow with the streams held (see _pool).
+            # Its cost per request does not grow with the streams held (see _connections).
             self._transport = FlatTransport(limits=limits)
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(**self._timeouts),

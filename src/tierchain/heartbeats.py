@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import inspect
 import types
 from collections.abc import Awaitable
 from datetime import timedelta
@@ -43,7 +42,7 @@ from ._checks import count, duration
 from ._responses import FinalWrites
 from ._runtime import clock, deadlines
 from ._runtime.deadlines import EARLY
-from ._runtime.eager import start_eagerly
+from ._runtime.eager import finished, start_eagerly
 from ._state_lines import state_line
 from ._stream_request import StreamRequest, accepts_event_stream
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
@@ -165,14 +164,14 @@ class _Writer:
         self.task: asyncio.Task[Any] | None = None
 
     def sending(self) -> bool:
-        """Is a relayed chunk's send still out? (The server's own coroutine is asked with
-        ``inspect.getcoroutinestate``: out until it is closed.)"""
+        """Is a relayed chunk's send still out? (The server's own coroutine is asked,
+        through the runtime room's ``finished``: out until it is closed.)"""
         if self.relaying:
             return True
         flight = self.flight
         if flight is None:
             return False
-        if inspect.getcoroutinestate(flight) != inspect.CORO_CLOSED:
+        if not finished(flight):
             return True
         self.flight = None
         return False

@@ -18,7 +18,9 @@ the gateway already knows; nothing is asked of the backends on the way:
 
 Each replica falls into a class, tried in this order: free, then full (its
 ``max_in_flight`` reached, or its status past the watchdog's fullness
-thresholds), then open. Within a class the lowest score goes first::
+thresholds), then open. Within a class the lowest score goes first (each
+filter and each term of the score is a piece of its own in
+:mod:`tierchain.pick_policy`, and this policy is their composition)::
 
     score = in_flight  * attempts in flight
           + waiting    * requests waiting (status)
@@ -64,6 +66,7 @@ from . import _json
 from ._runtime import clock
 from .backend import Backend
 from .learned import Learned
+from .pick_policy import Candidate, default_policy
 from .probes import auto_reader
 from .status import StatusBoard, full
 from .store import AffinityStore, MemoryStore, Store
@@ -71,7 +74,6 @@ from .telemetry import POOL_AFFINITY, POOL_PICKS, labelled
 
 __all__ = ["AFFINITY_TTL", "PickWeights", "Picker", "Prefix", "prefix_keys"]
 
-_FREE, _FULL, _OPEN = 0, 1, 2
 AFFINITY_TTL = 600.0
 """Seconds a replica stays the one for a prefix after it last answered it."""
 _BLOCK = 2048  # characters of a plain prompt per block
@@ -196,6 +198,7 @@ class Picker:
         "_learned",
         "_open",
         "_remote",
+        "policy",
         "weights",
     )
 
@@ -208,6 +211,7 @@ class Picker:
         board: StatusBoard | None = None,
     ) -> None:
         self.weights = weights
+        self.policy = default_policy(weights)  # built once: the filters and scorers
         self._board = board
         self._admission = admission
         self._breakers: Store | None = store if isinstance(store, Store) else None
@@ -237,9 +241,10 @@ class Picker:
             return list(replicas)
         affine = await self._affine(route, prefix) if prefix and prefix.keys else None
         if self._remote:
-            ranked = await asyncio.gather(*(self._rank(route, b, body) for b in replicas))
+            seen = await asyncio.gather(*(self._facts(route, b, body) for b in replicas))
         else:  # (in memory nothing waits: no task per replica)
-            ranked = [await self._rank(route, b, body) for b in replicas]
+            seen = [await self._facts(route, b, body) for b in replicas]
+        ranked = self.policy.rank(seen)
         step = self.weights.resolution
         keyed = sorted(
             zip(ranked, [random.random() for _ in replicas], replicas, strict=True),
@@ -289,47 +294,33 @@ class Picker:
         except Exception:  # a store must never fail a request
             pass
 
-    async def _rank(self, route: str, backend: Backend, body: bytes | None) -> tuple[int, float]:
-        """(class, score) of one replica."""
-        w = self.weights
+    async def _facts(self, route: str, backend: Backend, body: bytes | None) -> Candidate:
+        """What is known of one replica now (the filters and scorers read it)."""
         name = backend.name
-        cls = _FREE
-        in_flight = self._in_flight.get(name, 0)
+        seen = Candidate(backend, self._in_flight.get(name, 0))
         if backend.max_in_flight is not None:
             try:
-                in_flight = max(in_flight, await self._admission.in_flight(name))
+                seen.in_flight = max(seen.in_flight, await self._admission.in_flight(name))
             except Exception:  # a store must never fail a request: this process's count
                 pass
-            if in_flight >= backend.max_in_flight:
-                cls = _FULL
-        score = w.in_flight * in_flight
+            seen.leases_full = seen.in_flight >= backend.max_in_flight
         url = backend.status_url
         board = self._board if url is not None else None
         if board is not None and url is not None:
-            status = board.peek(url, auto_reader)
+            status = seen.status = board.peek(url, auto_reader)
             if status is not None:
-                if full(status, board.limits) is not None:
-                    cls = max(cls, _FULL)
-                if status.waiting is not None:
-                    score += w.waiting * status.waiting
-                if status.kv_cache is not None:
-                    score += w.kv_cache * status.kv_cache
-                if status.slots and status.slots_busy is not None:
-                    score += w.slots * status.slots_busy / status.slots
-        normal = self._learned.normal(name, body)
-        if normal is not None:
-            score += w.first_data * normal
+                seen.status_full = full(status, board.limits) is not None
+        seen.first_data = self._learned.normal(name, body)
         if self._open.get(name, -math.inf) > clock.now():
-            cls = _OPEN
+            seen.open = True
         elif self._breakers is not None:
             try:
                 snap = await self._breakers.breaker_snapshot(route, name)
             except Exception:  # unknown: not open
                 pass
             else:
-                if snap.state == "open":
-                    cls = _OPEN
-        return cls, score
+                seen.open = snap.state == "open"
+        return seen
 
     async def all_full(self, chain: Sequence[Backend]) -> bool:
         """True when every backend of ``chain`` is known to be full now: its

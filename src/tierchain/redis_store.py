@@ -5,7 +5,10 @@ replicas can never both take the half-open probe slot. An attempt costs one
 script call before it and, only when there is something to record, one after.
 
 Times come from Redis's own ``TIME`` inside the scripts, the one clock every
-replica shares (``clock=`` replaces it, for tests only). Keys live under
+replica shares (``clock=`` replaces it, for tests only): epoch seconds, so the
+fallback while Redis is away and a pin's expiry read the package's wall clock
+(``clock.wall``); the wait before Redis is tried again is on the package's one
+monotonic clock (``clock.now``), as every wait is. Keys live under
 ``prefix`` (``tierchain:``): ``tierchain:breaker:<route>:<backend>`` (a hash)
 and ``tierchain:pin:<route>`` (a string); route and backend names are
 percent-encoded; in-flight leases are a sorted set per backend,
@@ -29,13 +32,13 @@ pin reached every replica when it did not.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 from ._checks import duration
+from ._runtime import clock
 from .errors import StoreUnavailable
 from .masking import mask_text, mask_url
 from .store import (
@@ -487,16 +490,16 @@ class RedisStore:
         fallback = self._fallback
         if fallback is None:
             return None
-        now = time.monotonic()
+        now = clock.now()
         if now < self._retry_at:
             return fallback
         self._retry_at = now + self.reconnect_every  # this caller tries; the rest wait
         return None
 
     def _went_away(self, exc: BaseException) -> MemoryStore:
-        self._retry_at = time.monotonic() + self.reconnect_every
+        self._retry_at = clock.now() + self.reconnect_every
         if self._fallback is None:
-            self._fallback = MemoryStore(clock=self._clock or time.time)
+            self._fallback = MemoryStore(clock=self._clock or clock.wall)
             log_event(
                 "store.redis_unavailable",
                 level=30,
@@ -824,7 +827,7 @@ class RedisStore:
         except Exception as exc:
             self._went_away(exc)
             raise self._unreachable("the pin was not set", exc) from exc
-        return time.time() + ttl
+        return clock.wall() + ttl
 
     async def delete_pin(self, route: str) -> bool:
         key = self._pin_key(route)

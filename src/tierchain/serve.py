@@ -34,7 +34,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from typing import Any, TextIO
 import uvicorn
 
 from ._responses import send_json_error
+from ._runtime import clock
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .config import ConfigError, Settings, config_warnings, from_env
 from .errors import CallerStalled
@@ -300,9 +300,9 @@ class _Server(uvicorn.Server):
             drain_timeout_s=self.drain_timeout,
         )
         self.drain.start(self.drain_timeout)
-        started = time.monotonic()
+        started = clock.now()
         await super().shutdown(sockets=sockets)
-        log_event("serve.stopped", logging.INFO, took_s=round(time.monotonic() - started, 3))
+        log_event("serve.stopped", logging.INFO, took_s=round(clock.now() - started, 3))
 
 
 def _address(name: Any) -> str:

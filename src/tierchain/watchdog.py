@@ -327,13 +327,13 @@ class SaturationWatchdog:
             try:
                 await self.app(scope, receive, watch.send if watch.own else send)
             except asyncio.CancelledError:
-                if not watch.ours():
+                if not watch.cut.ours():
                     if watch.fired is None:
                         watch.cancelled()
                     raise
                 await watch.verdict(send)
             else:
-                if watch.interrupted and watch.swallowed():  # the inner app returned anyway
+                if watch.cut.interrupted and watch.cut.swallowed():  # the inner app returned anyway
                     await watch.verdict(send)
                 else:
                     watch.learn()
@@ -446,7 +446,7 @@ class SaturationWatchdog:
         return lifespan_send
 
 
-class _Watch(Interruption):
+class _Watch:
     """One attempt under the watchdog: its timer, reading the attempt's observer.
 
     The waits are one deadline at a time in the loop's shared deadline queue,
@@ -477,6 +477,7 @@ class _Watch(Interruption):
         "_window_end",
         "attempt",
         "backend",
+        "cut",
         "fired",
         "held",
         "last",
@@ -535,7 +536,7 @@ class _Watch(Interruption):
         self._rate_from: tuple[float, int] | None = None
         self._slow_logged = False
         self._send: Send | None = None
-        self.interrupted = False  # (armed by begin)
+        self.cut = Interruption()  # armed by begin
         self._handle: Deadline | None = None
         self._prober: asyncio.Task[None] | None = None
         if reserve > 0 and tracing_enabled():
@@ -551,7 +552,7 @@ class _Watch(Interruption):
     def begin(self, send: Send) -> None:
         """Start timing the attempt (its task is the one the timer may interrupt)."""
         self._send = send
-        self.arm()
+        self.cut.arm()
         self.observer.on_first_data.append(self._first_data)
         self._start_timer()
 
@@ -1004,7 +1005,7 @@ class _Watch(Interruption):
 
     def _fire(self, reason: str) -> None:
         self.fired = reason
-        self.interrupt(f"tierchain: backend saturated ({reason})")
+        self.cut.interrupt(f"tierchain: backend saturated ({reason})")
 
     def _slow(self, now: float) -> None:
         waited = round(now - self.start, 1)

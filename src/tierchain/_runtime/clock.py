@@ -4,7 +4,8 @@
 until a test switches it): every deadline, window, gap and lease in the package is
 measured with it, so that one switch moves them all. Read it as ``clock.now()``, never
 bind it at import time (``from .clock import now`` would keep the real clock through a
-switch).
+switch). ``clock.wall()`` is epoch seconds, for the few times another process reads (a
+Redis-shared store's pins and its fallback), never for a wait.
 
 :class:`VirtualClock` is virtual time for tests, after looptime's idea: an event loop
 (:meth:`VirtualClock.new_event_loop`) whose ``time()`` is the virtual clock, and whose
@@ -26,10 +27,16 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["VirtualClock", "now", "virtual_time"]
+__all__ = ["VirtualClock", "now", "virtual_time", "wall"]
 
 now: Callable[[], float] = time.monotonic
 """Monotonic seconds: ``time.monotonic`` itself, or a :class:`VirtualClock`'s reading."""
+
+wall: Callable[[], float] = time.time
+"""Wall-clock (epoch) seconds, for a time another process must read: a pin's expiry as an
+operator sees it, the breaker times a Redis-shared store keeps when Redis is away (Redis's
+own ``TIME`` is epoch seconds, and two gateways' monotonic clocks share no origin). Never
+for a wait: every wait is on :data:`now`. Virtual time does not switch it."""
 
 
 _switched: list[tuple[object, VirtualClock]] = []  # the virtual_time blocks open, oldest first

@@ -12,10 +12,11 @@ deadlines are "now plus the same delay" (a Budget's default, a backend's
 O(1). Other delays go into a heap (compared in C). One asyncio timer per event
 loop is armed at the earliest due time.
 
-A deadline is a list ``[due, seq, callback, context, pending]``, held by its
-caller; while it is pending, ``pending`` (the loop's table of pending
-deadlines) maps its ``seq`` to it, and its callback is None once it fired or
-was cancelled. The queues hold only due times and
+A deadline is a :class:`Deadline` (``due``, ``seq``, ``callback``,
+``context``, ``pending``), held by its caller, who only passes it to
+:func:`cancel` or :func:`due`; while it is pending, ``pending`` (the loop's
+table of pending deadlines) maps its ``seq`` to it, and its callback is None
+once it fired or was cancelled. The queues hold only due times and
 sequence numbers: floats and ints, which the garbage collector never tracks.
 So a deadline cancelled long before it falls due (almost all of them) is
 freed with its request, rather than waiting in a queue for its due time and
@@ -38,8 +39,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from operator import itemgetter
-from typing import Any
+from operator import attrgetter
 
 from . import clock
 from .loops import PerLoop
@@ -50,10 +50,30 @@ EARLY = 1e-3
 """The one tolerance: what falls due within this of a wake is called at it (a loop timer
 may also fire a hair early: asyncio runs those due within its clock resolution, far less)."""
 
-Deadline = list[Any]
-"""A scheduled deadline: ``[due, seq, callback, context, pending]`` (see the module docstring)."""
 
-_due_of = itemgetter(0)
+class Deadline:
+    """A scheduled deadline, the handle :func:`schedule` and :func:`schedule_at` return:
+    give it back to :func:`cancel` or :func:`due`; its fields are the scheduler's.
+
+    It has no ``__init__``: the scheduler makes one with ``object.__new__`` and sets the
+    fields, for about the cost of the list it replaces (a Python ``__init__`` costs a frame
+    per deadline, and every request schedules several).
+    """
+
+    __slots__ = ("callback", "context", "due", "pending", "seq")
+
+    due: float
+    seq: int
+    callback: Callable[[], object] | None
+    """None once it fired or was cancelled."""
+    context: contextvars.Context | None
+    pending: dict[int, Deadline]
+
+
+_new = object.__new__
+
+
+_due_of = attrgetter("due")
 _COMPACT_AT = 1024  # a queue this long is filtered of cancelled entries (then twice as long)
 _EMPTY_CONTEXT = contextvars.Context()
 
@@ -118,7 +138,7 @@ class _Timers:
         self.seq = 0
 
     def add(self, entry: Deadline, delay: float | None) -> None:
-        due, seq = entry[0], entry[1]
+        due, seq = entry.due, entry.seq
         pending = self.pending
         if delay is None:
             heap = self.heap
@@ -164,10 +184,10 @@ class _Timers:
         if len(ready) > 1:
             ready.sort(key=_due_of)  # several queues may fall due in one wake
         for entry in ready:
-            callback, context = entry[2], entry[3]
+            callback, context = entry.callback, entry.context
             if callback is None:
                 continue  # cancelled by an earlier callback of this round
-            entry[2] = None
+            entry.callback = None
             try:
                 if context is None:
                     callback()
@@ -208,7 +228,12 @@ def schedule(
     due = clock.now() + delay
     seq = timers.seq = timers.seq + 1
     pending = timers.pending
-    entry: Deadline = [due, seq, callback, context, pending]
+    entry = _new(Deadline)  # (no __init__: see Deadline)
+    entry.due = due
+    entry.seq = seq
+    entry.callback = callback
+    entry.context = context
+    entry.pending = pending
     pending[seq] = entry
     fifo = timers.fifos.get(delay) if fixed else None
     if fifo is not None and len(fifo.seqs) < fifo.limit and due >= timers.when:
@@ -229,7 +254,12 @@ def schedule_at(
     timers = _TIMERS.get()
     seq = timers.seq = timers.seq + 1
     pending = timers.pending
-    entry: Deadline = [due, seq, callback, None, pending]
+    entry = _new(Deadline)  # (no __init__: see Deadline)
+    entry.due = due
+    entry.seq = seq
+    entry.callback = callback
+    entry.context = None
+    entry.pending = pending
     pending[seq] = entry
     if lane is not None:
         fifo = timers.fifos.get(lane)
@@ -248,10 +278,10 @@ def schedule_at(
 def cancel(entry: Deadline | None) -> None:
     """Cancel a deadline (a no-op for None or one that already fired)."""
     if entry is not None:
-        entry[4].pop(entry[1], None)  # (the queue keeps no reference to the entry itself)
-        entry[2] = None
+        entry.pending.pop(entry.seq, None)  # (the queue keeps no reference to the entry itself)
+        entry.callback = None
 
 
 def due(entry: Deadline) -> float:
     """The monotonic time at which ``entry`` falls (or fell) due."""
-    return float(entry[0])
+    return entry.due

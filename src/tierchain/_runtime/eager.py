@@ -8,7 +8,9 @@ hand (``coro.send``) and the rest continues in a task through ``_Resume``, a tra
 that hands each later step and any cancellation to the coroutine.
 
 Heartbeats uses it for the keepalive a timer wakes: a keepalive to a caller that keeps up
-is written without a task and without an extra turn of the loop.
+is written without a task and without an extra turn of the loop. It also asks, with
+:func:`finished`, whether a server's send coroutine it passed on as is has come back: the
+one question the package asks of a coroutine it did not start.
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import sys
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
-__all__ = ["start_eagerly"]
+__all__ = ["finished", "start_eagerly"]
 
 _EAGER = sys.version_info >= (3, 12)
+
+_Start = Callable[
+    [Coroutine[Any, Any, None], asyncio.AbstractEventLoop, str, contextvars.Context],
+    "asyncio.Task[Any] | None",
+]
 
 
 def start_eagerly(
@@ -29,17 +36,44 @@ def start_eagerly(
 ) -> asyncio.Task[Any] | None:
     """Run ``coro`` in ``context`` up to its first wait; the task that carries on with it,
     or None when it finished without waiting."""
-    loop = asyncio.get_running_loop()
-    if _EAGER:
-        task = asyncio.Task(  # type: ignore[call-arg,unused-ignore]
-            coro, loop=loop, name=name, context=context, eager_start=True
-        )
-        return None if task.done() else task
+    return _START(coro, asyncio.get_running_loop(), name, context)
+
+
+def eager_task(
+    coro: Coroutine[Any, Any, None],
+    loop: asyncio.AbstractEventLoop,
+    name: str,
+    context: contextvars.Context,
+    *,
+    task: Callable[..., asyncio.Task[Any]] = asyncio.Task,
+) -> asyncio.Task[Any] | None:
+    """The 3.12 way: ``asyncio.Task(eager_start=True)``, None when it finished at once.
+    (``task`` is the Task class; a test on 3.11 gives one that starts eagerly.)"""
+    started = task(coro, loop=loop, name=name, context=context, eager_start=True)
+    return None if started.done() else started
+
+
+def by_hand(
+    coro: Coroutine[Any, Any, None],
+    loop: asyncio.AbstractEventLoop,
+    name: str,
+    context: contextvars.Context,
+) -> asyncio.Task[Any] | None:
+    """The 3.11 way: the first step taken here, the rest in a task through ``_Resume``."""
     try:
         waiting_on = context.run(coro.send, None)
     except StopIteration:
         return None
     return loop.create_task(_carry_on(_Resume(coro, waiting_on)), name=name, context=context)
+
+
+_START: _Start = eager_task if _EAGER else by_hand
+
+
+def finished(coro: Coroutine[Any, Any, Any]) -> bool:
+    """Has ``coro`` finished (returned, raised or been closed)? ``inspect.getcoroutinestate``'s
+    ``CORO_CLOSED``, for the cost of one attribute read: a coroutine has no frame only then."""
+    return coro.cr_frame is None  # type: ignore[attr-defined]
 
 
 class _Resume:

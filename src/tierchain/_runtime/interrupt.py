@@ -10,9 +10,10 @@ cancellation was this one and ``uncancel()`` brings the count back to the baseli
 other cancellation pending, a shutdown or an outer layer's, goes on); and when the inner
 code swallowed the cancellation and returned, :meth:`swallowed` undoes it.
 
-Layers subclass it (their per-request objects already exist, so it costs no allocation),
-or hold one. It has no ``__init__`` (a subclass calls none, a new one is made in C):
-:meth:`arm` sets every field, and nothing else may be used before it. Nothing outside
+Layers hold one (``cut``, on Budget's, the watchdog's and the disconnect guard's
+per-request objects), never subclass it: the runtime's fields stay the runtime's. It has
+no ``__init__`` (a new one is made in C, for the cost of an empty object): :meth:`arm`
+sets every field, and nothing else may be used before it. Nothing outside
 ``tierchain._runtime`` calls ``cancelling`` or ``uncancel`` (``tests/test_internals.py``
 checks).
 """
@@ -54,6 +55,11 @@ class Interruption:
         made._baseline = other._baseline
         made.interrupted = False
         return made
+
+    @property
+    def task(self) -> asyncio.Task[Any] | None:
+        """The task this interruption cancels, once armed (None before)."""
+        return getattr(self, "_task", None)
 
     def arm(self, task: asyncio.Task[Any] | None = None) -> asyncio.Task[Any]:
         """Take the running task (or ``task``) and its cancellation count as the baseline."""

@@ -1,4 +1,4 @@
-"""The Forwarder's connection pool, over real loopback sockets."""
+"""The Forwarder's HTTP connection pool (`tierchain._connections`), over real loopback sockets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpcore
 import httpx
 import pytest
 
-from tierchain._pool import FlatTransport, NotSent
+from tierchain._connections import FlatTransport, NotSent
 
 ANSWER = b'{"ok":true}'
 

@@ -1,4 +1,4 @@
-"""A connection pool whose cost does not grow with the connections it holds.
+"""The Forwarder's HTTP connections: a pool whose cost stays flat as connections grow.
 
 httpcore's ``AsyncConnectionPool`` walks every connection it holds on each
 request start and each response close: with thousands of streams parked on a
