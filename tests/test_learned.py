@@ -160,3 +160,33 @@ async def test_learned_from_idle_requests_the_chain_moves_well_under_the_configu
     gauge = metric("tierchain_learned_slow_after_seconds", backend="tower", bucket="1k")
     assert gauge == pytest.approx(learned.window("tower", chat_request())[0])
     assert 0.1 <= gauge < 1.0  # the floor, or twice the tower's own idle time
+
+
+def test_a_learned_window_is_read_from_a_cache_that_follows_the_samples(monkeypatch):
+    """A request reads the learned window without walking the sketch; the window follows
+    new samples (at once while the sketch is young, then every 16 samples), and is always
+    one of the sketch's bucket edges times the margin (a delay that recurs)."""
+    learned = Learned(maximum=60.0, floor=0.1, margin=2.0, min_samples=5)
+    body = chat_request()
+    for _ in range(5):
+        learned.observe("tower", body, 0.3)
+    young, _ = learned.window("tower", body)
+    for _ in range(30):
+        learned.observe("tower", body, 3.0)  # the tower got slower
+    older, was_learned = learned.window("tower", body)
+    assert was_learned
+    assert older > young * 5
+    edges = {round(1e-3 * 1.08 ** (i + 1) * 2.0, 9) for i in range(200)}
+    assert round(older, 9) in edges
+    walks = 0
+    quantile = LogSketch.quantile
+
+    def counted(self: LogSketch, q: float) -> float | None:
+        nonlocal walks
+        walks += 1
+        return quantile(self, q)
+
+    monkeypatch.setattr(LogSketch, "quantile", counted)
+    for _ in range(100):
+        assert learned.window("tower", body) == (older, True)
+    assert walks == 0

@@ -713,8 +713,6 @@ async def test_by_default_a_mid_answer_stall_on_a_quick_tower_is_cut_within_seco
     assert first is not None
     assert last is not None
     assert (first.stall, last.stall) == (2.0, 120.0)
-    # A learned window is a one-off delay for the scheduler (no FIFO per learned value).
-    assert (first.stall_fixed, last.stall_fixed) == (False, True)
 
 
 def test_check_config_warns_about_windows_and_the_reserve():
