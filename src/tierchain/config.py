@@ -345,7 +345,10 @@ def prompt_rate(raw: str) -> float | str:
     return value
 
 
-SERVE_DEFAULTS: dict[str, dict[str, Any]] = {"SaturationWatchdog": {"slow_after": _AUTO}}
+SERVE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "SaturationWatchdog": {"slow_after": _AUTO},
+    "Failover": {"hedge_after": 5.0},
+}
 """Where ``tierchain serve`` differs from the classes' own defaults: a quiet first tier
 must be caught without any variable set."""
 
@@ -511,6 +514,10 @@ LAYERS: tuple[Layer, ...] = (
         _o("waiting_key_share", "FAILOVER_WAITING_KEY_SHARE", fraction,
            "a fraction above 0 and at most 1, such as 0.25",
            help="The share of the waiting room one caller key may hold (429 past it)."),
+        _o("hedge_after", "FAILOVER_HEDGE_AFTER", seconds(optional=True),
+           f"{_SECS_NONNEG}, or none (0 or none: never hedge)",
+           help="Seconds without a first chunk after which a local or hedge-marked tier, "
+           "still in doubt, is hedged with the next (see Hedging)."),
     ), wired=frozenset({"routes", "store", "status_board"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),
@@ -1181,6 +1188,7 @@ BACKEND_KEYS: tuple[BackendKey, ...] = (
     BackendKey("shares", _toml_text, "a non-empty string naming the hardware, such as gpu0"),
     BackendKey("retries", _toml_count_or_zero, "a whole number >= 0"),
     BackendKey("prefill", _toml_bool, "true or false (no quotes)"),
+    BackendKey("hedge", _toml_bool, "true or false (no quotes)"),
     BackendKey("headers", lambda v: v, "a table of HTTP header names to strings", field=False),
     BackendKey("api_key_env", _toml_text, "the name of a variable", field=False),
     BackendKey("api_key_header", _toml_header_name,
