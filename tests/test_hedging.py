@@ -232,7 +232,8 @@ async def test_a_quiet_tower_is_hedged_after_hedge_after_and_the_hedge_answers_b
     assert got.status_code == 200
     assert data_of(got.content) == b"".join(HOSTED)
     assert 5.0 <= took < 6.0  # hedge_after, then hosted's own half second
-    assert len(tower.requests) == 1 and len(hosted.requests) == 1
+    assert len(tower.requests) == 1
+    assert len(hosted.requests) == 1
     assert json.loads(hosted.requests[0].body) == json.loads(tower.requests[0].body)
     assert states(recorder, "hedging") == [
         {"state": "hedging", "backend": "tower", "with": "hosted", "after_s": 5.0}
@@ -282,7 +283,7 @@ async def test_a_non_streaming_answer_of_the_hedge_wins_whole() -> None:
         ex.finished = True
 
     before = hedges("echo", "tower", "hedge")
-    async with gateway(quiet_json, whole) as (url, _, hosted, recorder, _s):
+    async with gateway(quiet_json, whole) as (url, _, _hosted, recorder, _s):
         got = await chat(url, stream=False)
         await asyncio.wait_for(closed.wait(), 5)
     assert got.status_code == 200
@@ -369,11 +370,10 @@ async def test_a_busy_status_fails_over_as_before_and_does_not_hedge() -> None:
         body = json.dumps([{"id": 0, "is_processing": True, "n_ctx": 4096}]).encode()
         await ex.respond(200, body)
 
-    async with FakeBackend("status", slots) as status:
-        async with gateway(
-            later(TOWER, 0.0), later(HOSTED, 0.0), tower_status=status.url + "/slots"
-        ) as (url, tower, hosted, recorder, _):
-            got = await chat(url)
+    async with FakeBackend("status", slots) as status, gateway(
+        later(TOWER, 0.0), later(HOSTED, 0.0), tower_status=status.url + "/slots"
+    ) as (url, tower, hosted, recorder, _):
+        got = await chat(url)
     assert got.status_code == 200
     assert data_of(got.content) == b"".join(HOSTED)
     assert tower.requests == []  # skipped before sending: busy, no hedge
@@ -430,7 +430,9 @@ async def test_when_both_fail_the_caller_gets_the_usual_error_after_both_are_out
     assert got.json()["error"]["type"] == "all_backends_failed"
     assert took >= 8.0  # the tower, still running after the hedge failed, was waited for
     outcomes = [(a["backend"], a["outcome"]) for a in got.json()["error"]["attempts"]]
-    assert ("tower", "http_500") in outcomes and ("hosted", "http_500") in outcomes
-    assert len(hosted.requests) == 1 and len(tower.requests) == 1  # no second tries
+    assert ("tower", "http_500") in outcomes
+    assert ("hosted", "http_500") in outcomes
+    assert len(hosted.requests) == 1
+    assert len(tower.requests) == 1
     assert hedges("echo", "tower", "none") == before + 1
     assert len(states(recorder, "hedging")) == 1
