@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,7 +32,9 @@ from tierchain import (
     Routes,
     SaturationWatchdog,
 )
+from tierchain.config import from_env
 from tierchain.hedging import hedged_by_default
+from tierchain.stack import build_stack
 from tierchain.telemetry import HEDGES
 
 from .support import (
@@ -370,9 +373,16 @@ async def test_a_busy_status_fails_over_as_before_and_does_not_hedge() -> None:
         body = json.dumps([{"id": 0, "is_processing": True, "n_ctx": 4096}]).encode()
         await ex.respond(200, body)
 
-    async with FakeBackend("status", slots) as status, gateway(
-        later(TOWER, 0.0), later(HOSTED, 0.0), tower_status=status.url + "/slots"
-    ) as (url, tower, hosted, recorder, _):
+    async with (
+        FakeBackend("status", slots) as status,
+        gateway(later(TOWER, 0.0), later(HOSTED, 0.0), tower_status=status.url + "/slots") as (
+            url,
+            tower,
+            hosted,
+            recorder,
+            _,
+        ),
+    ):
         got = await chat(url)
     assert got.status_code == 200
     assert data_of(got.content) == b"".join(HOSTED)
@@ -436,3 +446,53 @@ async def test_when_both_fail_the_caller_gets_the_usual_error_after_both_are_out
     assert len(tower.requests) == 1
     assert hedges("echo", "tower", "none") == before + 1
     assert len(states(recorder, "hedging")) == 1
+
+
+# -- tierchain serve: on for a local tier ------------------------------------------------
+
+
+@on_virtual_time
+async def test_serve_hedges_a_quiet_local_tower_after_5_s_and_not_a_tier_marked_false(
+    tmp_path: Path,
+) -> None:
+    closed = asyncio.Event()
+    async with (
+        FakeBackend("tower", quiet(closed)) as t,
+        FakeBackend("hosted", later(HOSTED, 0.5)) as h,
+    ):
+        file = tmp_path / "routes.toml"
+        file.write_text(
+            f'[[routes.echo.backends]]\nname = "tower"\nurl = "{t.url}"\n'
+            f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{h.url}"\n'
+        )
+        settings = from_env({"TIERCHAIN_ROUTES_FILE": str(file)})
+        assert settings.layers["Failover"].options["hedge_after"] == 5.0
+        recorder = Recorder(build_stack(None, settings, identity=False))
+        async with serve(recorder, lifespan="on") as url:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            got = await chat(url)
+            took = loop.time() - start
+            await asyncio.wait_for(closed.wait(), 5)
+        assert got.status_code == 200
+        assert data_of(got.content) == b"".join(HOSTED)
+        assert 5.0 <= took < 6.0
+        assert states(recorder, "hedging") == [
+            {"state": "hedging", "backend": "tower", "with": "hosted", "after_s": 5.0}
+        ]
+        # Marked hedge = false: the same quiet tower is not hedged (the watchdog's own
+        # window fails it over later, as before).
+        file.write_text(
+            f'[[routes.echo.backends]]\nname = "tower"\nurl = "{t.url}"\nhedge = false\n'
+            f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{h.url}"\n'
+        )
+        settings = from_env({"TIERCHAIN_ROUTES_FILE": str(file)})
+        recorder = Recorder(build_stack(None, settings, identity=False))
+        async with serve(recorder, lifespan="on") as url:
+            start = loop.time()
+            got = await chat(url)
+            took = loop.time() - start
+        assert got.status_code == 200
+        assert data_of(got.content) == b"".join(HOSTED)
+        assert took > 6.0
+        assert states(recorder, "hedging") == []
