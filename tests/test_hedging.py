@@ -496,3 +496,38 @@ async def test_serve_hedges_a_quiet_local_tower_after_5_s_and_not_a_tier_marked_
         assert data_of(got.content) == b"".join(HOSTED)
         assert took > 6.0
         assert states(recorder, "hedging") == []
+
+
+@on_virtual_time
+async def test_the_attempt_spans_and_the_log_say_which_tier_hedged_which(monkeypatch, caplog):
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tierchain import telemetry
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", provider)
+    monkeypatch.setattr(telemetry, "tracer", provider.get_tracer("tierchain"))
+    caplog.set_level("INFO", logger="tierchain")
+    closed = asyncio.Event()
+    try:
+        async with gateway(quiet(closed), later(HOSTED, 0.5)) as (url, *_):
+            got = await chat(url)
+            await asyncio.wait_for(closed.wait(), 5)
+    finally:
+        provider.shutdown()
+    assert got.status_code == 200
+    attempts = [s for s in exporter.get_finished_spans() if s.name == "tierchain.attempt"]
+    by_backend = {s.attributes["tierchain.backend"]: s.attributes for s in attempts}
+    assert by_backend["tower"]["tierchain.outcome"] == "hedge_lost"
+    assert by_backend["tower"]["tierchain.hedge.with"] == "hosted"
+    assert by_backend["hosted"]["tierchain.outcome"] == "ok"
+    assert by_backend["hosted"]["tierchain.hedge.for"] == "tower"
+    events = [r.getMessage().split()[0] for r in caplog.records if r.name == "tierchain"]
+    assert "dispatch.hedging" in events
+    assert "dispatch.hedged" in events
+    assert "dispatch.attempt_failed" not in events  # the loser is no failure

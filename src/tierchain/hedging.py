@@ -382,14 +382,14 @@ class Race:
         hedge = self.hedge
         assert hedge is not None
         if self.winner == "hedge":
-            responder.fault = None
+            _no_second_try(responder)
             return await self._hedge_result(), hedge
         answered = await responder.conclude(error)
         if answered or self.winner == "first" or responder.committed:
             return answered, self.attempt
         # The first failed before data: the hedge goes on alone (no second try of the
         # first's backend: the request fails over only when both are out).
-        responder.fault = None
+        _no_second_try(responder)
         return await self._hedge_result(), hedge
 
     async def close(self) -> None:
@@ -457,6 +457,14 @@ class Race:
             hedge=self.next.name,
             winner=winner,
         )
+
+
+def _no_second_try(responder: _Responder) -> None:
+    """After a race, the first attempt's backend is not tried again (``retries``): the
+    chain goes on past the hedge. A fault that says its hardware is taken is kept."""
+    fault = responder.fault
+    if fault is not None and fault.startswith(("transient:", "wait:")):
+        responder.fault = None
 
 
 def _twin(req: TierRequest) -> TierRequest:
