@@ -531,3 +531,42 @@ async def test_the_attempt_spans_and_the_log_say_which_tier_hedged_which(monkeyp
     assert "dispatch.hedging" in events
     assert "dispatch.hedged" in events
     assert "dispatch.attempt_failed" not in events  # the loser is no failure
+
+
+# -- the request ends while both run ---------------------------------------------------
+
+
+@on_virtual_time
+async def test_a_caller_leaving_while_both_run_closes_both_upstream_connections() -> None:
+    tower_closed, hosted_closed = asyncio.Event(), asyncio.Event()
+    body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with gateway(quiet(tower_closed), quiet(hosted_closed)) as (url, _, hosted, rec, _s):
+        async with httpx.AsyncClient(timeout=300) as client:
+            async with client.stream("POST", url + "/v1/chat/completions", json=body) as got:
+                async for line in got.aiter_lines():
+                    if '"state":"attempt","n":2' in line:
+                        break  # the hedge has started: leave
+        await asyncio.wait_for(tower_closed.wait(), 5)
+        await asyncio.wait_for(hosted_closed.wait(), 5)
+    assert len(hosted.requests) == 1
+    assert sorted(r.outcome for r in rec.requests[0].attempts) == ["cancelled", "cancelled"]
+
+
+@on_virtual_time
+async def test_a_budget_spent_while_both_run_answers_504_and_cancels_both() -> None:
+    tower_closed, hosted_closed = asyncio.Event(), asyncio.Event()
+    async with gateway(quiet(tower_closed), quiet(hosted_closed), budget=8.0, watchdog=False) as (
+        url,
+        _,
+        hosted,
+        rec,
+        _s,
+    ):
+        got = await chat(url, stream=False)
+        await asyncio.wait_for(tower_closed.wait(), 5)
+        await asyncio.wait_for(hosted_closed.wait(), 5)
+    assert got.status_code == 504
+    assert len(hosted.requests) == 1
+    assert len(states(rec, "hedging")) == 1
+    outcomes = sorted(r.outcome for r in rec.requests[0].attempts)
+    assert outcomes == ["budget_exhausted", "budget_exhausted"]
