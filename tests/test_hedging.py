@@ -541,11 +541,13 @@ async def test_a_caller_leaving_while_both_run_closes_both_upstream_connections(
     tower_closed, hosted_closed = asyncio.Event(), asyncio.Event()
     body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     async with gateway(quiet(tower_closed), quiet(hosted_closed)) as (url, _, hosted, rec, _s):
-        async with httpx.AsyncClient(timeout=300) as client:
-            async with client.stream("POST", url + "/v1/chat/completions", json=body) as got:
-                async for line in got.aiter_lines():
-                    if '"state":"attempt","n":2' in line:
-                        break  # the hedge has started: leave
+        async with (
+            httpx.AsyncClient(timeout=300) as client,
+            client.stream("POST", url + "/v1/chat/completions", json=body) as got,
+        ):
+            async for line in got.aiter_lines():
+                if '"state":"attempt","n":2' in line:
+                    break  # the hedge has started: leave
         await asyncio.wait_for(tower_closed.wait(), 5)
         await asyncio.wait_for(hosted_closed.wait(), 5)
     assert len(hosted.requests) == 1
