@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tierchain import (
     Backend,
@@ -31,6 +32,7 @@ from tierchain import (
     MemoryStore,
     Routes,
     SaturationWatchdog,
+    current_attempt,
 )
 from tierchain.config import from_env
 from tierchain.hedging import hedged_by_default
@@ -572,3 +574,40 @@ async def test_a_budget_spent_while_both_run_answers_504_and_cancels_both() -> N
     assert len(states(rec, "hedging")) == 1
     outcomes = sorted(r.outcome for r in rec.requests[0].attempts)
     assert outcomes == ["budget_exhausted", "budget_exhausted"]
+
+
+# -- the watchdog's verdict: only doubt hedges -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("verdict", "hedged"),
+    [("working", True), ("unknown", True), ("too_slow", False), ("no_progress", False)],
+)
+@on_virtual_time
+async def test_only_a_verdict_in_doubt_is_hedged(verdict: str, hedged: bool) -> None:
+    # The watchdog leaves its latest word on the attempt (Attempt.verdict); here a layer in
+    # its place leaves it at once, so that the word is there when hedge_after falls due.
+    closed = asyncio.Event()
+    async with (
+        FakeBackend("tower", quiet(closed)) as t,
+        FakeBackend("hosted", later(HOSTED, 0.5)) as h,
+    ):
+        routes = Routes({"echo": [Backend("tower", t.url), Backend("hosted", h.url)]})
+        forwarder = Forwarder(connect_timeout=2.0)
+
+        async def says(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http":
+                attempt = current_attempt(scope)
+                if attempt.backend.name == "tower":
+                    attempt.verdict = verdict
+            await forwarder(scope, receive, send)
+
+        app = Budget(Failover(says, routes=routes, paths=("/v1/",), hedge_after=5.0), default=20)
+        recorder = Recorder(app)
+        try:
+            async with serve(recorder, lifespan="on") as url:
+                got = await chat(url, stream=False)
+        finally:
+            await forwarder.aclose()
+    assert (len(states(recorder, "hedging")) == 1) is hedged
+    assert got.status_code == (200 if hedged else 504)
