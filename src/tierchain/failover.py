@@ -343,7 +343,9 @@ class Failover:
         hedge_after: float | timedelta | None = None,
     ) -> None:
         self.app = app
-        self.hedging = Hedging.build(hedge_after)  # [hedge] None: off (the default)
+        # [hedge] checked seconds (0 or None: off, the default); the policy only when on
+        self.hedge_after = Hedging.checked(hedge_after)
+        self.hedging = Hedging.build(self.hedge_after)
         self._head = HeadLimits(max_headers, max_header_bytes)
         self.body_timeout = timeout_option("body_timeout", body_timeout)
         self.send_timeout = timeout_option("send_timeout", send_timeout)

@@ -113,13 +113,18 @@ class Hedging:
         self.after = after
         self._may: dict[Backend, bool] = {}
 
+    @staticmethod
+    def checked(hedge_after: float | timedelta | None) -> float | None:
+        """Failover's ``hedge_after`` through the one duration check (seconds, or None)."""
+        if hedge_after is None:
+            return None
+        return duration("hedge_after", hedge_after, allow_zero=True)
+
     @classmethod
     def build(cls, hedge_after: float | timedelta | None) -> Hedging | None:
         """The policy for Failover's ``hedge_after`` (None or 0: off, no policy at all)."""
-        if hedge_after is None:
-            return None
-        after = duration("hedge_after", hedge_after, allow_zero=True)
-        return cls(after) if after > 0 else None
+        after = cls.checked(hedge_after)
+        return cls(after) if after else None
 
     def may_hedge(self, backend: Backend) -> bool:
         """True when ``backend``'s attempts may be hedged (``hedge``, else local)."""
