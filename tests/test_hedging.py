@@ -395,10 +395,11 @@ async def test_a_busy_status_fails_over_as_before_and_does_not_hedge() -> None:
 
 
 @on_virtual_time
-async def test_no_hedge_when_the_budget_left_is_too_short() -> None:
+async def test_no_hedge_when_the_budget_left_is_too_short(caplog: pytest.LogCaptureFixture) -> None:
     # Without a watchdog no reserve is kept: at hedge_after (5 s) only 0.5 s of the 5.5 s
     # budget is left, under the 1 s a hedge needs at least. (With a watchdog the reserve
     # cuts the first tier before that, and the chain fails over as before.)
+    caplog.set_level("INFO", logger="tierchain")
     closed = asyncio.Event()
     async with gateway(quiet(closed), later(HOSTED, 0.0), budget=5.5, watchdog=False) as (
         url,
@@ -411,6 +412,9 @@ async def test_no_hedge_when_the_budget_left_is_too_short() -> None:
     assert got.status_code == 504
     assert hosted.requests == []
     assert states(recorder, "hedging") == []
+    skipped = [r.getMessage() for r in caplog.records if "dispatch.hedge_skipped" in r.getMessage()]
+    assert len(skipped) == 1
+    assert 'reason="budget"' in skipped[0]
 
 
 # -- both fail -----------------------------------------------------------------------------
