@@ -615,3 +615,54 @@ async def test_only_a_verdict_in_doubt_is_hedged(verdict: str, hedged: bool) -> 
             await forwarder.aclose()
     assert (len(states(recorder, "hedging")) == 1) is hedged
     assert got.status_code == (200 if hedged else 504)
+
+
+@on_virtual_time
+async def test_after_both_fail_the_chain_goes_on_past_the_hedged_tier() -> None:
+    async def late_failure(ex: Exchange) -> None:
+        await asyncio.sleep(8.0)
+        await ex.respond(500, b'{"error":{"message":"tower down"}}')
+
+    async def mid_failure(ex: Exchange) -> None:
+        await asyncio.sleep(1.0)
+        await ex.respond(503, b'{"error":{"message":"mid down"}}')
+
+    hosted_body = completion_body("from hosted", model="hosted-model")
+
+    async def answers_whole(ex: Exchange) -> None:
+        await ex.respond(200, hosted_body)
+
+    async with (
+        FakeBackend("tower", late_failure) as t,
+        FakeBackend("mid", mid_failure) as m,
+        FakeBackend("hosted", answers_whole) as h,
+    ):
+        routes = Routes(
+            {
+                "echo": [
+                    Backend("tower", t.url),
+                    Backend("mid", m.url, hedge=False),
+                    Backend("hosted", h.url),
+                ]
+            }
+        )
+        forwarder = Forwarder(connect_timeout=2.0)
+        breaker = Breaker(SaturationWatchdog(forwarder, slow_after=60.0), store=MemoryStore())
+        app = Budget(Failover(breaker, routes=routes, paths=("/v1/",), hedge_after=5.0), default=60)
+        recorder = Recorder(app)
+        try:
+            async with serve(recorder, lifespan="on") as url:
+                got = await chat(url, stream=False)
+        finally:
+            await forwarder.aclose()
+    assert got.status_code == 200
+    assert got.content == hosted_body
+    # mid (the hedge) failed at 6 s, the tower at 8 s: only then the chain went on, to hosted
+    # (neither was tried a second time).
+    assert got.headers["x-tierchain-attempts"] == (
+        "mid;outcome=http_503, tower;outcome=http_500, hosted;outcome=ok"
+    )
+    assert (len(t.requests), len(m.requests), len(h.requests)) == (1, 1, 1)
+    assert states(recorder, "hedging") == [
+        {"state": "hedging", "backend": "tower", "with": "mid", "after_s": 5.0}
+    ]
