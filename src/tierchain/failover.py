@@ -498,14 +498,14 @@ class Failover:
                             attempt_scope = scope
                         else:
                             attempt_scope = dict(zip(keys, pristine, strict=True))
-                        # The attempt's span is current inside, so that the Forwarder (or
-                        # the host's own client instrumentation) sends its trace context
-                        # upstream.
                         if self.hedging is not None:  # [hedge] a timer for this attempt
                             race = self.hedging.arm(
                                 self, req, attempt, responder, guard, send,
                                 lambda: dict(zip(keys, pristine, strict=True)),
                             )  # fmt: skip
+                        # The attempt's span is current inside, so that the Forwarder (or
+                        # the host's own client instrumentation) sends its trace context
+                        # upstream.
                         inner = self.app(
                             attempt_scope, _Replay(req.body or b"", guard), responder.send
                         )
