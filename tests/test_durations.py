@@ -94,6 +94,7 @@ DURATIONS: list[tuple[str, str, str, bool, bool]] = [
     ("Failover", "max_wait", "max_wait", False, False),
     ("Failover", "max_retry_wait", "max_retry_wait", True, False),
     ("Failover", "max_retry_wait", "max_retry_wait", True, False),
+    ("Failover", "hedge_after", "hedge_after", True, True),
     ("Breaker", "failure_cooldown", "policy.failure_cooldown", True, False),
     ("Breaker", "probe_every", "policy.probe_every", True, False),
     ("Breaker", "saturation_cooldown", "policy.saturation_cooldown", True, False),

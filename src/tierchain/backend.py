@@ -85,6 +85,9 @@ class Backend:
     answer another tier broke off (see :mod:`tierchain.continuation`); None
     takes the wire format's default (Anthropic and Ollama yes, OpenAI chat and
     Responses no: those get the partial answer and a short instruction).
+    ``hedge``: whether a quiet attempt at this backend may be hedged with the next
+    tier when Failover's ``hedge_after`` is set (see :mod:`tierchain.hedging`); None:
+    only when it is local (regime ``local``, or a loopback or private URL host).
     ``pool`` is set by :class:`Pool` on its replicas (None for a backend standing alone).
     """
 
@@ -102,6 +105,7 @@ class Backend:
     shares: str | None = None
     retries: int | None = None
     prefill: bool | None = None
+    hedge: bool | None = None
     pool: str | None = field(default=None, init=False, compare=False)
 
     def __repr__(self) -> str:
@@ -142,6 +146,10 @@ class Backend:
                 f"got {self.stream_end!r}"
             )
         check_format(f"backend {self.name!r} wire_format", self.wire_format)
+        if self.hedge is not None and not isinstance(self.hedge, bool):
+            raise ValueError(
+                f"backend {self.name!r} hedge must be True, False or None, got {self.hedge!r}"
+            )
         if self.prefill is not None and not isinstance(self.prefill, bool):
             raise ValueError(
                 f"backend {self.name!r} prefill must be True, False or None, got {self.prefill!r}"

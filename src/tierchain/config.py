@@ -343,7 +343,10 @@ def prompt_rate(raw: str) -> float | str:
     return value
 
 
-SERVE_DEFAULTS: dict[str, dict[str, Any]] = {"SaturationWatchdog": {"slow_after": _AUTO}}
+SERVE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "SaturationWatchdog": {"slow_after": _AUTO},
+    "Failover": {"hedge_after": 5.0},
+}
 """Where ``tierchain serve`` differs from the classes' own defaults: a quiet first tier
 must be caught without any variable set."""
 
@@ -509,6 +512,10 @@ LAYERS: tuple[Layer, ...] = (
         _o("waiting_key_share", "FAILOVER_WAITING_KEY_SHARE", fraction,
            "a fraction above 0 and at most 1, such as 0.25",
            help="The share of the waiting room one caller key may hold (429 past it)."),
+        _o("hedge_after", "FAILOVER_HEDGE_AFTER", seconds(optional=True),
+           f"{_SECS_NONNEG}, or none (0 or none: never hedge)",
+           help="Seconds without a first chunk after which a local or hedge-marked tier, "
+           "still in doubt, is hedged with the next (see Hedging)."),
     ), wired=frozenset({"routes", "store", "status_board"}), code_only=frozenset({"resolve"})),
     Layer("Breaker", "tierchain.breaker", "middleware", (
         _o("failure_threshold", "BREAKER_FAILURE_THRESHOLD", integer(1), _COUNT),

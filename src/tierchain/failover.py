@@ -105,6 +105,7 @@ from .errors import (
     RetryableStatus,
     StreamError,
 )
+from .hedging import Hedging, Race
 from .keys import caller_name, may_jump
 from .observer import Observer, nothing_sent
 from .picker import Picker, PickWeights, Prefix, prefix_keys
@@ -301,6 +302,12 @@ class Failover:
     never. A route's own ``Routes(..., continuations=...)`` wins. A stream with
     a tool call in flight is never continued.
 
+    ``hedge_after``: seconds after which an attempt at a tier that may be hedged
+    (``Backend(hedge=True)``, or a local backend when ``hedge`` is None), with no
+    first data event and no firm verdict from the watchdog, is joined by an attempt at
+    the next tier; the first to produce data wins and the other is cancelled, never
+    counted as a failure (see :mod:`tierchain.hedging`). None or 0: never (the default).
+
     ``status_board``: the :class:`~tierchain.status.StatusBoard` whose polled
     statuses order a pool's replicas and tell the waiting room a backend is
     full (None: the board of the SaturationWatchdog inside ``app``, if any).
@@ -333,8 +340,12 @@ class Failover:
         continuations: int = 1,
         max_waiting: int = 256,
         waiting_key_share: float = 0.25,
+        hedge_after: float | timedelta | None = None,
     ) -> None:
         self.app = app
+        # [hedge] checked seconds (0 or None: off, the default); the policy only when on
+        self.hedge_after = Hedging.checked(hedge_after)
+        self.hedging = Hedging.build(self.hedge_after)
         self._head = HeadLimits(max_headers, max_header_bytes)
         self.body_timeout = timeout_option("body_timeout", body_timeout)
         self.send_timeout = timeout_option("send_timeout", send_timeout)
@@ -470,6 +481,7 @@ class Failover:
             while attempt is not None:
                 responder = self._begin(req, guard, send, attempt)
                 recorded = len(req.attempts)
+                race: Race | None = None  # [hedge]
                 if plan is not None and attempt.backend.pool is not None:
                     self.picker.started(route, attempt.backend)
                 try:
@@ -486,6 +498,11 @@ class Failover:
                             attempt_scope = scope
                         else:
                             attempt_scope = dict(zip(keys, pristine, strict=True))
+                        if self.hedging is not None:  # [hedge] a timer for this attempt
+                            race = self.hedging.arm(
+                                self, req, attempt, responder, guard, send,
+                                lambda: dict(zip(keys, pristine, strict=True)),
+                            )  # fmt: skip
                         # The attempt's span is current inside, so that the Forwarder (or
                         # the host's own client instrumentation) sends its trace context
                         # upstream.
@@ -507,14 +524,22 @@ class Failover:
                         if req.aborted:
                             _own_abort(req)  # the app swallowed our cancellation and returned
                         error = req.attempt_error or responder.failure()
-                    if await responder.conclude(error):
+                    if race is None:
+                        answered = await responder.conclude(error)
+                    else:  # [hedge] settle the race: the chain goes on after its last attempt
+                        answered, attempt = await race.conclude(responder, error)
+                    if answered:
                         if span is not INVALID_SPAN:
                             span.set_attribute(ATTR_OUTCOME, "ok")
                         return
                 except BaseException:
                     # Cancelled from outside: the caller left, or a layer such as Budget
                     # ended the request and said why in req.cancel_reason.
-                    if len(req.attempts) == recorded:
+                    if race is None:
+                        unrecorded = len(req.attempts) == recorded
+                    else:  # [hedge] the hedge's records are in the same trail
+                        unrecorded = race.first_unrecorded(recorded)
+                    if unrecorded:
                         responder.outcome = req.cancel_reason or "cancelled"
                         self._record(req, attempt, responder.outcome)
                     raise
@@ -522,6 +547,8 @@ class Failover:
                     # The exception's traceback holds this frame: let go of it, or the two
                     # would wait for the garbage collector together.
                     error = None
+                    if race is not None:  # [hedge] the hedge's task, cancelled and awaited
+                        await race.close()
                     lease = responder.end()
                     if plan is not None and attempt.backend.pool is not None:
                         await self._picked_ended(req, plan, attempt, responder, recorded)
@@ -1202,6 +1229,7 @@ class _Responder:
         "lease",
         "observer",
         "outcome",
+        "race",
         "refusal",
         "req",
         "span",
@@ -1240,6 +1268,7 @@ class _Responder:
         # The committed events, by reference, while a continuation could follow a break
         # (see Failover._continue): parsed only then.
         self.kept: list[bytes] | None = None
+        self.race: Race | None = None  # [hedge] the race this attempt is in, if any
 
     def send(self, message: Message) -> Awaitable[None]:
         """The inner app's send. A committed stream's events go straight on."""
@@ -1465,6 +1494,8 @@ class _Responder:
         """Commit what is held, in the pieces it came in: never joined, each let go once
         sent, so a held answer costs about its own size (a join cost twice that, and the
         server's copy of one large body a third time)."""
+        if self.race is not None and not self.race.claim(self):  # [hedge] lost the race
+            return
         held, size = self._held, self._held_size
         self._held = None
         self._held_size = 0
@@ -1489,6 +1520,8 @@ class _Responder:
 
         ``length``: the whole body's, when ``chunk`` is its first piece of several."""
         assert self.start is not None
+        if self.race is not None and not self.race.claim(self):  # [hedge] lost the race
+            return
         req, attempt, observer = self.req, self.attempt, self.observer
         self.committed = True
         req.committed = True

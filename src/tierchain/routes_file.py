@@ -197,6 +197,7 @@ BACKEND_KEYS: tuple[BackendKey, ...] = (
     BackendKey("shares", _toml_text, "a non-empty string naming the hardware, such as gpu0"),
     BackendKey("retries", _toml_count_or_zero, "a whole number >= 0"),
     BackendKey("prefill", _toml_bool, "true or false (no quotes)"),
+    BackendKey("hedge", _toml_bool, "true or false (no quotes)"),
     BackendKey("headers", lambda v: v, "a table of HTTP header names to strings", field=False),
     BackendKey("api_key_env", _toml_text, "the name of a variable", field=False),
     BackendKey("api_key_header", _toml_header_name,

@@ -54,6 +54,8 @@ ATTR_ATTEMPT_OF = "tierchain.attempt.of"
 ATTR_OUTCOME = "tierchain.outcome"
 ATTR_CONTINUES = "tierchain.continuation.from"
 ATTR_AFTER_CHARS = "tierchain.continuation.after_chars"
+ATTR_HEDGE_WITH = "tierchain.hedge.with"
+ATTR_HEDGE_FOR = "tierchain.hedge.for"
 
 # -- lock-free collectors ---------------------------------------------------------
 
@@ -309,6 +311,12 @@ WAITING_ROOM_WAIT = Histogram(
     "(released, max_wait, cancelled).",
     ["route", "outcome"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+HEDGES = Counter(
+    "tierchain_hedges",
+    "Quiet attempts hedged with the next tier, by which side produced data first "
+    "(first, hedge, none).",
+    ["route", "backend", "winner"],
 )
 CONTINUATIONS = Counter(
     "tierchain_continuations",
