@@ -466,7 +466,7 @@ async def test_when_no_tier_answers_only_failed_attempts_are_counted_not_tokens(
     assert b'"error"' in response.content
     assert totals(await usage_report(store), "team-a") == {
         ("tower", "failed_attempts"): 2,  # a 500, and the same-tier retry's 500
-        ("hosted", "failed_attempts"): 2,  # each backend has its own retry
+        ("hosted", "failed_attempts"): 1,  # (retries are counted per request: none left)
         ("-", "requests"): 1,
     }
 

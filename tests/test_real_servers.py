@@ -728,7 +728,9 @@ async def test_each_documented_gateway_reaches_hosted_in_seconds_past_a_starved_
     for trail in trails:
         assert trail[-1] == ("hosted", "ok")
     tower_first = gw.requests[0].attempts[0]
-    assert tower_first.outcome in ("saturated", "busy")  # too_slow, or its status was late
+    # too_slow, its status was late, or (serve's hedging of a local tower) hosted's hedge
+    # answered first
+    assert tower_first.outcome in ("saturated", "busy", "hedge_lost")
     assert tower_first.elapsed < FIRST_TOKEN_LIMIT  # the gateway's own recorded time
     assert trails[2][0][1] in ("skipped", "busy")  # the third caller is never sent there
     report(

@@ -570,7 +570,6 @@ class Failover:
                             attempt.n, attempt.of, attempt.backend, route, retry=attempt.retry + 1
                         )
                         continue
-                retried = 0  # (each backend's own retries; a Retry-After waits once a request)
                 if plan is None:
                     attempt = self._next(req, attempt)
                 else:
