@@ -150,3 +150,21 @@ class DisconnectGuard:
         (a Budget timeout, a server shutdown) is pending.
         """
         return self.cut.ours()
+
+
+class Replay:
+    """An attempt's ``receive`` (Failover's, or a hedge's): the buffered body once, then
+    the caller's disconnect through the guard."""
+
+    __slots__ = ("body", "guard")
+
+    def __init__(self, body: bytes, guard: DisconnectGuard) -> None:
+        self.body: bytes | None = body
+        self.guard = guard
+
+    async def __call__(self) -> Message:
+        body = self.body
+        if body is not None:
+            self.body = None
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await self.guard.receive()

@@ -75,7 +75,7 @@ from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, use_span
 from . import _json
 from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from ._checks import count, duration
-from ._disconnect import DisconnectGuard
+from ._disconnect import DisconnectGuard, Replay
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._responses import (
     caller_cut,
@@ -507,7 +507,7 @@ class Failover:
                         # the host's own client instrumentation) sends its trace context
                         # upstream.
                         inner = self.app(
-                            attempt_scope, _Replay(req.body or b"", guard), responder.send
+                            attempt_scope, Replay(req.body or b"", guard), responder.send
                         )
                         if responder.span is INVALID_SPAN:
                             await inner
@@ -1189,23 +1189,6 @@ def _attempt_json(record: AttemptRecord) -> dict[str, Any]:
     if record.detail is not None:
         item["message"] = record.detail
     return item
-
-
-class _Replay:
-    """One attempt's ``receive``: the buffered body once, then the caller's disconnect."""
-
-    __slots__ = ("body", "guard")
-
-    def __init__(self, body: bytes, guard: DisconnectGuard) -> None:
-        self.body: bytes | None = body
-        self.guard = guard
-
-    async def __call__(self) -> Message:
-        body = self.body
-        if body is not None:
-            self.body = None
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await self.guard.receive()
 
 
 class _Responder:

@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 from opentelemetry.trace import INVALID_SPAN, use_span
 
 from ._checks import duration
+from ._disconnect import Replay
 from ._runtime import clock, deadlines
 from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Scope, Send
@@ -304,7 +305,7 @@ class Race:
                     )
                 scope = self.scope()
                 scope[SCOPE_KEY] = hreq
-                inner = failover.app(scope, _Replay(hreq.body or b"", self.guard), responder.send)
+                inner = failover.app(scope, Replay(hreq.body or b"", self.guard), responder.send)
                 if span is INVALID_SPAN or not span.is_recording():
                     await inner
                 else:
@@ -515,21 +516,3 @@ def _own(req: TierRequest) -> bool:
         return False
     req.aborted = False
     return req.interruption is not None and req.interruption.ours()
-
-
-class _Replay:
-    """The hedge's ``receive``: the buffered body once, then the caller's disconnect."""
-
-    __slots__ = ("body", "guard")
-
-    def __init__(self, body: bytes, guard: Any) -> None:
-        self.body: bytes | None = body
-        self.guard = guard
-
-    async def __call__(self) -> Message:
-        body = self.body
-        if body is not None:
-            self.body = None
-            return {"type": "http.request", "body": body, "more_body": False}
-        message: Message = await self.guard.receive()
-        return message
