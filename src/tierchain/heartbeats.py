@@ -43,7 +43,7 @@ from ._responses import FinalWrites
 from ._runtime import clock, deadlines
 from ._runtime.deadlines import EARLY
 from ._runtime.eager import finished, start_eagerly
-from ._state_lines import state_line
+from ._state_lines import state_line, state_lines
 from ._stream_request import StreamRequest, accepts_event_stream
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .errors import CallerStalled
@@ -318,11 +318,7 @@ class _Stream:
             self.rearm_after = True  # the timer stopped while it waited for a boundary
         if self.queue:
             events, self.queue = self.queue, []
-            span = self.span
-            out = state_line(events[0], span, False)
-            for event in events[1:]:
-                out += state_line(event, span, False)
-            return out
+            return state_lines(events, self.span)
         state = self.req.state or _WAITING_STATE
         if state.get("state") == "generating":
             observer = self.observer or self.req.observer
@@ -373,33 +369,60 @@ class _Stream:
 
     def send(self, message: Message) -> Awaitable[None]:
         """The inner app's send. A relayed chunk with nothing to add goes straight on."""
-        if (
-            self.phase == _RELAY
-            and message["type"] == "http.response.body"
-            and not (
-                self.out.writing or self.queue or self.keepalive_due or self.observer is not None
-            )
-        ):
-            # The hot path, with no coroutine and no lock of ours: the writer sees the
-            # send out (``_Writer.sending``) and holds its lines until it is back; a
-            # chunk arriving while our own lines are written takes the lock (``_send_slow``).
-            chunk: bytes = message.get("body", b"")
-            if chunk:
-                self.last = chunk
-                self.after_own = False
-                if not message.get("more_body", False):
-                    self.phase = _DONE
-            elif message.get("more_body", False):
-                return nothing_sent()
-            else:
-                self.phase = _DONE
-            self.last_output = clock.now()
-            sending = self._send(message)
-            if type(sending) is not types.CoroutineType:
-                return self._relay(sending)  # a server whose send is not a coroutine
-            self.out.flight = sending
-            return sending
+        phase = self.phase
+        if phase == _RELAY:
+            if message["type"] == "http.response.body" and not (
+                self.out.writing or self.keepalive_due or self.observer is not None
+            ):
+                # The hot path, with no coroutine and no lock of ours: the writer sees the
+                # send out (``_Writer.sending``) and holds its lines until it is back; a
+                # chunk arriving while our own lines are written takes the lock
+                # (``_send_slow``).
+                if self.queue:
+                    if self.rearm_after:
+                        return self._send_slow(message)
+                    # State lines to put in at this chunk's boundaries (the first data
+                    # event of most requests): written into it, then the same hot path.
+                    relayed = self._relayed(message)
+                    if relayed is None:
+                        return nothing_sent()
+                    message = relayed
+                else:
+                    chunk: bytes = message.get("body", b"")
+                    if chunk:
+                        self.last = chunk
+                        self.after_own = False
+                        if not message.get("more_body", False):
+                            self.phase = _DONE
+                    elif message.get("more_body", False):
+                        return nothing_sent()
+                    else:
+                        self.phase = _DONE
+                self.last_output = clock.now()
+                sending = self._send(message)
+                if type(sending) is not types.CoroutineType:
+                    return self._relay(sending)  # a server whose send is not a coroutine
+                self.out.flight = sending
+                return sending
+        elif phase == _WAITING:
+            if message["type"] == "http.response.start" and not self.out.live:
+                # The inner app's start before the stream went live (most requests): no one
+                # else writes yet, so no lock; the send goes on as the hot path's does.
+                started = self._started(message)  # (a message: it was waiting)
+                return self._flight(started)
+        elif phase == _PASS:
+            return self._send(message)  # not ours: untouched, no frame of ours
         return self._send_slow(message)
+
+    def _flight(self, message: Message | None) -> Awaitable[None]:
+        """Send a start on with no frame of ours, marked as out (``_Writer.flight``) until
+        the server's send coroutine is done, as the hot path does a chunk."""
+        assert message is not None
+        sending = self._send(message)
+        if type(sending) is not types.CoroutineType:
+            return self._relay(sending)  # a server whose send is not a coroutine
+        self.out.flight = sending
+        return sending
 
     async def _relay(self, sending: Awaitable[None], *, body: bool = False) -> None:
         """Await a relayed message's send, marked as out until it is back (a line that
