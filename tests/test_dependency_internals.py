@@ -192,3 +192,20 @@ async def test_asyncio_keeps_the_running_task_of_each_loop_in_current_tasks_on_3
     assert armed.task is task
     other = interrupt.Interruption()
     assert other.arm() is task
+
+
+# -- OpenTelemetry: context._RUNTIME_CONTEXT._current_context, trace.propagation._SPAN_KEY --
+
+
+def test_opentelemetry_keeps_the_current_span_in_its_runtime_contexts_contextvar():
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from tierchain import telemetry
+
+    assert telemetry._SPAN_SLOT is not None  # found where the table says (else the API is asked)
+    assert telemetry.current_span() is trace.INVALID_SPAN is trace.get_current_span()
+    span = TracerProvider().get_tracer("test").start_span("request")
+    with trace.use_span(span, end_on_exit=True):
+        assert telemetry.current_span() is span is trace.get_current_span()
+    assert telemetry.current_span() is trace.INVALID_SPAN

@@ -36,8 +36,6 @@ from collections.abc import Awaitable
 from datetime import timedelta
 from typing import Any
 
-from opentelemetry import trace
-
 from ._checks import count, duration
 from ._responses import FinalWrites
 from ._runtime import clock, deadlines
@@ -50,7 +48,7 @@ from .errors import CallerStalled
 from .observer import Observer, nothing_sent, whole_events
 from .request import StateEvent, TierRequest
 from .sse import is_event_stream
-from .telemetry import log_event
+from .telemetry import current_span, log_event
 from .wire import SSE, LateAnswer, allows_comments, error_bytes, recognise
 
 __all__ = ["TASK_NAME", "Heartbeats"]
@@ -255,7 +253,7 @@ class _Stream:
         self.said_generating = False
         self.late: LateAnswer | None = None  # own phase: a non-stream answer being collected
         self.inner_started = False
-        self.span = trace.get_current_span()
+        self.span = current_span()
 
     # -- the request ---------------------------------------------------------
 
@@ -269,7 +267,7 @@ class _Stream:
         A request whose wire format has no comments (Ollama's NDJSON) is never
         ours to commit or to put lines into: False.
         """
-        if not allows_comments(self.wire()):
+        if not allows_comments(self.req.wire or recognise(self.path)):  # (self.wire())
             return False
         if self.body.accept:
             return True
