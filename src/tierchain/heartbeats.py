@@ -555,7 +555,7 @@ class _Stream:
             self.last = chunk
             self.after_own = False
         out += chunk
-        if more and self._pending and self._at_boundary():
+        if more and (self.queue or self.keepalive_due) and self._at_boundary():  # (_pending)
             out += self._lines()  # a state line or keepalive that waited for this boundary
         if not more:
             self.phase = _DONE
