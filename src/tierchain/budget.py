@@ -43,7 +43,7 @@ from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import BudgetExhausted
 from .observer import Observer, whole_events
-from .request import TRAIL_HEADER, TierRequest, format_trail
+from .request import SCOPE_KEY, TRAIL_HEADER, TierRequest, format_trail
 from .sse import is_event_stream
 from .telemetry import ATTR_OUTCOME, BUDGET_EXHAUSTED, log_event
 from .wire import error_format
@@ -158,7 +158,11 @@ class _Spend:
         """Set the request's deadline and time it (:attr:`timer`)."""
         self.budget = budget
         self.seconds = seconds
-        self.req = req = TierRequest.of(scope)
+        # (TierRequest.of, inline: an outer layer such as Heartbeats has mostly made it)
+        req: TierRequest | None = scope.get(SCOPE_KEY)
+        if req is None:
+            req = TierRequest.of(scope)
+        self.req = req
         self.started = False
         self.finished = False
         self._observer: Observer | None = None
