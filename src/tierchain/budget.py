@@ -178,7 +178,8 @@ class _Spend:
         req.budget = delay if req.budget is None else min(req.budget, delay)
         self.cut = Interruption()
         self.cut.arm()
-        self.timer = deadlines.schedule(delay, self._fire, fixed=fixed)
+        # At the deadline itself (no second clock reading); a fixed delay's FIFO holds it.
+        self.timer = deadlines.schedule_at(deadline, self._fire, lane=delay if fixed else None)
 
     def send(self, message: Message) -> Awaitable[None]:
         """Note what passes and pass it on: the inner send's own awaitable, no frame of ours."""

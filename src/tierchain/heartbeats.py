@@ -46,7 +46,7 @@ from ._stream_request import StreamRequest, accepts_event_stream
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .errors import CallerStalled
 from .observer import Observer, nothing_sent, whole_events
-from .request import StateEvent, TierRequest
+from .request import SCOPE_KEY, StateEvent, TierRequest
 from .sse import is_event_stream
 from .telemetry import current_span, log_event
 from .wire import SSE, LateAnswer, allows_comments, error_bytes, recognise
@@ -107,6 +107,10 @@ class Heartbeats:
             raise ValueError(f"interval must be 0 (off) or >= {MIN_INTERVAL}s, got {interval!r}")
         self.commit_after = duration("commit_after", commit_after, allow_zero=True)
         self.max_queued = count("max_queued", max_queued)
+        # When a stream's commit or first keepalive could first fall due.
+        self.first_due = (
+            min(self.commit_after, self.interval) if self.interval > 0 else self.commit_after
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -234,7 +238,13 @@ class _Stream:
         self.hb = hb
         self._receive = receive
         self._send = send
-        self.req = TierRequest.of(scope)
+        req: TierRequest | None = scope.get(SCOPE_KEY)
+        if req is None:  # (the usual case: Heartbeats is outermost, the request starts here)
+            req = TierRequest.of(scope)
+            self.started = req.started  # the same clock reading, read once
+        else:
+            self.started = clock.now()
+        self.req = req
         self.path: str = scope.get("path", "")
         self.body = StreamRequest(accept)
         self.phase = _WAITING
@@ -246,7 +256,6 @@ class _Stream:
         self.last = b""  # the last relayed chunk (whole events): is a CR pending?
         self.after_own = True  # the last bytes written are our own lines: a boundary
         self.keepalive_due = False
-        self.started = clock.now()
         self.last_output = self.started
         self.gone = False
         self.observer: Observer | None = None  # alone (no Failover inside): our own
@@ -702,7 +711,7 @@ class _Stream:
         # Nothing is timed for a request that is over before anything could be due:
         # the stream goes live when the commit (or the first keepalive) could fall due.
         hb = self.hb
-        first_due = min(hb.commit_after, hb.interval) if hb.interval > 0 else hb.commit_after
+        first_due = hb.first_due
         self.entry = deadlines.schedule_at(self.started + first_due, self.due, lane=first_due)
 
     def close(self) -> asyncio.Task[Any] | None:
