@@ -8,6 +8,7 @@ way the code relies on; then the use site (named in the table) must change, and 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import ssl
@@ -172,3 +173,39 @@ def test_uvicorn_httptools_protocol_appends_each_field_to_the_scopes_header_list
     for name in ("on_message_begin", "on_header", "on_headers_complete"):
         assert name in vars(HttpToolsProtocol), f"uvicorn no longer defines {name}"
         assert name in vars(HttpToolsWithoutTrailers)
+
+
+# -- asyncio (3.11): tasks._current_tasks ----------------------------------------------------
+
+
+async def test_asyncio_keeps_the_running_task_of_each_loop_in_current_tasks_on_3_11():
+    from tierchain._runtime import interrupt
+
+    task = asyncio.current_task()
+    if sys.version_info >= (3, 12):
+        assert interrupt._CURRENT is None  # 3.12's current_task is C: nothing private read
+    else:
+        table = asyncio.tasks._current_tasks  # type: ignore[attr-defined]
+        assert interrupt._CURRENT is table
+        assert table.get(asyncio.get_running_loop()) is task
+    armed = interrupt.Interruption.on()
+    assert armed.task is task
+    other = interrupt.Interruption()
+    assert other.arm() is task
+
+
+# -- OpenTelemetry: context._RUNTIME_CONTEXT._current_context, trace.propagation._SPAN_KEY --
+
+
+def test_opentelemetry_keeps_the_current_span_in_its_runtime_contexts_contextvar():
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from tierchain import telemetry
+
+    assert telemetry._SPAN_SLOT is not None  # found where the table says (else the API is asked)
+    assert telemetry.current_span() is trace.INVALID_SPAN is trace.get_current_span()
+    span = TracerProvider().get_tracer("test").start_span("request")
+    with trace.use_span(span, end_on_exit=True):
+        assert telemetry.current_span() is span is trace.get_current_span()
+    assert telemetry.current_span() is trace.INVALID_SPAN

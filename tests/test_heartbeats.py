@@ -985,3 +985,61 @@ async def test_a_relayed_chunk_still_in_flight_holds_the_keepalive_until_it_is_b
     )
     assert len(keepalives) >= 1
     assert after == b"".join(keepalives) + b"data: [DONE]\n\n"
+
+
+async def test_the_start_and_the_chunk_that_carries_state_lines_go_to_the_servers_own_send():
+    # The healthy path of most requests: the inner app's start, then its first chunk with
+    # the queued state lines in front. Each is handed to the server's own send coroutine
+    # (no coroutine or lock of Heartbeats' own), marked as in flight for the timer.
+    from tierchain import heartbeats
+    from tierchain.observer import Observer
+
+    written: list[dict[str, Any]] = []
+    handed: list[Any] = []
+
+    async def write(message: dict[str, Any]) -> None:
+        written.append(message)
+
+    def send(message: dict[str, Any]) -> Any:
+        handed.append(write(message))
+        return handed[-1]
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"accept", b"text/event-stream")],
+    }
+    stream = heartbeats._Stream(Heartbeats(lambda *_: None), scope, receive, send, True)
+    stream.req.subscribe(stream.on_event)
+    stream.req.emit("attempt", n=1, of=1, backend="tower")
+    start = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [(b"content-type", b"text/event-stream")],
+    }
+    # Inside a Failover (as Failover leaves it at its commit): its observer has the start.
+    stream.req.in_chain = True
+    stream.req.observer = Observer()
+    stream.req.observer.start(200, start["headers"])
+    sent = stream.send(start)
+    assert handed
+    assert sent is handed[-1]
+    assert stream.out.flight is sent
+    await sent
+    chunk = {"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True}
+    sent = stream.send(chunk)
+    assert handed
+    assert sent is handed[-1]
+    assert stream.out.flight is sent
+    await sent
+    assert [m["type"] for m in written] == ["http.response.start", "http.response.body"]
+    assert written[1]["body"] == (
+        b': {"state":"attempt","n":1,"of":1,"backend":"tower"}\n' + b"data: 1\n\n"
+    )
+    assert not stream.queue
+    assert not stream.out.sending()
+    stream.close()

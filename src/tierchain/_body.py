@@ -59,41 +59,39 @@ async def read_body(
             if declared > limit:
                 raise BodyTooLarge(limit)
             break
-    if within is None:
-        return await _read(receive, limit)
-    # On the shared loop timer (tierchain._runtime.deadlines), not asyncio.timeout: the
-    # deadline almost never fires, and an asyncio timer per request costs more
-    # than the rest of the body's reading.
-    late = Interruption.on()
-    entry = deadlines.schedule(within, late.interrupt)
+    late: Interruption | None = None
+    entry: deadlines.Deadline | None = None
+    if within is not None:
+        # On the shared loop timer (tierchain._runtime.deadlines), not asyncio.timeout: the
+        # deadline almost never fires, and an asyncio timer per request costs more
+        # than the rest of the body's reading.
+        late = Interruption.on()
+        entry = deadlines.schedule(within, late.interrupt)
+    parts: list[bytes] = []
+    size = 0
     try:
-        return await _read(receive, limit)
+        while True:
+            message: Message = await receive()
+            kind = message["type"]
+            if kind == "http.disconnect":
+                raise CallerGone
+            if kind != "http.request":
+                continue
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(limit)
+                parts.append(chunk)
+            if not message.get("more_body", False):
+                return parts[0] if len(parts) == 1 else b"".join(parts)
     except asyncio.CancelledError:
-        if not late.ours():
+        if late is None or not late.ours():
             raise
         raise BodyTimeout from None
     finally:
-        deadlines.cancel(entry)
-
-
-async def _read(receive: Receive, limit: int) -> bytes:
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        message: Message = await receive()
-        kind = message["type"]
-        if kind == "http.disconnect":
-            raise CallerGone
-        if kind != "http.request":
-            continue
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(limit)
-            parts.append(chunk)
-        if not message.get("more_body", False):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
+        if entry is not None:
+            deadlines.cancel(entry)
 
 
 async def read_or_refuse(

@@ -47,6 +47,7 @@ class DisconnectGuard:
         "cut",
         "done",
         "then",
+        "young",
     )
 
     def __init__(self, receive: Receive) -> None:
@@ -56,6 +57,9 @@ class DisconnectGuard:
         self.done = False
         self._gone: asyncio.Event | None = None  # made when first needed
         self._queued: deadlines.Deadline | None = None  # while waiting for its watcher
+        self.young = False
+        """True from :meth:`enter` until the request has run ``WATCH_AFTER`` seconds
+        (:attr:`then` still due): a field, not a property (Failover reads it per request)."""
         self.then: Callable[[], object] | None = None
         """Called once when the request has run ``WATCH_AFTER`` seconds (if still
         guarded): work for a request that lives that long, not paid by one answered
@@ -76,11 +80,7 @@ class DisconnectGuard:
         """Start guarding the running task (what ``async with`` does on entry)."""
         self.cut.arm()
         self._queued = deadlines.schedule(WATCH_AFTER, self.due_now)
-
-    @property
-    def young(self) -> bool:
-        """True until the request has run ``WATCH_AFTER`` seconds (:attr:`then` still due)."""
-        return self._queued is not None
+        self.young = True
 
     @property
     def task(self) -> asyncio.Task[Any] | None:
@@ -90,6 +90,7 @@ class DisconnectGuard:
     def due_now(self) -> None:
         """The request has run ``WATCH_AFTER`` seconds: watch it, and call :attr:`then`."""
         self._queued = None
+        self.young = False
         self.start_watching()
         then, self.then = self.then, None
         if then is not None:
@@ -139,6 +140,7 @@ class DisconnectGuard:
         queued = self._queued
         if queued is not None:
             self._queued = None
+            self.young = False
             deadlines.cancel(queued)
         if self._watcher is not None:
             self._watcher.cancel()

@@ -14,7 +14,7 @@ from .request import StateEvent
 from .sse import comment_line
 from .telemetry import STREAM_HEARTBEATS, labelled
 
-__all__ = ["state_line"]
+__all__ = ["state_line", "state_lines"]
 
 _KNOWN: dict[tuple[tuple[str, Any], ...], tuple[bytes, str, Any]] = {}
 _KNOWN_MAX = 4096
@@ -34,6 +34,26 @@ def state_line(event: StateEvent, span: Span, keepalive: bool) -> bytes:
     if span.is_recording():
         span.add_event("stream.heartbeat", {"state": state, "keepalive": keepalive})
     return line
+
+
+def state_lines(events: list[StateEvent], span: Span) -> bytes:
+    """Every queued event's line, in order, as :func:`state_line` (not keepalives): one
+    call and one ``is_recording`` for the batch (a request queues two or three)."""
+    recording = span.is_recording()
+    out = b""
+    for event in events:
+        try:
+            known = _KNOWN.get(tuple(event.items()))
+        except TypeError:
+            known = None
+        if known is None:
+            known = _new(event)
+        line, state, counted = known
+        counted.inc()
+        if recording:
+            span.add_event("stream.heartbeat", {"state": state, "keepalive": False})
+        out += line
+    return out
 
 
 def _new(event: StateEvent) -> tuple[bytes, str, Any]:

@@ -78,7 +78,7 @@ from .errors import (
 )
 from .observer import Observer
 from .probes import auto_reader
-from .request import UNROUTED_KEY, TierRequest
+from .request import SCOPE_KEY, UNROUTED_KEY, TierRequest
 from .status import StatusBoard, board_within, idle
 from .store import (
     BreakerChange,
@@ -194,7 +194,7 @@ class Breaker:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or UNROUTED_KEY in scope:
             return await self.app(scope, receive, send)
-        req = TierRequest.find(scope)
+        req: TierRequest | None = scope.get(SCOPE_KEY)  # (TierRequest.find, inline)
         attempt = req.attempt if req is not None and req.in_chain else None
         if req is None or attempt is None:
             return await self._alone(scope, receive, send, req)
@@ -294,7 +294,10 @@ class Breaker:
         except Exception as exc:  # a store must never fail a request
             self._store_failed(exc)
             return _ADMIT
-        self._observe(route, name, ticket.state, ticket.transitions, None)
+        cached = self._gauges.get((route, name))
+        if ticket.transitions or cached is None or cached[1] != _STATE_VALUE.get(ticket.state, 0):
+            self._observe(route, name, ticket.state, ticket.transitions, None)
+        # (Otherwise nothing to show: no transition, and the gauge already says this state.)
         return ticket
 
     async def _acquire(self, route: str, name: str, force: bool, wake: bool = False) -> Ticket:
@@ -503,7 +506,10 @@ class _Guard:
         outcome, retry_after = _classify(left) if left is not None else _judge(self.observer)
         if outcome == "failure":
             outcome = _mid_stream(self.req, self.observer)
-        if _nothing_to_record(self.ticket, outcome):
+        ticket = self.ticket
+        if outcome == "success" and ticket.clean and not ticket.probe:
+            return None  # (_nothing_to_record's usual case, inline)
+        if _nothing_to_record(ticket, outcome):
             return None
         return self.breaker.record(self.route, self.name, self.ticket, outcome, retry_after)
 

@@ -43,7 +43,7 @@ from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import BudgetExhausted
 from .observer import Observer, whole_events
-from .request import TRAIL_HEADER, TierRequest, format_trail
+from .request import SCOPE_KEY, TRAIL_HEADER, TierRequest, format_trail
 from .sse import is_event_stream
 from .telemetry import ATTR_OUTCOME, BUDGET_EXHAUSTED, log_event
 from .wire import error_format
@@ -117,8 +117,7 @@ class Budget:
         if seconds is None:
             return await self.app(scope, receive, send)
         # The request under its budget, in this frame (a waiting stream holds one less).
-        spend = _Spend(self, scope, seconds)
-        timer = spend.start(send)
+        spend = _Spend(self, scope, seconds, send)  # (timed from here)
         try:
             await self.app(scope, receive, spend.send)
         except asyncio.CancelledError:
@@ -132,7 +131,7 @@ class Budget:
             if spend.cut.interrupted:
                 spend.cut.swallowed()  # the app swallowed the cancellation and returned anyway
         finally:
-            deadlines.cancel(timer)
+            deadlines.cancel(spend.timer)
 
 
 class _Spend:
@@ -152,22 +151,39 @@ class _Spend:
         "req",
         "seconds",
         "started",
+        "timer",
     )
 
-    def __init__(self, budget: Budget, scope: Scope, seconds: float) -> None:
+    def __init__(self, budget: Budget, scope: Scope, seconds: float, send: Send) -> None:
+        """Set the request's deadline and time it (:attr:`timer`)."""
         self.budget = budget
         self.seconds = seconds
-        self.req = TierRequest.of(scope)
+        # (TierRequest.of, inline: an outer layer such as Heartbeats has mostly made it)
+        req: TierRequest | None = scope.get(SCOPE_KEY)
+        if req is None:
+            req = TierRequest.of(scope)
+        self.req = req
         self.started = False
         self.finished = False
         self._observer: Observer | None = None
-        self._send: Send | None = None
-        self.cut = Interruption()  # armed by start
+        self._send = send
+        delay = seconds
+        deadline = clock.now() + delay
+        fixed = delay == budget.default  # most requests: the same delay, a FIFO
+        if req.deadline is not None and req.deadline < deadline:
+            # An outer budget: the earlier deadline wins.
+            deadline, fixed = req.deadline, False
+            delay = max(0.0, deadline - clock.now())
+        req.deadline = deadline
+        req.budget = delay if req.budget is None else min(req.budget, delay)
+        self.cut = Interruption()
+        self.cut.arm()
+        # At the deadline itself (no second clock reading); a fixed delay's FIFO holds it.
+        self.timer = deadlines.schedule_at(deadline, self._fire, lane=delay if fixed else None)
 
     def send(self, message: Message) -> Awaitable[None]:
         """Note what passes and pass it on: the inner send's own awaitable, no frame of ours."""
         send = self._send
-        assert send is not None
         kind = message["type"]
         if kind == "http.response.body":
             if self._observer is not None:
@@ -187,22 +203,6 @@ class _Spend:
             if not out["more_body"]:
                 self.finished = True
             await send(out)
-
-    def start(self, send: Send) -> deadlines.Deadline:
-        """Set the request's deadline and time it; returns the timer."""
-        self._send = send
-        req = self.req
-        delay = self.seconds
-        deadline = clock.now() + delay
-        fixed = delay == self.budget.default  # most requests: the same delay, a FIFO
-        if req.deadline is not None and req.deadline < deadline:
-            # An outer budget: the earlier deadline wins.
-            deadline, fixed = req.deadline, False
-            delay = max(0.0, deadline - clock.now())
-        req.deadline = deadline
-        req.budget = delay if req.budget is None else min(req.budget, delay)
-        self.cut.arm()
-        return deadlines.schedule(delay, self._fire, fixed=fixed)
 
     def _fire(self) -> None:
         """The deadline: cancel the request's task, unless it is already answered."""

@@ -36,21 +36,19 @@ from collections.abc import Awaitable
 from datetime import timedelta
 from typing import Any
 
-from opentelemetry import trace
-
 from ._checks import count, duration
 from ._responses import FinalWrites
 from ._runtime import clock, deadlines
 from ._runtime.deadlines import EARLY
 from ._runtime.eager import finished, start_eagerly
-from ._state_lines import state_line
+from ._state_lines import state_line, state_lines
 from ._stream_request import StreamRequest, accepts_event_stream
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .errors import CallerStalled
 from .observer import Observer, nothing_sent, whole_events
-from .request import StateEvent, TierRequest
+from .request import SCOPE_KEY, StateEvent, TierRequest
 from .sse import is_event_stream
-from .telemetry import log_event
+from .telemetry import current_span, log_event
 from .wire import SSE, LateAnswer, allows_comments, error_bytes, recognise
 
 __all__ = ["TASK_NAME", "Heartbeats"]
@@ -109,6 +107,10 @@ class Heartbeats:
             raise ValueError(f"interval must be 0 (off) or >= {MIN_INTERVAL}s, got {interval!r}")
         self.commit_after = duration("commit_after", commit_after, allow_zero=True)
         self.max_queued = count("max_queued", max_queued)
+        # When a stream's commit or first keepalive could first fall due.
+        self.first_due = (
+            min(self.commit_after, self.interval) if self.interval > 0 else self.commit_after
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -236,7 +238,13 @@ class _Stream:
         self.hb = hb
         self._receive = receive
         self._send = send
-        self.req = TierRequest.of(scope)
+        req: TierRequest | None = scope.get(SCOPE_KEY)
+        if req is None:  # (the usual case: Heartbeats is outermost, the request starts here)
+            req = TierRequest.of(scope)
+            self.started = req.started  # the same clock reading, read once
+        else:
+            self.started = clock.now()
+        self.req = req
         self.path: str = scope.get("path", "")
         self.body = StreamRequest(accept)
         self.phase = _WAITING
@@ -248,14 +256,13 @@ class _Stream:
         self.last = b""  # the last relayed chunk (whole events): is a CR pending?
         self.after_own = True  # the last bytes written are our own lines: a boundary
         self.keepalive_due = False
-        self.started = clock.now()
         self.last_output = self.started
         self.gone = False
         self.observer: Observer | None = None  # alone (no Failover inside): our own
         self.said_generating = False
         self.late: LateAnswer | None = None  # own phase: a non-stream answer being collected
         self.inner_started = False
-        self.span = trace.get_current_span()
+        self.span = current_span()
 
     # -- the request ---------------------------------------------------------
 
@@ -269,7 +276,7 @@ class _Stream:
         A request whose wire format has no comments (Ollama's NDJSON) is never
         ours to commit or to put lines into: False.
         """
-        if not allows_comments(self.wire()):
+        if not allows_comments(self.req.wire or recognise(self.path)):  # (self.wire())
             return False
         if self.body.accept:
             return True
@@ -318,11 +325,7 @@ class _Stream:
             self.rearm_after = True  # the timer stopped while it waited for a boundary
         if self.queue:
             events, self.queue = self.queue, []
-            span = self.span
-            out = state_line(events[0], span, False)
-            for event in events[1:]:
-                out += state_line(event, span, False)
-            return out
+            return state_lines(events, self.span)
         state = self.req.state or _WAITING_STATE
         if state.get("state") == "generating":
             observer = self.observer or self.req.observer
@@ -373,33 +376,60 @@ class _Stream:
 
     def send(self, message: Message) -> Awaitable[None]:
         """The inner app's send. A relayed chunk with nothing to add goes straight on."""
-        if (
-            self.phase == _RELAY
-            and message["type"] == "http.response.body"
-            and not (
-                self.out.writing or self.queue or self.keepalive_due or self.observer is not None
-            )
-        ):
-            # The hot path, with no coroutine and no lock of ours: the writer sees the
-            # send out (``_Writer.sending``) and holds its lines until it is back; a
-            # chunk arriving while our own lines are written takes the lock (``_send_slow``).
-            chunk: bytes = message.get("body", b"")
-            if chunk:
-                self.last = chunk
-                self.after_own = False
-                if not message.get("more_body", False):
-                    self.phase = _DONE
-            elif message.get("more_body", False):
-                return nothing_sent()
-            else:
-                self.phase = _DONE
-            self.last_output = clock.now()
-            sending = self._send(message)
-            if type(sending) is not types.CoroutineType:
-                return self._relay(sending)  # a server whose send is not a coroutine
-            self.out.flight = sending
-            return sending
+        phase = self.phase
+        if phase == _RELAY:
+            if message["type"] == "http.response.body" and not (
+                self.out.writing or self.keepalive_due or self.observer is not None
+            ):
+                # The hot path, with no coroutine and no lock of ours: the writer sees the
+                # send out (``_Writer.sending``) and holds its lines until it is back; a
+                # chunk arriving while our own lines are written takes the lock
+                # (``_send_slow``).
+                if self.queue:
+                    if self.rearm_after:
+                        return self._send_slow(message)
+                    # State lines to put in at this chunk's boundaries (the first data
+                    # event of most requests): written into it, then the same hot path.
+                    relayed = self._relayed(message)
+                    if relayed is None:
+                        return nothing_sent()
+                    message = relayed
+                else:
+                    chunk: bytes = message.get("body", b"")
+                    if chunk:
+                        self.last = chunk
+                        self.after_own = False
+                        if not message.get("more_body", False):
+                            self.phase = _DONE
+                    elif message.get("more_body", False):
+                        return nothing_sent()
+                    else:
+                        self.phase = _DONE
+                self.last_output = clock.now()
+                sending = self._send(message)
+                if type(sending) is not types.CoroutineType:
+                    return self._relay(sending)  # a server whose send is not a coroutine
+                self.out.flight = sending
+                return sending
+        elif phase == _WAITING:
+            if message["type"] == "http.response.start" and not self.out.live:
+                # The inner app's start before the stream went live (most requests): no one
+                # else writes yet, so no lock; the send goes on as the hot path's does.
+                started = self._started(message)  # (a message: it was waiting)
+                return self._flight(started)
+        elif phase == _PASS:
+            return self._send(message)  # not ours: untouched, no frame of ours
         return self._send_slow(message)
+
+    def _flight(self, message: Message | None) -> Awaitable[None]:
+        """Send a start on with no frame of ours, marked as out (``_Writer.flight``) until
+        the server's send coroutine is done, as the hot path does a chunk."""
+        assert message is not None
+        sending = self._send(message)
+        if type(sending) is not types.CoroutineType:
+            return self._relay(sending)  # a server whose send is not a coroutine
+        self.out.flight = sending
+        return sending
 
     async def _relay(self, sending: Awaitable[None], *, body: bool = False) -> None:
         """Await a relayed message's send, marked as out until it is back (a line that
@@ -534,7 +564,7 @@ class _Stream:
             self.last = chunk
             self.after_own = False
         out += chunk
-        if more and self._pending and self._at_boundary():
+        if more and (self.queue or self.keepalive_due) and self._at_boundary():  # (_pending)
             out += self._lines()  # a state line or keepalive that waited for this boundary
         if not more:
             self.phase = _DONE
@@ -681,7 +711,7 @@ class _Stream:
         # Nothing is timed for a request that is over before anything could be due:
         # the stream goes live when the commit (or the first keepalive) could fall due.
         hb = self.hb
-        first_due = min(hb.commit_after, hb.interval) if hb.interval > 0 else hb.commit_after
+        first_due = hb.first_due
         self.entry = deadlines.schedule_at(self.started + first_due, self.due, lane=first_due)
 
     def close(self) -> asyncio.Task[Any] | None:

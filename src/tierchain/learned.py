@@ -116,7 +116,9 @@ class Learned:
 
     def window(self, backend: str, body: bytes | None) -> tuple[float, bool]:
         """The window for an attempt of ``backend`` with ``body``, and whether it was learned."""
-        bucket = bucket_of(body)
+        # bucket_of(body), inline (every attempt asks, and most prompts are under 1k tokens)
+        tokens = len(body or b"") / 4
+        bucket = BUCKETS[0] if tokens < _LIMITS[0] else bucket_of(body)
         normal = self._normals.get((backend, bucket))
         if normal is None or normal.sketch.count < self.min_samples:
             return self.maximum, False
@@ -286,7 +288,7 @@ class PromptRate:
 
     def limit(self, backend: str, regime: str | None, body: bytes | None) -> tuple[float, bool]:
         """Seconds a first token may take for ``body`` at ``backend``, and whether learned."""
-        tokens = prompt_tokens(body)
+        tokens = len(body or b"") / 4  # prompt_tokens(body), inline: every attempt asks
         if self.rate is not None:
             return max(self.floor, self.margin * tokens / self.rate), False
         known = self._rates.get(backend)

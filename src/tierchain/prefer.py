@@ -147,9 +147,15 @@ class PreferBackend:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        values = [v for k, v in scope["headers"] if k.lower() == self._header]
-        if not values and self.store is None:
-            return await self.app(scope, receive, send)
+        header = self._header
+        if self.store is None:
+            # Most requests state no preference: one pass over the names, no list made.
+            for key, _ in scope["headers"]:
+                if key.lower() == header:
+                    break
+            else:
+                return await self.app(scope, receive, send)
+        values = [v for k, v in scope["headers"] if k.lower() == header]
         return await self._prefer(scope, receive, send, values)
 
     async def _prefer(

@@ -21,7 +21,17 @@ checks).
 from __future__ import annotations
 
 import asyncio
+import sys
+from asyncio import get_running_loop
 from typing import Any
+
+# The running task, with no Python frame: 3.11's ``asyncio.current_task`` is a Python
+# function around this table of the C module's (3.12's is C itself). Three interruptions
+# are armed per request, each would pay that frame. A private name, on purpose
+# (docs/internals.md, "Private parts of other packages"; tests/test_dependency_internals.py).
+_CURRENT: dict[Any, asyncio.Task[Any]] | None = (
+    None if sys.version_info >= (3, 12) else getattr(asyncio.tasks, "_current_tasks", None)
+)
 
 __all__ = ["Interruption"]
 
@@ -39,7 +49,8 @@ class Interruption:
     def on(cls, task: asyncio.Task[Any] | None = None) -> Interruption:
         """A new interruption armed on ``task`` (default: the running task)."""
         if task is None:
-            task = asyncio.current_task()
+            current = _CURRENT
+            task = asyncio.current_task() if current is None else current.get(get_running_loop())
             assert task is not None, "an Interruption is armed inside a task"
         made = cls()
         made._task = task
@@ -64,7 +75,8 @@ class Interruption:
     def arm(self, task: asyncio.Task[Any] | None = None) -> asyncio.Task[Any]:
         """Take the running task (or ``task``) and its cancellation count as the baseline."""
         if task is None:
-            task = asyncio.current_task()
+            current = _CURRENT
+            task = asyncio.current_task() if current is None else current.get(get_running_loop())
             assert task is not None, "an Interruption is armed inside a task"
         self._task = task
         self._baseline = task.cancelling()

@@ -22,26 +22,29 @@ _KEEP = 8  # loops held before closed ones are looked for
 class PerLoop(Generic[T]):
     """The running loop's ``T``, made by ``factory(loop)`` on first use in that loop."""
 
-    __slots__ = ("_by_loop", "_factory", "_last", "_last_loop")
+    __slots__ = ("_by_loop", "_factory", "last", "last_loop")
 
     def __init__(self, factory: Callable[[asyncio.AbstractEventLoop], T]) -> None:
         self._factory = factory
         self._by_loop: dict[asyncio.AbstractEventLoop, T] = {}
-        self._last_loop: asyncio.AbstractEventLoop | None = None
-        self._last: T | None = None
+        self.last_loop: asyncio.AbstractEventLoop | None = None
+        # The last loop asked for and its object: the usual path is one test of identity
+        # (``deadlines`` makes that test inline). ``last`` is read only while ``last_loop``
+        # is a loop, so it is never read as None.
+        self.last: T = None  # type: ignore[assignment]
 
     def get(self) -> T:
         """The running loop's object (one test of identity on the usual path)."""
         loop = asyncio.get_running_loop()
-        if loop is self._last_loop:
-            return self._last  # type: ignore[return-value]
+        if loop is self.last_loop:
+            return self.last
         made = self._by_loop.get(loop)
         if made is None:
             if len(self._by_loop) > _KEEP:
                 for old in [lp for lp in self._by_loop if lp.is_closed()]:
                     del self._by_loop[old]
             made = self._by_loop[loop] = self._factory(loop)
-        self._last_loop, self._last = loop, made
+        self.last_loop, self.last = loop, made
         return made
 
     def __len__(self) -> int:
