@@ -80,6 +80,7 @@ class _Responder(Protocol):
 
     @fault.setter
     def fault(self, value: None) -> None: ...
+
     lease: Any
     span: Any
 
