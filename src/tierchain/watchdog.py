@@ -158,6 +158,10 @@ class SaturationWatchdog:
     ``prompt_margin`` bound the wait for a first token by the prompt's expected prefill,
     whatever a status says. ``status_late``: a status asked before sending that takes
     this long (or never answers) skips the backend as busy.
+
+    ``status_board``: a :class:`~tierchain.status.StatusBoard` made by hand, to share
+    with the Breaker and the Failover around this watchdog (their ``status_board``);
+    its own interval and thresholds then apply. None: one made from the options above.
     """
 
     def __init__(
@@ -185,6 +189,7 @@ class SaturationWatchdog:
         prompt_rate: float | str | PromptRate = "auto",
         prompt_margin: float = 2.0,
         status_late: float | timedelta = 0.25,
+        status_board: StatusBoard | None = None,
     ) -> None:
         self.app = app
         self.prompt_rate = _prompt_rate(prompt_rate, prompt_margin)
@@ -247,8 +252,12 @@ class SaturationWatchdog:
         busy_waiting = count("busy_waiting", busy_waiting)
         if not (isinstance(busy_kv_cache, int | float) and 0 < busy_kv_cache <= 1):
             raise ValueError(f"busy_kv_cache must be a fraction in (0, 1], got {busy_kv_cache!r}")
-        self.board: StatusBoard | None = None
-        if interval > 0:
+        if status_board is not None and not isinstance(status_board, StatusBoard):
+            raise ValueError(
+                f"status_board must be a tierchain.status.StatusBoard, got {status_board!r}"
+            )
+        self.board: StatusBoard | None = status_board
+        if status_board is None and interval > 0:
             self.board = StatusBoard(
                 interval=interval,
                 stale_after=stale,
