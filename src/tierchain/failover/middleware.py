@@ -361,8 +361,11 @@ class Failover:
                     guard.done = True
                     return await turned_away(send, req, refused)
             copies = ScopeCopy(scope)  # the scope itself for the first attempt, copies after
-            attempt: Attempt | None = await self._first(req, plan)
-            tries = Tries()
+            chain = req.chain
+            attempt: Attempt | None = Attempt(1, len(chain), chain[0], route, started=clock.now())
+            if plan is not None and chain[0].pool is not None:  # the pool's best replica
+                attempt = await plan.picked(req, Attempt(1, len(chain), chain[0], route))
+            tries: Tries | None = None  # made at the first attempt that did not answer
             while attempt is not None:
                 answered, attempt, fault = await self._attempt(
                     req, guard, send, attempt, copies, plan
@@ -371,6 +374,8 @@ class Failover:
                     if span is not INVALID_SPAN:
                         span.set_attribute(ATTR_OUTCOME, "ok")
                     return
+                if tries is None:
+                    tries = Tries()
                 attempt = await self._after(req, plan, attempt, fault, tries)
             guard.done = True
             if req.continuation is not None:
@@ -388,13 +393,6 @@ class Failover:
             guard.close()
             if span is not INVALID_SPAN:
                 span.end()
-
-    async def _first(self, req: TierRequest, plan: PoolPlan | None) -> Attempt:
-        """The first attempt: the chain's first tier (its best replica, for a pool)."""
-        chain, route = req.chain, req.route
-        if plan is not None and chain[0].pool is not None:
-            return await plan.picked(req, Attempt(1, len(chain), chain[0], route))
-        return Attempt(1, len(chain), chain[0], route, started=clock.now())
 
     async def _attempt(
         self,
