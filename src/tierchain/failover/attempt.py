@@ -168,18 +168,18 @@ class Responder:
                         {"type": "http.response.body", "body": out, "more_body": True}
                     )
                 observer.end()
-                if not observer.complete:
-                    # Truncated: the caller gets the events so far, then (from Failover,
-                    # once the app returns) an error event, never a silently short answer.
-                    if out:
-                        if self.kept is not None:
-                            self.kept.append(out)
-                        return self._send(
-                            {"type": "http.response.body", "body": out, "more_body": True}
-                        )
+                if observer.complete:
+                    self._guard.done = True
+                    return self._send(
+                        {"type": "http.response.body", "body": out, "more_body": False}
+                    )
+                # Truncated: the caller gets the events so far, then (from Failover, once
+                # the app returns) an error event, never a silently short answer.
+                if not out:
                     return nothing_sent()
-                self._guard.done = True
-                return self._send({"type": "http.response.body", "body": out, "more_body": False})
+                if self.kept is not None:
+                    self.kept.append(out)
+                return self._send({"type": "http.response.body", "body": out, "more_body": True})
             observer.body(chunk)
             if not more:
                 observer.end()
