@@ -476,7 +476,7 @@ LAYER_MODULES = {
     "Heartbeats": "heartbeats.py",
     "Budget": "budget.py",
     "PreferBackend": "prefer.py",
-    "Failover": "failover.py",
+    "Failover": "failover/",  # a package: what its modules read and write, together
     "Breaker": "breaker.py",
     "SaturationWatchdog": "watchdog.py",
     "Forwarder": "forwarder.py",
@@ -490,9 +490,10 @@ def request_fields() -> set[str]:
 
 
 def uses_of_the_request(module: str) -> tuple[set[str], set[str], bool]:
-    """(fields read, fields written or appended to, whether it emits) by ``module``, on
-    expressions named ``req`` or ``<something>.req``."""
-    tree = ast.parse((PACKAGE / module).read_text())
+    """(fields read, fields written or appended to, whether it emits) by ``module`` (a
+    package: ``name/``, all its modules), on expressions named ``req`` or ``<something>.req``."""
+    files = sorted((PACKAGE / module).glob("*.py")) if module.endswith("/") else [PACKAGE / module]
+    tree = ast.Module(body=[ast.parse(f.read_text()) for f in files], type_ignores=[])
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     fields = request_fields()
     reads: set[str] = set()

@@ -8,6 +8,7 @@ from typing import Any
 
 import ollama
 import openai
+import pytest
 
 from .support import Exchange, FakeBackend, completion_body, serve
 
@@ -38,6 +39,54 @@ def test_the_readme_gateway_builds_with_the_stack_in_the_briefs_order():
         "Breaker",
         "SaturationWatchdog",
     ]
+
+
+def test_the_readme_gateway_gives_its_status_board_to_the_layers_that_read_it():
+    code = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[0]
+    namespace: dict = {}
+    exec(compile(code, str(README), "exec"), namespace)
+    board = namespace["board"]
+    layer = namespace["app"].build_middleware_stack()
+    boards = {}
+    while layer is not None and len(boards) < 3:
+        name = type(layer).__name__
+        if name == "SaturationWatchdog":
+            boards[name] = layer.board
+        elif name in ("Breaker", "Failover"):
+            boards[name] = layer.status_board
+        layer = getattr(layer, "app", None)
+    # Passed by hand, not found by walking each layer's app: one board, the README's own.
+    assert boards == {"Failover": board, "Breaker": board, "SaturationWatchdog": board}
+
+
+def test_a_status_board_given_to_the_watchdog_is_the_one_it_and_the_layers_around_it_read():
+    from tierchain import Backend, Breaker, Failover, Routes, SaturationWatchdog
+    from tierchain.status import StatusBoard
+
+    async def handler(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not called")
+
+    board = StatusBoard()
+    watchdog = SaturationWatchdog(handler, status_interval=0, status_board=board)
+    assert watchdog.board is board  # given: used even with status_interval=0
+    # Given none, the Breaker and the Failover find the watchdog's board (the fallback).
+    routes = Routes({"echo": [Backend(name="tower", url="http://127.0.0.1:9")]})
+    failover = Failover(Breaker(watchdog), routes=routes)
+    assert failover.status_board is board
+    assert failover.app.status_board is board
+    own = SaturationWatchdog(handler)
+    assert own.board is not None
+    assert own.board is not board
+
+
+def test_a_status_board_that_is_not_one_is_refused_by_the_watchdog():
+    async def handler(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not called")
+
+    from tierchain import SaturationWatchdog
+
+    with pytest.raises(ValueError, match=r"^status_board must be a tierchain\.status\.StatusBoard"):
+        SaturationWatchdog(handler, status_board="board")
 
 
 def readme_gateway(tower_url: str) -> Any:

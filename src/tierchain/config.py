@@ -572,7 +572,7 @@ LAYERS: tuple[Layer, ...] = (
            help="How many times the expected prefill a first token may take."),
         _o("status_late", "WATCHDOG_STATUS_LATE", seconds(), f"{_SECS} (0: off)",
            help="A status answer slower than this counts as full, never as room."),
-    ), code_only=frozenset({"readers", "client"})),
+    ), code_only=frozenset({"readers", "client", "status_board"})),
     Layer("Allowance", "tierchain.allowance", "component", (
         _o("cold_start", "ALLOWANCE_COLD_START", seconds(), _SECS_NONNEG),
         _o("base", "ALLOWANCE_BASE", seconds(), _SECS_NONNEG),

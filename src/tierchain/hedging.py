@@ -62,13 +62,26 @@ MIN_LEFT = 1.0
 """Budget seconds below which no hedge starts (besides the reserve the watchdog keeps)."""
 
 
+class _Fault(Protocol):
+    """What the race needs of a failed attempt's fault (``tierchain.failover.plan.Fault``)."""
+
+    @property
+    def again(self) -> bool: ...
+
+
 class _Responder(Protocol):
     """What the race needs of Failover's per-attempt responder."""
 
     race: Race | None
     committed: bool
     outcome: str
-    fault: str | None
+
+    @property
+    def fault(self) -> _Fault | None: ...
+
+    @fault.setter
+    def fault(self, value: None) -> None: ...
+
     lease: Any
     span: Any
 
@@ -481,7 +494,7 @@ def _no_second_try(responder: _Responder) -> None:
     """After a race, the first attempt's backend is not tried again (``retries``): the
     chain goes on past the hedge. A fault that says its hardware is taken is kept."""
     fault = responder.fault
-    if fault is not None and fault.startswith(("transient:", "wait:")):
+    if fault is not None and fault.again:
         responder.fault = None
 
 

@@ -26,7 +26,9 @@ options), and the layers that wrap that watchdog read the same board
 (:func:`board_within`, at construction): the Breaker to half-open a breaker
 opened for saturation as soon as the backend reports idle, the Failover's
 picker to score a pool's replicas. Two gateways in one process each have
-their own; ``status_board=`` on those layers wires one by hand.
+their own; ``status_board=`` on those layers (and on the watchdog) wires one by hand,
+as :func:`~tierchain.stack.build_stack` and the README do; :func:`board_within` is the
+fallback for a layer given none.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ import asyncio
 import contextvars
 import logging
 import math
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -89,22 +89,21 @@ from ._runtime import clock, deadlines
 from ._runtime.deadlines import EARLY, Deadline
 from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
-from .allowance import Allowance, estimate_tokens
+from .allowance import Allowance
 from .errors import BackendBusy, BackendSaturated, BackendUnavailable, StreamError
-from .learned import Learned, LearnedGap, PromptRate, prompt_tokens
+from .learned import Learned, LearnedGap, PromptRate
 from .observer import Observer, nothing_sent, whole_events
-from .probes import Reader, Status, auto_reader, fetch_status_once, judge, status_asked_at
+from .probes import Reader, auto_reader
+from .progress import Progress, check_room
 from .request import UNROUTED_KEY, Attempt, TierRequest
-from .status import Fullness, StatusBoard, full
+from .status import Fullness, StatusBoard
 from .telemetry import (
     ATTR_BACKEND,
-    ATTR_ROUTE,
     BACKEND_SATURATED,
     PROBE_ANSWERS,
     RESERVE_ENDED,
     labelled,
     log_event,
-    tracer,
     tracing_enabled,
 )
 from .wire import recognise
@@ -126,7 +125,6 @@ def _prompt_rate(value: float | str | PromptRate, margin: float) -> PromptRate |
 
 
 _RESERVE_SHARE = 0.5  # a reserve never takes more than this share of the whole budget
-_PROMPT_BATCH = 2048  # llama.cpp's default n_batch: its prompt progress moves this many at once
 _SILENT = 5.0  # a committed stream silent this long (or its stall window) when the budget ends it
 
 SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float] | Learned | str
@@ -160,6 +158,10 @@ class SaturationWatchdog:
     ``prompt_margin`` bound the wait for a first token by the prompt's expected prefill,
     whatever a status says. ``status_late``: a status asked before sending that takes
     this long (or never answers) skips the backend as busy.
+
+    ``status_board``: a :class:`~tierchain.status.StatusBoard` made by hand, to share
+    with the Breaker and the Failover around this watchdog (their ``status_board``);
+    its own interval and thresholds then apply. None: one made from the options above.
     """
 
     def __init__(
@@ -187,6 +189,7 @@ class SaturationWatchdog:
         prompt_rate: float | str | PromptRate = "auto",
         prompt_margin: float = 2.0,
         status_late: float | timedelta = 0.25,
+        status_board: StatusBoard | None = None,
     ) -> None:
         self.app = app
         self.prompt_rate = _prompt_rate(prompt_rate, prompt_margin)
@@ -237,7 +240,7 @@ class SaturationWatchdog:
             raise ValueError(f"normal_multiple must be a number >= 1, got {normal_multiple!r}")
         self.normal_multiple = float(normal_multiple)
         self.ask_first = duration("ask_first", ask_first, allow_zero=True)
-        self._batch: dict[str, float] = {}  # per backend: the longest wait seen between two moves
+        self.steps: dict[str, float] = {}  # per backend: the longest wait seen between two moves
         self.readers = dict(readers or {})
         for name, reader in self.readers.items():
             if not callable(reader):
@@ -249,8 +252,12 @@ class SaturationWatchdog:
         busy_waiting = count("busy_waiting", busy_waiting)
         if not (isinstance(busy_kv_cache, int | float) and 0 < busy_kv_cache <= 1):
             raise ValueError(f"busy_kv_cache must be a fraction in (0, 1], got {busy_kv_cache!r}")
-        self.board: StatusBoard | None = None
-        if interval > 0:
+        if status_board is not None and not isinstance(status_board, StatusBoard):
+            raise ValueError(
+                f"status_board must be a tierchain.status.StatusBoard, got {status_board!r}"
+            )
+        self.board: StatusBoard | None = status_board
+        if status_board is None and interval > 0:
             self.board = StatusBoard(
                 interval=interval,
                 stale_after=stale,
@@ -307,7 +314,7 @@ class SaturationWatchdog:
         if self.board is not None and attempt is not None and attempt.backend.status_url:
             board_url = attempt.backend.status_url
             if not attempt.is_last:
-                room = self._check_room(attempt.backend.name, board_url)
+                room = check_room(self, attempt.backend.name, board_url)
                 if room is not None:
                     await room
         watch = self._watch(req, attempt)
@@ -397,46 +404,6 @@ class SaturationWatchdog:
         attempt.reserve = reserve
         return reserve
 
-    def _check_room(self, name: str, url: str) -> Awaitable[None] | None:
-        """Raise BackendBusy when the backend's polled status says it is full; a status
-        that is stale or was never read is asked first (the awaitable that does it)."""
-        board = self.board
-        assert board is not None
-        reader = self.reader_for(name)
-        status = board.peek(url, reader)
-        if status is None and self.ask_first > 0:
-            return self._ask_room(name, url, reader)
-        self._room(name, url, status)
-        return None
-
-    async def _ask_room(self, name: str, url: str, reader: Reader) -> None:
-        board = self.board
-        assert board is not None
-        late = self.status_late
-        # A GET already in flight (the poller's, another attempt's) is joined: the
-        # backend has kept us waiting for its status since that GET was sent.
-        started = status_asked_at(url) or clock.now()
-        limit = max(self.ask_first, late) - (clock.now() - started)
-        status = await board.ask(url, reader, self.client, limit) if limit > 0 else None
-        took = clock.now() - started
-        if late > 0 and took >= late - EARLY:
-            # A local server answers its status in milliseconds: one that takes this
-            # long (or never answers) is starved itself, and never "send it".
-            why = f"status late ({took:.2f}s)"
-            if board.finishing_cut(url):
-                why += ", finishing a prompt batch of a request we cut"
-            raise BackendBusy(f"backend {name!r} is full ({why})", why=why)
-        self._room(name, url, status)
-
-    def _room(self, name: str, url: str, status: Status | None) -> None:
-        board = self.board
-        assert board is not None
-        why = full(status, board.limits)
-        if why is not None:
-            if board.finishing_cut(url):
-                why += ", finishing a prompt batch of a request we cut"
-            raise BackendBusy(f"backend {name!r} is full ({why})", why=why)
-
     def _lifespan_send(self, send: Send) -> Send:
         async def lifespan_send(message: Message) -> None:
             if message["type"] == "lifespan.shutdown.complete":
@@ -466,12 +433,10 @@ class _Watch:
         "_cut_passed",
         "_handle",
         "_held_prompt",
-        "_moved_at",
         "_prefill_end",
-        "_previous",
         "_prober",
+        "_progress",
         "_prompt_due",
-        "_rate_from",
         "_send",
         "_slow_logged",
         "_window_end",
@@ -531,9 +496,7 @@ class _Watch:
         deadline = self._deadline()
         self._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
         self._cut_passed = False  # a committed stream's reserve point passed (or cut it)
-        self._previous: Hashable | None = None
-        self._moved_at = self.start
-        self._rate_from: tuple[float, int] | None = None
+        self._progress: Progress | None = None  # the status conversation, once asked
         self._slow_logged = False
         self._send: Send | None = None
         self.cut = Interruption()  # armed by begin
@@ -698,14 +661,32 @@ class _Watch:
             return self.attempt.deadline
         return self.req.deadline if self.req is not None else None
 
-    def _start_timer(self) -> None:
-        """Arm the first window (or the ceiling): the same delay for most attempts."""
-        due = min(self._window_end, self._ceiling_at, self._cut, self._prefill_end)
-        if due == math.inf:
-            return
+    def _due(self, *, window: bool = True) -> float:
+        """When the wait for the first chunk must next be looked at: the first of the
+        window's end (unless ``window`` is False: a probe is out), the expected prefill,
+        the reserve's point and the ceiling. math.inf when nothing bounds it, or when the
+        request's deadline comes first: the budget ends this attempt then, a deadline,
+        not a saturation."""
+        due = min(self._ceiling_at, self._cut, self._prefill_end)
+        if window and self._window_end < due:
+            due = self._window_end
         deadline = self._deadline()
         if deadline is not None and due >= deadline:
-            return  # the budget ends this attempt first: a deadline, not a saturation
+            return math.inf
+        return due
+
+    def _end(self) -> float:
+        """The latest this attempt may wait, whatever a status says: the first of the
+        reserve's point, the ceiling and the request's deadline (math.inf: none)."""
+        deadline = self._deadline()
+        end = min(self._cut, self._ceiling_at)
+        return end if deadline is None or end <= deadline else deadline
+
+    def _start_timer(self) -> None:
+        """Arm the first window (or the ceiling): the same delay for most attempts."""
+        due = self._due()
+        if due == math.inf:
+            return
         if due == self._window_end:
             delay = self.window
             # A computed window varies by request: not a recurring delay (a learned one
@@ -730,10 +711,7 @@ class _Watch:
             if not self._cut_passed:
                 due = min(due, self._cut)
         else:
-            due = min(self._window_end, self._ceiling_at, self._cut, self._prefill_end)
-            deadline = self._deadline()
-            if deadline is not None and due >= deadline:
-                return  # the budget ends this attempt first: a deadline, not a saturation
+            due = self._due()
         if due == math.inf:
             return
         self._arm(max(0.0, due - clock.now()), fixed=False)
@@ -830,9 +808,8 @@ class _Watch:
     def _schedule_probe_out(self, now: float) -> None:
         # A starved server answers its status slowly too: the reserve's point, the
         # ceiling and the expected prefill stay on the timer while the probe is out.
-        due = min(self._cut, self._ceiling_at, self._prefill_end)
-        deadline = self._deadline()
-        if due != math.inf and (deadline is None or due < deadline):
+        due = self._due(window=False)
+        if due != math.inf:
             self._arm(max(0.0, due - now), fixed=False)
 
     def _too_slow(self, now: float) -> None:
@@ -865,11 +842,14 @@ class _Watch:
         assert self.attempt is not None
         backend = self.attempt.backend
         assert backend.status_url is not None
+        progress = self._progress
+        if progress is None:
+            body = self.req.body if self.req is not None else None
+            progress = self._progress = Progress(
+                self.watchdog, backend, self.route, body, self.start
+            )
         deadline = self._deadline()
-        limit = min(self.watchdog.probe_timeout, self._ceiling_at - now, self._cut - now)
-        if deadline is not None:
-            limit = min(limit, deadline - now)
-        status = await self._probe(backend.status_url, backend.name, limit)
+        status = await progress.probe(min(self.watchdog.probe_timeout, self._end() - now))
         now = clock.now()
         if status is None and (self.fired is not None or now >= self._cut - EARLY):
             # Cut short at the reserve's point (a starved server answers its status
@@ -878,12 +858,15 @@ class _Watch:
                 self._fire("reserve")
             return
         streaming = self.req is None or self.req.streaming is not False
-        verdict: str = judge(status, self._previous, streaming=streaming)
-        if status is not None and verdict in ("working", "no_progress"):
-            verdict = self._against_time(status, verdict, now)
         prompt_due, self._prompt_due = self._prompt_due, False
-        if prompt_due and verdict == "working" and status is not None and status.prefilling:
-            verdict = "too_slow"  # past its expected prefill, a slot still reads a prompt
+        verdict, self._prefill_end = progress.verdict(
+            status,
+            now,
+            self._end(),
+            self._prefill_end,
+            streaming=streaming,
+            prompt_due=prompt_due,
+        )
         labelled(PROBE_ANSWERS, backend.name, verdict).inc()
         self.attempt.verdict = verdict
         if self.fired is not None or self.answered():
@@ -895,7 +878,7 @@ class _Watch:
             self._handle = None
         if verdict == "working":
             assert status is not None
-            self._previous = status.progress
+            progress.working(status)
             if window:
                 self._window_end += self.window
             elapsed = round(now - self.start, 1)
@@ -917,91 +900,6 @@ class _Watch:
             self._schedule()
             return
         self._fire("probe_unknown" if verdict == "unknown" else verdict)
-
-    def _against_time(self, status: Status, verdict: str, now: float) -> str:
-        """``working`` (or not moving yet) judged against the time: ``working``,
-        ``no_progress`` or ``too_slow``.
-
-        - Progress moves in steps (llama.cpp counts a prompt batch at a time):
-          "no progress" needs no move for ``progress_span`` seconds (or 1.5 times
-          the longest wait between two moves seen on this backend).
-        - Where the format reports our slot's prompt progress, the rate since the
-          first probe must finish the prompt before the time left runs out.
-        - Where this backend's normal time to first data is learned, a wait past
-          ``normal_multiple`` times it is too slow.
-        """
-        watchdog = self.watchdog
-        name = self.backend or ""
-        if verdict == "no_progress":
-            span = max(watchdog.progress_span, 1.5 * watchdog._batch.get(name, 0.0))
-            prompt_rate = watchdog.prompt_rate
-            normal = prompt_rate.normal_rate(name) if prompt_rate is not None else None
-            if prompt_rate is not None and normal is not None:
-                # One prompt batch at the normal rate (with the margin): no need to
-                # wait progress_span for a move that should have come long before.
-                step = prompt_rate.margin * _PROMPT_BATCH / normal
-                span = min(span, max(step, 1.5 * watchdog._batch.get(name, 0.0)))
-            if now - self._moved_at < span:
-                verdict = "working"  # not moved yet, within one step of its granularity
-            else:
-                return verdict
-        elif status.progress is not None and self._previous is not None:
-            if self._moved_at > self.start:  # a move after a move: one step of its granularity
-                step = now - self._moved_at
-                if step > watchdog._batch.get(name, 0.0):
-                    watchdog._batch[name] = min(step, watchdog.ceiling)
-            self._moved_at = now
-        end = min(self._cut, self._ceiling_at, self._deadline() or math.inf)
-        done = status.prompt_done
-        if done:
-            self._batches_at_normal_rate(done, now)
-        if done is not None:
-            if self._rate_from is None:
-                self._rate_from = (now, done)
-            else:
-                then, before = self._rate_from
-                if done > before and now > then and end != math.inf:
-                    rate = (done - before) / (now - then)
-                    body = self.req.body if self.req is not None else None
-                    left = estimate_tokens(body or b"") - done
-                    if left > 0 and left / rate > end - now:
-                        return "too_slow"
-        learned = watchdog.learned
-        if learned is not None:
-            normal = learned.normal(name, self.req.body if self.req is not None else None)
-            if normal is not None and now - self.start > watchdog.normal_multiple * normal:
-                return "too_slow"
-        return verdict
-
-    def _batches_at_normal_rate(self, done: int, now: float) -> None:
-        """Our slot's prompt moved (a whole batch at a time) at least as fast as the
-        backend's normal rate allows (its rate over the margin): the expected prefill
-        is measured on this prompt itself, from the rate its batches went at."""
-        rate = self.watchdog.prompt_rate
-        if rate is None or self._prefill_end == math.inf or now <= self.start:
-            return
-        observed = done / (now - self.start)
-        backend = self.attempt.backend if self.attempt is not None else None
-        regime = backend.regime if backend is not None else None
-        if observed * rate.margin < rate.rate_for(self.backend or "", regime):
-            return  # slower than the normal allows: a starved server's batches
-        body = self.req.body if self.req is not None else None
-        total = max(float(done), prompt_tokens(body))
-        self._prefill_end = max(self._prefill_end, self.start + rate.margin * total / observed)
-
-    async def _probe(self, url: str, backend: str, limit: float) -> Status | None:
-        with tracer.start_as_current_span(
-            "tierchain.probe", attributes={ATTR_BACKEND: backend, ATTR_ROUTE: self.route}
-        ) as span:
-            status = await fetch_status_once(
-                self.watchdog.client,
-                url,
-                limit=limit,
-                reader=self.watchdog.reader_for(backend),
-            )
-            if status is not None:
-                span.set_attribute("tierchain.probe.busy", status.busy)
-            return status
 
     def _fire(self, reason: str) -> None:
         self.fired = reason

@@ -1,0 +1,334 @@
+"""Failover's continuation: a committed stream that broke, finished on the next tier.
+
+:func:`continue_stream` decides, after a break, whether the next tier may finish the
+answer (and sets up the :class:`Continuation`); :func:`continuing` makes the attempt's
+responder, a :class:`Continuing`, whose whole events are spliced into the caller's
+stream in the first tier's envelope. The format's rules are in
+:mod:`tierchain.continuation`. See docs/failover.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping
+
+from opentelemetry.trace import INVALID_SPAN, Span
+
+from .._disconnect import DisconnectGuard
+from .._responses import (
+    error_detail,
+    retry_after,
+)
+from .._types import Message, Send
+from ..continuation import Seam, prefill_for, seam
+from ..errors import (
+    AttemptError,
+    CallerStalled,
+    RetryableStatus,
+    StreamError,
+)
+from ..observer import Observer, nothing_sent
+from ..request import (
+    Attempt,
+    TierRequest,
+)
+from ..telemetry import (
+    ATTR_AFTER_CHARS,
+    ATTR_CONTINUES,
+    CONTINUATIONS,
+    labelled,
+    log_event,
+)
+from .attempt import REFUSAL_LIMIT, Owner, Responder
+from .call import attempt_span
+from .plan import named, record
+
+__all__ = ["Continuation", "Continuing", "continue_stream", "continuing"]
+
+_CONTINUE_MIN_LEFT = 1.0  # budget seconds below which a broken stream is not continued
+_TOOLS = frozenset({"tool_calls", "tool_use", "function_call", "server_tool_use"})
+
+
+def continue_stream(
+    continuable: Mapping[str, int],
+    req: TierRequest,
+    attempt: Attempt,
+    wire: str | None,
+    ndjson: bool,
+    sent: list[bytes],
+    error: bytes,
+) -> bool:
+    """After a committed stream broke: set up its continuation on the next tier
+    (True), or say it cannot be (False: the caller gets ``error``).
+
+    Parses the events the caller has (``sent``) once, here, off the healthy path."""
+    route = req.route or ""
+    previous = req.continuation
+    done = previous.done if previous is not None else 0
+    origin = previous.origin if previous is not None else attempt.backend.name
+    if (
+        done >= continuable.get(route, 0)
+        or attempt.n >= len(req.chain)
+        or req.cancel_reason is not None
+        or req.body is None
+    ):
+        req.continuation = None
+        return False
+    target = req.chain[attempt.n]
+    to = target.pool or target.name  # (a pool's replica is picked when it starts)
+    left = req.remaining()
+    why = ""
+    # At least a second of budget left (or half the reserve the watchdog kept, when
+    # that is shorter: a stream it cut at the reserve's point has about the reserve).
+    least = _CONTINUE_MIN_LEFT
+    if attempt.reserve:
+        least = min(least, attempt.reserve / 2)
+    if left is not None and left < least:
+        why = "no_time"
+    elif (target.wire_format or req.wire) != wire:
+        why = "unsupported"  # another wire format: the envelope could not be kept
+    body = previous.body if previous is not None else req.body
+    try:
+        found = seam(wire, origin, b"".join(sent), ndjson=ndjson)
+    except Exception as exc:  # events of a shape no format rule expects
+        found = Seam(origin)
+        found.ok, found.why = False, f"unparsed: {exc!r}"
+    if not why and not found.ok:
+        why = "tool_calls" if found.why in _TOOLS else "unsupported"
+    if not why and found.request(body, prefill=False) is None:
+        why = "unsupported"  # not a JSON body with messages
+    if why:
+        req.continuation = None
+        labelled(CONTINUATIONS, route, origin, to, why).inc()
+        log_event(
+            "dispatch.continuation",
+            level=30,
+            route=route,
+            outcome=why,
+            detail=found.why or None,
+            origin=origin,
+            backend=to,
+        )
+        return False
+    req.continuation = Continuation(found, error, done + 1, origin, sent, body, wire, ndjson)
+    req.emit("continuing", **{"from": origin}, backend=to, after_chars=len(found.text))
+    log_event(
+        "dispatch.continuing",
+        route=route,
+        after_chars=len(found.text),
+        origin=origin,
+        backend=to,
+    )
+    return True
+
+
+def continuing(
+    failover: Owner,
+    req: TierRequest,
+    attempt: Attempt,
+    observer: Observer,
+    send: Send,
+    guard: DisconnectGuard,
+) -> Continuing:
+    """The responder of an attempt that finishes a broken answer: its request is the
+    original one with the partial answer in it."""
+    cont = req.continuation
+    assert cont is not None
+    backend = attempt.backend
+    wire = backend.wire_format or req.wire
+    req.body = cont.seam.request(cont.body, prefill=prefill_for(wire, backend.prefill))
+    span = attempt_span(attempt)
+    if span is not INVALID_SPAN:
+        span.set_attribute(ATTR_CONTINUES, cont.origin)
+        span.set_attribute(ATTR_AFTER_CHARS, len(cont.seam.text))
+    return Continuing(failover, req, attempt, observer, send, guard, span, cont)
+
+
+class Continuation:
+    """A broken stream being finished on a later tier (``TierRequest.continuation``)."""
+
+    __slots__ = ("body", "done", "error", "ndjson", "origin", "seam", "sent", "wire")
+
+    def __init__(
+        self,
+        seam: Seam,
+        error: bytes,
+        done: int,
+        origin: str,
+        sent: list[bytes],
+        body: bytes,
+        wire: str | None,
+        ndjson: bool,
+    ) -> None:
+        self.seam = seam
+        self.error = error  # the original break, in the caller's format
+        self.done = done  # continuations started for this request
+        self.origin = origin  # the backend whose answer is being finished
+        self.sent = sent  # every event the caller has (kept by reference)
+        self.body = body  # the caller's own request
+        self.wire = wire
+        self.ndjson = ndjson
+
+
+class Continuing(Responder):
+    """The ``send`` of an attempt that finishes a broken answer: nothing of its head
+    reaches the caller; its whole events are spliced into the caller's stream
+    (:meth:`~tierchain.continuation.Seam.splice`). Any failure before its first event
+    ends the stream with the original break; a 400 is the backend refusing the
+    continuation (``prefill_rejected``), never the caller's error."""
+
+    __slots__ = ("continuation",)
+
+    def __init__(
+        self,
+        failover: Owner,
+        req: TierRequest,
+        attempt: Attempt,
+        observer: Observer,
+        send: Send,
+        guard: DisconnectGuard,
+        span: Span,
+        continuation: Continuation,
+    ) -> None:
+        super().__init__(failover, req, attempt, observer, send, guard, span)
+        self.continuation = continuation
+
+    def send(self, message: Message) -> Awaitable[None]:
+        if self.req.aborted:
+            return nothing_sent()
+        kind = message["type"]
+        observer = self.observer
+        if kind == "http.response.start":
+            status = int(message["status"])
+            headers = list(message.get("headers", ()))
+            observer.start(status, headers)
+            self.start = message
+            cont = self.continuation
+            same = observer.ndjson if cont.ndjson else observer.sse
+            if status >= 300 or not same:
+                self.refusal = []  # kept for its message; the caller never sees it
+            return nothing_sent()
+        if kind != "http.response.body":
+            return nothing_sent()
+        chunk: bytes = message.get("body", b"")
+        more = bool(message.get("more_body", False))
+        if self.refusal is not None:
+            if chunk and sum(map(len, self.refusal)) < REFUSAL_LIMIT:
+                self.refusal.append(chunk)
+            if not more:
+                observer.end()
+            return nothing_sent()
+        if self.start is None:
+            raise RuntimeError("the inner app sent a body before http.response.start")
+        try:
+            out = observer.body(chunk)
+        except StreamError as exc:
+            self.req.abort(exc)
+            return nothing_sent()
+        seam = self.continuation.seam
+        try:
+            spliced = seam.splice(out) if out else b""
+        except Exception as exc:  # an event of a shape the format's rules do not expect
+            self.req.abort(StreamError(f"could not splice: {exc!r}", reason="malformed_stream"))
+            return nothing_sent()
+        if not more:
+            observer.end()
+            if observer.complete:
+                spliced += seam.finish()
+                self._guard.done = True
+                return self._to_caller(
+                    {"type": "http.response.body", "body": spliced, "more_body": False}
+                )
+        if not spliced:
+            return nothing_sent()
+        if not self.committed:
+            self.committed = True  # the first of its events reaches the caller
+            self.req.emit("generating", **named(self.attempt.backend))
+            self._watch_caller()
+        self.continuation.sent.append(spliced)
+        return self._to_caller({"type": "http.response.body", "body": spliced, "more_body": True})
+
+    def failure(self) -> AttemptError | None:
+        observer = self.observer
+        if self.refusal is not None:
+            status = observer.status
+            detail = error_detail(b"".join(self.refusal))
+            if status == 400:
+                return AttemptError(
+                    f"the backend refused the continuation: {detail}", reason="prefill_rejected"
+                )
+            if status is not None and status >= 300:
+                return RetryableStatus(
+                    status, retry_after=retry_after(observer.headers), detail=detail
+                )
+            return StreamError("the answer was not in the stream's own framing", reason="no_data")
+        if self.start is None:
+            return AttemptError("the handler returned without answering", reason="no_response")
+        if observer.ended and observer.complete:
+            return None
+        if observer.first_data_at is None:
+            return StreamError("the event stream carried no data event", reason="no_data")
+        return StreamError("the stream ended without its terminator", reason="truncated")
+
+    async def conclude(self, error: BaseException | None) -> bool:
+        failover, req, attempt = self._failover, self.req, self.attempt
+        cont = self.continuation
+        if isinstance(error, CallerStalled):
+            await self.caller_stalled(error)  # raises
+        route = attempt.route or ""
+        target = attempt.backend.name
+        observer = self.observer
+        if error is not None and self.refusal is None and self.committed and observer.reached_end():
+            # Every event and the terminator reached the caller; only the transport broke
+            # after (or the final message was already sent): a whole answer.
+            error = None
+            if not self._guard.done:
+                observer.end()
+                self._guard.done = True
+                tail = {"type": "http.response.body", "body": b"", "more_body": False}
+                await self._to_caller(tail)
+        if error is None:
+            req.continuation = None
+            record(req, attempt, "ok")
+            labelled(CONTINUATIONS, route, cont.origin, target, "ok").inc()
+            log_event(
+                "dispatch.continuation",
+                route=route,
+                outcome="ok",
+                after_chars=len(cont.seam.text),
+                added_chars=len(cont.seam.sent_text),
+                origin=cont.origin,
+                backend=target,
+            )
+            return True
+        outcome = self.outcome = error.reason if isinstance(error, AttemptError) else "error"
+        record(req, attempt, outcome)
+        spliced = cont.seam.spliced
+        result = "rejected" if outcome == "prefill_rejected" else "broken" if spliced else "failed"
+        labelled(CONTINUATIONS, route, cont.origin, target, result).inc()
+        log_event(
+            "dispatch.continuation",
+            level=30,
+            route=route,
+            outcome=result,
+            error=repr(error),
+            after_chars=len(cont.seam.text),
+            origin=cont.origin,
+            backend=target,
+        )
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await failover.admission.leave(lease)
+        self.observer.drop_pending()
+        shown = cont.error
+        if spliced:
+            # It broke in its turn, after some of its text reached the caller: that break
+            # is the caller's error now.
+            own = self.observer.error_bytes(
+                f"backend {target!r} failed mid-stream ({outcome})", "upstream_error", outcome
+            )
+            shown = own if own is not None else shown
+        if failover._continue(req, attempt, cont.wire, cont.ndjson, cont.sent, shown):
+            return False  # one more continuation, on the tier after this one
+        self._guard.done = True
+        await self._to_caller({"type": "http.response.body", "body": shown, "more_body": False})
+        return True

@@ -1,0 +1,577 @@
+"""Failover: own the chain, call the inner app once per attempt.
+
+Per request: buffer the body (at most ``max_body``; 413 beyond), resolve the
+route (404 for an unknown model, 400 for a body that cannot name one), apply
+any reorderings that outer layers registered (PreferBackend, pins) while
+refusing any that would drop a backend, then try the chain in order.
+
+Each attempt gets one :class:`~tierchain.observer.Observer`, fed by this
+layer's ``send`` wrapper and read by every layer inside (Breaker,
+SaturationWatchdog) and outside (Budget, Heartbeats). The caller only ever
+receives whole events: an event is passed on once its blank line arrived.
+
+An attempt's ``http.response.start`` is held back until it is worth sending:
+
+- an event stream: until its first complete data event (comments before it
+  are held with it, up to 64 KiB); an NDJSON stream (Ollama's): until its
+  first complete line;
+- any other answer: until it is complete (up to ``hold_limit`` bytes; a larger
+  one streams on from there), so one cut short, stalled or reset fails over
+  without the caller noticing;
+- a retryable status (429, 5xx, Anthropic's 529): never; its ``Retry-After``
+  and message are kept, and the same backend is tried again (a 500, 502, 503
+  or 529 after a short random pause; a ``Retry-After`` within the budget's
+  room waited out once, with a ``retrying`` state line) or the chain advances;
+- a 404 for a routed path: never; the backend does not serve what its route
+  sends it (most often a base URL that ends in ``/v1``), a fault of the backend's
+  configuration, not the caller's answer: the chain advances (outcome
+  ``http_404``, a breaker failure) and ``dispatch.backend_not_found`` names the
+  likely base-URL mistake;
+- a 400 that says the request does not fit the model's context window
+  (:func:`tierchain.wire.context_exceeded`), while a later tier exists: the
+  chain advances with outcome ``context_exceeded``, not a breaker failure.
+  Every other 400 passes straight through.
+
+Until then the attempt may still fail over: on an
+:class:`~tierchain.errors.AttemptError` (raised, or left in
+``TierRequest.attempt_error`` by a layer that knew), any other exception, a
+retryable status, or an event stream that ends with no data event
+(``no_data``). After the first byte has gone to the caller there is no
+failover. A stream that breaks or stalls while a later tier exists is
+*continued* instead (``continuations``): the next tier gets the caller's request
+with the partial answer in it (:mod:`tierchain.continuation`), and its events are
+spliced into the caller's stream in the first tier's envelope
+(:mod:`tierchain.failover.continuing`); if it cannot finish the answer, the caller gets the original
+break. Otherwise a later failure (``stream_broken``, ``truncated``, ``stalled``,
+``malformed_stream``) drops any partial event and ends the stream with an error
+in the request's wire format (:func:`tierchain.wire.error_bytes`: an OpenAI
+error event, an Anthropic ``event: error``, a Responses ``error`` event, an
+NDJSON ``{"error": ...}`` line), and aborts any other body (the server then closes
+the connection, so the caller sees an incomplete response rather than a
+silently short one). Either way it counts against the backend.
+
+When every tier refused with 429 or 503 the caller gets 429 (503 if any tier
+said 503, or a breaker was open for another reason than the backend's own
+``Retry-After``) with the soonest ``Retry-After`` any tier gave and each
+tier's message; otherwise 502 listing every attempt.
+
+
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from opentelemetry.trace import INVALID_SPAN, Status, StatusCode
+
+from .._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
+from .._checks import count, duration
+from .._disconnect import DisconnectGuard, Replay
+from .._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
+from .._runtime import clock
+from .._runtime.interrupt import Interruption
+from .._target import BadTarget, refuse, request_target
+from .._types import ASGIApp, Message, Receive, Scope, Send
+from ..admission import Admission
+from ..backend import Routes
+from ..errors import (
+    BudgetExhausted,
+    ResolveError,
+)
+from ..hedging import Hedging
+from ..keys import caller_name
+from ..observer import Observer
+from ..picker import Picker, PickWeights
+from ..request import (
+    DEFAULT_SEND_TIMEOUT,
+    UNROUTED_KEY,
+    Attempt,
+    TierRequest,
+)
+from ..status import StatusBoard, board_within
+from ..telemetry import (
+    ATTR_OUTCOME,
+    ATTR_ROUTE,
+    start_span,
+)
+from ..waiting import WaitingRoom
+from ..wire import recognise
+from .answers import Refusal, all_failed, gave_up, refuse_route, turned_away
+from .attempt import Responder
+from .call import attempt_span, current, own_abort
+from .continuing import continue_stream, continuing
+from .plan import Fault, Tries, again, next_attempt, record, retry_pause, wait_for_room
+from .pools import PoolPlan, gathered, sibling_left
+from .route import Resolver, ScopeCopy, reordered, route_of
+
+__all__ = ["DEFAULT_RETRY_STATUSES", "DEFAULT_SEND_TIMEOUT", "Failover", "ResolveError", "Resolver"]
+
+DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
+"""Statuses that advance the chain before commit (529: Anthropic's "overloaded")."""
+_WAIT_POLL = 0.25  # how often the first in the waiting room looks again unwoken
+
+
+class Failover:
+    """Own the chain: one call of the inner app per attempt, until one answers.
+
+    ``routes`` maps a logical model to its chain (a :class:`Routes` or a plain
+    mapping). ``resolve(scope, body) -> route`` replaces the default, which
+    reads the OpenAI-compatible JSON body's ``model``. ``retry_statuses`` are
+    the statuses that advance the chain when they arrive before anything was
+    sent. ``hold_limit`` is how large a non-streaming answer may be and still be
+    held until it is whole (larger ones stream on, and can no longer fail over).
+    Every response carries ``x-tierchain-attempts``, the attempt trail.
+
+    ``store`` counts the attempts in flight at each backend that has a
+    ``max_in_flight`` (share one :class:`~tierchain.RedisStore` between
+    replicas to count across them; None counts in this process), with leases
+    that run out after ``lease`` seconds unless renewed. A backend that is full
+    is skipped at once as ``backend_busy`` (never the chain's last tier).
+
+    Only ``POST`` requests whose path starts with one of ``paths`` are routed;
+    anything else (``GET /v1/models``, a health check, an admin page) passes
+    straight through to the inner app with no attempt. Every HTTP request's
+    target is checked first: one that could steer the upstream URL (not a plain
+    path, a ``..`` segment, a backslash, a NUL, also percent-encoded) is answered
+    400 before any routing, and ``paths`` is matched against the normalised path
+    that the Forwarder sends upstream.
+
+    Before that, the caller's head: more than ``max_headers`` header fields or
+    ``max_header_bytes`` of them is answered 431, both ``Content-Length`` and
+    ``Transfer-Encoding`` 400 (see :mod:`tierchain._head`); and a routed
+    request's body must arrive whole within ``body_timeout`` seconds (408
+    otherwise; None: no deadline).
+
+    Once the response has started, a caller that stops reading is the caller's
+    problem: a send to it that is out for longer than ``send_timeout`` seconds
+    (None: no bound) cuts the request with outcome ``caller_stalled``. No error
+    event is written (it would wait on the same caller), the server drops the
+    connection, the attempt's in-flight lease is given back at once, and no
+    breaker counts it against the backend. The final error event after a
+    backend failed mid-stream is bounded the same way, and sent after the lease
+    is given back.
+
+    A :class:`~tierchain.Pool` in a chain: each time the chain reaches it, its
+    replicas are ordered by their live state with the weights ``pick`` (a
+    :class:`~tierchain.picker.PickWeights`; see :mod:`tierchain.picker`), and a
+    replica that fails before commit is followed by the next one, then by the
+    next tier. After a backend that ``shares`` hardware was saturated or busy,
+    the backends of the same group are passed over (outcome ``busy``, reason
+    ``shares``).
+
+    ``retries``: how many times one request may send an attempt again to the
+    same backend after a transient fault before commit (a 500, 502, 503 or
+    529 with no ``Retry-After``, or a reset before the request was written
+    whole (``not_sent``), after a random pause of up to 0.25 s; a 429, 503 or
+    529 whose ``Retry-After`` is at most ``max_retry_wait`` seconds and fits
+    the budget's room, waited out once per request; never a 400, never a reset
+    after the request went out whole: the backend may have read it; a
+    backend's own ``retries`` overrides it); never for a saturation, never
+    past the reserve kept for the later tiers, never while another replica of
+    the same pool is left to try; the last tier too. 0: never.
+    ``max_retry_wait``: the longest ``Retry-After`` waited out so (0: none).
+
+    ``waiting_room``: on a route whose every backend has a ``max_in_flight``
+    or a ``status_url``, a request that finds every one of them full waits at
+    the gateway (see :mod:`tierchain.waiting`), at most ``max_wait`` seconds,
+    first come first served within the band its ``priority_header`` names (one
+    of ``priority_bands``, highest first; None: one band for all). Behind
+    :class:`~tierchain.keys.CallerKeys`, only a key with ``priority`` may name a
+    band above the middle one. At most ``max_waiting`` requests wait (503 with
+    ``Retry-After`` past it), one caller key at most ``waiting_key_share`` of
+    them (429), and a request still waiting after ``max_wait`` gets 503.
+
+    ``continuations``: how many times per request a committed event stream (or
+    NDJSON stream) that broke or stalled may be finished on a later tier,
+    spliced into the caller's stream (see :mod:`tierchain.continuation`); 0:
+    never. A route's own ``Routes(..., continuations=...)`` wins. A stream with
+    a tool call in flight is never continued.
+
+    ``hedge_after``: seconds after which an attempt at a tier that may be hedged
+    (``Backend(hedge=True)``, or a local backend when ``hedge`` is None), with no
+    first data event and no firm verdict from the watchdog, is joined by an attempt at
+    the next tier; the first to produce data wins and the other is cancelled, never
+    counted as a failure (see :mod:`tierchain.hedging`). None or 0: never (the default).
+
+    ``status_board``: the :class:`~tierchain.status.StatusBoard` whose polled
+    statuses order a pool's replicas and tell the waiting room a backend is
+    full (None: the board of the SaturationWatchdog inside ``app``, if any).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        routes: Routes | Mapping[str, Any],
+        max_body: int = 32 * 2**20,
+        resolve: Resolver | None = None,
+        retry_statuses: Collection[int] = DEFAULT_RETRY_STATUSES,
+        paths: Collection[str] = ("/",),
+        hold_limit: int = 16 * 2**20,
+        store: Any = None,
+        lease: float | timedelta = 30.0,
+        max_headers: int = DEFAULT_MAX_HEADERS,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        body_timeout: float | timedelta | None = DEFAULT_BODY_TIMEOUT,
+        send_timeout: float | timedelta | None = DEFAULT_SEND_TIMEOUT,
+        pick: PickWeights | None = None,
+        retries: int = 1,
+        max_retry_wait: float | timedelta = 10.0,
+        waiting_room: bool = False,
+        max_wait: float | timedelta = 30.0,
+        priority_header: str | None = None,
+        priority_bands: Sequence[str] = ("high", "normal", "low"),
+        status_board: StatusBoard | None = None,
+        continuations: int = 1,
+        max_waiting: int = 256,
+        waiting_key_share: float = 0.25,
+        hedge_after: float | timedelta | None = None,
+    ) -> None:
+        self.app = app
+        # [hedge] checked seconds (0 or None: off, the default); the policy only when on
+        self.hedge_after = Hedging.checked(hedge_after)
+        self.hedging = Hedging.build(self.hedge_after)
+        self._head = HeadLimits(max_headers, max_header_bytes)
+        self.body_timeout = timeout_option("body_timeout", body_timeout)
+        self.send_timeout = timeout_option("send_timeout", send_timeout)
+        # Matched against the normalised raw path: routers (a Litestar mount) rewrite
+        # scope["path"], and the Forwarder sends the same normalised path upstream.
+        self.paths = tuple(p.encode() for p in paths)
+        self.routes = routes if isinstance(routes, Routes) else Routes(routes)
+        self.max_body = count("max_body", max_body, minimum=0)
+        self.hold_limit = count("hold_limit", hold_limit, minimum=0)
+        self.resolve = resolve
+        self.retry_statuses = frozenset(retry_statuses)
+        self._known = ", ".join(sorted(self.routes))
+        self.admission = Admission(store, lease=lease)
+        if pick is not None and not isinstance(pick, PickWeights):
+            raise ValueError(f"pick must be a tierchain.picker.PickWeights, got {pick!r}")
+        if status_board is not None and not isinstance(status_board, StatusBoard):
+            raise ValueError(
+                f"status_board must be a tierchain.status.StatusBoard, got {status_board!r}"
+            )
+        # The board of the watchdog this Failover wraps (found once, here), or the one given.
+        self.status_board = status_board if status_board is not None else board_within(app)
+        self.picker = Picker(
+            pick or PickWeights(), admission=self.admission, store=store, board=self.status_board
+        )
+        self.retries = count("retries", retries, minimum=0)
+        self.max_retry_wait = duration("max_retry_wait", max_retry_wait, allow_zero=True)
+        self.max_wait = duration("max_wait", max_wait)
+        self.continuations = count("continuations", continuations, minimum=0)
+        # The routes whose committed streams may be continued on a later tier, and how
+        # often per request (a route's own ``continuations`` in Routes wins).
+        self.continuable = {
+            route: n
+            for route in self.routes
+            if len(self.routes[route]) > 1
+            and (n := self.routes.continuations(route, self.continuations)) > 0
+        }
+        # Routes whose chain holds a pool or a backend that shares hardware: only
+        # their requests take the slower path (a chain of single backends does not).
+        self._special = self.routes.pooled | self.routes.shared
+        self.waiting = (
+            WaitingRoom(
+                bands=priority_bands,
+                max_wait=self.max_wait,
+                poll=_WAIT_POLL,
+                max_waiting=max_waiting,
+                key_share=waiting_key_share,
+            )
+            if waiting_room
+            else None
+        )
+        self._priority = priority_header.lower().encode() if priority_header else None
+        # The routes whose every backend can say it is full: the only ones that wait.
+        self._waitable = (
+            frozenset(
+                r
+                for r, chain in self.routes.items()
+                if all(b.max_in_flight is not None or b.status_url is not None for b in chain)
+            )
+            if waiting_room
+            else frozenset()
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, self._lifespan_send(send))
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refused = self._head.problem(scope)
+        if refused is not None:
+            return await refuse_request(scope, send, *refused)
+        try:
+            target = request_target(scope)
+        except BadTarget as exc:
+            return await refuse(scope, send, exc)
+        if scope["method"] != "POST" or not target.path.startswith(self.paths):
+            scope[UNROUTED_KEY] = True
+            return await self.app(scope, receive, send)
+        req = TierRequest.of(scope)
+        body = await read_or_refuse(scope, receive, send, self.max_body, self.body_timeout)
+        if body is None:
+            return  # answered 413 or 408, or the caller left
+        req.body = body
+        req.send_timeout = self.send_timeout
+        route = route_of(self.resolve, self.routes, self._known, scope, req, body)
+        if isinstance(route, Refusal):
+            return await refuse_route(send, route, target.path)
+        plan = await self._chain(scope, req, route, target.path)
+        await self._serve(scope, receive, send, req, plan)
+
+    async def _chain(
+        self, scope: Scope, req: TierRequest, route: str, path: bytes
+    ) -> PoolPlan | None:
+        """Set the request's route, chain (reordered, pools gathered) and wire format.
+        Returns the plan of a chain with a pool or shared hardware, else None."""
+        chain = self.routes[route]
+        for reorder in req.reorderers:
+            chain = await reordered(route, chain, reorder)
+        req.route = route
+        plan: PoolPlan | None = None
+        if self._special and route in self._special:  # (a pool or shared hardware)
+            chain = gathered(chain)
+            plan = PoolPlan(req, self.picker, (caller_name(scope) or "").encode())
+        req.chain = chain
+        req.in_chain = True
+        req.wire = self.routes.wire_format(route) or recognise(path)
+        return plan
+
+    async def _serve(
+        self, scope: Scope, receive: Receive, send: Send, req: TierRequest, plan: PoolPlan | None
+    ) -> None:
+        """The waiting room, then the chain attempt by attempt, then the final answer; the
+        caller watched for leaving and the request's span around it all."""
+        route = req.route or ""
+        span = start_span("tierchain.request", {ATTR_ROUTE: route})
+        guard = DisconnectGuard(receive)
+        guard.enter()  # (as ``async with guard``, without its two coroutines)
+        req.interruption = Interruption.beside(guard.cut)  # the same task, the same baseline
+        try:
+            if self._waitable and route in self._waitable:
+                assert self.waiting is not None
+                refused = await wait_for_room(
+                    self.waiting, self._priority, self.picker, scope, req, route
+                )
+                if refused is not None:
+                    guard.done = True
+                    return await turned_away(send, req, refused)
+            copies = ScopeCopy(scope)  # the scope itself for the first attempt, copies after
+            chain = req.chain
+            attempt: Attempt | None = Attempt(1, len(chain), chain[0], route, started=clock.now())
+            if plan is not None and chain[0].pool is not None:  # the pool's best replica
+                attempt = await plan.picked(req, Attempt(1, len(chain), chain[0], route))
+            tries: Tries | None = None  # made at the first attempt that did not answer
+            while attempt is not None:
+                answered, attempt, fault = await self._attempt(
+                    req, guard, send, attempt, copies, plan
+                )
+                if answered:
+                    if span is not INVALID_SPAN:
+                        span.set_attribute(ATTR_OUTCOME, "ok")
+                    return
+                if tries is None:
+                    tries = Tries()
+                attempt = await self._after(req, plan, attempt, fault, tries)
+            guard.done = True
+            if req.continuation is not None:
+                # A continuation found no tier to run on: the break is the caller's answer.
+                return await gave_up(req, send)
+            if span is not INVALID_SPAN:
+                span.set_attribute(ATTR_OUTCOME, "all_failed")
+                span.set_status(Status(StatusCode.ERROR, "every backend failed"))
+            await all_failed(req, send, len(req.chain))
+        except asyncio.CancelledError:
+            guard.close()
+            if not guard.caused_cancellation():
+                raise  # not the caller leaving: a budget, a shutdown
+        finally:
+            guard.close()
+            if span is not INVALID_SPAN:
+                span.end()
+
+    async def _attempt(
+        self,
+        req: TierRequest,
+        guard: DisconnectGuard,
+        send: Send,
+        attempt: Attempt,
+        copies: ScopeCopy,
+        plan: PoolPlan | None,
+    ) -> tuple[bool, Attempt, Fault | None]:
+        """One attempt, one call of the inner app: whether the caller has its answer, the
+        attempt the chain goes on after (a hedge's, once one ran) and its fault."""
+        responder = self._begin(req, guard, send, attempt)
+        recorded = len(req.attempts)
+        if plan is not None and attempt.backend.pool is not None:
+            self.picker.started(req.route or "", attempt.backend)
+        try:
+            error: BaseException | None = None
+            try:
+                if attempt.backend.max_in_flight is not None:
+                    responder.lease = await self.admission.enter(
+                        attempt.backend, last=attempt.is_last
+                    )
+                    if self.waiting is not None and self.waiting.waiting(req.route or ""):
+                        self.waiting.notify()  # the room this took is counted now
+                attempt_scope = copies.next()
+                if self.hedging is not None:  # [hedge] a timer for this attempt
+                    self.hedging.arm(self, req, attempt, responder, guard, send, copies)
+                # The attempt's span is current inside, so that the Forwarder (or the
+                # host's own client instrumentation) sends its trace context upstream.
+                inner = self.app(attempt_scope, Replay(req.body or b"", guard), responder.send)
+                if responder.span is INVALID_SPAN:
+                    await inner
+                else:
+                    with current(responder.span):
+                        await inner
+            except asyncio.CancelledError:
+                if not own_abort(req):
+                    raise
+                error = req.attempt_error
+            except Exception as exc:
+                error = exc
+            else:
+                if req.aborted:
+                    own_abort(req)  # the app swallowed our cancellation and returned
+                error = req.attempt_error or responder.failure()
+            race = responder.race
+            if race is None:
+                return await responder.conclude(error), attempt, responder.fault
+            # [hedge] settle the race: the chain goes on after its last attempt
+            answered, attempt = await race.conclude(responder, error)
+            return answered, attempt, responder.fault
+        except BaseException:
+            # Cancelled from outside: the caller left, or a layer such as Budget ended
+            # the request and said why in req.cancel_reason.
+            self._cancelled(req, attempt, responder, recorded)
+            raise
+        finally:
+            # The exception's traceback holds this frame: let go of it, or the two would
+            # wait for the garbage collector together.
+            error = None
+            await self._ended(req, attempt, responder, recorded, plan)
+
+    def _cancelled(
+        self, req: TierRequest, attempt: Attempt, responder: Responder, recorded: int
+    ) -> None:
+        """The attempt was cancelled from outside: record it, unless it already is."""
+        race = responder.race
+        if race is None:
+            unrecorded = len(req.attempts) == recorded
+        else:  # [hedge] the hedge's records are in the same trail
+            unrecorded = race.first_unrecorded(recorded)
+        if unrecorded:
+            responder.outcome = req.cancel_reason or "cancelled"
+            record(req, attempt, responder.outcome)
+
+    async def _ended(
+        self,
+        req: TierRequest,
+        attempt: Attempt,
+        responder: Responder,
+        recorded: int,
+        plan: PoolPlan | None,
+    ) -> None:
+        """The attempt is over: its hedge stopped, its span ended, the picker told, its
+        in-flight lease given back (and the first in the waiting room told)."""
+        race = responder.race
+        if race is not None:  # [hedge] the hedge's task, cancelled and awaited
+            await race.close()
+        lease = responder.end()
+        if plan is not None and attempt.backend.pool is not None:
+            first = responder.observer.first_data_at
+            await plan.ended(req, attempt, responder.outcome, first, recorded)
+        if lease is not None:
+            await self.admission.leave(lease)
+            if self.waiting is not None:
+                self.waiting.notify()  # a lease freed: the first in line looks
+
+    async def _after(
+        self,
+        req: TierRequest,
+        plan: PoolPlan | None,
+        attempt: Attempt,
+        fault: Fault | None,
+        tries: Tries,
+    ) -> Attempt | None:
+        """The attempt after one that did not answer: the same backend again (``retries``),
+        the next replica or tier, or None."""
+        if fault is not None and fault.again:
+            pause = retry_pause(req, attempt, fault, tries, self.retries, self.max_retry_wait)
+            if pause is not None and not (plan is not None and sibling_left(req, attempt)):
+                return await again(req, attempt, fault, pause, tries)
+        if plan is None:
+            return next_attempt(req, attempt)
+        return await plan.next_after(req, attempt, fault)
+
+    def _lifespan_send(self, send: Send) -> Send:
+        async def lifespan_send(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.admission.aclose()
+            await send(message)
+
+        return lifespan_send
+
+    def _begin(
+        self, req: TierRequest, guard: DisconnectGuard, send: Send, attempt: Attempt
+    ) -> Responder:
+        """Set up one attempt: its observer, its state event, its span, its ``send``."""
+        if req.deadline is not None:
+            attempt.deadline = req.deadline
+            if attempt.deadline <= clock.now():
+                raise BudgetExhausted("the request's budget was spent before the next attempt")
+        backend = attempt.backend
+        req.attempt = attempt
+        req.attempt_error = None
+        req.aborted = False
+        observer = req.observer = Observer(
+            attempt.started, stream_end=backend.stream_end, wire=backend.wire_format or req.wire
+        )
+        if backend.pool is None and not attempt.retry:
+            req.emit(
+                "attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime
+            )
+        else:
+            fields: dict[str, Any] = {"pool": backend.pool} if backend.pool is not None else {}
+            if attempt.retry:
+                fields["retry"] = attempt.retry
+            req.emit(
+                "attempt",
+                n=attempt.n,
+                of=attempt.of,
+                backend=backend.name,
+                regime=backend.regime,
+                **fields,
+            )
+        if req.continuation is not None:
+            return continuing(self, req, attempt, observer, send, guard)
+        return Responder(self, req, attempt, observer, send, guard, attempt_span(attempt))
+
+    def _continue(
+        self,
+        req: TierRequest,
+        attempt: Attempt,
+        wire: str | None,
+        ndjson: bool,
+        sent: list[bytes],
+        error: bytes,
+    ) -> bool:
+        """After a committed stream broke: its continuation set up on the next tier
+        (True), or not (False: the caller gets ``error``). See :func:`continue_stream`."""
+        return continue_stream(self.continuable, req, attempt, wire, ndjson, sent, error)
+
+    def _record(
+        self,
+        req: TierRequest,
+        attempt: Attempt,
+        outcome: str,
+        retry_after: float | None = None,
+        detail: str | None = None,
+    ) -> None:
+        """One attempt's record in the trail (the hedge's hook)."""
+        record(req, attempt, outcome, retry_after, detail)

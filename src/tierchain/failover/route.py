@@ -1,0 +1,145 @@
+"""Failover's routing of one request: its route from the body, the reorderings.
+
+The body is read once for its ``model`` (and ``stream``) by the C scanner where it can
+(:func:`route_of`); the reorderers outer layers registered (PreferBackend, pins) are
+applied as permutations only (:func:`reordered`); :class:`ScopeCopy` keeps the scope as
+it came, for the attempts after the first. See docs/failover.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from .. import _json
+from .._types import Scope
+from ..backend import Backend, Routes
+from ..errors import (
+    ResolveError,
+)
+from ..request import (
+    TierRequest,
+)
+from ..telemetry import (
+    log_event,
+)
+from .answers import Refusal
+
+__all__ = ["Resolver", "ScopeCopy", "reordered", "route_of"]
+
+Resolver = Callable[[Scope, bytes], str]
+# The key tuples of the scopes seen (one per shape: server, framework, mounts).
+_SCOPE_SHAPES: dict[tuple[str, ...], tuple[str, ...]] = {}
+_SCOPE_SHAPES_MAX = 256
+# The C scanner, when the json module has it.
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _scan_object(body: bytes) -> dict[str, Any] | None:
+    """The usual body (a UTF-8 JSON object) read by the scanner alone, else None.
+
+    The same parser as ``json.loads`` without its encoding detection and its
+    Python-level wrappers; anything unusual (or wrong) is left to the loader
+    (:mod:`tierchain._json`), which bounds the depth and gives the error message.
+    """
+    if body[:1] != b"{" or not _json.depth_ok(body):
+        return None  # the loader checks the depth of a text with many brackets
+    try:
+        text = body.decode()
+        data, end = _scan(text, 0)
+    except (StopIteration, UnicodeDecodeError, ValueError):
+        return None
+    if end != len(text) and text[end:].strip(" \t\n\r"):
+        return None  # something after the object: the loader says what
+    return data if isinstance(data, dict) else None
+
+
+def _json_body(body: bytes) -> dict[str, Any]:
+    data = _scan_object(body)
+    if data is not None:
+        return data
+    try:
+        data = _json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ResolveError(f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ResolveError("the request body must be a JSON object with a string 'model'")
+    return data
+
+
+def route_of(
+    resolve: Resolver | None,
+    routes: Routes,
+    known: str,
+    scope: Scope,
+    req: TierRequest,
+    body: bytes,
+) -> str | Refusal:
+    """The request's route, or why it has none (the caller's 400 or 404); ``known``: the
+    routes' names, for the 404's message."""
+    try:
+        if resolve is not None:
+            route = resolve(scope, body)
+        else:
+            data = _json_body(body)
+            model = data.get("model")
+            if not isinstance(model, str):
+                raise ResolveError("the request body has no string 'model' to route on")
+            route = model
+            if req.streaming is None:
+                req.streaming = data.get("stream") is True
+    except ResolveError as exc:
+        return Refusal(400, str(exc), "invalid_request_error", "invalid_body")
+    if route not in routes:
+        shown = route if len(route) <= 200 else route[:200] + "..."
+        return Refusal(
+            404,
+            f"no route for model {shown!r}; known routes: {known}",
+            "invalid_request_error",
+            "model_not_found",
+        )
+    return route
+
+
+async def reordered(route: str, chain: tuple[Backend, ...], reorder: Any) -> tuple[Backend, ...]:
+    """``chain`` as ``reorder`` proposes it, if that is a permutation of it (a hint
+    reorders, never filters); else ``chain``."""
+    try:
+        proposed = tuple(await reorder(route, chain))
+    except Exception as exc:  # a hint must never fail a request
+        log_event("request.reorder_failed", error=repr(exc), route=route)
+        return chain
+    if len(proposed) != len(chain) or set(proposed) != set(chain):
+        log_event("request.reorder_refused", route=route, reason="not a permutation")
+        return chain
+    return proposed
+
+
+class ScopeCopy:
+    """The scope as it came, for the attempts after the first: routers (Starlette's Mount,
+    Litestar) rewrite it as they dispatch, and a replay must start from the original. Its
+    values, with its keys kept once for every request of the same shape; calling it makes a
+    fresh copy; :meth:`next` gives the scope itself once, first."""
+
+    __slots__ = ("keys", "scope", "values")
+
+    def __init__(self, scope: Scope) -> None:
+        self.scope: Scope | None = scope
+        keys = tuple(scope)
+        if len(_SCOPE_SHAPES) < _SCOPE_SHAPES_MAX:
+            keys = _SCOPE_SHAPES.setdefault(keys, keys)
+        self.keys = keys
+        self.values = tuple(scope.values())
+
+    def __call__(self) -> Scope:
+        return dict(zip(self.keys, self.values, strict=True))
+
+    def next(self) -> Scope:
+        """The scope itself the first time (the first attempt that calls the app), a
+        fresh copy after."""
+        scope = self.scope
+        if scope is None:
+            return dict(zip(self.keys, self.values, strict=True))
+        self.scope = None
+        return scope
