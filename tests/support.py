@@ -96,7 +96,7 @@ def busy_for(seconds: float) -> None:
     """In an :func:`on_virtual_time` test: the loop is blocked this long (no timer can fire)."""
     from tierchain._runtime import clock
 
-    virtual = clock.now
+    virtual = clock.virtual()
     assert isinstance(virtual, VirtualClock), "busy_for is for on_virtual_time tests"
     virtual.advance(seconds)
 

@@ -101,7 +101,8 @@ def test_two_virtual_time_blocks_closed_out_of_order_leave_the_real_clock_on() -
     one = first.__enter__()
     two = second.__enter__()
     first.__exit__(None, None, None)  # the outer block closes first
-    assert clock.now is two  # the block still open keeps its clock
+    assert clock.now is two.read  # the block still open keeps its clock
+    assert clock.virtual() is two
     second.__exit__(None, None, None)
     assert clock.now is time.monotonic
     assert one is not two
