@@ -16,9 +16,13 @@ def readme_gateway(
     stall_after: float,
     budget: float,
     interval: float,
+    prompt_rate: float | str = "auto",
     **breaker: Any,
 ) -> Any:
-    """The README's FastAPI stack in front of a Forwarder: ``tower``, then ``hosted``."""
+    """The README's FastAPI stack in front of a Forwarder: ``tower``, then ``hosted``.
+
+    ``prompt_rate`` is the watchdog's (0: off, for a tower that must be waited on however
+    long its first token takes)."""
     from fastapi import FastAPI
 
     from tierchain import (
@@ -43,7 +47,12 @@ def readme_gateway(
     )
     app = FastAPI()
     app.mount("/v1", Forwarder(connect_timeout=2.0))
-    app.add_middleware(SaturationWatchdog, slow_after=slow_after, stall_after=stall_after)
+    app.add_middleware(
+        SaturationWatchdog,
+        slow_after=slow_after,
+        stall_after=stall_after,
+        prompt_rate=prompt_rate,
+    )
     app.add_middleware(Breaker, **breaker)
     app.add_middleware(Failover, routes=routes, paths=("/v1/",))
     app.add_middleware(PreferBackend)

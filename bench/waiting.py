@@ -158,6 +158,9 @@ def build(kind: str, tower: str, hosted: str) -> Any:
                     "TIERCHAIN_BUDGET_DEFAULT": "3600",
                     "TIERCHAIN_HEARTBEAT_INTERVAL": os.environ["WAITING_INTERVAL"],
                     "TIERCHAIN_IDENTITY": "off",
+                    # Parked means waited on: no expected-prefill cut, no hedge to hosted.
+                    "TIERCHAIN_WATCHDOG_PROMPT_RATE": "0",
+                    "TIERCHAIN_FAILOVER_HEDGE_AFTER": "none",
                 }
             ),
         )
@@ -171,6 +174,7 @@ def build(kind: str, tower: str, hosted: str) -> Any:
             stall_after=3600.0,
             budget=3600.0,
             interval=float(os.environ["WAITING_INTERVAL"]),
+            prompt_rate=0,  # parked means waited on: no expected-prefill cut
         )
 
     snapshots: list[Any] = []
