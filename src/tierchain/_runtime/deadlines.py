@@ -225,25 +225,24 @@ def schedule(
     delay's FIFO. Pass False for a one-off delay (from a header, a remainder).
     Must be called from a running event loop; returns the deadline to cancel.
     """
-    timers = _TIMERS.last if get_running_loop() is _TIMERS.last_loop else _TIMERS.get()
-    due = clock.now() + delay  # (PerLoop.get's usual path above, inline: a frame less)
+    loop = get_running_loop()  # (PerLoop.get's usual path, inline: a frame less per entry)
+    timers = _TIMERS.last if loop is _TIMERS.last_loop else _TIMERS.get()
+    due = clock.now() + delay
     seq = timers.seq = timers.seq + 1
+    pending = timers.pending
     entry = _new(Deadline)  # (no __init__: see Deadline)
     entry.due = due
     entry.seq = seq
     entry.callback = callback
     entry.context = context
-    entry.pending = pending = timers.pending
+    entry.pending = pending
     pending[seq] = entry
-    if fixed and due >= timers.when:
-        fifo = timers.fifos.get(delay)
-        if fifo is not None:
-            seqs = fifo.seqs
-            if len(seqs) < fifo.limit:
-                fifo.dues.append(due)  # the usual case: a recurring delay, nothing to re-arm
-                seqs.append(seq)
-                return entry
-    timers.add(entry, delay if fixed else None)
+    fifo = timers.fifos.get(delay) if fixed else None
+    if fifo is not None and len(fifo.seqs) < fifo.limit and due >= timers.when:
+        fifo.dues.append(due)  # the usual case: a recurring delay, nothing to re-arm
+        fifo.seqs.append(seq)
+    else:
+        timers.add(entry, delay if fixed else None)
     return entry
 
 
@@ -254,14 +253,16 @@ def schedule_at(
     context of its own. ``lane``: the recurring delay that ``due`` is after a recent
     time (a stream's last output plus its interval): that delay's FIFO holds it while
     entries come in due order; without one (or out of order) it goes into the heap."""
-    timers = _TIMERS.last if get_running_loop() is _TIMERS.last_loop else _TIMERS.get()
-    seq = timers.seq = timers.seq + 1  # (PerLoop.get's usual path above, inline)
+    loop = get_running_loop()  # (PerLoop.get's usual path, inline: a frame less per entry)
+    timers = _TIMERS.last if loop is _TIMERS.last_loop else _TIMERS.get()
+    seq = timers.seq = timers.seq + 1
+    pending = timers.pending
     entry = _new(Deadline)  # (no __init__: see Deadline)
     entry.due = due
     entry.seq = seq
     entry.callback = callback
     entry.context = None
-    entry.pending = pending = timers.pending
+    entry.pending = pending
     pending[seq] = entry
     if lane is not None:
         fifo = timers.fifos.get(lane)
@@ -269,7 +270,7 @@ def schedule_at(
             dues = fifo.dues
             if dues and dues[-1] > due:
                 lane = None  # out of order
-            elif due >= timers.when and len(dues) < fifo.limit:
+            elif len(dues) < fifo.limit and due >= timers.when:
                 dues.append(due)  # the usual case, as in schedule()
                 fifo.seqs.append(seq)
                 return entry
