@@ -213,3 +213,32 @@ async def test_the_lag_monitor_ticks_on_the_scheduler_and_sees_a_blocked_loop():
     assert lag.lag_since(now() - lag.PERIOD) == pytest.approx(0.0, abs=1e-9)  # on time again
     timers = _deadlines._TIMERS.get()
     assert any(e.callback == lag._MONITORS.get()._tick for e in timers.pending.values())
+
+
+@on_virtual_time
+async def test_the_lag_monitor_ticks_only_while_a_connection_set_up_holds_it():
+    from tierchain._runtime import lag
+
+    def ticking() -> bool:
+        timers = _deadlines._TIMERS.get()
+        return any(e.callback == lag._MONITORS.get()._tick for e in timers.pending.values())
+
+    start = now()
+    lag.hold()
+    lag.hold()  # two set-ups under way
+    assert ticking()
+    await asyncio.sleep(2.5 * lag.PERIOD)
+    lag.release()
+    busy_for(3 * lag.PERIOD)  # the one still held sees the loop run late
+    # The tick due at 3 periods is overdue at 5.5.
+    assert lag.lag_since(start) == pytest.approx(2.5 * lag.PERIOD, abs=1e-9)
+    lag.release()  # none held: the next tick is the last
+    await asyncio.sleep(0)
+    await asyncio.sleep(2 * lag.PERIOD)
+    assert not ticking()
+    busy_for(10 * lag.PERIOD)  # stopped: no tick is overdue, and what was seen is kept
+    assert lag.lag_since(start) == pytest.approx(2.5 * lag.PERIOD, abs=1e-9)
+    assert lag.lag_since(now()) == 0.0
+    lag.hold()  # a new set-up starts the ticks again
+    assert ticking()
+    lag.release()

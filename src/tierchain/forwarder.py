@@ -52,9 +52,8 @@ from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from ._responses import send_json_error
 from ._runtime import clock, deadlines
+from ._runtime import lag as loop_lag
 from ._runtime.deadlines import EARLY
-from ._runtime.lag import lag_since
-from ._runtime.lag import watch as watch_lag
 from ._target import BadTarget, Target, refuse, request_target, upstream_url
 from ._types import Headers, Receive, Scope, Send
 from .backend import Backend
@@ -321,7 +320,7 @@ class Forwarder:
         if isinstance(exc, (httpx.ConnectTimeout, TimeoutError)):
             # The gateway's own slowness is not the backend's failure: a deadline spent
             # waiting for a pooled connection, or while the event loop ran late.
-            lag = lag_since(setup.window)
+            lag = loop_lag.lag_since(setup.window)
             if not setup.connecting:
                 reason, ours = "pool_timeout", True
             else:
@@ -476,10 +475,11 @@ class _Setup:
     the backend gets a fresh window (at most ``_EXTENSIONS`` of them).
     """
 
-    __slots__ = ("check", "connecting", "extended", "timeout", "timer", "window")
+    __slots__ = ("check", "connecting", "extended", "held", "timeout", "timer", "window")
 
     def __init__(self, timeout: float) -> None:
-        watch_lag()
+        loop_lag.hold()  # the loop's lag is measured while a set-up is under way
+        self.held = True
         self.timeout = timeout
         self.timer = asyncio.timeout(timeout)
         self.connecting = False  # a connection attempt started (not a wait for a pooled one)
@@ -489,7 +489,7 @@ class _Setup:
 
     def patience(self) -> None:
         timeout = self.timeout
-        if lag_since(self.window) >= timeout * _LAG_SHARE and self.extended < _EXTENSIONS:
+        if loop_lag.lag_since(self.window) >= timeout * _LAG_SHARE and self.extended < _EXTENSIONS:
             self.extended += 1
             self.window = clock.now()
             self.timer.reschedule(asyncio.get_running_loop().time() + timeout)
@@ -510,6 +510,9 @@ class _Setup:
         if check is not None:
             self.check = None
             deadlines.cancel(check)
+        if self.held:
+            self.held = False
+            loop_lag.release()
 
 
 def _leave_cause(scope: Scope, error: BackendUnavailable) -> None:
