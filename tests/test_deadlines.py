@@ -8,6 +8,7 @@ import gc
 import inspect
 import time
 import weakref
+from collections.abc import Callable
 
 import pytest
 
@@ -242,3 +243,36 @@ async def test_the_lag_monitor_ticks_only_while_a_connection_set_up_holds_it():
     lag.hold()  # a new set-up starts the ticks again
     assert ticking()
     lag.release()
+
+
+@on_virtual_time
+async def test_a_loose_lane_joins_a_wake_made_anyway_and_alone_fires_on_time():
+    fired: list[tuple[str, float]] = []
+
+    def note(name: str) -> Callable[[], None]:
+        return lambda: fired.append((name, now()))
+
+    start = now()
+    lane, slack = 10.0, 0.2
+    # Alone: at its own time, not earlier.
+    _deadlines.schedule_at(start + lane, note("alone"), lane=lane, slack=slack)
+    await asyncio.sleep(lane + 1)
+    assert fired == [("alone", pytest.approx(start + lane))]
+    # Two loose entries within the slack of the first: one wake calls all three (the
+    # later two early); one beyond the slack gets a wake of its own, on time.
+    fired.clear()
+    t = now()
+    _deadlines.schedule_at(t + 1.0, note("first"), lane=lane, slack=slack)
+    _deadlines.schedule_at(t + 1.1, note("early"), lane=lane, slack=slack)
+    _deadlines.schedule_at(t + 1.2, note("edge"), lane=lane, slack=slack)
+    _deadlines.schedule_at(t + 1.5, note("own"), lane=lane, slack=slack)
+    # A plain entry of the same delay is no part of the loose lane.
+    _deadlines.schedule_at(t + 1.05, note("strict"), lane=1.05)
+    await asyncio.sleep(2)
+    assert fired == [
+        ("first", pytest.approx(t + 1.0)),
+        ("early", pytest.approx(t + 1.0)),
+        ("edge", pytest.approx(t + 1.0)),
+        ("strict", pytest.approx(t + 1.05)),
+        ("own", pytest.approx(t + 1.5)),
+    ]

@@ -25,10 +25,14 @@ generation, whose full passes then cost every request. A cancelled entry's
 numbers are dropped when they come up, or when their queue is compacted.
 
 One tolerance: a wake calls what falls due within ``EARLY`` of it, so entries
-due close together are called in one wake (thousands of keepalives spread over
-an interval wake the loop at most about once per ``EARLY``). A callback that
-asks whether its time has come compares with the same tolerance: ``EARLY``,
-from here, is the package's only one.
+due close together are called in one wake. A callback that asks whether its
+time has come compares with the same tolerance: ``EARLY``, from here, is the
+package's only one. A lane may also be *loose* (``slack``): an entry of it that
+falls due within its slack of a wake the loop makes anyway is called at that
+wake, early, and the timer is never armed for it sooner than its own time.
+Heartbeats' keepalives are such a lane: a thousand parked streams' keepalives,
+spread over an interval, then share a few wakes a second instead of one each,
+and a lone stream's keepalive still goes out on time.
 """
 
 from __future__ import annotations
@@ -88,12 +92,13 @@ class Fifo:
     those once the queue has doubled since it was last compacted.
     """
 
-    __slots__ = ("dues", "limit", "seqs")
+    __slots__ = ("dues", "limit", "seqs", "slack")
 
-    def __init__(self) -> None:
+    def __init__(self, slack: float = 0.0) -> None:
         self.dues: deque[float] = deque()
         self.seqs: deque[int] = deque()
         self.limit = _COMPACT_AT
+        self.slack = slack  # a loose lane's: called this much early at a wake made anyway
 
     def push(self, due: float, seq: int, pending: Mapping[int, object]) -> None:
         """Queue ``seq`` at ``due`` (not before the last queued)."""
@@ -126,11 +131,22 @@ class Fifo:
 
 
 class _Timers:
-    __slots__ = ("fifos", "handle", "heap", "heap_limit", "loop", "pending", "seq", "when")
+    __slots__ = (
+        "fifos",
+        "handle",
+        "heap",
+        "heap_limit",
+        "loop",
+        "loose",
+        "pending",
+        "seq",
+        "when",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.fifos: dict[float, Fifo] = {}
+        self.loose: dict[float, Fifo] = {}  # loose lanes (a slack), by delay
         self.heap: list[tuple[float, int]] = []  # one-off delays: (due, seq)
         self.heap_limit = _COMPACT_AT
         self.pending: dict[int, Deadline] = {}
@@ -138,7 +154,7 @@ class _Timers:
         self.when = math.inf
         self.seq = 0
 
-    def add(self, entry: Deadline, delay: float | None) -> None:
+    def add(self, entry: Deadline, delay: float | None, slack: float = 0.0) -> None:
         due, seq = entry.due, entry.seq
         pending = self.pending
         if delay is None:
@@ -149,9 +165,10 @@ class _Timers:
                 heapq.heapify(heap)
                 self.heap_limit = max(_COMPACT_AT, 2 * len(heap))
         else:
-            fifo = self.fifos.get(delay)
+            lanes = self.loose if slack else self.fifos
+            fifo = lanes.get(delay)
             if fifo is None:
-                fifo = self.fifos[delay] = Fifo()
+                fifo = lanes[delay] = Fifo(slack)
             fifo.push(due, seq, pending)
         if due < self.when:
             self._arm(due)
@@ -174,6 +191,11 @@ class _Timers:
         ready: list[Deadline] = []
         for fifo in self.fifos.values():
             for seq in fifo.pop_due(upto):
+                entry = pending.pop(seq, None)
+                if entry is not None:
+                    ready.append(entry)
+        for fifo in self.loose.values():
+            for seq in fifo.pop_due(upto + fifo.slack):
                 entry = pending.pop(seq, None)
                 if entry is not None:
                     ready.append(entry)
@@ -201,6 +223,8 @@ class _Timers:
         nxt = math.inf
         for fifo in self.fifos.values():
             nxt = min(nxt, fifo.next_due(pending))  # (cancelled heads: no need to wake)
+        for fifo in self.loose.values():
+            nxt = min(nxt, fifo.next_due(pending))  # (its own time: never early for it)
         while heap and heap[0][1] not in pending:
             heapq.heappop(heap)
         if heap and heap[0][0] < nxt:
@@ -247,12 +271,18 @@ def schedule(
 
 
 def schedule_at(
-    due: float, callback: Callable[[], object], *, lane: float | None = None
+    due: float,
+    callback: Callable[[], object],
+    *,
+    lane: float | None = None,
+    slack: float = 0.0,
 ) -> Deadline:
     """Call ``callback`` at ``due`` (monotonic seconds, :func:`clock.now`'s), with no
     context of its own. ``lane``: the recurring delay that ``due`` is after a recent
     time (a stream's last output plus its interval): that delay's FIFO holds it while
-    entries come in due order; without one (or out of order) it goes into the heap."""
+    entries come in due order; without one (or out of order) it goes into the heap.
+    ``slack`` (with a ``lane``; one slack per lane): the lane is loose, and the entry
+    may be called up to ``slack`` early at a wake the loop makes for another entry."""
     loop = get_running_loop()  # (PerLoop.get's usual path, inline: a frame less per entry)
     timers = _TIMERS.last if loop is _TIMERS.last_loop else _TIMERS.get()
     seq = timers.seq = timers.seq + 1
@@ -265,7 +295,7 @@ def schedule_at(
     entry.pending = pending
     pending[seq] = entry
     if lane is not None:
-        fifo = timers.fifos.get(lane)
+        fifo = (timers.loose if slack else timers.fifos).get(lane)
         if fifo is not None:
             dues = fifo.dues
             if dues and dues[-1] > due:
@@ -274,7 +304,7 @@ def schedule_at(
                 dues.append(due)  # the usual case, as in schedule()
                 fifo.seqs.append(seq)
                 return entry
-    timers.add(entry, lane)
+    timers.add(entry, lane, slack if lane is not None else 0.0)
     return entry
 
 
