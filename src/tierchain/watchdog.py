@@ -318,20 +318,12 @@ class SaturationWatchdog:
                 room = check_room(self, attempt.backend.name, board_url)
                 if room is not None:
                     await room
-        watch = self._watch(req, attempt)
-        if watch is not None and watch._cut <= watch.start:
-            # The reserve's point has already passed: the attempt cannot start (a later
-            # tier of a long chain after the earlier ones took their time).
-            name = attempt.backend.name if attempt is not None else ""
-            raise BackendBusy(
-                f"no time left for backend {name!r} before the reserve", why="reserve"
-            )
+        watch = self._watch(req, attempt, send)
         # The attempt, in this frame (a waiting stream holds one frame of ours).
         try:
             if watch is None:
                 await self.app(scope, receive, send)
                 return
-            watch.begin(send)
             try:
                 if watch.own:  # alone: judged by the request's own wire format
                     watch.observer.wire = recognise(scope.get("path", ""))
@@ -360,8 +352,13 @@ class SaturationWatchdog:
                     # Our own prefill was cut: the server finishes its prompt batch first.
                     self.board.cut(board_url, self.progress_span)
 
-    def _watch(self, req: TierRequest | None, attempt: Attempt | None) -> _Watch | None:
-        """The attempt's watch, or None when there is nothing to time."""
+    def _watch(
+        self, req: TierRequest | None, attempt: Attempt | None, send: Send | None = None
+    ) -> _Watch | None:
+        """The attempt's watch, or None when there is nothing to time. With ``send``, it
+        starts timing the attempt (its task is the one the timer may interrupt) from
+        whichever point comes first (the same delay for most attempts), or raises
+        BackendBusy when the reserve's point has already passed."""
         learned = False
         body = req.body if req is not None else None
         ceiling = self.ceiling
@@ -427,11 +424,11 @@ class SaturationWatchdog:
         watch.observer = shared if shared is not None else Observer()
         watch.start = start = clock.now()
         watch.fired = None
-        watch._ceiling_at = start + ceiling
-        watch._window_end = start + window if window > 0 else math.inf
-        watch._prefill_end = start + prefill
+        ceiling_at = watch._ceiling_at = start + ceiling
+        window_end = watch._window_end = start + window if window > 0 else math.inf
+        prefill_end = watch._prefill_end = start + prefill
         watch._prompt_due = False
-        watch._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
+        cut = watch._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
         watch._cut_passed = False
         watch._progress = None
         watch._slow_logged = False
@@ -439,6 +436,39 @@ class SaturationWatchdog:
         watch._prober = None
         if reserve > 0 and tracing_enabled():
             trace.get_current_span().set_attribute("tierchain.reserve_s", round(reserve, 3))
+        if send is None:
+            return watch
+        if cut <= start:
+            # A later tier of a long chain, after the earlier ones took their time.
+            name = attempt.backend.name if attempt is not None else ""
+            raise BackendBusy(
+                f"no time left for backend {name!r} before the reserve", why="reserve"
+            )
+        watch._send = send
+        interruption = watch.cut = Interruption()
+        interruption.arm()
+        watch.observer.on_first_data.append(watch._first_data)
+        # watch._due(), inline
+        due = min(ceiling_at, cut, prefill_end)
+        if window_end < due:
+            due = window_end
+        if due == math.inf or (deadline is not None and due >= deadline):
+            return watch
+        if due == window_end:
+            delay = window
+            # A computed window varies by request: not a recurring delay (a learned one
+            # recurs: one of the sketch's bucket edges times the margin).
+            fixed = not callable(slow_after)
+        elif due == ceiling_at:
+            delay, fixed = ceiling, True
+        elif due == prefill_end and self.prompt_rate is not None:
+            delay = due - start  # (the watch starts as it is armed)
+            fixed = self.prompt_rate.recurs(delay)
+        else:
+            delay, fixed = max(0.0, due - clock.now()), False
+        watch._handle = deadlines.schedule(  # watch._arm, inline
+            delay, watch._expired, context=contextvars.copy_context(), fixed=fixed
+        )
         return watch
 
     def _lifespan_send(self, send: Send) -> Send:
@@ -532,40 +562,6 @@ class _Watch:
         return (self.attempt.route if self.attempt is not None else None) or ""
 
     # -- the attempt -------------------------------------------------------
-
-    def begin(self, send: Send) -> None:
-        """Start timing the attempt (its task is the one the timer may interrupt): arm
-        the first window (or whichever point comes first: the same delay for most)."""
-        self._send = send
-        cut = self.cut = Interruption()
-        cut.arm()
-        self.observer.on_first_data.append(self._first_data)
-        # self._due(), inline (every attempt asks)
-        due = min(self._ceiling_at, self._cut, self._prefill_end)
-        if self._window_end < due:
-            due = self._window_end
-        attempt = self.attempt
-        deadline = attempt.deadline if attempt is not None else None
-        if deadline is None and self.req is not None:
-            deadline = self.req.deadline
-        if due == math.inf or (deadline is not None and due >= deadline):
-            return
-        watchdog = self.watchdog
-        if due == self._window_end:
-            delay = self.window
-            # A computed window varies by request: not a recurring delay (a learned one
-            # recurs: one of the sketch's bucket edges times the margin).
-            fixed = not callable(watchdog.slow_after)
-        elif due == self._ceiling_at:
-            delay, fixed = watchdog.ceiling, True
-        elif due == self._prefill_end and watchdog.prompt_rate is not None:
-            delay = due - self.start  # (the watch starts as it is armed)
-            fixed = watchdog.prompt_rate.recurs(delay)
-        else:
-            delay, fixed = max(0.0, due - clock.now()), False
-        self._handle = deadlines.schedule(  # self._arm, inline
-            delay, self._expired, context=contextvars.copy_context(), fixed=fixed
-        )
 
     def end(self) -> asyncio.Task[None] | None:
         """The attempt is over: stop timing. Returns a cancelled probe to wait for."""
