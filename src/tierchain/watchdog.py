@@ -342,8 +342,18 @@ class SaturationWatchdog:
                 else:
                     watch.learn()
             finally:
-                prober = watch.end()
+                # Over: stop timing. Our callback out of the observer, which outlives the
+                # attempt (and a cycle between the two would wait for the garbage collector).
+                try:
+                    watch.observer.on_first_data.remove(watch._first_data)
+                except ValueError:
+                    pass
+                if watch._handle is not None:
+                    deadlines.cancel(watch._handle)
+                    watch._handle = None
+                prober = watch._prober
                 if prober is not None:
+                    prober.cancel()
                     await asyncio.wait([prober])
         finally:
             if board_url is not None and self.board is not None:
@@ -365,9 +375,10 @@ class SaturationWatchdog:
         slow_after = self.slow_after
         if self.learned is not None and attempt is not None:
             window, learned = self.learned.window(attempt.backend.name, body)
-            window = min(window, ceiling)
+            if ceiling < window:  # (min(), as a comparison: no call; so below)
+                window = ceiling
         elif not callable(slow_after):
-            window = min(slow_after, ceiling)  # (0 when off)
+            window = ceiling if ceiling < slow_after else slow_after  # (0 when off)
         else:
             window = self.window(body)
         stall = self.stall_after
@@ -398,8 +409,8 @@ class SaturationWatchdog:
                         later, learned_later = self.learned.window(req.chain[attempt.n].name, body)
                         if learned_later:
                             reserve = max(reserve, later)
-                    if req.budget is not None:
-                        reserve = min(reserve, req.budget * _RESERVE_SHARE)
+                    if req.budget is not None and req.budget * _RESERVE_SHARE < reserve:
+                        reserve = req.budget * _RESERVE_SHARE
                     attempt.reserve = reserve
                 rate = self.prompt_rate
                 # The first token's time at the backend's normal prompt rate (with the
@@ -449,7 +460,9 @@ class SaturationWatchdog:
         interruption.arm()
         watch.observer.on_first_data.append(watch._first_data)
         # watch._due(), inline
-        due = min(ceiling_at, cut, prefill_end)
+        due = cut if cut < ceiling_at else ceiling_at
+        if prefill_end < due:
+            due = prefill_end
         if window_end < due:
             due = window_end
         if due == math.inf or (deadline is not None and due >= deadline):
@@ -562,22 +575,6 @@ class _Watch:
         return (self.attempt.route if self.attempt is not None else None) or ""
 
     # -- the attempt -------------------------------------------------------
-
-    def end(self) -> asyncio.Task[None] | None:
-        """The attempt is over: stop timing. Returns a cancelled probe to wait for."""
-        # Our callback out of the observer, which outlives the attempt (and a
-        # cycle between the two would wait for the garbage collector).
-        try:
-            self.observer.on_first_data.remove(self._first_data)
-        except ValueError:
-            pass
-        if self._handle is not None:
-            deadlines.cancel(self._handle)
-            self._handle = None
-        prober = self._prober
-        if prober is not None:
-            prober.cancel()
-        return prober
 
     def learn(self) -> None:
         """A successful attempt teaches the learned normals: its time to first data
