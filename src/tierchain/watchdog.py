@@ -327,9 +327,7 @@ class SaturationWatchdog:
             try:
                 if watch.own:  # alone: judged by the request's own wire format
                     watch.observer.wire = recognise(scope.get("path", ""))
-                    await self.app(scope, receive, watch.send)
-                else:
-                    await self.app(scope, receive, send)
+                await self.app(scope, receive, watch.send if watch.own else send)
             except asyncio.CancelledError:
                 if not watch.cut.ours():
                     if watch.fired is None:
@@ -449,12 +447,9 @@ class SaturationWatchdog:
             trace.get_current_span().set_attribute("tierchain.reserve_s", round(reserve, 3))
         if send is None:
             return watch
-        if cut <= start:
-            # A later tier of a long chain, after the earlier ones took their time.
-            name = attempt.backend.name if attempt is not None else ""
-            raise BackendBusy(
-                f"no time left for backend {name!r} before the reserve", why="reserve"
-            )
+        if cut <= start:  # a later tier of a long chain, after the earlier ones took their time
+            why = f"no time left for backend {watch.backend!r} before the reserve"
+            raise BackendBusy(why, why="reserve")
         watch._send = send
         interruption = watch.cut = Interruption()
         interruption.arm()
@@ -540,14 +535,11 @@ class _Watch:
     req: TierRequest | None
     attempt: Attempt | None
     last: bool
-    learned: bool
-    """The window was learned (two saturations in a row under it forget it)."""
+    learned: bool  # the window was learned (two saturations under it forget it)
     window: float
     stall: float
     reserve: float
-    own: bool
-    """Alone: the observer is ours. Inside a Failover a non-streaming answer is held
-    until whole: its window covers the whole answer, not its first bytes."""
+    own: bool  # alone; inside a Failover a non-streaming answer is held until whole
     observer: Observer
     start: float
     fired: str | None
@@ -556,10 +548,8 @@ class _Watch:
     _prefill_end: float
     _prompt_due: bool
     _cut: float
-    _cut_passed: bool
-    """A committed stream's reserve point passed (or cut it)."""
-    _progress: Progress | None
-    """The status conversation, once asked."""
+    _cut_passed: bool  # a committed stream's reserve point passed (or cut it)
+    _progress: Progress | None  # the status conversation, once asked
     _slow_logged: bool
     _send: Send
     cut: Interruption
@@ -642,7 +632,6 @@ class _Watch:
 
     def send(self, message: Message) -> Awaitable[None]:
         """Alone: feed the watchdog's own observer and pass on whole events."""
-        assert self._send is not None
         observer = self.observer
         kind = message["type"]
         if kind == "http.response.body":
@@ -784,7 +773,8 @@ class _Watch:
                 return
             last = self._quiet_since()
             if self.stall > 0 and not observer.ended and now >= last + self.stall - EARLY:
-                self._stalled(now - last)
+                self._log_stall(now - last)
+                self._fire("stalled")
             else:
                 self._schedule()  # data arrived since: wait for the new gap
             return
@@ -796,7 +786,11 @@ class _Watch:
             return
         if now >= self._prefill_end - EARLY:
             if self.req is None or self.req.streaming is not False:
-                self._too_slow(now)
+                # The expected prefill at the backend's normal prompt rate is over, with
+                # no first token: too slow, whatever a status says.
+                if self.attempt is not None:
+                    self.attempt.verdict = "too_slow"
+                self._fire("too_slow")
                 return
             # A held answer has no first token to wait for: its status says whether a
             # slot still reads a prompt (too slow) or the answer is being written.
@@ -835,17 +829,6 @@ class _Watch:
         if due != math.inf:
             self._arm(max(0.0, due - now), fixed=False)
 
-    def _too_slow(self, now: float) -> None:
-        """The expected prefill at the backend's normal prompt rate is over, with no
-        first token: ``too_slow``, whatever a status says."""
-        if self.attempt is not None:
-            self.attempt.verdict = "too_slow"
-        self._fire("too_slow")
-
-    def _stalled(self, gap: float) -> None:
-        self._log_stall(gap)
-        self._fire("stalled")
-
     def _log_stall(self, gap: float) -> None:
         log_event(
             "dispatch.backend_stalled",
@@ -883,12 +866,7 @@ class _Watch:
         streaming = self.req is None or self.req.streaming is not False
         prompt_due, self._prompt_due = self._prompt_due, False
         verdict, self._prefill_end = progress.verdict(
-            status,
-            now,
-            self._end(),
-            self._prefill_end,
-            streaming=streaming,
-            prompt_due=prompt_due,
+            status, now, self._end(), self._prefill_end, streaming=streaming, prompt_due=prompt_due
         )
         labelled(PROBE_ANSWERS, backend.name, verdict).inc()
         self.attempt.verdict = verdict
@@ -914,12 +892,8 @@ class _Watch:
                 reserve_s=round(self.reserve, 3) if self.reserve else None,
             )
             if self.req is not None:
-                if backend.pool is None:
-                    self.req.emit("still_working", backend=backend.name, elapsed_s=elapsed)
-                else:
-                    self.req.emit(
-                        "still_working", backend=backend.name, pool=backend.pool, elapsed_s=elapsed
-                    )
+                pool = {"pool": backend.pool} if backend.pool is not None else {}
+                self.req.emit("still_working", backend=backend.name, **pool, elapsed_s=elapsed)
             self._schedule()
             return
         self._fire("probe_unknown" if verdict == "unknown" else verdict)
@@ -942,11 +916,11 @@ class _Watch:
         trace.get_current_span().add_event(
             "tierchain.backend_slow", {ATTR_BACKEND: self.backend or "", "waited_s": waited}
         )
-        if self.req is not None and self.backend is not None:
-            pool = self.attempt.backend.pool if self.attempt is not None else None
-            named: dict[str, Any] = {"backend": self.backend}
-            if pool is not None:
-                named["pool"] = pool
+        if self.req is not None and self.attempt is not None:
+            backend = self.attempt.backend
+            named: dict[str, Any] = {"backend": backend.name}
+            if backend.pool is not None:
+                named["pool"] = backend.pool
             self.req.emit("backend_slow", **named, waited_s=waited, failing_over=False)
 
     # -- the verdict -------------------------------------------------------
