@@ -140,7 +140,11 @@ class Learned:
 
     def observe(self, backend: str, body: bytes | None, first_data_s: float) -> None:
         """One successful attempt's time to its first data event."""
-        normal = self._normal(backend, bucket_of(body))
+        # bucket_of(body) and self._normal, inline as in window() (every success teaches)
+        bucket = BUCKETS[0] if len(body or b"") / 4 < _LIMITS[0] else bucket_of(body)
+        normal = self._normals.get((backend, bucket))
+        if normal is None:
+            normal = self._normal(backend, bucket)
         normal.sketch.add(first_data_s)
         normal.saturated = 0
         normal.fresh += 1
@@ -297,7 +301,8 @@ class PromptRate:
             overhead = 0.0
             if known is not None and known.overhead.n >= self.min_samples:
                 overhead = known.overhead.high()
-            return max(least, self.margin * (overhead + tokens / rate)), False
+            limit = self.margin * (overhead + tokens / rate)
+            return (limit if limit > least else least), False  # (max(), with no call)
         overhead = known.overhead.high() if known.overhead.n >= self.min_samples else 0.0
         return max(self.floor, self.margin * (overhead + tokens / known.rate.low())), True
 

@@ -42,17 +42,15 @@ class LogSketch:
         self.count = 0
         """Samples added since the last reset (not faded)."""
 
-    def _index(self, value: float) -> int:
-        if value <= self._lo:
-            return 0
-        i = int(math.log(value / self._lo) / self._growth_log)
-        return min(i, len(self._counts) - 1)
-
     def add(self, value: float) -> None:
         """Add one sample (seconds, or any positive value)."""
         if not math.isfinite(value) or value < 0:
             return
-        self._counts[self._index(value)] += self._weight
+        # the bucket index, inline (a sample per successful attempt)
+        lo = self._lo
+        counts = self._counts
+        i = 0 if value <= lo else int(math.log(value / lo) / self._growth_log)
+        counts[i if i < len(counts) else len(counts) - 1] += self._weight
         self.count += 1
         self._weight *= self._step
         if self._weight > 1e100:  # rescale before the weights overflow

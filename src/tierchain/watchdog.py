@@ -95,7 +95,7 @@ from .learned import Learned, LearnedGap, PromptRate
 from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, auto_reader
 from .progress import Progress, check_room
-from .request import UNROUTED_KEY, Attempt, TierRequest
+from .request import SCOPE_KEY, UNROUTED_KEY, Attempt, TierRequest
 from .status import Fullness, StatusBoard
 from .telemetry import (
     ATTR_BACKEND,
@@ -124,6 +124,7 @@ def _prompt_rate(value: float | str | PromptRate, margin: float) -> PromptRate |
     return PromptRate(margin=margin, rate=float(value)) if value > 0 else None
 
 
+_new = object.__new__
 _RESERVE_SHARE = 0.5  # a reserve never takes more than this share of the whole budget
 _SILENT = 5.0  # a committed stream silent this long (or its stall window) when the budget ends it
 
@@ -304,11 +305,11 @@ class SaturationWatchdog:
         return min(value, self.ceiling)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            return await self.app(scope, receive, self._lifespan_send(send))
         if scope["type"] != "http" or UNROUTED_KEY in scope:
+            if scope["type"] == "lifespan":
+                return await self.app(scope, receive, self._lifespan_send(send))
             return await self.app(scope, receive, send)
-        req = TierRequest.find(scope)
+        req: TierRequest | None = scope.get(SCOPE_KEY)  # (TierRequest.find, inline)
         attempt = req.attempt if req is not None else None
         board_url = None
         if self.board is not None and attempt is not None and attempt.backend.status_url:
@@ -317,21 +318,15 @@ class SaturationWatchdog:
                 room = check_room(self, attempt.backend.name, board_url)
                 if room is not None:
                     await room
-        watch = self._watch(req, attempt)
-        if watch is not None and watch.own:  # alone: judged by the request's own wire format
-            watch.observer.wire = recognise(scope.get("path", ""))
-        if watch is not None and watch.no_time():
-            name = attempt.backend.name if attempt is not None else ""
-            raise BackendBusy(
-                f"no time left for backend {name!r} before the reserve", why="reserve"
-            )
+        watch = self._watch(req, attempt, send)
         # The attempt, in this frame (a waiting stream holds one frame of ours).
         try:
             if watch is None:
                 await self.app(scope, receive, send)
                 return
-            watch.begin(send)
             try:
+                if watch.own:  # alone: judged by the request's own wire format
+                    watch.observer.wire = recognise(scope.get("path", ""))
                 await self.app(scope, receive, watch.send if watch.own else send)
             except asyncio.CancelledError:
                 if not watch.cut.ours():
@@ -345,8 +340,18 @@ class SaturationWatchdog:
                 else:
                     watch.learn()
             finally:
-                prober = watch.end()
+                # Over: stop timing. Our callback out of the observer, which outlives the
+                # attempt (and a cycle between the two would wait for the garbage collector).
+                try:
+                    watch.observer.on_first_data.remove(watch._first_data)
+                except ValueError:
+                    pass
+                if watch._handle is not None:
+                    deadlines.cancel(watch._handle)
+                    watch._handle = None
+                prober = watch._prober
                 if prober is not None:
+                    prober.cancel()
                     await asyncio.wait([prober])
         finally:
             if board_url is not None and self.board is not None:
@@ -355,21 +360,35 @@ class SaturationWatchdog:
                     # Our own prefill was cut: the server finishes its prompt batch first.
                     self.board.cut(board_url, self.progress_span)
 
-    def _watch(self, req: TierRequest | None, attempt: Attempt | None) -> _Watch | None:
-        """The attempt's watch, or None when there is nothing to time."""
+    def _watch(
+        self, req: TierRequest | None, attempt: Attempt | None, send: Send | None = None
+    ) -> _Watch | None:
+        """The attempt's watch, or None when there is nothing to time. With ``send``, it
+        starts timing the attempt (its task is the one the timer may interrupt) from
+        whichever point comes first (the same delay for most attempts), or raises
+        BackendBusy when the reserve's point has already passed."""
         learned = False
         body = req.body if req is not None else None
+        ceiling = self.ceiling
+        slow_after = self.slow_after
         if self.learned is not None and attempt is not None:
             window, learned = self.learned.window(attempt.backend.name, body)
-            window = min(window, self.ceiling)
+            if ceiling < window:  # (min(), as a comparison: no call; so below)
+                window = ceiling
+        elif not callable(slow_after):
+            window = ceiling if ceiling < slow_after else slow_after  # (0 when off)
         else:
-            window = 0.0 if self.off else self.window(body)
+            window = self.window(body)
         stall = self.stall_after
         prefill = math.inf
         reserve = 0.0
+        last = True
+        deadline = req.deadline if req is not None else None
         if attempt is not None:
             backend = attempt.backend
             last = attempt.n >= attempt.of
+            if attempt.deadline is not None:
+                deadline = attempt.deadline
             if backend.stall_after is not None:
                 stall = backend.stall_after  # type: ignore[assignment]  # seconds once built
             elif self.learned_gap is not None and not last:
@@ -378,7 +397,19 @@ class SaturationWatchdog:
                 stall = self.learned_gap.window(backend.name, None)[0]
             if not last and req is not None:
                 if req.deadline is not None:
-                    reserve = self._reserve(req, attempt)
+                    # The time this attempt leaves for the later tiers.
+                    reserve = self.reserve
+                    if (
+                        self.reserve_auto
+                        and self.learned is not None
+                        and attempt.n < len(req.chain)
+                    ):
+                        later, learned_later = self.learned.window(req.chain[attempt.n].name, body)
+                        if learned_later:
+                            reserve = max(reserve, later)
+                    if req.budget is not None and req.budget * _RESERVE_SHARE < reserve:
+                        reserve = req.budget * _RESERVE_SHARE
+                    attempt.reserve = reserve
                 rate = self.prompt_rate
                 # The first token's time at the backend's normal prompt rate (with the
                 # margin); not judged for an answer that does not stream (its first bytes
@@ -388,21 +419,65 @@ class SaturationWatchdog:
                     prefill = rate.limit(backend.name, backend.regime, body)[0]
         if window <= 0 and stall <= 0 and reserve <= 0 and prefill == math.inf:
             return None
-        return _Watch(self, req, window, stall, learned, reserve, prefill)
-
-    def _reserve(self, req: TierRequest, attempt: Attempt) -> float:
-        """Seconds this attempt (not the last, in a request with a deadline) must leave
-        for the later tiers (0: none to keep)."""
-        reserve = self.reserve
-        if self.reserve_auto and self.learned is not None and attempt.n < len(req.chain):
-            later = req.chain[attempt.n].name
-            window, learned = self.learned.window(later, req.body)
-            if learned:
-                reserve = max(reserve, window)
-        if req.budget is not None:
-            reserve = min(reserve, req.budget * _RESERVE_SHARE)
-        attempt.reserve = reserve
-        return reserve
+        watch = _new(_Watch)  # (no __init__: a frame less per attempt; its fields are set here)
+        watch.watchdog = self
+        watch.req = req
+        watch.attempt = attempt
+        watch.last = last
+        watch.learned = learned
+        watch.window = window
+        watch.stall = stall
+        watch.reserve = reserve
+        shared = req.observer if req is not None and req.in_chain else None
+        watch.own = shared is None
+        watch.observer = shared if shared is not None else Observer()
+        watch.start = start = clock.now()
+        watch.fired = None
+        ceiling_at = watch._ceiling_at = start + ceiling
+        window_end = watch._window_end = start + window if window > 0 else math.inf
+        prefill_end = watch._prefill_end = start + prefill
+        watch._prompt_due = False
+        cut = watch._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
+        watch._cut_passed = False
+        watch._progress = None
+        watch._slow_logged = False
+        watch._handle = None
+        watch._prober = None
+        if reserve > 0 and tracing_enabled():
+            trace.get_current_span().set_attribute("tierchain.reserve_s", round(reserve, 3))
+        if send is None:
+            return watch
+        if cut <= start:  # a later tier of a long chain, after the earlier ones took their time
+            why = f"no time left for backend {watch.backend!r} before the reserve"
+            raise BackendBusy(why, why="reserve")
+        watch._send = send
+        interruption = watch.cut = Interruption()
+        interruption.arm()
+        watch.observer.on_first_data.append(watch._first_data)
+        # watch._due(), inline
+        due = cut if cut < ceiling_at else ceiling_at
+        if prefill_end < due:
+            due = prefill_end
+        if window_end < due:
+            due = window_end
+        if due == math.inf or (deadline is not None and due >= deadline):
+            return watch
+        if due == window_end:
+            delay = window
+            # A computed window varies by request: not a recurring delay (a learned one
+            # recurs: one of the sketch's bucket edges times the margin).
+            fixed = not callable(slow_after)
+        elif due == ceiling_at:
+            delay, fixed = ceiling, True
+        elif due == prefill_end and self.prompt_rate is not None:
+            delay = due - start  # (the watch starts as it is armed)
+            fixed = self.prompt_rate.recurs(delay)
+        else:
+            delay, fixed = max(0.0, due - clock.now()), False
+        watch._handle = deadlines.schedule(  # watch._arm, inline
+            delay, watch._expired, context=contextvars.copy_context(), fixed=fixed
+        )
+        return watch
 
     def _lifespan_send(self, send: Send) -> Send:
         async def lifespan_send(message: Message) -> None:
@@ -425,6 +500,8 @@ class _Watch:
     (extended by ``working`` answers), the ceiling (never extended) and the
     reserve's point (``deadline - reserve``: never extended, absent on the
     last tier). The timer is armed for the soonest.
+
+    It has no ``__init__``: :meth:`SaturationWatchdog._watch` sets every field.
     """
 
     __slots__ = (
@@ -432,7 +509,6 @@ class _Watch:
         "_cut",
         "_cut_passed",
         "_handle",
-        "_held_prompt",
         "_prefill_end",
         "_prober",
         "_progress",
@@ -441,127 +517,88 @@ class _Watch:
         "_slow_logged",
         "_window_end",
         "attempt",
-        "backend",
         "cut",
         "fired",
-        "held",
         "last",
         "learned",
         "observer",
         "own",
         "req",
         "reserve",
-        "route",
         "stall",
         "start",
         "watchdog",
         "window",
     )
 
-    def __init__(
-        self,
-        watchdog: SaturationWatchdog,
-        req: TierRequest | None,
-        window: float,
-        stall: float,
-        learned: bool = False,
-        reserve: float = 0.0,
-        prefill: float = math.inf,
-    ) -> None:
-        self.watchdog = watchdog
-        self.learned = learned
-        self.req = req
-        self.attempt: Attempt | None = req.attempt if req is not None else None
-        attempt = self.attempt
-        self.backend = attempt.backend.name if attempt is not None else None
-        self.route = (attempt.route if attempt is not None else None) or ""
-        self.last = attempt is None or attempt.is_last
-        self.window = window
-        self.stall = stall
-        self.reserve = reserve
-        shared = req.observer if req is not None and req.in_chain else None
-        self.own = shared is None
-        # Inside a Failover a non-streaming answer is held until whole: its window
-        # covers the whole answer, not its first bytes.
-        self.held = not self.own
-        self.observer = shared if shared is not None else Observer()
-        self.start = clock.now()
-        self.fired: str | None = None
-        self._ceiling_at = self.start + watchdog.ceiling
-        self._window_end = self.start + window if window > 0 else math.inf
-        self._prefill_end = self.start + prefill
-        # A held answer's prompt rate is judged with a status: still reading the prompt?
-        self._held_prompt = req is not None and req.streaming is False
-        self._prompt_due = False
-        deadline = self._deadline()
-        self._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
-        self._cut_passed = False  # a committed stream's reserve point passed (or cut it)
-        self._progress: Progress | None = None  # the status conversation, once asked
-        self._slow_logged = False
-        self._send: Send | None = None
-        self.cut = Interruption()  # armed by begin
-        self._handle: Deadline | None = None
-        self._prober: asyncio.Task[None] | None = None
-        if reserve > 0 and tracing_enabled():
-            trace.get_current_span().set_attribute("tierchain.reserve_s", round(reserve, 3))
+    watchdog: SaturationWatchdog
+    req: TierRequest | None
+    attempt: Attempt | None
+    last: bool
+    learned: bool  # the window was learned (two saturations under it forget it)
+    window: float
+    stall: float
+    reserve: float
+    own: bool  # alone; inside a Failover a non-streaming answer is held until whole
+    observer: Observer
+    start: float
+    fired: str | None
+    _ceiling_at: float
+    _window_end: float
+    _prefill_end: float
+    _prompt_due: bool
+    _cut: float
+    _cut_passed: bool  # a committed stream's reserve point passed (or cut it)
+    _progress: Progress | None  # the status conversation, once asked
+    _slow_logged: bool
+    _send: Send
+    cut: Interruption
+    _handle: Deadline | None
+    _prober: asyncio.Task[None] | None
+
+    @property
+    def backend(self) -> str | None:
+        return self.attempt.backend.name if self.attempt is not None else None
+
+    @property
+    def route(self) -> str:
+        return (self.attempt.route if self.attempt is not None else None) or ""
 
     # -- the attempt -------------------------------------------------------
-
-    def no_time(self) -> bool:
-        """True when the reserve's point has already passed: the attempt cannot start
-        (a later tier of a long chain after the earlier ones took their time)."""
-        return self._cut <= self.start
-
-    def begin(self, send: Send) -> None:
-        """Start timing the attempt (its task is the one the timer may interrupt)."""
-        self._send = send
-        self.cut.arm()
-        self.observer.on_first_data.append(self._first_data)
-        self._start_timer()
-
-    def end(self) -> asyncio.Task[None] | None:
-        """The attempt is over: stop timing. Returns a cancelled probe to wait for."""
-        # Our callback out of the observer, which outlives the attempt (and a
-        # cycle between the two would wait for the garbage collector).
-        try:
-            self.observer.on_first_data.remove(self._first_data)
-        except ValueError:
-            pass
-        if self._handle is not None:
-            deadlines.cancel(self._handle)
-            self._handle = None
-        prober = self._prober
-        if prober is not None:
-            prober.cancel()
-        return prober
 
     def learn(self) -> None:
         """A successful attempt teaches the learned normals: its time to first data
         (a held answer: to the whole answer) and its stream's mean gap."""
         observer = self.observer
+        first_at = observer.first_data_at
+        attempt = self.attempt
+        req = self.req
+        status = observer.status
         if (
-            self.backend is None
-            or observer.first_data_at is None
-            or (self.req is not None and self.req.attempt_error is not None)
-            or observer.verdict() != "ok"
+            attempt is None
+            or first_at is None
+            or (req is not None and req.attempt_error is not None)
+            # observer.verdict() != "ok", inline (every attempt asks)
+            or status is None
+            or status >= 400
+            or not observer.complete
         ):
             return
-        learned = self.watchdog.learned
-        body = self.req.body if self.req is not None else None
+        name = attempt.backend.name
+        watchdog = self.watchdog
+        body = req.body if req is not None else None
+        learned = watchdog.learned
         if learned is not None:
-            if observer.framed or not self.held:
-                first = observer.first_data_at - self.start
-            else:
-                first = clock.now() - self.start
-            learned.observe(self.backend, body, first)
-        rate = self.watchdog.prompt_rate
+            end = first_at if observer.framed or self.own else clock.now()
+            learned.observe(name, body, end - self.start)
+        rate = watchdog.prompt_rate
         if rate is not None and observer.framed:  # a first token's own time
-            rate.observe(self.backend, body, observer.first_data_at - self.start)
-        gaps = self.watchdog.learned_gap
-        if gaps is not None and (observer.sse or observer.ndjson) and observer.data_events > 2:
-            last = observer.last_event_at or observer.first_data_at
-            mean = (last - observer.first_data_at) / (observer.data_events - 1)
-            gaps.observe(self.backend, None, mean)
+            rate.observe(name, body, first_at - self.start)
+        gaps = watchdog.learned_gap
+        events = observer.data_events
+        if gaps is not None and events > 2 and (observer.sse or observer.ndjson):
+            last = observer.last_event_at or first_at
+            gaps.observe(name, None, (last - first_at) / (events - 1))
 
     def cancelled(self) -> None:
         """Someone else cancelled the attempt (the budget, the caller): was it a stall?
@@ -595,7 +632,6 @@ class _Watch:
 
     def send(self, message: Message) -> Awaitable[None]:
         """Alone: feed the watchdog's own observer and pass on whole events."""
-        assert self._send is not None
         observer = self.observer
         kind = message["type"]
         if kind == "http.response.body":
@@ -611,38 +647,33 @@ class _Watch:
 
     def _first_data(self) -> None:
         """The first chunk arrived: the window is over; time the gaps from here."""
-        if not self.observer.framed and self.held:
+        if not self.own and not self.observer.framed:
             return  # a held answer's first bytes: its window runs on until it is whole
         handle = self._handle
         cut = self._cut
-        if (
-            cut < math.inf
-            and not self._cut_passed
-            and (self.stall <= 0 or cut < clock.now() + self.stall)
-        ):
+        stall = self.stall
+        now = clock.now()
+        if cut < math.inf and not self._cut_passed and (stall <= 0 or cut < now + stall):
             # The reserve's point comes before the first stall window ends: a committed
             # stream that could be continued on the next tier is cut there (_expired).
             # (Otherwise the stall timer comes first, and the cut is timed from it.)
-            if handle is not None and deadlines.due(handle) <= cut:
-                return  # the window's timer comes first; _expired times the rest from it
             if handle is not None:
+                if deadlines.due(handle) <= cut:
+                    return  # the window's timer comes first; _expired times the rest from it
                 deadlines.cancel(handle)
                 self._handle = None
             if self.fired is None:
                 self._schedule()
             return
-        if self.stall <= 0:
-            if handle is not None:
-                deadlines.cancel(handle)
-                self._handle = None
-            return
-        if handle is not None and deadlines.due(handle) <= clock.now() + self.stall:
-            return  # the window's timer comes first; it times the gap from there
         if handle is not None:
+            if stall > 0 and deadlines.due(handle) <= now + stall:
+                return  # the window's timer comes first; it times the gap from there
             deadlines.cancel(handle)
             self._handle = None
-        if self.fired is None:
-            self._arm(self.stall, fixed=True)
+        if stall > 0 and self.fired is None:
+            self._handle = deadlines.schedule(  # self._arm, inline
+                stall, self._expired, context=contextvars.copy_context()
+            )
 
     def answered(self) -> bool:
         """True once the first chunk has arrived (for a held answer: all of it, or
@@ -650,7 +681,7 @@ class _Watch:
         observer = self.observer
         if observer.first_data_at is None:
             return False
-        if observer.framed or not self.held:
+        if observer.framed or self.own:
             return True
         return observer.ended or (self.req is not None and self.req.committed)
 
@@ -681,25 +712,6 @@ class _Watch:
         deadline = self._deadline()
         end = min(self._cut, self._ceiling_at)
         return end if deadline is None or end <= deadline else deadline
-
-    def _start_timer(self) -> None:
-        """Arm the first window (or the ceiling): the same delay for most attempts."""
-        due = self._due()
-        if due == math.inf:
-            return
-        if due == self._window_end:
-            delay = self.window
-            # A computed window varies by request: not a recurring delay (a learned one
-            # recurs: one of the sketch's bucket edges times the margin).
-            fixed = not callable(self.watchdog.slow_after)
-        elif due == self._ceiling_at:
-            delay, fixed = self.watchdog.ceiling, True
-        elif due == self._prefill_end and self.watchdog.prompt_rate is not None:
-            delay = due - self.start  # (the watch starts as it is armed)
-            fixed = self.watchdog.prompt_rate.recurs(delay)
-        else:
-            delay, fixed = max(0.0, due - clock.now()), False
-        self._arm(delay, fixed=fixed)
 
     def _schedule(self) -> None:
         """Arm the timer for the next thing that may fall due."""
@@ -761,7 +773,8 @@ class _Watch:
                 return
             last = self._quiet_since()
             if self.stall > 0 and not observer.ended and now >= last + self.stall - EARLY:
-                self._stalled(now - last)
+                self._log_stall(now - last)
+                self._fire("stalled")
             else:
                 self._schedule()  # data arrived since: wait for the new gap
             return
@@ -772,8 +785,12 @@ class _Watch:
             self._fire("reserve")
             return
         if now >= self._prefill_end - EARLY:
-            if not self._held_prompt:
-                self._too_slow(now)
+            if self.req is None or self.req.streaming is not False:
+                # The expected prefill at the backend's normal prompt rate is over, with
+                # no first token: too slow, whatever a status says.
+                if self.attempt is not None:
+                    self.attempt.verdict = "too_slow"
+                self._fire("too_slow")
                 return
             # A held answer has no first token to wait for: its status says whether a
             # slot still reads a prompt (too slow) or the answer is being written.
@@ -812,17 +829,6 @@ class _Watch:
         if due != math.inf:
             self._arm(max(0.0, due - now), fixed=False)
 
-    def _too_slow(self, now: float) -> None:
-        """The expected prefill at the backend's normal prompt rate is over, with no
-        first token: ``too_slow``, whatever a status says."""
-        if self.attempt is not None:
-            self.attempt.verdict = "too_slow"
-        self._fire("too_slow")
-
-    def _stalled(self, gap: float) -> None:
-        self._log_stall(gap)
-        self._fire("stalled")
-
     def _log_stall(self, gap: float) -> None:
         log_event(
             "dispatch.backend_stalled",
@@ -860,12 +866,7 @@ class _Watch:
         streaming = self.req is None or self.req.streaming is not False
         prompt_due, self._prompt_due = self._prompt_due, False
         verdict, self._prefill_end = progress.verdict(
-            status,
-            now,
-            self._end(),
-            self._prefill_end,
-            streaming=streaming,
-            prompt_due=prompt_due,
+            status, now, self._end(), self._prefill_end, streaming=streaming, prompt_due=prompt_due
         )
         labelled(PROBE_ANSWERS, backend.name, verdict).inc()
         self.attempt.verdict = verdict
@@ -891,12 +892,8 @@ class _Watch:
                 reserve_s=round(self.reserve, 3) if self.reserve else None,
             )
             if self.req is not None:
-                if backend.pool is None:
-                    self.req.emit("still_working", backend=backend.name, elapsed_s=elapsed)
-                else:
-                    self.req.emit(
-                        "still_working", backend=backend.name, pool=backend.pool, elapsed_s=elapsed
-                    )
+                pool = {"pool": backend.pool} if backend.pool is not None else {}
+                self.req.emit("still_working", backend=backend.name, **pool, elapsed_s=elapsed)
             self._schedule()
             return
         self._fire("probe_unknown" if verdict == "unknown" else verdict)
@@ -919,11 +916,11 @@ class _Watch:
         trace.get_current_span().add_event(
             "tierchain.backend_slow", {ATTR_BACKEND: self.backend or "", "waited_s": waited}
         )
-        if self.req is not None and self.backend is not None:
-            pool = self.attempt.backend.pool if self.attempt is not None else None
-            named: dict[str, Any] = {"backend": self.backend}
-            if pool is not None:
-                named["pool"] = pool
+        if self.req is not None and self.attempt is not None:
+            backend = self.attempt.backend
+            named: dict[str, Any] = {"backend": backend.name}
+            if backend.pool is not None:
+                named["pool"] = backend.pool
             self.req.emit("backend_slow", **named, waited_s=waited, failing_over=False)
 
     # -- the verdict -------------------------------------------------------
