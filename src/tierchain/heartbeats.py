@@ -74,6 +74,8 @@ _PASS = 3  # not ours: every message passes through untouched
 _DONE = 4  # the final chunk went out
 
 
+_COROUTINE = types.CoroutineType  # what a server's ``async def send`` returns
+
 _LOOK_AGAIN = 0.002  # a line held beside a relayed send that is out: look again this soon
 
 MIN_INTERVAL = 0.02
@@ -131,7 +133,7 @@ class Heartbeats:
         else:
             # Only a live stream can have committed our own response or hold the
             # lock here: otherwise there is nothing to finish.
-            if stream.out.live:
+            if stream.live:
                 await stream.finish()
         finally:
             writer = stream.close()
@@ -139,27 +141,103 @@ class Heartbeats:
                 await asyncio.wait([writer])
 
 
-class _Writer:
-    """Heartbeats' own writes to one caller, shaped as sse-starlette's ``_ping``: a lock
-    that every write of ours and every relayed chunk that needs one takes, and an
-    ``active`` flag that stops our writes for good.
+# Marks a write being run at once (never awaited or cancelled: it is done before the
+# loop runs anything else).
+_AT_ONCE: Any = object()
 
-    ``relaying``: a relayed chunk's send is out, sent by :meth:`_Stream._relay`, which
-    clears it when the send is back; ``flight``: the server's own send coroutine for the
-    last chunk passed on as is (the hot path adds no coroutine of its own). While either is
-    out (:meth:`sending`) no line of ours may go in.
-    ``writing``: our own lines are being sent under the lock; a relayed chunk then takes
-    the lock too. ``task``: the write the timer started (at most one), owned by the request.
+
+class _Stream:
+    """One streaming request, as Heartbeats sees it. Its facts:
+
+    - the response: ``phase`` (waiting, relaying the app's event stream, our own,
+      passing through, done), ``inner_started``, ``observer`` (our own, used alone),
+      ``late`` (a non-stream answer after our own commit);
+    - what is owed: ``queue`` (state lines), ``keepalive_due`` (a keepalive held back
+      for a boundary), ``rearm_after`` (time the next one once it is out); whether a
+      line is owed at a given time is :meth:`_owed`, whether it can go in :meth:`_can_write`;
+    - the output's tail: ``last`` (the last relayed chunk: a CR an LF may complete; empty
+      when our own lines were last, a boundary), ``last_output`` (when);
+    - ``body``: what the request says of streaming (its Accept header, its body's
+      ``"stream": true``);
+    - ``entry``, its next commit or keepalive on the scheduler (from ``started``), ``gone``
+      (the request is over or the caller left);
+    - its own writes to the caller, shaped as sse-starlette's ``_ping``: ``lock``, which
+      every write of ours and every relayed chunk that needs one takes (made when the
+      stream goes ``live``, its first due time: until then no one else writes), and
+      ``active``, False for good once a write of ours failed. ``relaying``: a relayed
+      chunk's send is out, sent by :meth:`_relay`; ``flight``: the server's own send
+      coroutine for the last chunk passed on as is (the hot path adds no coroutine of its
+      own). While either is out (:meth:`sending`) no line of ours may go in. ``writing``:
+      our own lines are being sent under the lock (a relayed chunk then takes the lock
+      too); ``task``: the write the timer started (at most one), owned by the request.
     """
 
-    __slots__ = ("active", "flight", "live", "lock", "relaying", "task", "writing")
+    # Thousands of these may wait at once: slots keep each one small (the writer's
+    # fields are here too: an object and a frame less per request).
+    __slots__ = (
+        "_receive",
+        "_send",
+        "active",
+        "body",
+        "context",
+        "entry",
+        "flight",
+        "gone",
+        "hb",
+        "inner_started",
+        "keepalive_due",
+        "last",
+        "last_output",
+        "late",
+        "live",
+        "lock",
+        "observer",
+        "path",
+        "phase",
+        "queue",
+        "rearm_after",
+        "relaying",
+        "req",
+        "said_generating",
+        "span",
+        "started",
+        "task",
+        "writing",
+    )
 
-    def __init__(self) -> None:
-        # Made when the stream goes live (its first due time): until then no one
-        # else writes, and no one waits.
+    def __init__(
+        self, hb: Heartbeats, scope: Scope, receive: Receive, send: Send, accept: bool
+    ) -> None:
+        self.hb = hb
+        self._receive = receive
+        self._send = send
+        req: TierRequest | None = scope.get(SCOPE_KEY)
+        if req is None:  # (the usual case: Heartbeats is outermost, the request starts here)
+            req = scope[SCOPE_KEY] = TierRequest()  # (TierRequest.of, inline)
+            self.started = req.started  # the same clock reading, read once
+        else:
+            self.started = clock.now()
+        self.req = req
+        self.path: str = scope.get("path", "")
+        self.body = StreamRequest(accept)
+        self.phase = _WAITING
+        self.entry: deadlines.Deadline | None = None  # its next commit or keepalive
+        self.context = contextvars.copy_context()  # the request's: for that write
+        self.rearm_after = False  # a held-back keepalive went out: time the next one
+        self.queue: list[StateEvent] = []  # at most hb.max_queued, the oldest dropped
+        self.last = b""  # the last relayed chunk (whole events); b"": our own lines were last
+        self.keepalive_due = False
+        self.last_output = self.started
+        self.gone = False
+        self.observer: Observer | None = None  # alone (no Failover inside): our own
+        self.said_generating = False
+        self.late: LateAnswer | None = None  # own phase: a non-stream answer being collected
+        self.inner_started = False
+        self.span = current_span()
+        # The writer (see the class docstring).
         self.lock: asyncio.Lock | contextlib.nullcontext[None] = _NO_LOCK
         self.live = False
-        self.active = True  # False once a write of ours failed: no more of them
+        self.active = True
         self.relaying = False
         self.flight: types.CoroutineType[Any, Any, Any] | None = None
         self.writing = False
@@ -181,88 +259,6 @@ class _Writer:
     def go_live(self) -> None:
         self.live = True
         self.lock = asyncio.Lock()
-
-
-# Marks a write being run at once (never awaited or cancelled: it is done before the
-# loop runs anything else).
-_AT_ONCE: Any = object()
-
-
-class _Stream:
-    """One streaming request, as Heartbeats sees it. Its facts:
-
-    - the response: ``phase`` (waiting, relaying the app's event stream, our own,
-      passing through, done), ``inner_started``, ``observer`` (our own, used alone),
-      ``late`` (a non-stream answer after our own commit);
-    - what is owed: ``queue`` (state lines), ``keepalive_due`` (a keepalive held back
-      for a boundary), ``rearm_after`` (time the next one once it is out); whether a
-      line is owed at a given time is :meth:`_owed`, whether it can go in :meth:`_can_write`;
-    - the output's tail: ``last`` (the last relayed chunk: a CR an LF may complete),
-      ``after_own`` (our lines were last: a boundary), ``last_output`` (when);
-    - ``body``: what the request says of streaming (its Accept header, its body's
-      ``"stream": true``);
-    - ``entry``, its next commit or keepalive on the scheduler (from ``started``), ``gone``
-      (the request is over or the caller left), and ``out``, the one writer.
-    """
-
-    # Thousands of these may wait at once: slots keep each one small.
-    __slots__ = (
-        "_receive",
-        "_send",
-        "after_own",
-        "body",
-        "context",
-        "entry",
-        "gone",
-        "hb",
-        "inner_started",
-        "keepalive_due",
-        "last",
-        "last_output",
-        "late",
-        "observer",
-        "out",
-        "path",
-        "phase",
-        "queue",
-        "rearm_after",
-        "req",
-        "said_generating",
-        "span",
-        "started",
-    )
-
-    def __init__(
-        self, hb: Heartbeats, scope: Scope, receive: Receive, send: Send, accept: bool
-    ) -> None:
-        self.hb = hb
-        self._receive = receive
-        self._send = send
-        req: TierRequest | None = scope.get(SCOPE_KEY)
-        if req is None:  # (the usual case: Heartbeats is outermost, the request starts here)
-            req = TierRequest.of(scope)
-            self.started = req.started  # the same clock reading, read once
-        else:
-            self.started = clock.now()
-        self.req = req
-        self.path: str = scope.get("path", "")
-        self.body = StreamRequest(accept)
-        self.phase = _WAITING
-        self.out = _Writer()  # Heartbeats' own writes to the caller
-        self.entry: deadlines.Deadline | None = None  # its next commit or keepalive
-        self.context = contextvars.copy_context()  # the request's: for that write
-        self.rearm_after = False  # a held-back keepalive went out: time the next one
-        self.queue: list[StateEvent] = []  # at most hb.max_queued, the oldest dropped
-        self.last = b""  # the last relayed chunk (whole events): is a CR pending?
-        self.after_own = True  # the last bytes written are our own lines: a boundary
-        self.keepalive_due = False
-        self.last_output = self.started
-        self.gone = False
-        self.observer: Observer | None = None  # alone (no Failover inside): our own
-        self.said_generating = False
-        self.late: LateAnswer | None = None  # own phase: a non-stream answer being collected
-        self.inner_started = False
-        self.span = current_span()
 
     # -- the request ---------------------------------------------------------
 
@@ -313,7 +309,7 @@ class _Stream:
             queue.append(event)
             if len(queue) > self.hb.max_queued:
                 del queue[0]
-        if self.out.live and self.phase != _WAITING:
+        if self.live and self.phase != _WAITING:
             self._kick()
 
     # -- writing ---------------------------------------------------------------
@@ -340,13 +336,7 @@ class _Stream:
         return bool(self.queue) or self.keepalive_due
 
     def _at_boundary(self) -> bool:
-        return self.after_own or self.last[-1:] != b"\r"
-
-    def _boundary_before(self, chunk: bytes) -> bool:
-        if self.after_own:
-            return True
-        # After a CR, an LF would complete that line ending: not a boundary then.
-        return not (self.last[-1:] == b"\r" and chunk.startswith(b"\n"))
+        return self.last[-1:] != b"\r"  # (our own lines last: b"", a boundary)
 
     async def _write(self, data: bytes, *, more: bool = True) -> None:
         if not more:
@@ -363,7 +353,7 @@ class _Stream:
         self.phase = _OWN
         log_event("stream.committed", waited_s=round(clock.now() - self.started, 3))
         await self._write(self._lines())
-        self.after_own = True
+        self.last = b""  # our own lines were last: a boundary
 
     async def _finish_own(self, event: bytes) -> None:
         """End our own stream with ``event`` (an error event, or a whole late answer)."""
@@ -376,13 +366,12 @@ class _Stream:
 
     def send(self, message: Message) -> Awaitable[None]:
         """The inner app's send. A relayed chunk with nothing to add goes straight on."""
-        phase = self.phase
-        if phase == _RELAY:
+        if self.phase == _RELAY:
             if message["type"] == "http.response.body" and not (
-                self.out.writing or self.keepalive_due or self.observer is not None
+                self.writing or self.keepalive_due or self.observer is not None
             ):
-                # The hot path, with no coroutine and no lock of ours: the writer sees the
-                # send out (``_Writer.sending``) and holds its lines until it is back; a
+                # The hot path, with no coroutine and no lock of ours: the timer sees the
+                # send out (:meth:`sending`) and holds its lines until it is back; a
                 # chunk arriving while our own lines are written takes the lock
                 # (``_send_slow``).
                 if self.queue:
@@ -398,7 +387,6 @@ class _Stream:
                     chunk: bytes = message.get("body", b"")
                     if chunk:
                         self.last = chunk
-                        self.after_own = False
                         if not message.get("more_body", False):
                             self.phase = _DONE
                     elif message.get("more_body", False):
@@ -407,42 +395,39 @@ class _Stream:
                         self.phase = _DONE
                 self.last_output = clock.now()
                 sending = self._send(message)
-                if type(sending) is not types.CoroutineType:
+                if type(sending) is not _COROUTINE:
                     return self._relay(sending)  # a server whose send is not a coroutine
-                self.out.flight = sending
+                self.flight = sending
                 return sending
-        elif phase == _WAITING:
-            if message["type"] == "http.response.start" and not self.out.live:
+            return self._send_slow(message)
+        phase = self.phase
+        if phase == _WAITING:
+            if message["type"] == "http.response.start" and not self.live:
                 # The inner app's start before the stream went live (most requests): no one
-                # else writes yet, so no lock; the send goes on as the hot path's does.
-                started = self._started(message)  # (a message: it was waiting)
-                return self._flight(started)
+                # else writes yet, so no lock; the send goes on as the hot path's does,
+                # marked as out (``flight``) until the server's send coroutine is done.
+                started = self._started(message)
+                assert started is not None  # (a message: it was waiting)
+                sending = self._send(started)
+                if type(sending) is not _COROUTINE:
+                    return self._relay(sending)  # a server whose send is not a coroutine
+                self.flight = sending
+                return sending
         elif phase == _PASS:
             return self._send(message)  # not ours: untouched, no frame of ours
         return self._send_slow(message)
 
-    def _flight(self, message: Message | None) -> Awaitable[None]:
-        """Send a start on with no frame of ours, marked as out (``_Writer.flight``) until
-        the server's send coroutine is done, as the hot path does a chunk."""
-        assert message is not None
-        sending = self._send(message)
-        if type(sending) is not types.CoroutineType:
-            return self._relay(sending)  # a server whose send is not a coroutine
-        self.out.flight = sending
-        return sending
-
     async def _relay(self, sending: Awaitable[None], *, body: bool = False) -> None:
         """Await a relayed message's send, marked as out until it is back (a line that
         fell due meanwhile is written then)."""
-        out = self.out
-        out.relaying = True
+        self.relaying = True
         try:
             await sending
             if body:
                 self._after_send()
         finally:
-            out.relaying = False
-            if out.live and (self.keepalive_due or self.queue):
+            self.relaying = False
+            if self.live and (self.keepalive_due or self.queue):
                 self._kick()  # a line was held back while this send was out
 
     async def _send_slow(self, message: Message) -> None:
@@ -452,8 +437,8 @@ class _Stream:
             return
         kind = message["type"]
         if kind == "http.response.start":
-            if self.out.live:
-                async with self.out.lock:
+            if self.live:
+                async with self.lock:
                     out = self._started(message)
                     if out is not None:
                         await self._relay(self._send(out))
@@ -463,7 +448,7 @@ class _Stream:
             if out is not None:
                 await self._relay(self._send(out))
         elif kind == "http.response.body":
-            if self.phase == _RELAY and not self.out.writing:
+            if self.phase == _RELAY and not self.writing:
                 # As in the hot path, with state lines or detection to do.
                 out = self._relayed(message)
                 if out is not None:
@@ -499,7 +484,7 @@ class _Stream:
             else:
                 self.phase = _PASS
                 self.queue.clear()
-            if self.out.live:  # it waited for the commit: time its keepalives instead
+            if self.live:  # it waited for the commit: time its keepalives instead
                 if self.entry is not None:
                     deadlines.cancel(self.entry)
                     self.entry = None
@@ -510,7 +495,7 @@ class _Stream:
         return None
 
     async def _on_body(self, message: Message) -> None:
-        async with self.out.lock:
+        async with self.lock:
             phase = self.phase
             if phase == _DONE:
                 return
@@ -553,16 +538,15 @@ class _Stream:
         if not (self.queue or self.keepalive_due):
             if chunk:
                 self.last = chunk
-                self.after_own = False
             if not more:
                 self.phase = _DONE
             return message
         out = b""
-        if chunk and self._boundary_before(chunk):
-            out = self._lines()
         if chunk:
+            # After a CR, an LF would complete that line ending: not a boundary then.
+            if not (chunk[:1] == b"\n" and self.last[-1:] == b"\r"):
+                out = self._lines()
             self.last = chunk
-            self.after_own = False
         out += chunk
         if more and (self.queue or self.keepalive_due) and self._at_boundary():  # (_pending)
             out += self._lines()  # a state line or keepalive that waited for this boundary
@@ -579,9 +563,8 @@ class _Stream:
         now = clock.now() + EARLY
         if self.gone or self.phase >= _PASS:
             return
-        out = self.out
-        if not out.live:
-            out.go_live()
+        if not self.live:
+            self.go_live()
         hb = self.hb
         if self.phase == _WAITING:
             streaming = self.streaming()
@@ -598,7 +581,7 @@ class _Stream:
         if not self._owed(now):
             if hb.interval > 0:  # (0: no keepalives)
                 self.entry = deadlines.schedule_at(self.last_output + hb.interval, self.due)
-        elif out.task is None and self._can_write(now):
+        elif self.task is None and self._can_write(now):
             self._kick(at_once=True)
         # Otherwise a write under way times the next keepalive when done, or the line
         # waits for the relayed send's return or the next event boundary.
@@ -617,7 +600,7 @@ class _Stream:
         """Can our lines go in now? Not beside a relayed send that is still out (the
         timer looks again soon), nor inside an event (the next boundary takes them): a
         keepalive that fell due meanwhile is marked ``keepalive_due``."""
-        sending = self.out.sending()
+        sending = self.sending()
         if not sending and self._at_boundary():
             return True
         if self._quiet(now):
@@ -634,21 +617,20 @@ class _Stream:
         context, and make a task only if it has to wait (a slow reader, the lock):
         a keepalive to a reader keeping up costs no task and no extra loop turn.
         """
-        out = self.out
-        if out.task is not None or self.gone or not out.active or self.phase >= _PASS:
+        if self.task is not None or self.gone or not self.active or self.phase >= _PASS:
             return
         if not at_once:
             loop = asyncio.get_running_loop()
-            out.task = loop.create_task(self._write_owed(), name=TASK_NAME, context=self.context)
+            self.task = loop.create_task(self._write_owed(), name=TASK_NAME, context=self.context)
             return
-        out.task = _AT_ONCE  # (so nothing starts a second write meanwhile)
+        self.task = _AT_ONCE  # (so nothing starts a second write meanwhile)
         try:
             task = start_eagerly(self._write_owed(), name=TASK_NAME, context=self.context)
         except BaseException:
-            out.task = None
+            self.task = None
             raise
-        if task is not None:  # (done at once: it cleared out.task itself)
-            out.task = task
+        if task is not None:  # (done at once: it cleared self.task itself)
+            self.task = task
 
     def _rearm(self) -> None:
         """Put the stream back in the timer for its next keepalive."""
@@ -659,7 +641,7 @@ class _Stream:
             and interval > 0
             and not self.keepalive_due
             and not self.gone
-            and self.out.active
+            and self.active
             and self.phase in (_RELAY, _OWN)
         ):
             # Mostly right after an output: now plus the interval, in the FIFO's order.
@@ -667,9 +649,8 @@ class _Stream:
 
     async def _write_owed(self) -> None:
         """Write what is due: our own commit, state lines, a keepalive."""
-        out = self.out
         try:
-            async with out.lock:
+            async with self.lock:
                 while not self.gone:
                     # With the timer's tolerance: it calls what falls due before its
                     # next wake due now, and a stream it woke must not be dropped.
@@ -688,19 +669,19 @@ class _Stream:
                         break
                     if not self._can_write(now):
                         break
-                    out.writing = True
+                    self.writing = True
                     try:
                         await self._write(self._lines())
-                        self.after_own = True
+                        self.last = b""  # our own lines were last: a boundary
                     finally:
-                        out.writing = False
+                        self.writing = False
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a broken write must not break the request
             log_event("stream.heartbeat_failed", level=30, error=repr(exc))
-            out.active = False
+            self.active = False
         finally:
-            out.task = None
+            self.task = None
         self._rearm()
 
     # -- the request's life ----------------------------------------------------------
@@ -721,7 +702,7 @@ class _Stream:
         if self.entry is not None:
             deadlines.cancel(self.entry)
             self.entry = None
-        task = self.out.task
+        task = self.task
         if task is not None and task is not _AT_ONCE:
             task.cancel()
             return task
@@ -737,7 +718,7 @@ class _Stream:
         that waits on that same caller)."""
         if isinstance(failed, CallerStalled):
             return
-        async with FinalWrites(self.req), self.out.lock:
+        async with FinalWrites(self.req), self.lock:
             if self.phase != _OWN or self.gone:
                 return
             wire = self.wire()
