@@ -42,7 +42,7 @@ from ._runtime import clock, deadlines
 from ._runtime.deadlines import EARLY
 from ._runtime.eager import finished, start_eagerly
 from ._state_lines import state_line, state_lines
-from ._stream_request import StreamRequest, accepts_event_stream
+from ._stream_request import SNIFF_LIMIT, accepts_event_stream, says_stream
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .errors import CallerStalled
 from .observer import Observer, nothing_sent, whole_events
@@ -157,8 +157,10 @@ class _Stream:
       line is owed at a given time is :meth:`_owed`, whether it can go in :meth:`_can_write`;
     - the output's tail: ``last`` (the last relayed chunk: a CR an LF may complete; empty
       when our own lines were last, a boundary), ``last_output`` (when);
-    - ``body``: what the request says of streaming (its Accept header, its body's
-      ``"stream": true``);
+    - what the request says of streaming: ``accept`` (its Accept header), else its
+      body's ``"stream": true`` (``parts`` kept up to ``SNIFF_LIMIT`` bytes while the
+      body arrives, ``body_done``, parsed once into ``sniffed``); ``awaiting``: a
+      commit waits for the body to say;
     - ``entry``, its next commit or keepalive on the scheduler (from ``started``), ``gone``
       (the request is over or the caller left);
     - its own writes to the caller, shaped as sse-starlette's ``_ping``: ``lock``, which
@@ -177,8 +179,11 @@ class _Stream:
     __slots__ = (
         "_receive",
         "_send",
+        "accept",
         "active",
-        "body",
+        "awaiting",
+        "body_done",
+        "body_size",
         "context",
         "entry",
         "flight",
@@ -192,6 +197,7 @@ class _Stream:
         "live",
         "lock",
         "observer",
+        "parts",
         "path",
         "phase",
         "queue",
@@ -199,6 +205,7 @@ class _Stream:
         "relaying",
         "req",
         "said_generating",
+        "sniffed",
         "span",
         "started",
         "task",
@@ -219,7 +226,14 @@ class _Stream:
             self.started = clock.now()
         self.req = req
         self.path: str = scope.get("path", "")
-        self.body = StreamRequest(accept)
+        # What the request says of streaming: its Accept header, else its body's
+        # "stream": true, watched as the inner app reads it (``parts``: None, not kept).
+        self.accept = accept
+        self.body_done = False
+        self.awaiting = False  # a commit waits for the body to say
+        self.parts: list[bytes] | None = None if accept else []
+        self.body_size = 0
+        self.sniffed: bool | None = None
         self.phase = _WAITING
         self.entry: deadlines.Deadline | None = None  # its next commit or keepalive
         self.context = contextvars.copy_context()  # the request's: for that write
@@ -274,16 +288,19 @@ class _Stream:
         """
         if not allows_comments(self.req.wire or recognise(self.path)):  # (self.wire())
             return False
-        if self.body.accept:
+        if self.accept:
             return True
         if self.req.streaming is not None:
             return self.req.streaming
-        return self.body.says_stream()
+        if self.sniffed is None and self.body_done:  # parsed once, when complete
+            parts, self.parts = self.parts, None
+            self.sniffed = parts is not None and says_stream(parts)
+        return self.sniffed
 
     def receive(self) -> Awaitable[Message]:
         """The inner app's receive: watched while the body arrives (it may say
         "stream"), then the host's own (no frame of ours for a waiting stream)."""
-        if self.body.done:
+        if self.body_done:
             return self._receive()
         return self._receive_body()
 
@@ -291,10 +308,20 @@ class _Stream:
         message = await self._receive()
         kind = message["type"]
         if kind == "http.request":
-            body = self.body
-            if body.add(message) and body.awaiting:
-                body.awaiting = False
-                self._kick()
+            if not self.body_done:
+                chunk = message.get("body", b"")
+                parts = self.parts
+                if chunk and parts is not None:
+                    size = self.body_size = self.body_size + len(chunk)
+                    if size > SNIFF_LIMIT:
+                        self.parts = None
+                    else:
+                        parts.append(chunk)
+                if not message.get("more_body", False):
+                    self.body_done = True
+                    if self.awaiting:
+                        self.awaiting = False
+                        self._kick()
         elif kind == "http.disconnect":
             self.gone = True
         return message
@@ -574,7 +601,7 @@ class _Stream:
             if now < commit_at:
                 self.entry = deadlines.schedule_at(commit_at, self.due)
             elif streaming is None:
-                self.body.awaiting = True  # receive() starts the commit
+                self.awaiting = True  # receive() starts the commit
             else:
                 self._kick()
             return
