@@ -40,10 +40,11 @@ def state_lines(events: list[StateEvent], span: Span) -> bytes:
     """Every queued event's line, in order, as :func:`state_line` (not keepalives): one
     call and one ``is_recording`` for the batch (a request queues two or three)."""
     recording = span.is_recording()
+    known_line = _KNOWN.get
     out = b""
     for event in events:
         try:
-            known = _KNOWN.get(tuple(event.items()))
+            known = known_line(tuple(event.items()))
         except TypeError:
             known = None
         if known is None:

@@ -122,7 +122,12 @@ class Heartbeats:
             return await self.app(scope, receive, send)
         # The stream's life, in this frame (a waiting stream holds one frame less).
         stream = _Stream(self, scope, receive, send, accept)
-        stream.begin()
+        # It listens for state events and takes its place in the keepalive timer.
+        # Nothing is timed for a request that is over before anything could be due:
+        # the stream goes live when the commit (or the first keepalive) could fall due.
+        stream.req.subscribe(stream.on_event)
+        first_due = self.first_due
+        stream.entry = deadlines.schedule_at(stream.started + first_due, stream.due, lane=first_due)
         try:
             await self.app(scope, stream.receive, stream.send)
         except asyncio.CancelledError:
@@ -330,7 +335,11 @@ class _Stream:
         if self.phase >= _PASS:
             return
         queue = self.queue
-        if queue and queue[-1].get("state") == event.get("state") == "still_working":
+        if (
+            queue
+            and event.get("state") == "still_working"
+            and queue[-1].get("state") == "still_working"
+        ):
             queue[-1] = event  # a newer "still working" replaces the one not yet shown
         else:
             queue.append(event)
@@ -491,19 +500,21 @@ class _Stream:
         self.inner_started = True
         status = int(message["status"])
         headers = message.get("headers", ())
-        chained = self.req.observer if self.req.in_chain else None  # it has read the headers
+        in_chain = self.req.in_chain
+        chained = self.req.observer if in_chain else None  # it has read the headers
         sse = 200 <= status < 300 and (
             chained.sse if chained is not None else is_event_stream(headers)
         )
-        if sse and not self.req.in_chain and self.phase in (_WAITING, _OWN):
+        phase = self.phase
+        if sse and not in_chain and phase in (_WAITING, _OWN):
             self.observer = Observer(wire=self.wire())  # alone: we pass on whole events
             self.observer.start(status, list(headers))
-        if self.phase == _WAITING:
+        if phase == _WAITING:
             if sse and self.streaming():
                 self.phase = _RELAY
                 # State lines change the body's length: the server frames it.
                 # (Inside a Failover, its commit has already dropped the length.)
-                if not self.req.in_chain:
+                if not in_chain:
                     message = {
                         **message,
                         "headers": [(k, v) for k, v in headers if k.lower() != b"content-length"],
@@ -517,7 +528,7 @@ class _Stream:
                     self.entry = None
                 self._rearm()
             return message
-        if self.phase == _OWN and not sse:
+        if phase == _OWN and not sse:
             self.late = LateAnswer(status)  # its body becomes one event
         return None
 
@@ -712,15 +723,6 @@ class _Stream:
         self._rearm()
 
     # -- the request's life ----------------------------------------------------------
-
-    def begin(self) -> None:
-        """Listen for state events and take a place in the keepalive timer."""
-        self.req.subscribe(self.on_event)
-        # Nothing is timed for a request that is over before anything could be due:
-        # the stream goes live when the commit (or the first keepalive) could fall due.
-        hb = self.hb
-        first_due = hb.first_due
-        self.entry = deadlines.schedule_at(self.started + first_due, self.due, lane=first_due)
 
     def close(self) -> asyncio.Task[Any] | None:
         """The request is over: nothing more is due. Returns a writer to wait for, if any."""
