@@ -161,7 +161,8 @@ class _Stream:
       for a boundary), ``rearm_after`` (time the next one once it is out); whether a
       line is owed at a given time is :meth:`_owed`, whether it can go in :meth:`_can_write`;
     - the output's tail: ``last`` (the last relayed chunk: a CR an LF may complete; empty
-      when our own lines were last, a boundary), ``last_output`` (when);
+      when our own lines were last, a boundary), ``last_output`` (when: read only while
+      keepalives can follow, so not set by the final chunk);
     - what the request says of streaming: ``accept`` (its Accept header), else its
       body's ``"stream": true`` (``parts`` kept up to ``SNIFF_LIMIT`` bytes while the
       body arrives, ``body_done``, parsed once into ``sniffed``); ``awaiting``: a
@@ -419,17 +420,21 @@ class _Stream:
                     if relayed is None:
                         return nothing_sent()
                     message = relayed
+                    if self.phase != _DONE:
+                        self.last_output = clock.now()
                 else:
                     chunk: bytes = message.get("body", b"")
                     if chunk:
                         self.last = chunk
-                        if not message.get("more_body", False):
+                        if message.get("more_body", False):
+                            self.last_output = clock.now()  # the next keepalive's time
+                        else:
+                            # The end: no clock read, nothing reads last_output after it.
                             self.phase = _DONE
                     elif message.get("more_body", False):
                         return nothing_sent()
                     else:
                         self.phase = _DONE
-                self.last_output = clock.now()
                 sending = self._send(message)
                 if type(sending) is not _COROUTINE:
                     return self._relay(sending)  # a server whose send is not a coroutine
