@@ -588,7 +588,11 @@ class _Stream:
         if chunk:
             # After a CR, an LF would complete that line ending: not a boundary then.
             if not (chunk[:1] == b"\n" and self.last[-1:] == b"\r"):
-                out = self._lines()
+                if self.keepalive_due or not self.queue:
+                    out = self._lines()
+                else:  # state lines only (most requests' first chunk): _lines, inline
+                    events, self.queue = self.queue, []
+                    out = state_lines(events, self.span)
             self.last = chunk
         out += chunk
         if more and (self.queue or self.keepalive_due) and self._at_boundary():  # (_pending)
