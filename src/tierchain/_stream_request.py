@@ -20,7 +20,7 @@ SNIFF_LIMIT = 32 * 2**20  # request bytes kept to read "stream" when nothing ins
 def accepts_event_stream(headers: Any) -> bool:
     """Does an ``Accept`` header list ``text/event-stream``?"""
     for key, value in headers:
-        if key.lower() == b"accept":
+        if len(key) == 6 and key.lower() == b"accept":  # (a lower() only for a likely one)
             for item in value.split(b","):
                 if item.split(b";", 1)[0].strip().lower() == b"text/event-stream":
                     return True
