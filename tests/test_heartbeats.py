@@ -1028,18 +1028,18 @@ async def test_the_start_and_the_chunk_that_carries_state_lines_go_to_the_server
     sent = stream.send(start)
     assert handed
     assert sent is handed[-1]
-    assert stream.out.flight is sent
+    assert stream.flight is sent
     await sent
     chunk = {"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True}
     sent = stream.send(chunk)
     assert handed
     assert sent is handed[-1]
-    assert stream.out.flight is sent
+    assert stream.flight is sent
     await sent
     assert [m["type"] for m in written] == ["http.response.start", "http.response.body"]
     assert written[1]["body"] == (
         b': {"state":"attempt","n":1,"of":1,"backend":"tower"}\n' + b"data: 1\n\n"
     )
     assert not stream.queue
-    assert not stream.out.sending()
+    assert not stream.sending()
     stream.close()

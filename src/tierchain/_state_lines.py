@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentelemetry.trace import Span
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from .request import StateEvent
 from .sse import comment_line
@@ -31,7 +31,7 @@ def state_line(event: StateEvent, span: Span, keepalive: bool) -> bytes:
         known = _new(event)
     line, state, counted = known
     counted.inc()
-    if span.is_recording():
+    if span is not INVALID_SPAN and span.is_recording():  # (none current: never recording)
         span.add_event("stream.heartbeat", {"state": state, "keepalive": keepalive})
     return line
 
@@ -39,11 +39,12 @@ def state_line(event: StateEvent, span: Span, keepalive: bool) -> bytes:
 def state_lines(events: list[StateEvent], span: Span) -> bytes:
     """Every queued event's line, in order, as :func:`state_line` (not keepalives): one
     call and one ``is_recording`` for the batch (a request queues two or three)."""
-    recording = span.is_recording()
+    recording = span is not INVALID_SPAN and span.is_recording()  # (as in state_line)
+    known_line = _KNOWN.get
     out = b""
     for event in events:
         try:
-            known = _KNOWN.get(tuple(event.items()))
+            known = known_line(tuple(event.items()))
         except TypeError:
             known = None
         if known is None:

@@ -42,7 +42,7 @@ from ._runtime import clock, deadlines
 from ._runtime.deadlines import EARLY
 from ._runtime.eager import finished, start_eagerly
 from ._state_lines import state_line, state_lines
-from ._stream_request import StreamRequest, accepts_event_stream
+from ._stream_request import SNIFF_LIMIT, accepts_event_stream, says_stream
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .errors import CallerStalled
 from .observer import Observer, nothing_sent, whole_events
@@ -73,6 +73,8 @@ _OWN = 2  # Heartbeats committed the response itself
 _PASS = 3  # not ours: every message passes through untouched
 _DONE = 4  # the final chunk went out
 
+
+_COROUTINE = types.CoroutineType  # what a server's ``async def send`` returns
 
 _LOOK_AGAIN = 0.002  # a line held beside a relayed send that is out: look again this soon
 
@@ -120,7 +122,12 @@ class Heartbeats:
             return await self.app(scope, receive, send)
         # The stream's life, in this frame (a waiting stream holds one frame less).
         stream = _Stream(self, scope, receive, send, accept)
-        stream.begin()
+        # It listens for state events and takes its place in the keepalive timer.
+        # Nothing is timed for a request that is over before anything could be due:
+        # the stream goes live when the commit (or the first keepalive) could fall due.
+        stream.req.subscribe(stream.on_event)
+        first_due = self.first_due
+        stream.entry = deadlines.schedule_at(stream.started + first_due, stream.due, lane=first_due)
         try:
             await self.app(scope, stream.receive, stream.send)
         except asyncio.CancelledError:
@@ -131,7 +138,7 @@ class Heartbeats:
         else:
             # Only a live stream can have committed our own response or hold the
             # lock here: otherwise there is nothing to finish.
-            if stream.out.live:
+            if stream.live:
                 await stream.finish()
         finally:
             writer = stream.close()
@@ -139,27 +146,118 @@ class Heartbeats:
                 await asyncio.wait([writer])
 
 
-class _Writer:
-    """Heartbeats' own writes to one caller, shaped as sse-starlette's ``_ping``: a lock
-    that every write of ours and every relayed chunk that needs one takes, and an
-    ``active`` flag that stops our writes for good.
+# Marks a write being run at once (never awaited or cancelled: it is done before the
+# loop runs anything else).
+_AT_ONCE: Any = object()
 
-    ``relaying``: a relayed chunk's send is out, sent by :meth:`_Stream._relay`, which
-    clears it when the send is back; ``flight``: the server's own send coroutine for the
-    last chunk passed on as is (the hot path adds no coroutine of its own). While either is
-    out (:meth:`sending`) no line of ours may go in.
-    ``writing``: our own lines are being sent under the lock; a relayed chunk then takes
-    the lock too. ``task``: the write the timer started (at most one), owned by the request.
+
+class _Stream:
+    """One streaming request, as Heartbeats sees it. Its facts:
+
+    - the response: ``phase`` (waiting, relaying the app's event stream, our own,
+      passing through, done), ``inner_started``, ``observer`` (our own, used alone),
+      ``late`` (a non-stream answer after our own commit);
+    - what is owed: ``queue`` (state lines), ``keepalive_due`` (a keepalive held back
+      for a boundary), ``rearm_after`` (time the next one once it is out); whether a
+      line is owed at a given time is :meth:`_owed`, whether it can go in :meth:`_can_write`;
+    - the output's tail: ``last`` (the last relayed chunk: a CR an LF may complete; empty
+      when our own lines were last, a boundary), ``last_output`` (when: read only while
+      keepalives can follow, so not set by the final chunk);
+    - what the request says of streaming: ``accept`` (its Accept header), else its
+      body's ``"stream": true`` (``parts`` kept up to ``SNIFF_LIMIT`` bytes while the
+      body arrives, ``body_done``, parsed once into ``sniffed``); ``awaiting``: a
+      commit waits for the body to say;
+    - ``entry``, its next commit or keepalive on the scheduler (from ``started``), ``gone``
+      (the request is over or the caller left);
+    - its own writes to the caller, shaped as sse-starlette's ``_ping``: ``lock``, which
+      every write of ours and every relayed chunk that needs one takes (made when the
+      stream goes ``live``, its first due time: until then no one else writes), and
+      ``active``, False for good once a write of ours failed. ``relaying``: a relayed
+      chunk's send is out, sent by :meth:`_relay`; ``flight``: the server's own send
+      coroutine for the last chunk passed on as is (the hot path adds no coroutine of its
+      own). While either is out (:meth:`sending`) no line of ours may go in. ``writing``:
+      our own lines are being sent under the lock (a relayed chunk then takes the lock
+      too); ``task``: the write the timer started (at most one), owned by the request.
     """
 
-    __slots__ = ("active", "flight", "live", "lock", "relaying", "task", "writing")
+    # Thousands of these may wait at once: slots keep each one small (the writer's
+    # fields are here too: an object and a frame less per request).
+    __slots__ = (
+        "_receive",
+        "_send",
+        "accept",
+        "active",
+        "awaiting",
+        "body_done",
+        "body_size",
+        "context",
+        "entry",
+        "flight",
+        "gone",
+        "hb",
+        "inner_started",
+        "keepalive_due",
+        "last",
+        "last_output",
+        "late",
+        "live",
+        "lock",
+        "observer",
+        "parts",
+        "path",
+        "phase",
+        "queue",
+        "rearm_after",
+        "relaying",
+        "req",
+        "said_generating",
+        "sniffed",
+        "span",
+        "started",
+        "task",
+        "writing",
+    )
 
-    def __init__(self) -> None:
-        # Made when the stream goes live (its first due time): until then no one
-        # else writes, and no one waits.
+    def __init__(
+        self, hb: Heartbeats, scope: Scope, receive: Receive, send: Send, accept: bool
+    ) -> None:
+        self.hb = hb
+        self._receive = receive
+        self._send = send
+        req: TierRequest | None = scope.get(SCOPE_KEY)
+        if req is None:  # (the usual case: Heartbeats is outermost, the request starts here)
+            req = scope[SCOPE_KEY] = TierRequest()  # (TierRequest.of, inline)
+            self.started = req.started  # the same clock reading, read once
+        else:
+            self.started = clock.now()
+        self.req = req
+        self.path: str = scope.get("path", "")
+        # What the request says of streaming: its Accept header, else its body's
+        # "stream": true, watched as the inner app reads it (``parts``: None, not kept).
+        self.accept = accept
+        self.body_done = False
+        self.awaiting = False  # a commit waits for the body to say
+        self.parts: list[bytes] | None = None if accept else []
+        self.body_size = 0
+        self.sniffed: bool | None = None
+        self.phase = _WAITING
+        self.entry: deadlines.Deadline | None = None  # its next commit or keepalive
+        self.context = contextvars.copy_context()  # the request's: for that write
+        self.rearm_after = False  # a held-back keepalive went out: time the next one
+        self.queue: list[StateEvent] = []  # at most hb.max_queued, the oldest dropped
+        self.last = b""  # the last relayed chunk (whole events); b"": our own lines were last
+        self.keepalive_due = False
+        self.last_output = self.started
+        self.gone = False
+        self.observer: Observer | None = None  # alone (no Failover inside): our own
+        self.said_generating = False
+        self.late: LateAnswer | None = None  # own phase: a non-stream answer being collected
+        self.inner_started = False
+        self.span = current_span()
+        # The writer (see the class docstring).
         self.lock: asyncio.Lock | contextlib.nullcontext[None] = _NO_LOCK
         self.live = False
-        self.active = True  # False once a write of ours failed: no more of them
+        self.active = True
         self.relaying = False
         self.flight: types.CoroutineType[Any, Any, Any] | None = None
         self.writing = False
@@ -182,88 +280,6 @@ class _Writer:
         self.live = True
         self.lock = asyncio.Lock()
 
-
-# Marks a write being run at once (never awaited or cancelled: it is done before the
-# loop runs anything else).
-_AT_ONCE: Any = object()
-
-
-class _Stream:
-    """One streaming request, as Heartbeats sees it. Its facts:
-
-    - the response: ``phase`` (waiting, relaying the app's event stream, our own,
-      passing through, done), ``inner_started``, ``observer`` (our own, used alone),
-      ``late`` (a non-stream answer after our own commit);
-    - what is owed: ``queue`` (state lines), ``keepalive_due`` (a keepalive held back
-      for a boundary), ``rearm_after`` (time the next one once it is out); whether a
-      line is owed at a given time is :meth:`_owed`, whether it can go in :meth:`_can_write`;
-    - the output's tail: ``last`` (the last relayed chunk: a CR an LF may complete),
-      ``after_own`` (our lines were last: a boundary), ``last_output`` (when);
-    - ``body``: what the request says of streaming (its Accept header, its body's
-      ``"stream": true``);
-    - ``entry``, its next commit or keepalive on the scheduler (from ``started``), ``gone``
-      (the request is over or the caller left), and ``out``, the one writer.
-    """
-
-    # Thousands of these may wait at once: slots keep each one small.
-    __slots__ = (
-        "_receive",
-        "_send",
-        "after_own",
-        "body",
-        "context",
-        "entry",
-        "gone",
-        "hb",
-        "inner_started",
-        "keepalive_due",
-        "last",
-        "last_output",
-        "late",
-        "observer",
-        "out",
-        "path",
-        "phase",
-        "queue",
-        "rearm_after",
-        "req",
-        "said_generating",
-        "span",
-        "started",
-    )
-
-    def __init__(
-        self, hb: Heartbeats, scope: Scope, receive: Receive, send: Send, accept: bool
-    ) -> None:
-        self.hb = hb
-        self._receive = receive
-        self._send = send
-        req: TierRequest | None = scope.get(SCOPE_KEY)
-        if req is None:  # (the usual case: Heartbeats is outermost, the request starts here)
-            req = TierRequest.of(scope)
-            self.started = req.started  # the same clock reading, read once
-        else:
-            self.started = clock.now()
-        self.req = req
-        self.path: str = scope.get("path", "")
-        self.body = StreamRequest(accept)
-        self.phase = _WAITING
-        self.out = _Writer()  # Heartbeats' own writes to the caller
-        self.entry: deadlines.Deadline | None = None  # its next commit or keepalive
-        self.context = contextvars.copy_context()  # the request's: for that write
-        self.rearm_after = False  # a held-back keepalive went out: time the next one
-        self.queue: list[StateEvent] = []  # at most hb.max_queued, the oldest dropped
-        self.last = b""  # the last relayed chunk (whole events): is a CR pending?
-        self.after_own = True  # the last bytes written are our own lines: a boundary
-        self.keepalive_due = False
-        self.last_output = self.started
-        self.gone = False
-        self.observer: Observer | None = None  # alone (no Failover inside): our own
-        self.said_generating = False
-        self.late: LateAnswer | None = None  # own phase: a non-stream answer being collected
-        self.inner_started = False
-        self.span = current_span()
-
     # -- the request ---------------------------------------------------------
 
     def wire(self) -> str:
@@ -278,16 +294,19 @@ class _Stream:
         """
         if not allows_comments(self.req.wire or recognise(self.path)):  # (self.wire())
             return False
-        if self.body.accept:
+        if self.accept:
             return True
         if self.req.streaming is not None:
             return self.req.streaming
-        return self.body.says_stream()
+        if self.sniffed is None and self.body_done:  # parsed once, when complete
+            parts, self.parts = self.parts, None
+            self.sniffed = parts is not None and says_stream(parts)
+        return self.sniffed
 
     def receive(self) -> Awaitable[Message]:
         """The inner app's receive: watched while the body arrives (it may say
         "stream"), then the host's own (no frame of ours for a waiting stream)."""
-        if self.body.done:
+        if self.body_done:
             return self._receive()
         return self._receive_body()
 
@@ -295,10 +314,20 @@ class _Stream:
         message = await self._receive()
         kind = message["type"]
         if kind == "http.request":
-            body = self.body
-            if body.add(message) and body.awaiting:
-                body.awaiting = False
-                self._kick()
+            if not self.body_done:
+                chunk = message.get("body", b"")
+                parts = self.parts
+                if chunk and parts is not None:
+                    size = self.body_size = self.body_size + len(chunk)
+                    if size > SNIFF_LIMIT:
+                        self.parts = None
+                    else:
+                        parts.append(chunk)
+                if not message.get("more_body", False):
+                    self.body_done = True
+                    if self.awaiting:
+                        self.awaiting = False
+                        self._kick()
         elif kind == "http.disconnect":
             self.gone = True
         return message
@@ -307,13 +336,17 @@ class _Stream:
         if self.phase >= _PASS:
             return
         queue = self.queue
-        if queue and queue[-1].get("state") == event.get("state") == "still_working":
+        if (
+            queue
+            and event.get("state") == "still_working"
+            and queue[-1].get("state") == "still_working"
+        ):
             queue[-1] = event  # a newer "still working" replaces the one not yet shown
         else:
             queue.append(event)
             if len(queue) > self.hb.max_queued:
                 del queue[0]
-        if self.out.live and self.phase != _WAITING:
+        if self.live and self.phase != _WAITING:
             self._kick()
 
     # -- writing ---------------------------------------------------------------
@@ -340,13 +373,7 @@ class _Stream:
         return bool(self.queue) or self.keepalive_due
 
     def _at_boundary(self) -> bool:
-        return self.after_own or self.last[-1:] != b"\r"
-
-    def _boundary_before(self, chunk: bytes) -> bool:
-        if self.after_own:
-            return True
-        # After a CR, an LF would complete that line ending: not a boundary then.
-        return not (self.last[-1:] == b"\r" and chunk.startswith(b"\n"))
+        return self.last[-1:] != b"\r"  # (our own lines last: b"", a boundary)
 
     async def _write(self, data: bytes, *, more: bool = True) -> None:
         if not more:
@@ -363,7 +390,7 @@ class _Stream:
         self.phase = _OWN
         log_event("stream.committed", waited_s=round(clock.now() - self.started, 3))
         await self._write(self._lines())
-        self.after_own = True
+        self.last = b""  # our own lines were last: a boundary
 
     async def _finish_own(self, event: bytes) -> None:
         """End our own stream with ``event`` (an error event, or a whole late answer)."""
@@ -376,13 +403,12 @@ class _Stream:
 
     def send(self, message: Message) -> Awaitable[None]:
         """The inner app's send. A relayed chunk with nothing to add goes straight on."""
-        phase = self.phase
-        if phase == _RELAY:
+        if self.phase == _RELAY:
             if message["type"] == "http.response.body" and not (
-                self.out.writing or self.keepalive_due or self.observer is not None
+                self.writing or self.keepalive_due or self.observer is not None
             ):
-                # The hot path, with no coroutine and no lock of ours: the writer sees the
-                # send out (``_Writer.sending``) and holds its lines until it is back; a
+                # The hot path, with no coroutine and no lock of ours: the timer sees the
+                # send out (:meth:`sending`) and holds its lines until it is back; a
                 # chunk arriving while our own lines are written takes the lock
                 # (``_send_slow``).
                 if self.queue:
@@ -394,55 +420,55 @@ class _Stream:
                     if relayed is None:
                         return nothing_sent()
                     message = relayed
+                    if self.phase != _DONE:
+                        self.last_output = clock.now()
                 else:
                     chunk: bytes = message.get("body", b"")
                     if chunk:
                         self.last = chunk
-                        self.after_own = False
-                        if not message.get("more_body", False):
+                        if message.get("more_body", False):
+                            self.last_output = clock.now()  # the next keepalive's time
+                        else:
+                            # The end: no clock read, nothing reads last_output after it.
                             self.phase = _DONE
                     elif message.get("more_body", False):
                         return nothing_sent()
                     else:
                         self.phase = _DONE
-                self.last_output = clock.now()
                 sending = self._send(message)
-                if type(sending) is not types.CoroutineType:
+                if type(sending) is not _COROUTINE:
                     return self._relay(sending)  # a server whose send is not a coroutine
-                self.out.flight = sending
+                self.flight = sending
                 return sending
-        elif phase == _WAITING:
-            if message["type"] == "http.response.start" and not self.out.live:
+            return self._send_slow(message)
+        phase = self.phase
+        if phase == _WAITING:
+            if message["type"] == "http.response.start" and not self.live:
                 # The inner app's start before the stream went live (most requests): no one
-                # else writes yet, so no lock; the send goes on as the hot path's does.
-                started = self._started(message)  # (a message: it was waiting)
-                return self._flight(started)
+                # else writes yet, so no lock; the send goes on as the hot path's does,
+                # marked as out (``flight``) until the server's send coroutine is done.
+                started = self._started(message)
+                assert started is not None  # (a message: it was waiting)
+                sending = self._send(started)
+                if type(sending) is not _COROUTINE:
+                    return self._relay(sending)  # a server whose send is not a coroutine
+                self.flight = sending
+                return sending
         elif phase == _PASS:
             return self._send(message)  # not ours: untouched, no frame of ours
         return self._send_slow(message)
 
-    def _flight(self, message: Message | None) -> Awaitable[None]:
-        """Send a start on with no frame of ours, marked as out (``_Writer.flight``) until
-        the server's send coroutine is done, as the hot path does a chunk."""
-        assert message is not None
-        sending = self._send(message)
-        if type(sending) is not types.CoroutineType:
-            return self._relay(sending)  # a server whose send is not a coroutine
-        self.out.flight = sending
-        return sending
-
     async def _relay(self, sending: Awaitable[None], *, body: bool = False) -> None:
         """Await a relayed message's send, marked as out until it is back (a line that
         fell due meanwhile is written then)."""
-        out = self.out
-        out.relaying = True
+        self.relaying = True
         try:
             await sending
             if body:
                 self._after_send()
         finally:
-            out.relaying = False
-            if out.live and (self.keepalive_due or self.queue):
+            self.relaying = False
+            if self.live and (self.keepalive_due or self.queue):
                 self._kick()  # a line was held back while this send was out
 
     async def _send_slow(self, message: Message) -> None:
@@ -452,8 +478,8 @@ class _Stream:
             return
         kind = message["type"]
         if kind == "http.response.start":
-            if self.out.live:
-                async with self.out.lock:
+            if self.live:
+                async with self.lock:
                     out = self._started(message)
                     if out is not None:
                         await self._relay(self._send(out))
@@ -463,7 +489,7 @@ class _Stream:
             if out is not None:
                 await self._relay(self._send(out))
         elif kind == "http.response.body":
-            if self.phase == _RELAY and not self.out.writing:
+            if self.phase == _RELAY and not self.writing:
                 # As in the hot path, with state lines or detection to do.
                 out = self._relayed(message)
                 if out is not None:
@@ -479,19 +505,21 @@ class _Stream:
         self.inner_started = True
         status = int(message["status"])
         headers = message.get("headers", ())
-        chained = self.req.observer if self.req.in_chain else None  # it has read the headers
+        in_chain = self.req.in_chain
+        chained = self.req.observer if in_chain else None  # it has read the headers
         sse = 200 <= status < 300 and (
             chained.sse if chained is not None else is_event_stream(headers)
         )
-        if sse and not self.req.in_chain and self.phase in (_WAITING, _OWN):
+        phase = self.phase
+        if sse and not in_chain and phase in (_WAITING, _OWN):
             self.observer = Observer(wire=self.wire())  # alone: we pass on whole events
             self.observer.start(status, list(headers))
-        if self.phase == _WAITING:
+        if phase == _WAITING:
             if sse and self.streaming():
                 self.phase = _RELAY
                 # State lines change the body's length: the server frames it.
                 # (Inside a Failover, its commit has already dropped the length.)
-                if not self.req.in_chain:
+                if not in_chain:
                     message = {
                         **message,
                         "headers": [(k, v) for k, v in headers if k.lower() != b"content-length"],
@@ -499,18 +527,18 @@ class _Stream:
             else:
                 self.phase = _PASS
                 self.queue.clear()
-            if self.out.live:  # it waited for the commit: time its keepalives instead
+            if self.live:  # it waited for the commit: time its keepalives instead
                 if self.entry is not None:
                     deadlines.cancel(self.entry)
                     self.entry = None
                 self._rearm()
             return message
-        if self.phase == _OWN and not sse:
+        if phase == _OWN and not sse:
             self.late = LateAnswer(status)  # its body becomes one event
         return None
 
     async def _on_body(self, message: Message) -> None:
-        async with self.out.lock:
+        async with self.lock:
             phase = self.phase
             if phase == _DONE:
                 return
@@ -553,16 +581,19 @@ class _Stream:
         if not (self.queue or self.keepalive_due):
             if chunk:
                 self.last = chunk
-                self.after_own = False
             if not more:
                 self.phase = _DONE
             return message
         out = b""
-        if chunk and self._boundary_before(chunk):
-            out = self._lines()
         if chunk:
+            # After a CR, an LF would complete that line ending: not a boundary then.
+            if not (chunk[:1] == b"\n" and self.last[-1:] == b"\r"):
+                if self.keepalive_due or not self.queue:
+                    out = self._lines()
+                else:  # state lines only (most requests' first chunk): _lines, inline
+                    events, self.queue = self.queue, []
+                    out = state_lines(events, self.span)
             self.last = chunk
-            self.after_own = False
         out += chunk
         if more and (self.queue or self.keepalive_due) and self._at_boundary():  # (_pending)
             out += self._lines()  # a state line or keepalive that waited for this boundary
@@ -579,9 +610,8 @@ class _Stream:
         now = clock.now() + EARLY
         if self.gone or self.phase >= _PASS:
             return
-        out = self.out
-        if not out.live:
-            out.go_live()
+        if not self.live:
+            self.go_live()
         hb = self.hb
         if self.phase == _WAITING:
             streaming = self.streaming()
@@ -591,14 +621,14 @@ class _Stream:
             if now < commit_at:
                 self.entry = deadlines.schedule_at(commit_at, self.due)
             elif streaming is None:
-                self.body.awaiting = True  # receive() starts the commit
+                self.awaiting = True  # receive() starts the commit
             else:
                 self._kick()
             return
         if not self._owed(now):
             if hb.interval > 0:  # (0: no keepalives)
                 self.entry = deadlines.schedule_at(self.last_output + hb.interval, self.due)
-        elif out.task is None and self._can_write(now):
+        elif self.task is None and self._can_write(now):
             self._kick(at_once=True)
         # Otherwise a write under way times the next keepalive when done, or the line
         # waits for the relayed send's return or the next event boundary.
@@ -617,7 +647,7 @@ class _Stream:
         """Can our lines go in now? Not beside a relayed send that is still out (the
         timer looks again soon), nor inside an event (the next boundary takes them): a
         keepalive that fell due meanwhile is marked ``keepalive_due``."""
-        sending = self.out.sending()
+        sending = self.sending()
         if not sending and self._at_boundary():
             return True
         if self._quiet(now):
@@ -634,21 +664,20 @@ class _Stream:
         context, and make a task only if it has to wait (a slow reader, the lock):
         a keepalive to a reader keeping up costs no task and no extra loop turn.
         """
-        out = self.out
-        if out.task is not None or self.gone or not out.active or self.phase >= _PASS:
+        if self.task is not None or self.gone or not self.active or self.phase >= _PASS:
             return
         if not at_once:
             loop = asyncio.get_running_loop()
-            out.task = loop.create_task(self._write_owed(), name=TASK_NAME, context=self.context)
+            self.task = loop.create_task(self._write_owed(), name=TASK_NAME, context=self.context)
             return
-        out.task = _AT_ONCE  # (so nothing starts a second write meanwhile)
+        self.task = _AT_ONCE  # (so nothing starts a second write meanwhile)
         try:
             task = start_eagerly(self._write_owed(), name=TASK_NAME, context=self.context)
         except BaseException:
-            out.task = None
+            self.task = None
             raise
-        if task is not None:  # (done at once: it cleared out.task itself)
-            out.task = task
+        if task is not None:  # (done at once: it cleared self.task itself)
+            self.task = task
 
     def _rearm(self) -> None:
         """Put the stream back in the timer for its next keepalive."""
@@ -659,7 +688,7 @@ class _Stream:
             and interval > 0
             and not self.keepalive_due
             and not self.gone
-            and self.out.active
+            and self.active
             and self.phase in (_RELAY, _OWN)
         ):
             # Mostly right after an output: now plus the interval, in the FIFO's order.
@@ -667,9 +696,8 @@ class _Stream:
 
     async def _write_owed(self) -> None:
         """Write what is due: our own commit, state lines, a keepalive."""
-        out = self.out
         try:
-            async with out.lock:
+            async with self.lock:
                 while not self.gone:
                     # With the timer's tolerance: it calls what falls due before its
                     # next wake due now, and a stream it woke must not be dropped.
@@ -688,31 +716,22 @@ class _Stream:
                         break
                     if not self._can_write(now):
                         break
-                    out.writing = True
+                    self.writing = True
                     try:
                         await self._write(self._lines())
-                        self.after_own = True
+                        self.last = b""  # our own lines were last: a boundary
                     finally:
-                        out.writing = False
+                        self.writing = False
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a broken write must not break the request
             log_event("stream.heartbeat_failed", level=30, error=repr(exc))
-            out.active = False
+            self.active = False
         finally:
-            out.task = None
+            self.task = None
         self._rearm()
 
     # -- the request's life ----------------------------------------------------------
-
-    def begin(self) -> None:
-        """Listen for state events and take a place in the keepalive timer."""
-        self.req.subscribe(self.on_event)
-        # Nothing is timed for a request that is over before anything could be due:
-        # the stream goes live when the commit (or the first keepalive) could fall due.
-        hb = self.hb
-        first_due = hb.first_due
-        self.entry = deadlines.schedule_at(self.started + first_due, self.due, lane=first_due)
 
     def close(self) -> asyncio.Task[Any] | None:
         """The request is over: nothing more is due. Returns a writer to wait for, if any."""
@@ -721,7 +740,7 @@ class _Stream:
         if self.entry is not None:
             deadlines.cancel(self.entry)
             self.entry = None
-        task = self.out.task
+        task = self.task
         if task is not None and task is not _AT_ONCE:
             task.cancel()
             return task
@@ -737,7 +756,7 @@ class _Stream:
         that waits on that same caller)."""
         if isinstance(failed, CallerStalled):
             return
-        async with FinalWrites(self.req), self.out.lock:
+        async with FinalWrites(self.req), self.lock:
             if self.phase != _OWN or self.gone:
                 return
             wire = self.wire()
