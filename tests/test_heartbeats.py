@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from tierchain import Backend, Failover, Forwarder, Heartbeats, Routes, TierRequest
 from tierchain._runtime import clock as runtime_clock
 from tierchain._runtime import deadlines
+from tierchain.heartbeats import KEEPALIVE_SLACK
 
 from .support import (
     Exchange,
@@ -784,6 +785,57 @@ async def test_many_waiting_streams_share_one_timer_and_no_task_while_they_wait(
         assert out[0] == b': {"state":"waiting"}\n'
         assert out[1:4] == [b': {"state":"waiting"}\n'] * 3
     assert tierchain_tasks() == []
+
+
+@on_virtual_time
+async def test_keepalives_due_close_together_share_one_wake_and_none_comes_late():
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await release.wait()
+
+    written: list[list[float]] = [[] for _ in range(3)]
+
+    def sender(times: list[float]) -> Any:
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                times.append(now())
+
+        return send
+
+    async def receive() -> dict[str, Any]:
+        await release.wait()
+        return {"type": "http.disconnect"}
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/",
+        "headers": [(b"accept", b"text/event-stream")],
+    }
+    interval = 10.0
+    hb = Heartbeats(app, interval=interval, commit_after=1.0)
+    assert hb.slack == interval * KEEPALIVE_SLACK == 0.2
+    t0 = now()
+    requests = []
+    # Three streams committed at 1.0, 1.1 and 1.5 s: the first two keepalives are due within
+    # the slack of each other, the third is not.
+    for at, times in zip((0.0, 0.1, 0.5), written, strict=True):
+        await asyncio.sleep(at - (now() - t0))
+        requests.append(asyncio.create_task(hb(dict(scope), receive, sender(times))))
+    try:
+        await asyncio.sleep(1.5 + 2 * interval + 0.5)
+    finally:
+        release.set()
+        await asyncio.wait(requests)
+    # (the commit's line, two keepalives; then the end of each stream at the release)
+    first, second, third = ([round(t - t0, 6) for t in times[:3]] for times in written)
+    assert first == [1.0, 11.0, 21.0]  # alone at each wake: on time
+    assert second == [1.1, 11.0, 21.0]  # with the first's wake, 0.1 s early (within 0.2)
+    assert third == [1.5, 11.5, 21.5]  # beyond the slack: a wake of its own, on time
+    for times in written:
+        gaps = [b - a for a, b in itertools.pairwise(times[:3])]
+        assert all(gap <= interval + 1e-9 for gap in gaps)  # never late: silence <= interval
 
 
 @on_virtual_time

@@ -81,6 +81,11 @@ _LOOK_AGAIN = 0.002  # a line held beside a relayed send that is out: look again
 MIN_INTERVAL = 0.02
 """The shortest keepalive interval: at most 50 keepalive lines a second per stream."""
 
+KEEPALIVE_SLACK = 1 / 50
+"""A keepalive may go out this share of ``interval`` early, at a wake the loop makes for
+another stream's: a thousand parked streams' keepalives then share a few wakes a second
+instead of one each. A stream's silence never lasts longer than ``interval``."""
+
 
 class Heartbeats:
     """Turn state events into SSE comment lines and keep a quiet stream alive.
@@ -109,6 +114,9 @@ class Heartbeats:
             raise ValueError(f"interval must be 0 (off) or >= {MIN_INTERVAL}s, got {interval!r}")
         self.commit_after = duration("commit_after", commit_after, allow_zero=True)
         self.max_queued = count("max_queued", max_queued)
+        # How early a keepalive may go, to share a wake (never less than the scheduler's
+        # tolerance: EARLY, which every other due time here is judged with).
+        self.slack = max(EARLY, self.interval * KEEPALIVE_SLACK)
         # When a stream's commit or first keepalive could first fall due.
         self.first_due = (
             min(self.commit_after, self.interval) if self.interval > 0 else self.commit_after
@@ -604,12 +612,12 @@ class _Stream:
     # -- the keepalive timer ------------------------------------------------------
 
     def due(self) -> None:
-        """The scheduler's call: this stream's commit or keepalive may be due (within
-        the scheduler's tolerance, ``EARLY``)."""
+        """The scheduler's call: this stream's commit may be due (within the scheduler's
+        tolerance, ``EARLY``), or its keepalive (within ``slack``)."""
         self.entry = None
-        now = clock.now() + EARLY
         if self.gone or self.phase >= _PASS:
             return
+        now = clock.now() + EARLY
         if not self.live:
             self.go_live()
         hb = self.hb
@@ -625,9 +633,12 @@ class _Stream:
             else:
                 self._kick()
             return
+        now += hb.slack - EARLY
         if not self._owed(now):
             if hb.interval > 0:  # (0: no keepalives)
-                self.entry = deadlines.schedule_at(self.last_output + hb.interval, self.due)
+                self.entry = deadlines.schedule_at(
+                    self.last_output + hb.interval, self.due, lane=hb.interval, slack=hb.slack
+                )
         elif self.task is None and self._can_write(now):
             self._kick(at_once=True)
         # Otherwise a write under way times the next keepalive when done, or the line
@@ -691,8 +702,11 @@ class _Stream:
             and self.active
             and self.phase in (_RELAY, _OWN)
         ):
-            # Mostly right after an output: now plus the interval, in the FIFO's order.
-            self.entry = deadlines.schedule_at(self.last_output + interval, self.due, lane=interval)
+            # Mostly right after an output: now plus the interval, in the FIFO's order (a
+            # loose lane: it may go with another stream's, up to slack early).
+            self.entry = deadlines.schedule_at(
+                self.last_output + interval, self.due, lane=interval, slack=self.hb.slack
+            )
 
     async def _write_owed(self) -> None:
         """Write what is due: our own commit, state lines, a keepalive."""
@@ -701,8 +715,9 @@ class _Stream:
                 while not self.gone:
                     # With the timer's tolerance: it calls what falls due before its
                     # next wake due now, and a stream it woke must not be dropped.
-                    now = clock.now() + EARLY
+                    now = clock.now()
                     if self.phase == _WAITING:
+                        now += EARLY
                         if not self.streaming():
                             break
                         commit_at = self.started + self.hb.commit_after
@@ -712,6 +727,7 @@ class _Stream:
                             # Not yet: back in line.
                             self.entry = deadlines.schedule_at(commit_at, self.due)
                         break
+                    now += self.hb.slack  # (a keepalive: within the slack it was woken with)
                     if self.phase not in (_RELAY, _OWN) or not self._owed(now):
                         break
                     if not self._can_write(now):
