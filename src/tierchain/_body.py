@@ -11,10 +11,7 @@ backend, and what was read is dropped).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Coroutine, Generator
 from datetime import timedelta
-from types import CoroutineType
-from typing import Any
 
 from ._checks import duration
 from ._head import refuse_request
@@ -62,23 +59,6 @@ async def read_body(
             if declared > limit:
                 raise BodyTooLarge(limit)
             break
-    message: Message | None = None
-    first: Awaitable[Message] = receive()
-    if within is not None and type(first) is CoroutineType:
-        # A server most often holds the body already (a small one comes with the head):
-        # its first message is taken at once, and the deadline is armed only when the
-        # reading must wait or go on, in this same step (so it falls due as it did).
-        try:
-            waiting_on = first.send(None)
-        except StopIteration as done:
-            message = done.value
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                chunk: bytes = message.get("body", b"")  # the whole body, in one message
-                if len(chunk) > limit:
-                    raise BodyTooLarge(limit) from None
-                return chunk or b""
-        else:
-            first = _Resumed(first, waiting_on)
     late: Interruption | None = None
     entry: deadlines.Deadline | None = None
     if within is not None:
@@ -90,22 +70,21 @@ async def read_body(
     parts: list[bytes] = []
     size = 0
     try:
-        if message is None:
-            message = await first
         while True:
+            message: Message = await receive()
             kind = message["type"]
             if kind == "http.disconnect":
                 raise CallerGone
-            if kind == "http.request":
-                chunk = message.get("body", b"")
-                if chunk:
-                    size += len(chunk)
-                    if size > limit:
-                        raise BodyTooLarge(limit)
-                    parts.append(chunk)
-                if not message.get("more_body", False):
-                    return parts[0] if len(parts) == 1 else b"".join(parts)
-            message = await receive()
+            if kind != "http.request":
+                continue
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(limit)
+                parts.append(chunk)
+            if not message.get("more_body", False):
+                return parts[0] if len(parts) == 1 else b"".join(parts)
     except asyncio.CancelledError:
         if late is None or not late.ours():
             raise
@@ -113,37 +92,6 @@ async def read_body(
     finally:
         if entry is not None:
             deadlines.cancel(entry)
-
-
-class _Resumed:
-    """The rest of a coroutine stepped once by hand, its first yield in hand: awaited, it
-    goes on as ``await`` would have gone on with it (what it yields goes up to the task,
-    what the task sends or throws goes down to it)."""
-
-    __slots__ = ("_coroutine", "_yielded")
-
-    def __init__(self, coroutine: Coroutine[Any, Any, Message], yielded: Any) -> None:
-        self._coroutine = coroutine
-        self._yielded = yielded
-
-    def __await__(self) -> Generator[Any, Any, Message]:
-        coroutine, yielded = self._coroutine, self._yielded
-        while True:
-            try:
-                sent = yield yielded
-            except GeneratorExit:
-                coroutine.close()
-                raise
-            except BaseException as exc:  # (a cancellation, most often): thrown in
-                try:
-                    yielded = coroutine.throw(exc)
-                except StopIteration as done:
-                    return done.value  # type: ignore[no-any-return]
-            else:
-                try:
-                    yielded = coroutine.send(sent)
-                except StopIteration as done:
-                    return done.value  # type: ignore[no-any-return]
 
 
 async def read_or_refuse(
