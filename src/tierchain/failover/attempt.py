@@ -152,8 +152,7 @@ class Responder:
             chunk: bytes = message.get("body", b"")
             more = message.get("more_body", False)
             if (
-                more
-                and observer.sse
+                observer.sse
                 and chunk.endswith(b"\n\n")
                 and chunk.startswith(b"data:")
                 and not observer.pending
@@ -165,10 +164,12 @@ class Responder:
                 observer.last_event_at = clock.now()
                 observer.data_events += 1
                 observer._previous, observer._last = observer._last, chunk
-                if self.kept is not None:
-                    self.kept.append(chunk)
-                return self._send(message)
-            if observer.sse or observer.ndjson:
+                if more:
+                    if self.kept is not None:
+                        self.kept.append(chunk)
+                    return self._send(message)
+                out = chunk
+            elif observer.sse or observer.ndjson:
                 try:
                     out = observer.body(chunk)
                 except StreamError as exc:
@@ -184,24 +185,25 @@ class Responder:
                     return self._send(
                         {"type": "http.response.body", "body": out, "more_body": True}
                     )
-                observer.end()
-                if observer.complete:
+            else:
+                observer.body(chunk)
+                if not more:
+                    observer.end()
                     self._guard.done = True
-                    return self._send(
-                        {"type": "http.response.body", "body": out, "more_body": False}
-                    )
-                # Truncated: the caller gets the events so far, then (from Failover, once
-                # the app returns) an error event, never a silently short answer.
-                if not out:
-                    return nothing_sent()
-                if self.kept is not None:
-                    self.kept.append(out)
-                return self._send({"type": "http.response.body", "body": out, "more_body": True})
-            observer.body(chunk)
-            if not more:
-                observer.end()
+                return self._send(message)
+            observer.end()
+            if observer.complete:
                 self._guard.done = True
-            return self._send(message)
+                if out is chunk:
+                    return self._send(message)  # the last events as they came
+                return self._send({"type": "http.response.body", "body": out, "more_body": False})
+            # Truncated: the caller gets the events so far, then (from Failover, once
+            # the app returns) an error event, never a silently short answer.
+            if not out:
+                return nothing_sent()
+            if self.kept is not None:
+                self.kept.append(out)
+            return self._send({"type": "http.response.body", "body": out, "more_body": True})
         if message["type"] == "http.response.start" and not self.req.aborted:
             self._on_start(message)  # nothing to send yet: no coroutine of ours
             return nothing_sent()
