@@ -151,7 +151,25 @@ class Responder:
             observer = self.observer
             chunk: bytes = message.get("body", b"")
             more = message.get("more_body", False)
-            if observer.sse or observer.ndjson:
+            if (
+                observer.sse
+                and chunk.endswith(b"\n\n")
+                and chunk.startswith(b"data:")
+                and not observer.pending
+                and not observer.pending_cr
+                and observer.first_data_at is not None
+            ):
+                # The usual chunk: whole data events, nothing held, passed as is. This is
+                # Observer.body's first case, inline (a frame less per streamed chunk).
+                observer.last_event_at = clock.now()
+                observer.data_events += 1
+                observer._previous, observer._last = observer._last, chunk
+                if more:
+                    if self.kept is not None:
+                        self.kept.append(chunk)
+                    return self._send(message)
+                out = chunk
+            elif observer.sse or observer.ndjson:
                 try:
                     out = observer.body(chunk)
                 except StreamError as exc:
@@ -167,24 +185,25 @@ class Responder:
                     return self._send(
                         {"type": "http.response.body", "body": out, "more_body": True}
                     )
-                observer.end()
-                if observer.complete:
+            else:
+                observer.body(chunk)
+                if not more:
+                    observer.end()
                     self._guard.done = True
-                    return self._send(
-                        {"type": "http.response.body", "body": out, "more_body": False}
-                    )
-                # Truncated: the caller gets the events so far, then (from Failover, once
-                # the app returns) an error event, never a silently short answer.
-                if not out:
-                    return nothing_sent()
-                if self.kept is not None:
-                    self.kept.append(out)
-                return self._send({"type": "http.response.body", "body": out, "more_body": True})
-            observer.body(chunk)
-            if not more:
-                observer.end()
+                return self._send(message)
+            observer.end()
+            if observer.complete:
                 self._guard.done = True
-            return self._send(message)
+                if out is chunk:
+                    return self._send(message)  # the last events as they came
+                return self._send({"type": "http.response.body", "body": out, "more_body": False})
+            # Truncated: the caller gets the events so far, then (from Failover, once
+            # the app returns) an error event, never a silently short answer.
+            if not out:
+                return nothing_sent()
+            if self.kept is not None:
+                self.kept.append(out)
+            return self._send({"type": "http.response.body", "body": out, "more_body": True})
         if message["type"] == "http.response.start" and not self.req.aborted:
             self._on_start(message)  # nothing to send yet: no coroutine of ours
             return nothing_sent()
@@ -402,18 +421,25 @@ class Responder:
         req.committed = True
         elapsed = clock.now() - attempt.started
         labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(elapsed)
-        headers: Headers = self.start["headers"]
-        if observer.sse or observer.ndjson or (more_body and length is None):
-            # The length may change (a partial event dropped, an error event added,
-            # state lines put in front): let the server frame the body itself.
-            headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
-        elif _has_body(observer.status):
-            headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
-            headers.append(
-                (b"content-length", str(len(chunk) if length is None else length).encode())
-            )
-        # The gateway's own x-tierchain-* headers win: an upstream's never reach the caller.
-        headers = [(k, v) for k, v in headers if not k.lower().startswith(_OWN_HEADERS)]
+        # One pass over the headers: the gateway's own x-tierchain-* headers win (an
+        # upstream's never reach the caller), and the content-length goes where the length
+        # may change (a partial event dropped, an error event added, state lines put in
+        # front: the server then frames the body) or where this layer sets it.
+        unsized = observer.sse or observer.ndjson or (more_body and length is None)
+        if unsized or _has_body(observer.status):
+            headers: Headers = [
+                (k, v)
+                for k, v in self.start["headers"]
+                if (name := k.lower()) != b"content-length" and not name.startswith(_OWN_HEADERS)
+            ]
+            if not unsized:
+                headers.append(
+                    (b"content-length", str(len(chunk) if length is None else length).encode())
+                )
+        else:
+            headers = [
+                (k, v) for k, v in self.start["headers"] if not k.lower().startswith(_OWN_HEADERS)
+            ]
         backend = attempt.backend
         if backend.pool is None:
             trail = format_trail(req.attempts, (backend.name, self.outcome))
@@ -435,10 +461,20 @@ class Responder:
             self.kept = [chunk]
             req.continuable = True
         self._watch_caller()
-        await self._to_caller(self.start)
-        if not more_body:
-            self._guard.done = True
-        await self._to_caller({"type": "http.response.body", "body": chunk, "more_body": more_body})
+        # The start and the first chunk, as two of _to_caller's sends in one block: the
+        # caller's marks are the same (out from each send's start, back after the last).
+        req.caller_blocked_since = clock.now()
+        try:
+            await self._send(self.start)
+            if not more_body:
+                self._guard.done = True
+            req.caller_unblocked_at = req.caller_blocked_since = clock.now()
+            await self._send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+        except asyncio.CancelledError:
+            self._stalled()
+            raise
+        req.caller_blocked_since = None
+        req.caller_unblocked_at = clock.now()
 
     async def fail_after_commit(self, exc: BaseException, outcome: str) -> bool:
         """End a committed response after its attempt failed mid-way, or (True) leave it
@@ -498,13 +534,19 @@ class Responder:
         try:
             await self._send(message)
         except asyncio.CancelledError:
-            if not self.caller_cut or not own_abort(req):
-                raise
+            self._stalled()
+            raise
+        req.caller_blocked_since = None
+        req.caller_unblocked_at = clock.now()
+
+    def _stalled(self) -> None:
+        """In ``except CancelledError`` around a send to the caller: raise
+        :class:`CallerStalled` when it was the watch's cut (else the caller re-raises)."""
+        req = self.req
+        if self.caller_cut and own_abort(req):
             error = req.attempt_error
             assert isinstance(error, CallerStalled)
             raise error from None
-        req.caller_blocked_since = None
-        req.caller_unblocked_at = clock.now()
 
     def _watch_caller(self) -> None:
         """From the commit on: look every ``send_timeout`` for a send out that long.

@@ -114,6 +114,20 @@ DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
 _WAIT_POLL = 0.25  # how often the first in the waiting room looks again unwoken
 
 
+_PATH_WIRES: dict[bytes, str] = {}  # the wire format each routed path speaks, as recognised
+_PATH_WIRES_MAX = 256
+
+
+def _wire_of(path: bytes) -> str:
+    """:func:`recognise`'s word for ``path``, kept for the same few paths seen again and again."""
+    wire = _PATH_WIRES.get(path)
+    if wire is None:
+        if len(_PATH_WIRES) >= _PATH_WIRES_MAX:
+            _PATH_WIRES.clear()  # many distinct paths: start again, never grow
+        wire = _PATH_WIRES[path] = recognise(path)
+    return wire
+
+
 class Failover:
     """Own the chain: one call of the inner app per attempt, until one answers.
 
@@ -246,6 +260,12 @@ class Failover:
         self.resolve = resolve
         self.retry_statuses = frozenset(retry_statuses)
         self._known = ", ".join(sorted(self.routes))
+        # Each route's chain, and the wire formats set per route (else each request's path
+        # says), read once: a Routes does not change once made.
+        self._chains = {route: self.routes[route] for route in self.routes}
+        self._formats = {
+            route: wire for route in self.routes if (wire := self.routes.wire_format(route))
+        }
         self.admission = Admission(store, lease=lease)
         if pick is not None and not isinstance(pick, PickWeights):
             raise ValueError(f"pick must be a tierchain.picker.PickWeights, got {pick!r}")
@@ -297,9 +317,10 @@ class Failover:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            return await self.app(scope, receive, self._lifespan_send(send))
-        if scope["type"] != "http":
+        kind = scope["type"]
+        if kind != "http":
+            if kind == "lifespan":
+                return await self.app(scope, receive, self._lifespan_send(send))
             return await self.app(scope, receive, send)
         refused = self._head.problem(scope)
         if refused is not None:
@@ -317,18 +338,11 @@ class Failover:
             return  # answered 413 or 408, or the caller left
         req.body = body
         req.send_timeout = self.send_timeout
-        route = route_of(self.resolve, self.routes, self._known, scope, req, body)
+        route = route_of(self.resolve, self._chains, self._known, scope, req, body)
         if isinstance(route, Refusal):
             return await refuse_route(send, route, target.path)
-        plan = await self._chain(scope, req, route, target.path)
-        await self._serve(scope, receive, send, req, plan)
-
-    async def _chain(
-        self, scope: Scope, req: TierRequest, route: str, path: bytes
-    ) -> PoolPlan | None:
-        """Set the request's route, chain (reordered, pools gathered) and wire format.
-        Returns the plan of a chain with a pool or shared hardware, else None."""
-        chain = self.routes[route]
+        # The request's route, its chain (reordered, pools gathered) and its wire format.
+        chain = self._chains[route]
         for reorder in req.reorderers:
             chain = await reordered(route, chain, reorder)
         req.route = route
@@ -338,8 +352,8 @@ class Failover:
             plan = PoolPlan(req, self.picker, (caller_name(scope) or "").encode())
         req.chain = chain
         req.in_chain = True
-        req.wire = self.routes.wire_format(route) or recognise(path)
-        return plan
+        req.wire = self._formats.get(route) or _wire_of(target.path)
+        await self._serve(scope, receive, send, req, plan)
 
     async def _serve(
         self, scope: Scope, receive: Receive, send: Send, req: TierRequest, plan: PoolPlan | None
@@ -454,7 +468,12 @@ class Failover:
             # The exception's traceback holds this frame: let go of it, or the two would
             # wait for the garbage collector together.
             error = None
-            await self._ended(req, attempt, responder, recorded, plan)
+            if responder.race is None and plan is None:  # (no hedge, no pool: the usual)
+                lease = responder.end()
+                if lease is not None:
+                    await self._give_back(lease)
+            else:
+                await self._ended(req, attempt, responder, recorded, plan)
 
     def _cancelled(
         self, req: TierRequest, attempt: Attempt, responder: Responder, recorded: int
@@ -487,9 +506,13 @@ class Failover:
             first = responder.observer.first_data_at
             await plan.ended(req, attempt, responder.outcome, first, recorded)
         if lease is not None:
-            await self.admission.leave(lease)
-            if self.waiting is not None:
-                self.waiting.notify()  # a lease freed: the first in line looks
+            await self._give_back(lease)
+
+    async def _give_back(self, lease: Any) -> None:
+        """An attempt's in-flight lease given back (and the first in the waiting room told)."""
+        await self.admission.leave(lease)
+        if self.waiting is not None:
+            self.waiting.notify()  # a lease freed: the first in line looks
 
     async def _after(
         self,

@@ -9,12 +9,12 @@ it came, for the attempts after the first. See docs/failover.md.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 from .. import _json
 from .._types import Scope
-from ..backend import Backend, Routes
+from ..backend import Backend
 from ..errors import (
     ResolveError,
 )
@@ -41,10 +41,11 @@ def _scan_object(body: bytes) -> dict[str, Any] | None:
 
     The same parser as ``json.loads`` without its encoding detection and its
     Python-level wrappers; anything unusual (or wrong) is left to the loader
-    (:mod:`tierchain._json`), which bounds the depth and gives the error message.
+    (:func:`_loaded`), which bounds the depth and gives the error message.
     """
-    if body[:1] != b"{" or not _json.depth_ok(body):
-        return None  # the loader checks the depth of a text with many brackets
+    # (_json.depth_ok, inline: the loader checks the depth of a text with many brackets)
+    if body[:1] != b"{" or body.count(b"[") + body.count(b"{") > _json.MAX_DEPTH:
+        return None
     try:
         text = body.decode()
         data, end = _scan(text, 0)
@@ -55,10 +56,8 @@ def _scan_object(body: bytes) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _json_body(body: bytes) -> dict[str, Any]:
-    data = _scan_object(body)
-    if data is not None:
-        return data
+def _loaded(body: bytes) -> dict[str, Any]:
+    """A body the scanner alone did not read, by the loader (:mod:`tierchain._json`)."""
     try:
         data = _json.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
@@ -70,19 +69,22 @@ def _json_body(body: bytes) -> dict[str, Any]:
 
 def route_of(
     resolve: Resolver | None,
-    routes: Routes,
+    routes: Container[str],
     known: str,
     scope: Scope,
     req: TierRequest,
     body: bytes,
 ) -> str | Refusal:
-    """The request's route, or why it has none (the caller's 400 or 404); ``known``: the
-    routes' names, for the 404's message."""
+    """The request's route, or why it has none (the caller's 400 or 404); ``routes``: the
+    routes' names (a Routes, or a mapping keyed by them), ``known``: the same, for the
+    404's message."""
     try:
         if resolve is not None:
             route = resolve(scope, body)
         else:
-            data = _json_body(body)
+            data = _scan_object(body)
+            if data is None:
+                data = _loaded(body)
             model = data.get("model")
             if not isinstance(model, str):
                 raise ResolveError("the request body has no string 'model' to route on")
