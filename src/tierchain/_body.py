@@ -11,11 +11,14 @@ backend, and what was read is dropped).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from datetime import timedelta
+from types import CoroutineType
 
 from ._checks import duration
 from ._head import refuse_request
 from ._runtime import deadlines
+from ._runtime.eager import run_until_wait
 from ._runtime.interrupt import Interruption
 from ._types import Message, Receive, Scope, Send
 from .errors import BodyTooLarge
@@ -59,6 +62,22 @@ async def read_body(
             if declared > limit:
                 raise BodyTooLarge(limit)
             break
+    message: Message | None = None
+    first: Awaitable[Message] = receive()
+    if within is not None and type(first) is CoroutineType:
+        # A server most often holds the body already (a small one comes with the head):
+        # its first message is taken at once, and the deadline is armed only when the
+        # reading must wait or go on, in this same step (so it falls due as it did).
+        at_once, result = run_until_wait(first)
+        if not at_once:
+            first = result
+        else:
+            message = result
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                chunk: bytes = message.get("body", b"")  # the whole body, in one message
+                if len(chunk) > limit:
+                    raise BodyTooLarge(limit)
+                return chunk or b""
     late: Interruption | None = None
     entry: deadlines.Deadline | None = None
     if within is not None:
@@ -70,21 +89,22 @@ async def read_body(
     parts: list[bytes] = []
     size = 0
     try:
+        if message is None:
+            message = await first
         while True:
-            message: Message = await receive()
             kind = message["type"]
             if kind == "http.disconnect":
                 raise CallerGone
-            if kind != "http.request":
-                continue
-            chunk = message.get("body", b"")
-            if chunk:
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(limit)
-                parts.append(chunk)
-            if not message.get("more_body", False):
-                return parts[0] if len(parts) == 1 else b"".join(parts)
+            if kind == "http.request":
+                chunk = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if size > limit:
+                        raise BodyTooLarge(limit)
+                    parts.append(chunk)
+                if not message.get("more_body", False):
+                    return parts[0] if len(parts) == 1 else b"".join(parts)
+            message = await receive()
     except asyncio.CancelledError:
         if late is None or not late.ours():
             raise

@@ -7,6 +7,9 @@ interpreter has it. Python 3.11 has no eager start, so there the first step is t
 hand (``coro.send``) and the rest continues in a task through ``_Resume``, a trampoline
 that hands each later step and any cancellation to the coroutine.
 
+:func:`run_until_wait` takes the same first step inside the running task, for a wait
+that is most often not one (a request body the server already holds).
+
 Heartbeats uses it for the keepalive a timer wakes: a keepalive to a caller that keeps up
 is written without a task and without an extra turn of the loop. It also asks, with
 :func:`finished`, whether a server's send coroutine it passed on as is has come back: the
@@ -21,7 +24,7 @@ import sys
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
-__all__ = ["finished", "start_eagerly"]
+__all__ = ["finished", "run_until_wait", "start_eagerly"]
 
 _EAGER = sys.version_info >= (3, 12)
 
@@ -68,6 +71,18 @@ def by_hand(
 
 
 _START: _Start = eager_task if _EAGER else by_hand
+
+
+def run_until_wait(coro: Coroutine[Any, Any, Any]) -> tuple[bool, Any]:
+    """Run ``coro`` here, in the running task, up to its first wait: ``(True, its
+    result)`` when it finished without waiting, else ``(False, the rest)``, an awaitable
+    to await in the same task (what it waits for goes up to the task, a cancellation
+    down to it)."""
+    try:
+        waiting_on = coro.send(None)
+    except StopIteration as stop:
+        return True, stop.value
+    return False, _Resume(coro, waiting_on)
 
 
 def finished(coro: Coroutine[Any, Any, Any]) -> bool:
