@@ -454,13 +454,8 @@ class SaturationWatchdog:
         interruption = watch.cut = Interruption()
         interruption.arm()
         watch.observer.on_first_data.append(watch._first_data)
-        # watch._due(), inline
-        due = cut if cut < ceiling_at else ceiling_at
-        if prefill_end < due:
-            due = prefill_end
-        if window_end < due:
-            due = window_end
-        if due == math.inf or (deadline is not None and due >= deadline):
+        due = watch._due()  # (the one rule for which point comes first)
+        if due == math.inf:
             return watch
         if due == window_end:
             delay = window
@@ -474,9 +469,7 @@ class SaturationWatchdog:
             fixed = self.prompt_rate.recurs(delay)
         else:
             delay, fixed = max(0.0, due - clock.now()), False
-        watch._handle = deadlines.schedule(  # watch._arm, inline
-            delay, watch._expired, context=contextvars.copy_context(), fixed=fixed
-        )
+        watch._arm(delay, fixed=fixed)
         return watch
 
     def _lifespan_send(self, send: Send) -> Send:
