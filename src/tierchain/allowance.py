@@ -93,6 +93,8 @@ class Allowance:
 
     Call it with the request body (``allowance(body) -> seconds``) or use
     :meth:`for_tokens`. Give it to ``SaturationWatchdog(slow_after=...)``.
+
+    Options: [the continuous allowance](watchdog.md#the-continuous-allowance).
     """
 
     cold_start: float = 180.0

@@ -48,47 +48,11 @@ def check_url(what: str, url: str) -> str:
 class Backend:
     """One upstream an attempt can go to.
 
-    ``name`` identifies it in routes, headers, metrics and heartbeat lines
-    (``[A-Za-z0-9._-]{1,64}``). ``url`` is its base URL: the request's checked
-    path is appended to its path, and its own query parameters come before the
-    caller's (and win over a caller's of the same name). ``regime`` is
-    operator-supplied state such as ``local`` or ``hosted``. ``status_url``, when
-    set, is asked whether the
-    backend is still working before a slow attempt is abandoned. ``headers``
-    are added to every request sent to it (an API key for a hosted tier), and
-    ``model``, when set, replaces the JSON body's ``model`` for this backend.
-    ``stream_end`` says when its event streams are complete: ``"openai"``
-    (``data: [DONE]``, or a ``finish_reason`` before a clean end), another
-    string (a data event whose value is exactly that), or None (any clean end).
-    A stream that ends otherwise is truncated, an error. ``stall_after``
-    overrides the SaturationWatchdog's ``stall_after`` for this backend (seconds
-    or a ``timedelta``, kept as seconds).
-    ``forward_caller_auth`` lets the caller's own credentials (``Authorization``,
-    ``x-api-key``, ``api-key``, ``Cookie``) through to this backend; by default
-    the Forwarder drops them, so a tier never sees a secret meant for another.
-    ``max_in_flight`` is how many attempts may be in flight at this backend at
-    once, counted across replicas through the store (None: unlimited); one
-    more is skipped at once as busy, unless the backend is the chain's last tier.
-    ``wire_format`` names the protocol this backend speaks (``"openai"``,
-    ``"responses"``, ``"anthropic"``, ``"ollama"``, ``"plain"``; see
-    :mod:`tierchain.wire`); None recognises it from the request's path.
-    ``stream_end`` applies to the ``openai`` and ``plain`` formats.
-    ``shares`` names the hardware this backend shares with others (any
-    string, such as ``"gpu0"``): when one backend of the group is saturated,
-    busy or starved, a request never fails over to another backend of the same
-    group (on a single-GPU host it would evict the first model), and goes on to
-    a tier that does not share it. ``retries`` is how many times one request
-    may try this backend again after a 500, 502, 503 or 529, or once after a
-    Retry-After it waited out (None: Failover's ``retries``; 0: never).
-    ``prefill``: whether this backend continues
-    a trailing assistant message (a prefill) when it is asked to finish an
-    answer another tier broke off (see :mod:`tierchain.continuation`); None
-    takes the wire format's default (Anthropic and Ollama yes, OpenAI chat and
-    Responses no: those get the partial answer and a short instruction).
-    ``hedge``: whether a quiet attempt at this backend may be hedged with the next
-    tier when Failover's ``hedge_after`` is set (see :mod:`tierchain.hedging`); None:
-    only when it is local (regime ``local``, or a loopback or private URL host).
-    ``pool`` is set by :class:`Pool` on its replicas (None for a backend standing alone).
+    ``name`` identifies it everywhere; ``url`` is its base URL. The other options say
+    how to reach and judge it: headers to add, its wire format and stream end, how many
+    attempts it takes at once, the hardware it shares, its retries, prefill and hedging.
+
+    Options: [Backend options](failover.md#backend).
     """
 
     name: str
@@ -180,6 +144,8 @@ class Pool:
     and names the pool in heartbeat lines, the attempt trail and a preference
     header; each replica keeps its own name, breaker, leases and learned normals.
     ``backends`` holds copies of the given backends with ``pool`` set to ``name``.
+
+    Options: [Pools](pools.md).
     """
 
     name: str
@@ -225,14 +191,10 @@ class Routes(Mapping[str, tuple[Backend, ...]]):
 
     ``Routes({"echo": [Backend(...), Backend(...)]})``; a :class:`Pool` may stand
     where a Backend stands, and ``routes[route]`` then lists its replicas side
-    by side (:meth:`tiers` gives the chain as written). An empty chain, a
-    duplicate backend or pool name within a chain, or a route name that is
-    empty is a ``ValueError`` naming the route. ``wire_formats`` maps a route to the wire
-    format its requests speak (see :mod:`tierchain.wire`), whatever their path;
-    a backend's own ``wire_format`` still wins for that backend. ``continuations``
-    maps a route to how many times per request Failover may finish a broken
-    stream on a later tier (0: never on that route; unset: Failover's own
-    ``continuations``).
+    by side (:meth:`tiers` gives the chain as written). ``wire_formats`` and
+    ``continuations`` set a route's wire format and continuations.
+
+    Options: [Routes options](failover.md#routes).
     """
 
     __slots__ = ("_continuations", "_formats", "_routes", "_tiers", "pooled", "shared")

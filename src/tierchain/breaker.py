@@ -112,26 +112,11 @@ _ADMIT = Ticket(True, "closed", clean=True)
 class Breaker:
     """Skip a (route, backend) whose breaker is open; record every attempt's outcome.
 
-    ``store`` holds the ledgers (a :class:`~tierchain.MemoryStore` of its own
-    when None; pass one :class:`~tierchain.RedisStore` to every replica to share
-    them). ``failure_threshold``/``failure_cooldown`` and
-    ``saturation_threshold``/``saturation_cooldown`` are the two ledgers;
-    ``stream_failure_threshold`` is how many mid-stream deaths in a row open
-    the breaker (for ``failure_cooldown``). ``probe_every`` is how often an
-    open breaker lets one request through as a recovery probe before its
-    failure cooldown ends (0: only once it ended).
-    ``saturation_backoff`` is the first cooldown after a saturated half-open
-    probe (doubling up to ``saturation_cooldown``; 0: always the full cooldown).
-    ``retry_after_cap`` bounds how long a ``Retry-After`` may open a breaker.
-    ``probe_lease`` is how long a half-open probe may hold its slot before
-    another request may probe (a safety net for a replica that died mid-probe).
-    ``when_all_open`` is ``"reject"`` (every backend open: 503 with
-    ``Retry-After``) or ``"try_soonest"`` (one forced attempt on the backend
-    whose cooldown ends soonest). ``backend`` names the single backend when the
-    Breaker works alone, without Failover. ``status_board`` is the
-    :class:`~tierchain.status.StatusBoard` whose idle status half-opens a
-    breaker opened for saturation (None: the board of the SaturationWatchdog
-    inside ``app``, if any).
+    Each backend has two ledgers, of failures and of saturations: a run of either opens
+    its breaker, and a recovery probe that succeeds closes it again. ``store`` holds the
+    ledgers: pass one :class:`~tierchain.RedisStore` to every replica to share them.
+
+    Options: [Breaker options](breaker.md#options).
     """
 
     def __init__(

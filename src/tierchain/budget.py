@@ -60,6 +60,8 @@ class Budget:
     ``default`` is the budget in seconds when the request carries no
     ``header``; ``max`` caps what a header may ask for. Works in front of a
     Failover or alone in front of any ASGI app.
+
+    Options: [Budget](budget.md).
     """
 
     def __init__(

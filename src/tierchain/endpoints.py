@@ -69,19 +69,10 @@ class Endpoints:
     """Answer ``/v1/models`` (and ``/{id}``), ``/api/tags``, ``/api/ps``, ``/healthz``,
     ``/readyz`` and ``/metrics``.
 
-    ``app`` receives every other request (and every non-HTTP scope); without
-    one, those get a 404 JSON error. ``routes`` are the models listed;
-    ``store`` is the breakers' store that ``/readyz`` reads (None: no breaker
-    runs, every backend counts as ready). ``owned_by`` and ``created`` fill the
-    model entries (``created`` defaults to when this object was made).
-    ``registry`` is what ``/metrics`` exposes (default: prometheus_client's
-    default registry, where tierchain's metrics live). ``snapshot_timeout``
-    bounds each breaker read; a read that fails or times out shows the
-    backend as ``unknown``, which counts as not open, as it does for the
-    Breaker, which lets attempts through when its store cannot be read.
-    ``metrics_key``: when set, ``/metrics`` answers only a request presenting
-    ``Authorization: Bearer <metrics_key>`` (compared in constant time; Prometheus's
-    ``authorization`` scrape setting sends it) and 401 to any other; None: open.
+    ``app`` receives every other request; without one, those get a 404 JSON error.
+    ``routes`` are the models listed, and ``store`` the breakers' store ``/readyz`` reads.
+
+    Options: [Endpoints options](endpoints.md#options).
     """
 
     def __init__(

@@ -111,6 +111,8 @@ class Forwarder:
     its own ``httpx.AsyncClient`` (then the caller closes it). Close the
     Forwarder with ``await forwarder.aclose()`` (or ``async with``); as the root
     app it also closes on lifespan shutdown.
+
+    Options: [Forwarder](forwarder.md).
     """
 
     def __init__(

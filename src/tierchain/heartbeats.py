@@ -97,6 +97,8 @@ class Heartbeats:
     docstring for the rule). ``max_queued``: state events kept while they
     cannot be written yet (before the commit, or inside an upstream event);
     beyond it the oldest are dropped.
+
+    Options: [Heartbeats options](heartbeats.md#options).
     """
 
     def __init__(

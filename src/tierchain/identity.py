@@ -182,6 +182,8 @@ class StartupIdentity:
 
     Put it outermost. ``settings``/``routes``/``extra`` are as for
     :func:`identity_fields`; ``once`` is the guard (default: one per process).
+
+    Options: [the identity line](operations.md#the-identity-line).
     """
 
     def __init__(

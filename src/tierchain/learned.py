@@ -78,6 +78,8 @@ class Learned:
     ``maximum`` is the configured window: used until ``min_samples`` successful
     attempts were seen (per backend and prompt-size bucket), and never exceeded.
     ``floor`` is the least window ever used.
+
+    Options: [the learned normal](watchdog.md#the-learned-normal-slow_afterauto).
     """
 
     maximum: float = 30.0

@@ -144,7 +144,10 @@ def prefix_keys(body: bytes | None, salt: bytes = b"") -> Prefix:
 
 @dataclass(frozen=True, slots=True)
 class PickWeights:
-    """The weight of each fact in a replica's score (see :mod:`tierchain.picker`)."""
+    """The weight of each fact in a replica's score (see :mod:`tierchain.picker`).
+
+    Options: [how a replica is picked](pools.md#how-a-replica-is-picked).
+    """
 
     in_flight: float = 1.0
     """Per attempt in flight at the replica."""

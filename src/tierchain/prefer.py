@@ -117,6 +117,8 @@ class PreferBackend:
     ``allow(scope) -> bool``, when given, decides whether this request may steer
     at all (default: every caller may); keep anonymous callers off a paid tier
     with it. PreferBackend sits outside :class:`~tierchain.Failover`.
+
+    Options: [PreferBackend options](prefer.md#options).
     """
 
     def __init__(

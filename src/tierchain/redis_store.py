@@ -409,6 +409,8 @@ class RedisStore:
     ``ttl`` is how long an idle ledger is kept once its cooldown is over.
     ``clock`` (seconds) replaces Redis's ``TIME``; it is for tests only, since
     replicas must share one clock. Close it with ``await store.aclose()``.
+
+    Options: [RedisStore](stores.md#redisstore).
     """
 
     def __init__(

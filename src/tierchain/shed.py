@@ -46,6 +46,8 @@ class Shed:
     no limit). ``retry_after``: seconds put in the ``Retry-After`` header
     (rounded up to a whole second). Only ``http`` scopes count; lifespan and
     websocket scopes pass through.
+
+    Options: [Shed options](shed.md#options).
     """
 
     def __init__(

@@ -490,6 +490,8 @@ class MemoryStore:
     the package's one clock, which :func:`tierchain.testing.virtual_time` switches).
     Every operation runs without yielding to the event loop, so each one is
     atomic with respect to every other request in the process.
+
+    Options: [MemoryStore](stores.md#memorystore).
     """
 
     def __init__(self, *, clock: Callable[[], float] | None = None) -> None:

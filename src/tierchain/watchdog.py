@@ -136,33 +136,11 @@ SlowAfter = float | int | timedelta | Allowance | Callable[[bytes], float] | Lea
 class SaturationWatchdog:
     """Bound the wait for an attempt's first chunk; past it, the backend is saturated.
 
-    ``slow_after`` is the window in seconds (0: off), or a callable
-    ``(body) -> seconds`` such as :class:`~tierchain.Allowance`. ``ceiling`` is
-    the absolute limit on one attempt's wait, never extended. ``probe_timeout``
-    bounds each status probe. ``stall_after`` ends a started stream that sent no
-    data event for that long (0: off; ``"auto"``, the default: the backend's own
-    learned gap, between ``stall_floor`` and ``stall_ceiling``, on a tier with a
-    later tier; ``stall_ceiling`` until learned and on the last tier). ``readers``
-    maps a backend name to the reader of its status URL (default:
-    :func:`~tierchain.probes.auto_reader`, which recognises the built-in formats
-    by shape). ``client`` supplies the
-    ``httpx.AsyncClient`` for probes (then its owner closes it); otherwise one
-    is created on first use and closed by :meth:`aclose` or lifespan shutdown.
+    It also ends a started stream that stalls, keeps time for the later tiers, and reads
+    each backend's status URL to tell a working backend from a full or stuck one.
+    ``slow_after`` takes seconds or a callable such as :class:`~tierchain.Allowance`.
 
-    ``status_interval`` is how often a backend's status URL is polled in the
-    background while traffic flows (0: no polling, no skipping); a status older
-    than ``status_stale`` is unknown. ``busy_waiting``, ``busy_kv_cache`` and
-    ``busy_all_slots`` are the thresholds past which a polled status says full.
-
-    ``prompt_rate`` (``"auto"``: learned per backend, see
-    :class:`~tierchain.learned.PromptRate`; a number: tokens per second; 0: off) and
-    ``prompt_margin`` bound the wait for a first token by the prompt's expected prefill,
-    whatever a status says. ``status_late``: a status asked before sending that takes
-    this long (or never answers) skips the backend as busy.
-
-    ``status_board``: a :class:`~tierchain.status.StatusBoard` made by hand, to share
-    with the Breaker and the Failover around this watchdog (their ``status_board``);
-    its own interval and thresholds then apply. None: one made from the options above.
+    Options: [SaturationWatchdog options](watchdog.md#options).
     """
 
     def __init__(

@@ -94,16 +94,11 @@ def _shown(value: str, limit: int = 80) -> str:
 class Admin:
     """The operator's app: pins over a JSON API and one server-rendered page.
 
-    ``routes`` is the same :class:`~tierchain.Routes` the Failover uses;
-    ``store`` the same store PreferBackend (and the breaker) use, so a pin set
-    here reorders what callers get. ``token`` turns the app on (at least 16
-    printable ASCII characters); without it everything answers 404. ``max_ttl``
-    bounds a pin's lifetime (default 7 days; the minimum is 1 s).
-    ``session_ttl`` bounds a page login (default 12 h). ``allowed_origins``
-    lists extra origins (``https://ops.example``) whose forms are accepted when
-    a proxy makes the browser's origin differ from the ``Host`` header.
-    ``max_body`` bounds a request body (default 16 KiB). ``keys``: the caller keys whose
-    limits the usage read-out shows beside the token totals (``GET /usage`` and the page).
+    Give it the same :class:`~tierchain.Routes` the Failover uses and the same store
+    PreferBackend (and the breaker) use, so a pin set here reorders what callers get.
+    ``token`` turns the app on; without it everything answers 404.
+
+    Options: [Admin options](admin.md#options).
     """
 
     def __init__(

@@ -131,88 +131,12 @@ def _wire_of(path: bytes) -> str:
 class Failover:
     """Own the chain: one call of the inner app per attempt, until one answers.
 
-    ``routes`` maps a logical model to its chain (a :class:`Routes` or a plain
-    mapping). ``resolve(scope, body) -> route`` replaces the default, which
-    reads the OpenAI-compatible JSON body's ``model``. ``retry_statuses`` are
-    the statuses that advance the chain when they arrive before anything was
-    sent. ``hold_limit`` is how large a non-streaming answer may be and still be
-    held until it is whole (larger ones stream on, and can no longer fail over).
-    Every response carries ``x-tierchain-attempts``, the attempt trail.
+    ``routes`` maps each logical model to its chain of backends. Failover buffers the
+    body, resolves the route, skips a backend that is full, retries a transient fault,
+    and moves on to the next tier until an attempt's first chunk reaches the caller; every
+    response carries the attempt trail ``x-tierchain-attempts``.
 
-    ``store`` counts the attempts in flight at each backend that has a
-    ``max_in_flight`` (share one :class:`~tierchain.RedisStore` between
-    replicas to count across them; None counts in this process), with leases
-    that run out after ``lease`` seconds unless renewed. A backend that is full
-    is skipped at once as ``backend_busy`` (never the chain's last tier).
-
-    Only ``POST`` requests whose path starts with one of ``paths`` are routed;
-    anything else (``GET /v1/models``, a health check, an admin page) passes
-    straight through to the inner app with no attempt. Every HTTP request's
-    target is checked first: one that could steer the upstream URL (not a plain
-    path, a ``..`` segment, a backslash, a NUL, also percent-encoded) is answered
-    400 before any routing, and ``paths`` is matched against the normalised path
-    that the Forwarder sends upstream.
-
-    Before that, the caller's head: more than ``max_headers`` header fields or
-    ``max_header_bytes`` of them is answered 431, both ``Content-Length`` and
-    ``Transfer-Encoding`` 400 (see :mod:`tierchain._head`); and a routed
-    request's body must arrive whole within ``body_timeout`` seconds (408
-    otherwise; None: no deadline).
-
-    Once the response has started, a caller that stops reading is the caller's
-    problem: a send to it that is out for longer than ``send_timeout`` seconds
-    (None: no bound) cuts the request with outcome ``caller_stalled``. No error
-    event is written (it would wait on the same caller), the server drops the
-    connection, the attempt's in-flight lease is given back at once, and no
-    breaker counts it against the backend. The final error event after a
-    backend failed mid-stream is bounded the same way, and sent after the lease
-    is given back.
-
-    A :class:`~tierchain.Pool` in a chain: each time the chain reaches it, its
-    replicas are ordered by their live state with the weights ``pick`` (a
-    :class:`~tierchain.picker.PickWeights`; see :mod:`tierchain.picker`), and a
-    replica that fails before commit is followed by the next one, then by the
-    next tier. After a backend that ``shares`` hardware was saturated or busy,
-    the backends of the same group are passed over (outcome ``busy``, reason
-    ``shares``).
-
-    ``retries``: how many times one request may send an attempt again to the
-    same backend after a transient fault before commit (a 500, 502, 503 or
-    529 with no ``Retry-After``, or a reset before the request was written
-    whole (``not_sent``), after a random pause of up to 0.25 s; a 429, 503 or
-    529 whose ``Retry-After`` is at most ``max_retry_wait`` seconds and fits
-    the budget's room, waited out once per request; never a 400, never a reset
-    after the request went out whole: the backend may have read it; a
-    backend's own ``retries`` overrides it); never for a saturation, never
-    past the reserve kept for the later tiers, never while another replica of
-    the same pool is left to try; the last tier too. 0: never.
-    ``max_retry_wait``: the longest ``Retry-After`` waited out so (0: none).
-
-    ``waiting_room``: on a route whose every backend has a ``max_in_flight``
-    or a ``status_url``, a request that finds every one of them full waits at
-    the gateway (see :mod:`tierchain.waiting`), at most ``max_wait`` seconds,
-    first come first served within the band its ``priority_header`` names (one
-    of ``priority_bands``, highest first; None: one band for all). Behind
-    :class:`~tierchain.keys.CallerKeys`, only a key with ``priority`` may name a
-    band above the middle one. At most ``max_waiting`` requests wait (503 with
-    ``Retry-After`` past it), one caller key at most ``waiting_key_share`` of
-    them (429), and a request still waiting after ``max_wait`` gets 503.
-
-    ``continuations``: how many times per request a committed event stream (or
-    NDJSON stream) that broke or stalled may be finished on a later tier,
-    spliced into the caller's stream (see :mod:`tierchain.continuation`); 0:
-    never. A route's own ``Routes(..., continuations=...)`` wins. A stream with
-    a tool call in flight is never continued.
-
-    ``hedge_after``: seconds after which an attempt at a tier that may be hedged
-    (``Backend(hedge=True)``, or a local backend when ``hedge`` is None), with no
-    first data event and no firm verdict from the watchdog, is joined by an attempt at
-    the next tier; the first to produce data wins and the other is cancelled, never
-    counted as a failure (see :mod:`tierchain.hedging`). None or 0: never (the default).
-
-    ``status_board``: the :class:`~tierchain.status.StatusBoard` whose polled
-    statuses order a pool's replicas and tell the waiting room a backend is
-    full (None: the board of the SaturationWatchdog inside ``app``, if any).
+    Options: [Failover options](failover.md#options).
     """
 
     def __init__(
