@@ -19,7 +19,15 @@ from typing import Any
 
 from tierchain import Backend
 
-from .support import Exchange, FakeBackend, chat_request, on_virtual_time, serve, streams
+from .support import (
+    Exchange,
+    FakeBackend,
+    busy_for,
+    chat_request,
+    on_virtual_time,
+    serve,
+    streams,
+)
 from .test_prompt_rate import HOSTED_STREAM, TOWER_STREAM, ask
 from .test_reserve import Gateway, hosted_script, llamacpp_slots
 
@@ -64,6 +72,42 @@ async def test_a_starved_towers_late_idle_status_never_sends_the_first_caller_to
     (busy,) = gw.states("backend_busy")
     assert busy["reason"] == "status late (0.25s)"
     assert (await gw.store.breaker_snapshot("echo", "tower")).saturations == 0  # busy only
+
+
+@on_virtual_time
+async def test_a_status_late_only_for_the_gateways_own_delay_still_sends_the_caller_to_it():
+    # The tower answers its status at once, but the gateway's own loop is held up for
+    # 0.5 s meanwhile (a gateway starved of CPU: everything here runs in its one loop).
+    # That delay is the gateway's, measured by its loop's ticks: the tower is not busy.
+    idle = llamacpp_slots(0, busy=False)
+
+    async def tower_script(ex: Exchange) -> None:
+        if ex.request.method == "GET":
+            busy_for(0.5)
+            await ex.respond(200, idle, {"content-type": "application/json"})
+        else:
+            await streams(["from ", "tower"])(ex)
+
+    async with (
+        FakeBackend("tower", tower_script) as tower,
+        FakeBackend("hosted", hosted_script()) as hosted,
+    ):
+        gw = Gateway(
+            [
+                Backend("tower", tower.url, regime="local", status_url=tower.url + "/slots"),
+                Backend("hosted", hosted.url, regime="hosted"),
+            ],
+            budget=170.0,
+            slow_after=45.0,
+            status_interval=0.05,
+        )
+        async with serve(gw.app) as url:
+            response = await ask(url, chat_request())
+        await gw.aclose()
+    assert response.content == TOWER_STREAM
+    assert response.headers["x-tierchain-attempts"] == "tower;outcome=ok"
+    assert gw.states("backend_busy") == []
+    assert hosted.requests == []
 
 
 @on_virtual_time

@@ -24,6 +24,7 @@ from typing import Protocol
 import httpx
 
 from ._runtime import clock
+from ._runtime import lag as loop_lag
 from ._runtime.deadlines import EARLY
 from .allowance import estimate_tokens
 from .backend import Backend
@@ -84,12 +85,19 @@ async def ask_room(asker: Asker, name: str, url: str, reader: Reader) -> None:
     # backend has kept us waiting for its status since that GET was sent.
     started = status_asked_at(url) or clock.now()
     limit = max(asker.ask_first, late) - (clock.now() - started)
-    status = await board.ask(url, reader, asker.client, limit) if limit > 0 else None
-    took = clock.now() - started
-    if late > 0 and took >= late - EARLY:
+    loop_lag.hold()  # the gateway's own delay meanwhile is not the backend's
+    try:
+        status = await board.ask(url, reader, asker.client, limit) if limit > 0 else None
+        took = clock.now() - started
+        ours = loop_lag.lost_since(started)
+    finally:
+        loop_lag.release()
+    if late > 0 and took - ours >= late - EARLY:
         # A local server answers its status in milliseconds: one that takes this
         # long (or never answers) is starved itself, and never "send it".
         why = f"status late ({took:.2f}s)"
+        if ours >= EARLY:
+            why = f"status late ({took:.2f}s, {ours:.2f}s of it the gateway's own delay)"
         if board.finishing_cut(url):
             why += ", finishing a prompt batch of a request we cut"
         raise BackendBusy(f"backend {name!r} is full ({why})", why=why)

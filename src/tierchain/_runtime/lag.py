@@ -20,7 +20,7 @@ from collections import deque
 from . import clock, deadlines
 from .loops import PerLoop
 
-__all__ = ["PERIOD", "hold", "lag_since", "release", "watch"]
+__all__ = ["PERIOD", "hold", "lag_since", "lost_since", "release", "watch"]
 
 PERIOD = 0.05
 _KEEP = 200  # ticks remembered: 10 s
@@ -48,6 +48,18 @@ class _Monitor:
             return
         self.expected = now + PERIOD
         deadlines.schedule(PERIOD, self._tick)
+
+    def lost_since(self, since: float) -> float:
+        """The time the loop lost since ``since``: every tick's lateness, summed (with the
+        one overdue now). A loop starved of CPU runs each tick late; the sum is how much
+        later than asked everything it did came, the gateway's own delay."""
+        now = clock.now()
+        lost = max(0.0, now - self.expected) if self.started else 0.0
+        for when, late in reversed(self.ticks):
+            if when < since:
+                break
+            lost += late
+        return lost
 
     def lag_since(self, since: float) -> float:
         now = clock.now()
@@ -86,6 +98,12 @@ def release() -> None:
     monitor = _MONITORS.get()
     if monitor.held > 0:
         monitor.held -= 1
+
+
+def lost_since(since: float) -> float:
+    """The time the running loop lost since ``since`` (monotonic seconds): its ticks'
+    lateness summed, as they saw it (0 if none ran since)."""
+    return _MONITORS.get().lost_since(since)
 
 
 def lag_since(since: float) -> float:
