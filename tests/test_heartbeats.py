@@ -731,12 +731,30 @@ async def test_a_keepalive_never_lands_inside_an_event_whose_send_is_still_in_fl
     assert after.count(b': {"state":"generating","idle_s":') >= 1
 
 
+class Parked:
+    """Streams parked until ``release``: an app that sends nothing, a caller that stays."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.scope = {
+            "type": "http",
+            "method": "GET",
+            "path": "/",
+            "headers": [(b"accept", b"text/event-stream")],
+        }
+
+    async def app(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.release.wait()
+
+    async def receive(self) -> dict[str, Any]:
+        await self.release.wait()
+        return {"type": "http.disconnect"}
+
+
 @on_virtual_time
 async def test_many_waiting_streams_share_one_timer_and_no_task_while_they_wait():
-    release = asyncio.Event()
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        await release.wait()
+    parked = Parked()
+    release, app, receive, scope = parked.release, parked.app, parked.receive, parked.scope
 
     outputs: list[list[bytes]] = [[] for _ in range(100)]
 
@@ -747,16 +765,6 @@ async def test_many_waiting_streams_share_one_timer_and_no_task_while_they_wait(
 
         return send
 
-    async def receive() -> dict[str, Any]:
-        await release.wait()
-        return {"type": "http.disconnect"}
-
-    scope = {
-        "type": "http",
-        "method": "GET",
-        "path": "/",
-        "headers": [(b"accept", b"text/event-stream")],
-    }
     hb = Heartbeats(app, interval=TICK, commit_after=TICK)
     loop = asyncio.get_running_loop()
 
@@ -789,10 +797,8 @@ async def test_many_waiting_streams_share_one_timer_and_no_task_while_they_wait(
 
 @on_virtual_time
 async def test_keepalives_due_close_together_share_one_wake_and_none_comes_late():
-    release = asyncio.Event()
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        await release.wait()
+    parked = Parked()
+    release, app, receive, scope = parked.release, parked.app, parked.receive, parked.scope
 
     written: list[list[float]] = [[] for _ in range(3)]
 
@@ -803,16 +809,6 @@ async def test_keepalives_due_close_together_share_one_wake_and_none_comes_late(
 
         return send
 
-    async def receive() -> dict[str, Any]:
-        await release.wait()
-        return {"type": "http.disconnect"}
-
-    scope = {
-        "type": "http",
-        "method": "GET",
-        "path": "/",
-        "headers": [(b"accept", b"text/event-stream")],
-    }
     interval = 10.0
     hb = Heartbeats(app, interval=interval, commit_after=1.0)
     assert hb.slack == interval * KEEPALIVE_SLACK == 0.2

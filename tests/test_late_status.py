@@ -45,6 +45,24 @@ def late_status(delay: float, body: Callable[[], bytes], chat: Any) -> Any:
     return script
 
 
+async def one_request(tower: FakeBackend, hosted: FakeBackend) -> tuple[Gateway, Any]:
+    """One chat request through the README stack: the tower (its status at ``/slots``),
+    then hosted."""
+    gw = Gateway(
+        [
+            Backend("tower", tower.url, regime="local", status_url=tower.url + "/slots"),
+            Backend("hosted", hosted.url, regime="hosted"),
+        ],
+        budget=170.0,
+        slow_after=45.0,
+        status_interval=0.05,
+    )
+    async with serve(gw.app) as url:
+        response = await ask(url, chat_request())
+    await gw.aclose()
+    return gw, response
+
+
 @on_virtual_time
 async def test_a_starved_towers_late_idle_status_never_sends_the_first_caller_to_it():
     # The slot says idle ("send it"), 600 ms late: the old ask_first took the silence
@@ -54,18 +72,7 @@ async def test_a_starved_towers_late_idle_status_never_sends_the_first_caller_to
         FakeBackend("tower", late_status(0.6, idle, streams(["from ", "tower"]))) as tower,
         FakeBackend("hosted", hosted_script()) as hosted,
     ):
-        gw = Gateway(
-            [
-                Backend("tower", tower.url, regime="local", status_url=tower.url + "/slots"),
-                Backend("hosted", hosted.url, regime="hosted"),
-            ],
-            budget=170.0,
-            slow_after=45.0,
-            status_interval=0.05,
-        )
-        async with serve(gw.app) as url:
-            response = await ask(url, chat_request())
-        await gw.aclose()
+        gw, response = await one_request(tower, hosted)
     assert response.content == HOSTED_STREAM
     assert response.headers["x-tierchain-attempts"] == "tower;outcome=busy, hosted;outcome=ok"
     assert [r for r in tower.requests if r.method == "POST"] == []  # never sent
@@ -92,18 +99,7 @@ async def test_a_status_late_only_for_the_gateways_own_delay_still_sends_the_cal
         FakeBackend("tower", tower_script) as tower,
         FakeBackend("hosted", hosted_script()) as hosted,
     ):
-        gw = Gateway(
-            [
-                Backend("tower", tower.url, regime="local", status_url=tower.url + "/slots"),
-                Backend("hosted", hosted.url, regime="hosted"),
-            ],
-            budget=170.0,
-            slow_after=45.0,
-            status_interval=0.05,
-        )
-        async with serve(gw.app) as url:
-            response = await ask(url, chat_request())
-        await gw.aclose()
+        gw, response = await one_request(tower, hosted)
     assert response.content == TOWER_STREAM
     assert response.headers["x-tierchain-attempts"] == "tower;outcome=ok"
     assert gw.states("backend_busy") == []
