@@ -164,7 +164,8 @@ class Observer:
             and not self.pending
             and not self.pending_cr
         ):
-            # The usual case: whole events starting with data, nothing held.
+            # The usual case: whole events starting with data, nothing held. (Failover's
+            # Responder.send has this case inline, a frame less a chunk: change both.)
             self.last_event_at = clock.now()
             self.data_events += 1
             self._previous, self._last = self._last, chunk
