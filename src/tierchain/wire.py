@@ -80,8 +80,23 @@ _OPENAI_PATHS = (b"/chat/completions", b"/completions", b"/embeddings")
 _OLLAMA_PATHS = (b"/api/chat", b"/api/generate", b"/api/embed", b"/api/embeddings")
 
 
+_SEEN: dict[bytes | str, str] = {}  # the few paths a gateway sees again and again
+_SEEN_MAX = 256
+
+
 def recognise(path: bytes | str) -> str:
     """The wire format a request path speaks (``openai`` when no other claims it)."""
+    wire = _SEEN.get(path)
+    if wire is None:
+        if len(path) > _SEEN_MAX:
+            return _recognise(path)  # a long path is not kept (a caller chooses it)
+        if len(_SEEN) >= _SEEN_MAX:
+            _SEEN.clear()  # many distinct paths: start again, never grow
+        wire = _SEEN[path] = _recognise(path)
+    return wire
+
+
+def _recognise(path: bytes | str) -> str:
     if isinstance(path, str):
         path = path.encode("utf-8", "surrogateescape")
     path = path.rstrip(b"/")

@@ -114,20 +114,6 @@ DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
 _WAIT_POLL = 0.25  # how often the first in the waiting room looks again unwoken
 
 
-_PATH_WIRES: dict[bytes, str] = {}  # the wire format each routed path speaks, as recognised
-_PATH_WIRES_MAX = 256
-
-
-def _wire_of(path: bytes) -> str:
-    """:func:`recognise`'s word for ``path``, kept for the same few paths seen again and again."""
-    wire = _PATH_WIRES.get(path)
-    if wire is None:
-        if len(_PATH_WIRES) >= _PATH_WIRES_MAX:
-            _PATH_WIRES.clear()  # many distinct paths: start again, never grow
-        wire = _PATH_WIRES[path] = recognise(path)
-    return wire
-
-
 class Failover:
     """Own the chain: one call of the inner app per attempt, until one answers.
 
@@ -276,7 +262,7 @@ class Failover:
             plan = PoolPlan(req, self.picker, (caller_name(scope) or "").encode())
         req.chain = chain
         req.in_chain = True
-        req.wire = self._formats.get(route) or _wire_of(target.path)
+        req.wire = self._formats.get(route) or recognise(target.path)
         await self._serve(scope, receive, send, req, plan)
 
     async def _serve(
