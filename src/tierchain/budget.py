@@ -134,6 +134,7 @@ class Budget:
                 spend.cut.swallowed()  # the app swallowed the cancellation and returned anyway
         finally:
             deadlines.cancel(spend.timer)
+            spend.req.body_pass = None  # (it holds this layer's send: no cycle outlives us)
 
 
 class _Spend:
@@ -197,6 +198,10 @@ class _Spend:
             headers = message.get("headers", ())
             if not self.req.in_chain and is_event_stream(headers):
                 self._observer = Observer()
+            else:
+                # A mid-stream chunk then only passes through: Failover may skip this call
+                # (until the request ends: Budget.__call__ lets go of both sends).
+                self.req.body_pass = (self.send, send)
         return send(message)
 
     async def _relay(self, message: Message, observer: Observer, send: Send) -> None:

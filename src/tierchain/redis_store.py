@@ -470,7 +470,9 @@ class RedisStore:
 
     async def aclose(self) -> None:
         """Wait for in-flight records, then close the connection pool."""
-        if self._tasks:
+        # Until none is left: a record's task may start another as it ends (a cancelled
+        # acquire gives its probe slot back from its done-callback).
+        while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._redis.aclose()
 

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from ._runtime import clock
 from ._runtime.interrupt import Interruption
-from ._types import Scope
+from ._types import Scope, Send
 from .backend import Backend
 from .errors import AttemptError
 from .observer import Observer
@@ -175,6 +175,7 @@ class TierRequest:
         "attempt_error",
         "attempts",
         "body",
+        "body_pass",
         "budget",
         "caller_blocked_since",
         "caller_unblocked_at",
@@ -254,6 +255,12 @@ class TierRequest:
         self.caller_unblocked_at = 0.0
         """When the last send to the caller came back (monotonic seconds; 0: none yet):
         the upstream's silence is timed from then at the earliest."""
+        self.body_pass: tuple[Send, Send] | None = None
+        """A layer outside Failover whose ``send`` passes a mid-stream body chunk on
+        untouched (Budget inside a chain): ``(that send, the send it passes to)``. Failover
+        hands such chunks to the second when the send it holds is the first, a call less a
+        chunk; the start and the last chunk still go through the layer. The layer sets it
+        back to None when its request ends."""
         self.wire: str | None = None
         """The request's wire format (:mod:`tierchain.wire`), set by Failover from the
         route or the path; a backend's own ``wire_format`` wins for its attempts."""
