@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import select
 import sys
-import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -21,12 +23,22 @@ from tierchain import (
     Routes,
 )
 from tierchain.store import BreakerPolicy
+from tierchain.testing import VirtualClock, virtual_time
 
-from .support import RULES_TIMEOUT, FakeBackend, chat_request, on_virtual_time, serve, streams
+from .support import (
+    RULES_TIMEOUT,
+    FakeBackend,
+    chat_request,
+    now,
+    on_virtual_time,
+    serve,
+    streams,
+)
 
 pytestmark = pytest.mark.redis
 
 POLICY = BreakerPolicy()
+T = TypeVar("T")
 
 
 async def _silent(ex) -> None:
@@ -69,12 +81,19 @@ async def post(client: httpx.AsyncClient, url: str) -> httpx.Response:
     return await client.post(url + "/v1/chat/completions", content=chat_request())
 
 
-async def test_a_saturation_seen_by_one_replica_is_honoured_by_the_other(redis_server):
+@on_virtual_time
+async def test_a_saturation_seen_by_one_replica_is_honoured_by_the_other(
+    redis_server, manual_clock
+):
+    # On virtual time the tower's 0.3 s window runs out only while every task waits, so
+    # each request has reached the tower before the watchdog can call it saturated; the
+    # relay keeps Redis's own pace out of that clock, and both replicas share manual_clock.
     async with (
         FakeBackend("tower", _silent) as tower,
         FakeBackend("hosted", streams(["ok"])) as hosted,
-        RedisStore(redis_server.url, timeout=RULES_TIMEOUT) as store_a,
-        RedisStore(redis_server.url, timeout=RULES_TIMEOUT) as store_b,
+        _Relay(redis_server.port) as relay,
+        RedisStore(relay.url, clock=manual_clock, timeout=RULES_TIMEOUT) as store_a,
+        RedisStore(relay.url, clock=manual_clock, timeout=RULES_TIMEOUT) as store_b,
     ):
         routes = Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
         app_a, fwd_a = replica(routes, store_a)
@@ -99,7 +118,7 @@ async def test_a_saturation_seen_by_one_replica_is_honoured_by_the_other(redis_s
     assert len(tower.requests) == sent_to_tower  # the tower's 0.3 s wait was not paid
     assert len(tower.requests) == 2
     assert snapshot.state == "open"
-    assert 890 < snapshot.retry_in <= 900
+    assert snapshot.retry_in == pytest.approx(POLICY.saturation_cooldown)
 
 
 async def test_two_replicas_never_both_take_the_half_open_probe(redis_server):
@@ -122,7 +141,7 @@ async def test_two_replicas_never_both_take_the_half_open_probe(redis_server):
 async def test_keys_are_namespaced_and_expire(redis_server):
     import redis.asyncio as aioredis
 
-    async with RedisStore(redis_server.url, ttl=60) as store:
+    async with RedisStore(redis_server.url, ttl=60, timeout=RULES_TIMEOUT) as store:
         for _ in range(2):
             ticket = await store.breaker_acquire("echo", "tower:1", POLICY)
             await store.breaker_record("echo", "tower:1", POLICY, "saturation", gen=ticket.gen)
@@ -138,27 +157,47 @@ async def test_keys_are_namespaced_and_expire(redis_server):
     assert 0 < ttls[1] <= 30_000
 
 
+def _on_virtual_time_beside_redis(test: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+    """``on_virtual_time`` for a test whose stores reach redis-server itself (no relay).
+
+    An idle loop waits up to RULES_TIMEOUT of real time (not a few milliseconds) for
+    redis-server before its clock jumps to the next timer, so the virtual clock never runs
+    ahead of real time while Redis answers, and it still stands still while the loop is busy.
+    """
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        clock = VirtualClock(grace=RULES_TIMEOUT)
+        with virtual_time(clock), asyncio.Runner(loop_factory=clock.new_event_loop) as runner:
+            return runner.run(test(*args, **kwargs))
+
+    return run
+
+
+@_on_virtual_time_beside_redis
 async def test_redis_going_away_fails_no_request_and_it_comes_back_by_itself(redis_server, caplog):
+    # The outage is Redis killed (connections refused), never a late reply: RULES_TIMEOUT
+    # keeps a busy machine's slow answer from counting as a second outage and a second return.
     caplog.set_level(logging.INFO, logger="tierchain")
     async with (
         FakeBackend("tower", streams(["from ", "tower"])) as tower,
         FakeBackend("hosted", streams(["ok"])) as hosted,
-        RedisStore(redis_server.url, reconnect_every=0.1) as store,
-        RedisStore(redis_server.url) as other_replica,
+        RedisStore(redis_server.url, timeout=RULES_TIMEOUT, reconnect_every=0.1) as store,
+        RedisStore(redis_server.url, timeout=RULES_TIMEOUT) as other_replica,
     ):
         routes = Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
         app, forwarder = replica(routes, store)
-        async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+        async with serve(app) as url, httpx.AsyncClient(timeout=RULES_TIMEOUT) as client:
             assert (await post(client, url)).status_code == 200
             redis_server.kill()
             statuses = []
-            t0 = time.monotonic()
+            started = now()
             for _ in range(20):
                 statuses.append((await post(client, url)).status_code)
-            took = time.monotonic() - t0
+            took = now() - started
             assert store.degraded
             redis_server.start()  # same port
-            await asyncio.sleep(0.15)
+            await asyncio.sleep(store.reconnect_every)  # virtual: Redis may be tried again
             assert (await post(client, url)).status_code == 200
             assert not store.degraded
             # Shared again: a trip recorded through another replica is honoured here.
@@ -170,11 +209,14 @@ async def test_redis_going_away_fails_no_request_and_it_comes_back_by_itself(red
             response = await post(client, url)
         await forwarder.aclose()
     assert statuses == [200] * 20
-    assert took < 2.0
+    # On the package clock, which moves only while every task waits on a timer, the twenty
+    # requests took less than one Redis timeout: none waited for Redis to answer.
+    assert took < store.timeout
     assert response.headers["x-tierchain-backend"] == "hosted"
     warnings = [r for r in caplog.records if getattr(r, "event", "") == "store.redis_unavailable"]
     assert len(warnings) == 1
     assert warnings[0].levelno == logging.WARNING
+    assert "ConnectionError" in warnings[0].tierchain["error"]  # refused, not timed out
     back = [r for r in caplog.records if getattr(r, "event", "") == "store.redis_reconnected"]
     assert len(back) == 1
 
@@ -212,47 +254,77 @@ def test_redis_store_imports_without_redis_and_names_the_extra(monkeypatch):
         Imported()
 
 
-async def test_a_cancelled_acquire_gives_back_the_probe_slot_it_took(redis_server):
-    clock = [1_000_000.0]
-    async with RedisStore(redis_server.url, clock=lambda: clock[0]) as store:
+@on_virtual_time
+async def test_a_cancelled_acquire_gives_back_the_probe_slot_it_took(redis_server, manual_clock):
+    async with (
+        _Relay(redis_server.port) as relay,
+        RedisStore(relay.url, clock=manual_clock) as store,
+        RedisStore(relay.url, clock=manual_clock) as other_replica,
+    ):
         for _ in range(2):
             ticket = await store.breaker_acquire("echo", "tower", POLICY)
             await store.breaker_record("echo", "tower", POLICY, "saturation", gen=ticket.gen)
-        clock[0] += 900
+        manual_clock.advance(900)
+        relay.hold_next()
         task = asyncio.create_task(store.breaker_acquire("echo", "tower", POLICY))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
+        await relay.held.wait()  # Redis ran the script: the slot is taken, the answer not read
+        assert not (await other_replica.breaker_acquire("echo", "tower", POLICY)).admitted
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.05)  # the store finishes the call and hands the slot back
-        ticket = await store.breaker_acquire("echo", "tower", POLICY)
-    assert ticket.admitted
+        relay.release()  # the store reads the answer after all, and hands the slot back
+        ticket = await _first(
+            lambda: store.breaker_acquire("echo", "tower", POLICY), lambda t: t.admitted
+        )
     assert ticket.probe
 
 
-class _LateReply:
-    """A loopback TCP relay to redis-server that can hold back the next reply.
+async def _first(call: Callable[[], Awaitable[T]], ok: Callable[[T], bool]) -> T:
+    """``call()`` again until its answer is ``ok``: waits for something the store does in the
+    background. On virtual time each pause ends only once every other task is waiting, so
+    the bound (RULES_TIMEOUT) is reached only if that never happens."""
+    async with asyncio.timeout(RULES_TIMEOUT):
+        while True:
+            answer = await call()
+            if ok(answer):
+                return answer
+            await asyncio.sleep(0.01)
 
-    Commands go through at once (Redis runs them); ``hold_next(seconds)`` makes
-    the next reply arrive that much later, as on a machine too busy to read it.
+
+class _Relay:
+    """A loopback TCP relay to redis-server under which Redis answers at once on virtual time.
+
+    redis-server is another process, and a virtual clock cannot wait for one: an idle loop
+    jumps to its next timer after a few real milliseconds, so a busy machine's slow reply
+    would reach the store after its timeout. The relay forwards each command, then blocks
+    the loop until Redis's reply is readable (``RULES_TIMEOUT`` of real time at most): while
+    the loop is blocked no timer fires and the virtual clock stands still, however long Redis
+    takes. A reply is late only when a test says so: after ``hold_next()`` the reply to the
+    next command is kept back (``held`` is set once Redis has run it and answered) until
+    ``release()``, so the store waits for it on the virtual clock.
     """
 
     def __init__(self, port: int) -> None:
         self.port = port
-        self._hold = 0.0
+        self.held = asyncio.Event()
+        self._released = asyncio.Event()
+        self._hold_armed = False
         self._writers: list[asyncio.StreamWriter] = []
         self._pumps: set[asyncio.Task[None]] = set()
 
-    def hold_next(self, seconds: float) -> None:
-        self._hold = seconds
+    def hold_next(self) -> None:
+        self._hold_armed = True
 
-    async def __aenter__(self) -> _LateReply:
+    def release(self) -> None:
+        self._released.set()
+
+    async def __aenter__(self) -> _Relay:
         self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
         self.url = f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self.release()
         self.server.close()
         for writer in self._writers:
             writer.close()
@@ -261,12 +333,29 @@ class _LateReply:
         await asyncio.gather(*self._pumps, return_exceptions=True)
         await self.server.wait_closed()
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, late: bool) -> None:
+    async def _commands(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, hold: list[bool]
+    ) -> None:
+        upstream = dst.get_extra_info("socket")
         try:
             while data := await src.read(65536):
-                if late and self._hold:
-                    hold, self._hold = self._hold, 0.0
-                    await asyncio.sleep(hold)
+                if self._hold_armed:
+                    self._hold_armed, hold[0] = False, True
+                dst.write(data)
+                # Blocks the loop (and so the virtual clock) until Redis has answered.
+                select.select([upstream.fileno()], [], [], RULES_TIMEOUT)
+        finally:
+            dst.close()
+
+    async def _replies(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, hold: list[bool]
+    ) -> None:
+        try:
+            while data := await src.read(65536):
+                if hold[0]:
+                    hold[0] = False
+                    self.held.set()
+                    await self._released.wait()
                 dst.write(data)
         finally:
             dst.close()
@@ -274,30 +363,38 @@ class _LateReply:
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
         self._writers += [writer, up_writer]
+        hold = [False]  # this connection's next reply is kept back
         pumps = [
-            asyncio.ensure_future(self._pump(reader, up_writer, late=False)),
-            asyncio.ensure_future(self._pump(up_reader, writer, late=True)),
+            asyncio.ensure_future(self._commands(reader, up_writer, hold)),
+            asyncio.ensure_future(self._replies(up_reader, writer, hold)),
         ]
         self._pumps.update(pumps)
         await asyncio.gather(*pumps, return_exceptions=True)
         self._pumps.difference_update(pumps)
 
 
+@on_virtual_time
 async def test_a_late_reply_is_not_sent_again_so_one_outcome_counts_once(redis_server, caplog):
     # Seen on a loaded CI machine: a record whose reply came after the timeout
     # was retried, Redis ran the script twice, and one failure counted as two.
+    # On virtual time behind the relay, only the reply the test holds back is late.
     caplog.set_level(logging.INFO, logger="tierchain")
     async with (
-        _LateReply(redis_server.port) as relay,
+        _Relay(redis_server.port) as relay,
         RedisStore(relay.url, timeout=0.05, reconnect_every=0.01) as store,
-        RedisStore(redis_server.url) as reader,
+        RedisStore(relay.url) as reader,
     ):
         ticket = await store.breaker_acquire("echo", "tower", POLICY)
         await store.breaker_record("echo", "tower", POLICY, "neutral", gen=ticket.gen)  # loads it
-        relay.hold_next(0.5)
+        relay.hold_next()
+        started = now()
         change = await store.breaker_record("echo", "tower", POLICY, "failure", gen=ticket.gen)
+        took = now() - started
+        assert relay.held.is_set()  # Redis ran it and answered; the answer is still held
+        assert took == pytest.approx(store.timeout, abs=1e-6)  # given up at the timeout
         assert change.failures == 1  # counted on the local fallback meanwhile
         assert store.degraded
+        relay.release()  # the late answer arrives, at a connection the store has dropped
         shared = await reader.breaker_snapshot("echo", "tower")
     assert shared.failures == 1  # Redis ran it once; it was not sent a second time
     events = [getattr(r, "event", "") for r in caplog.records]
