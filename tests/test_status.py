@@ -17,6 +17,7 @@ from tierchain import (
     SaturationWatchdog,
     TierRequest,
 )
+from tierchain.probes import auto_reader
 from tierchain.status import StatusBoard, board_within
 
 from .support import (
@@ -355,3 +356,26 @@ async def test_a_second_gateway_built_later_does_not_take_over_the_first_ones_re
         await first.aclose()
         await second.aclose()
     assert recovered.content == TOWER
+
+
+async def test_a_status_get_in_flight_ends_with_the_poller_that_sent_it():
+    # The tower accepts the status GET and never answers: the GET is still out when the
+    # board stops. It must end (and close its connection) with the poller's client, not
+    # run on past it and leave the connection to the garbage collector.
+    tower = Tower(vllm(0, 0))
+    tower.hang_status = True
+    async with FakeBackend("tower", tower.script) as fake:
+        board = StatusBoard(interval=0.02, stale_after=1, timeout=60)
+        url = fake.url + "/metrics"
+        assert board.peek(url, auto_reader) is None  # (starts the poller)
+
+        async def get_arrived() -> None:
+            while not any(r.path == "/metrics" for r in fake.requests):
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(get_arrived(), 30)
+        out = [t for t in asyncio.all_tasks() if t.get_name() == "tierchain-status-get"]
+        assert len(out) == 1  # the GET in flight, on the poller's client
+        await board.aclose()
+        assert out[0].done()
+        await asyncio.wait_for(fake.connection_closed.wait(), 30)  # its connection too

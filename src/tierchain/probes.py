@@ -86,6 +86,7 @@ __all__ = [
     "Status",
     "Verdict",
     "auto_reader",
+    "end_flights",
     "fetch_status",
     "gate_status",
     "judge",
@@ -412,7 +413,9 @@ MAX_STATUS_BYTES = 4 * 2**20
 """A status body larger than this is not read to the end: the answer is unknown."""
 
 
-_FLIGHTS: PerLoop[dict[str, asyncio.Task[tuple[Status | None, bool]]]] = PerLoop(lambda loop: {})
+_Flight = tuple["asyncio.Task[tuple[Status | None, bool]]", httpx.AsyncClient]
+_FLIGHTS: PerLoop[dict[str, _Flight]] = PerLoop(lambda loop: {})
+"""The GET of each status URL in flight in this event loop, and the client it was sent on."""
 
 
 async def _flight(
@@ -431,10 +434,25 @@ _SENT_AT: PerLoop[dict[str, float]] = PerLoop(lambda loop: {})
 """When the GET in flight for each status URL was sent (:func:`clock.now`'s time)."""
 
 
-def _landed(flights: dict[str, Any], url: str, task: asyncio.Task[Any]) -> None:
-    if flights.get(url) is task:
+def _landed(flights: dict[str, _Flight], url: str, task: asyncio.Task[Any]) -> None:
+    flight = flights.get(url)
+    if flight is not None and flight[0] is task:
         del flights[url]
         _SENT_AT.get().pop(url, None)
+
+
+async def end_flights(client: httpx.AsyncClient) -> None:
+    """Cancel the status GETs in flight on ``client`` in this event loop and wait for them.
+
+    Called before ``client`` closes: a GET joined by several callers goes on when its
+    sender stops waiting, and one that outlived its client would leave the connection
+    it opened to the garbage collector. A caller still waiting on it reads "unknown".
+    """
+    tasks = [t for t, used in _FLIGHTS.get().values() if used is client and not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
 
 
 def status_asked_at(url: str) -> float | None:
@@ -459,14 +477,16 @@ async def fetch_status_once(
     end = clock.now() + limit
     flights = _FLIGHTS.get()
     while (left := end - clock.now()) > 0:
-        task = flights.get(url)
-        if task is None:
+        flight = flights.get(url)
+        if flight is None:
             task = asyncio.get_running_loop().create_task(
                 _flight(client, url, left, reader), name="tierchain-status-get"
             )
-            flights[url] = task
+            flights[url] = (task, client)  # (ended with the client: end_flights)
             _SENT_AT.get()[url] = clock.now()
             task.add_done_callback(functools.partial(_landed, flights, url))
+        else:
+            task = flight[0]
         try:
             async with asyncio.timeout(left):
                 status, timed_out = await asyncio.shield(task)

@@ -43,7 +43,14 @@ import httpx
 
 from ._checks import duration
 from ._runtime import clock
-from .probes import Reader, Status, fetch_status, fetch_status_once, total_slots
+from .probes import (
+    Reader,
+    Status,
+    end_flights,
+    fetch_status,
+    fetch_status_once,
+    total_slots,
+)
 
 __all__ = ["Fullness", "StatusBoard", "board_within", "full", "idle"]
 
@@ -231,21 +238,24 @@ class StatusBoard:
         async with httpx.AsyncClient(
             timeout=None, follow_redirects=False, trust_env=False
         ) as client:
-            while clock.now() - poller.asked < self.idle_stop:
-                started = clock.now()
-                status = await fetch_status_once(
-                    client, url, limit=self.timeout, reader=poller.reader
-                )
-                if status is not None and poller.slots is None:
-                    props = _props_url(url)
-                    if props is not None and status.slots is None and status.processing:
-                        await self._learn_slots(client, props, poller, self.timeout)
-                status = _with_slots(status, poller.slots)
-                if started < poller.not_before:
-                    status = None  # asked before an attempt there ended: outdated
-                poller.latest = status
-                poller.at = clock.now() if status is not None else -math.inf
-                await asyncio.sleep(max(0.0, self.interval - (clock.now() - started)))
+            try:
+                while clock.now() - poller.asked < self.idle_stop:
+                    started = clock.now()
+                    status = await fetch_status_once(
+                        client, url, limit=self.timeout, reader=poller.reader
+                    )
+                    if status is not None and poller.slots is None:
+                        props = _props_url(url)
+                        if props is not None and status.slots is None and status.processing:
+                            await self._learn_slots(client, props, poller, self.timeout)
+                    status = _with_slots(status, poller.slots)
+                    if started < poller.not_before:
+                        status = None  # asked before an attempt there ended: outdated
+                    poller.latest = status
+                    poller.at = clock.now() if status is not None else -math.inf
+                    await asyncio.sleep(max(0.0, self.interval - (clock.now() - started)))
+            finally:
+                await end_flights(client)  # no GET of ours outlives the client
 
     async def aclose(self) -> None:
         """Cancel every poller of the running event loop and wait for them to end."""

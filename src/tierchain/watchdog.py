@@ -93,7 +93,7 @@ from .allowance import Allowance
 from .errors import BackendBusy, BackendSaturated, BackendUnavailable, StreamError
 from .learned import Learned, LearnedGap, PromptRate
 from .observer import Observer, nothing_sent, whole_events
-from .probes import Reader, auto_reader
+from .probes import Reader, auto_reader, end_flights
 from .progress import Progress, check_room
 from .request import SCOPE_KEY, UNROUTED_KEY, Attempt, TierRequest
 from .status import Fullness, StatusBoard
@@ -256,8 +256,10 @@ class SaturationWatchdog:
         if self.board is not None:
             await self.board.aclose()
         client, self._client = self._client, None
-        if client is not None and self._own_client:
-            await client.aclose()
+        if client is not None:
+            await end_flights(client)  # our status GETs (others may have joined them) end
+            if self._own_client:
+                await client.aclose()
 
     async def __aenter__(self) -> SaturationWatchdog:
         return self
