@@ -11,6 +11,9 @@ its own uvicorn process on loopback:
 - ``bare``: a bare httpx forwarding proxy (no tierchain, raw ASGI) holding the same streams;
 - ``bare-fastapi``: the same proxy mounted in FastAPI at ``/v1``, as the README mounts the
   Forwarder: the same host without tierchain, so the difference is tierchain's own;
+- ``bare-keepalive`` (with ``--only bare-keepalive``): the bare proxy writing one SSE comment
+  every ``--interval`` per waiting stream, with no tierchain: the floor of what keepalives
+  cost on this host and server;
 - ``stack``: the README's stack (Heartbeats, Budget, PreferBackend, Failover,
   Breaker, SaturationWatchdog, Forwarder; tower then hosted), with the
   watchdog and the budget set far beyond the run so the streams stay waiting;
@@ -120,7 +123,15 @@ def build(kind: str, tower: str, hosted: str) -> Any:
     from prometheus_client import make_asgi_app
 
     metrics = make_asgi_app()
-    if kind in ("bare", "bare-fastapi"):
+    if kind == "bare-keepalive":
+        import httpx
+
+        keeps = KeepaliveProxy(tower, float(os.environ["WAITING_INTERVAL"]))
+        keeps.client = httpx.AsyncClient(
+            timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        )
+        inner: Any = keeps
+    elif kind in ("bare", "bare-fastapi"):
         import httpx
         from overhead import BareProxy
 
@@ -129,7 +140,7 @@ def build(kind: str, tower: str, hosted: str) -> Any:
         proxy.client = httpx.AsyncClient(
             timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
         )
-        inner: Any = proxy
+        inner = proxy
         if kind == "bare-fastapi":
             from fastapi import FastAPI
 
@@ -206,6 +217,53 @@ def build(kind: str, tower: str, hosted: str) -> Any:
         await send({"type": "http.response.body", "body": text.encode()})
 
     return app
+
+
+# A comment line shaped as tierchain's state lines are (so the callers count it as one).
+_KEEPALIVE = b': {"state":"waiting","backend":"tower"}\n\n'
+
+
+class KeepaliveProxy:
+    """The bare proxy plus the least a gateway can do to hold a waiting stream open, with no
+    tierchain: it commits ``200 text/event-stream`` at once and writes one SSE comment every
+    ``interval`` seconds (an asyncio timer per stream) until the upstream answers. Its CPU
+    over the keepalive window is the floor of what those writes cost on this host and server."""
+
+    def __init__(self, upstream: str, interval: float) -> None:
+        self.upstream = upstream
+        self.interval = interval
+        self.client: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"host", b"content-length")]
+        request = self.client.build_request(
+            scope["method"], self.upstream + scope["path"], headers=headers, content=body
+        )
+        start = {"type": "http.response.start", "status": 200}
+        await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
+        answer = asyncio.ensure_future(self.client.send(request, stream=True))
+        try:
+            while not (await asyncio.wait([answer], timeout=self.interval))[0]:
+                await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
+            response = answer.result()
+            try:
+                async for chunk in response.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+            finally:
+                await response.aclose()
+        finally:
+            if not answer.done():
+                answer.cancel()
+                await asyncio.wait([answer])
 
 
 def run_gateway(
@@ -426,7 +484,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["bare", "bare-fastapi", "stack", "serve"],
+        choices=["bare", "bare-fastapi", "bare-keepalive", "stack", "serve"],
         help="measure this gateway (again for another; default: bare, bare-fastapi, stack)",
     )
     parser.add_argument(

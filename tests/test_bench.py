@@ -84,6 +84,28 @@ def test_the_waiting_streams_benchmark_holds_every_stream_and_each_hears_from_th
     assert "breaker closed" in out, out
 
 
+def test_the_waiting_streams_benchmark_measures_a_bare_proxy_that_only_sends_keepalives():
+    # The floor the parked-streams figure is read against: no tierchain, one comment a
+    # stream every interval, every stream held.
+    out = run(
+        str(BENCH / "waiting.py"),
+        "20",
+        "--only",
+        "bare-keepalive",
+        "--batch",
+        "20",
+        "--settle",
+        "0",
+        "--window",
+        "1",
+        "--interval",
+        "1",
+    )
+    line = re.search(r"held (\d+) failed (\d+) committed (\d+) without a line (\d+)", out)
+    assert line is not None, out
+    assert [int(n) for n in line.groups()] == [20, 0, 20, 0], out
+
+
 def test_the_pools_benchmark_compares_the_picker_with_round_robin_and_random():
     out = run(str(BENCH / "pools.py"), "--quick")
     rows = re.findall(

@@ -50,11 +50,13 @@ class Tower:
         self.body = body
         self.chat = chat or streams(["from ", "tower"])
         self.served = asyncio.Event()
+        self.asked = asyncio.Event()  # a status GET arrived
         self.hang_status = False
         self.broken_status = False
 
     async def script(self, ex: Exchange) -> None:
         if ex.request.path == "/metrics":
+            self.asked.set()
             if self.hang_status:
                 await ex.wait_closed_by_peer()
                 return
@@ -368,12 +370,7 @@ async def test_a_status_get_in_flight_ends_with_the_poller_that_sent_it():
         board = StatusBoard(interval=0.02, stale_after=1, timeout=60)
         url = fake.url + "/metrics"
         assert board.peek(url, auto_reader) is None  # (starts the poller)
-
-        async def get_arrived() -> None:
-            while not any(r.path == "/metrics" for r in fake.requests):
-                await asyncio.sleep(0.01)
-
-        await asyncio.wait_for(get_arrived(), 30)
+        await asyncio.wait_for(tower.asked.wait(), 30)
         out = [t for t in asyncio.all_tasks() if t.get_name() == "tierchain-status-get"]
         assert len(out) == 1  # the GET in flight, on the poller's client
         await board.aclose()
