@@ -194,21 +194,26 @@ class BareProxy:
         self.upstream = upstream
         self.client: httpx.AsyncClient | None = None
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
+    async def request(self, scope: Any, receive: Any) -> httpx.Request:
+        """The caller's request, read whole, as one to the upstream."""
         if self.client is None:
             self.client = httpx.AsyncClient(timeout=None)
         body = b""
-        while True:
+        more = True
+        while more:
             message = await receive()
             body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+            more = message.get("more_body", False)
         headers = [(k, v) for k, v in scope["headers"] if k not in (b"host", b"content-length")]
-        request = self.client.build_request(
+        return self.client.build_request(
             scope["method"], self.upstream + scope["path"], headers=headers, content=body
         )
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        request = await self.request(scope, receive)
+        assert self.client is not None
         response = await self.client.send(request, stream=True)
         try:
             await send(

@@ -50,6 +50,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import BareProxy
 from readme_stack import cpu_seconds, wait_up
 
 BODY = json.dumps(
@@ -133,7 +134,6 @@ def build(kind: str, tower: str, hosted: str) -> Any:
         inner: Any = keeps
     elif kind in ("bare", "bare-fastapi"):
         import httpx
-        from overhead import BareProxy
 
         proxy = BareProxy(tower)
         # As the Forwarder's: no cap on connections (httpx's default is 100).
@@ -223,32 +223,23 @@ def build(kind: str, tower: str, hosted: str) -> Any:
 _KEEPALIVE = b': {"state":"waiting","backend":"tower"}\n\n'
 
 
-class KeepaliveProxy:
+class KeepaliveProxy(BareProxy):
     """The bare proxy plus the least a gateway can do to hold a waiting stream open, with no
     tierchain: it commits ``200 text/event-stream`` at once and writes one SSE comment every
     ``interval`` seconds (an asyncio timer per stream) until the upstream answers. Its CPU
     over the keepalive window is the floor of what those writes cost on this host and server."""
 
     def __init__(self, upstream: str, interval: float) -> None:
-        self.upstream = upstream
+        super().__init__(upstream)
         self.interval = interval
-        self.client: Any = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        headers = [(k, v) for k, v in scope["headers"] if k not in (b"host", b"content-length")]
-        request = self.client.build_request(
-            scope["method"], self.upstream + scope["path"], headers=headers, content=body
-        )
+        request = await self.request(scope, receive)
         start = {"type": "http.response.start", "status": 200}
         await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
+        assert self.client is not None
         answer = asyncio.ensure_future(self.client.send(request, stream=True))
         try:
             while not (await asyncio.wait([answer], timeout=self.interval))[0]:

@@ -515,8 +515,9 @@ def chat_scope() -> dict[str, Any]:
     }
 
 
-async def one_request(app: Any) -> list[dict[str, Any]]:
-    """One streaming chat request through ``app`` in memory; what it sent back."""
+async def one_request(app: Any, scope: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One streaming chat request through ``app`` in memory (in ``scope``, if given, to
+    read the request's state after it); what it sent back."""
     sent: list[dict[str, Any]] = []
     messages = iter([{"type": "http.request", "body": _BODY, "more_body": False}])
     over = asyncio.Event()
@@ -531,7 +532,7 @@ async def one_request(app: Any) -> list[dict[str, Any]]:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    await app(chat_scope(), receive, send)
+    await app(chat_scope() if scope is None else scope, receive, send)
     over.set()
     await asyncio.sleep(0)  # the loop's turn between requests, as a server gives it
     return sent

@@ -63,47 +63,27 @@ def test_the_instruction_count_run_is_on_virtual_time_and_no_timer_falls_due_in_
     assert wakes("--virtual-time") == 0
 
 
-def test_the_waiting_streams_benchmark_holds_every_stream_and_each_hears_from_the_gateway():
-    out = run(
-        str(BENCH / "waiting.py"),
-        "40",
-        "--only",
-        "stack",
-        "--batch",
-        "40",
-        "--settle",
-        "0",
-        "--window",
-        "1",
-        "--interval",
-        "1",
-    )
+def waiting(kind: str, k: int) -> tuple[list[int], str]:
+    """bench/waiting.py for ``k`` streams of one gateway, quickly: (held, failed, committed,
+    without a line), and the whole output."""
+    out = run(str(BENCH / "waiting.py"), str(k), "--only", kind, "--batch", str(k),
+              "--settle", "0", "--window", "1", "--interval", "1")  # fmt: skip
     line = re.search(r"held (\d+) failed (\d+) committed (\d+) without a line (\d+)", out)
     assert line is not None, out
-    assert [int(n) for n in line.groups()] == [40, 0, 40, 0], out
+    return [int(n) for n in line.groups()], out
+
+
+def test_the_waiting_streams_benchmark_holds_every_stream_and_each_hears_from_the_gateway():
+    counts, out = waiting("stack", 40)
+    assert counts == [40, 0, 40, 0], out
     assert "breaker closed" in out, out
 
 
 def test_the_waiting_streams_benchmark_measures_a_bare_proxy_that_only_sends_keepalives():
     # The floor the parked-streams figure is read against: no tierchain, one comment a
     # stream every interval, every stream held.
-    out = run(
-        str(BENCH / "waiting.py"),
-        "20",
-        "--only",
-        "bare-keepalive",
-        "--batch",
-        "20",
-        "--settle",
-        "0",
-        "--window",
-        "1",
-        "--interval",
-        "1",
-    )
-    line = re.search(r"held (\d+) failed (\d+) committed (\d+) without a line (\d+)", out)
-    assert line is not None, out
-    assert [int(n) for n in line.groups()] == [20, 0, 20, 0], out
+    counts, out = waiting("bare-keepalive", 20)
+    assert counts == [20, 0, 20, 0], out
 
 
 def test_the_pools_benchmark_compares_the_picker_with_round_robin_and_random():

@@ -26,8 +26,10 @@ from .support import (
     FakeBackend,
     busy_for,
     chat_request,
+    chat_scope,
     now,
     on_virtual_time,
+    one_request,
     openai_stream,
     parse_sse,
     serve,
@@ -306,52 +308,18 @@ async def test_a_saturation_opens_the_breaker_but_a_spent_budget_does_not():
 # -- a committed stream's chunks past the Budget -------------------------------------
 
 _EVENTS = [b'data: {"n":%d}\n\n' % i for i in range(4)] + [b"data: [DONE]\n\n"]
+_SSE = (b"content-type", b"text/event-stream")
 
 
 async def _streams_events(scope: Any, receive: Any, send: Any) -> None:
-    while (await receive()).get("more_body"):
-        pass
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [(b"content-type", b"text/event-stream")],
-        }
-    )
-    for i, event in enumerate(_EVENTS):
-        more = i < len(_EVENTS) - 1
-        await send({"type": "http.response.body", "body": event, "more_body": more})
+    await receive()  # (the whole body: one message)
+    await send({"type": "http.response.start", "status": 200, "headers": [_SSE]})
+    for event in _EVENTS[:-1]:
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+    await send({"type": "http.response.body", "body": _EVENTS[-1]})
 
 
-async def _call(app: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One streamed chat request through ``app`` in process: what the caller got, and the
-    scope (for the request's own state afterwards)."""
-    body = json.dumps({"model": "echo", "stream": True, "messages": []}).encode()
-    scope: dict[str, Any] = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-    }
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
-    got: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if messages:
-            return messages.pop()
-        await asyncio.Event().wait()  # (the caller stays)
-        raise AssertionError("unreachable")
-
-    async def send(message: dict[str, Any]) -> None:
-        got.append(message)
-
-    await app(scope, receive, send)
-    return got, scope
-
-
-_ROUTES = Routes({"echo": [Backend("a", "http://127.0.0.1:9")]})
+_ROUTES = Routes({"m": [Backend("a", "http://127.0.0.1:9")]})
 
 
 @on_virtual_time
@@ -372,16 +340,17 @@ async def test_a_layer_between_budget_and_failover_still_sees_every_chunk_of_a_c
 
         return middleware
 
-    got, _ = await _call(Budget(marks(Failover(_streams_events, routes=_ROUTES)), default=60))
+    got = await one_request(Budget(marks(Failover(_streams_events, routes=_ROUTES)), default=60))
     bodies = [m["body"] for m in got if m["type"] == "http.response.body"]
     assert seen == _EVENTS
     assert b"".join(bodies) == b"".join(_EVENTS).replace(b"data:", b"data: ")
-    assert got[-1]["more_body"] is False
+    assert not got[-1].get("more_body", False)
 
 
 @on_virtual_time
 async def test_a_stream_through_budget_and_failover_reaches_the_caller_whole_and_ends_marked():
-    got, scope = await _call(Budget(Failover(_streams_events, routes=_ROUTES), default=60))
+    scope = chat_scope()
+    got = await one_request(Budget(Failover(_streams_events, routes=_ROUTES), default=60), scope)
     bodies = [m["body"] for m in got if m["type"] == "http.response.body"]
     assert b"".join(bodies) == b"".join(_EVENTS)
     assert [m.get("more_body", False) for m in got[1:]] == [True] * 4 + [False]
@@ -393,10 +362,10 @@ async def test_a_stream_through_budget_and_failover_reaches_the_caller_whole_and
 async def test_two_budgets_around_a_failover_both_see_the_stream_end():
     # The outer budget is the tighter one; both see the end, so neither fires after it.
     inner = Budget(Failover(_streams_events, routes=_ROUTES), default=60)
-    got, _ = await _call(Budget(inner, default=30))
+    got = await one_request(Budget(inner, default=30))
     assert b"".join(m["body"] for m in got if m["type"] == "http.response.body") == b"".join(
         _EVENTS
     )
     await asyncio.sleep(120)  # (virtual) past both budgets: nothing more is sent
-    assert got[-1]["more_body"] is False
+    assert not got[-1].get("more_body", False)
     assert len(got) == 1 + len(_EVENTS)
