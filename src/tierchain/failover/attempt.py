@@ -428,31 +428,34 @@ class Responder:
         # may change (a partial event dropped, an error event added, state lines put in
         # front: the server then frames the body) or where this layer sets it.
         unsized = observer.sse or observer.ndjson or (more_body and length is None)
-        if unsized or _has_body(observer.status):
-            headers: Headers = [
-                (k, v)
-                for k, v in self.start["headers"]
-                if (name := k.lower()) != b"content-length" and not name.startswith(_OWN_HEADERS)
-            ]
+        status = observer.status
+        # (Loops, not list comprehensions: a comprehension is a frame of its own.)
+        headers: Headers = []
+        keep = headers.append
+        if unsized or (status is not None and status >= 200 and status not in (204, 304)):
+            for k, v in self.start["headers"]:
+                name = k.lower()
+                if name != b"content-length" and not name.startswith(_OWN_HEADERS):
+                    keep((k, v))
             if not unsized:
-                headers.append(
-                    (b"content-length", str(len(chunk) if length is None else length).encode())
-                )
+                keep((b"content-length", str(len(chunk) if length is None else length).encode()))
         else:
-            headers = [
-                (k, v) for k, v in self.start["headers"] if not k.lower().startswith(_OWN_HEADERS)
-            ]
+            for k, v in self.start["headers"]:
+                if not k.lower().startswith(_OWN_HEADERS):
+                    keep((k, v))
         backend = attempt.backend
+        name = backend.name
+        shown = name if backend.pool is None else f"{name};pool={backend.pool}"
+        if req.attempts:
+            trail = format_trail(req.attempts, (shown, self.outcome))
+        else:  # the usual case, the first tier answered: format_trail's first case
+            trail = f"{shown};outcome={self.outcome}".encode()
         if backend.pool is None:
-            trail = format_trail(req.attempts, (backend.name, self.outcome))
-            req.emit("generating", backend=backend.name)
+            req.emit("generating", backend=name)
         else:
-            trail = format_trail(
-                req.attempts, (f"{backend.name};pool={backend.pool}", self.outcome)
-            )
-            req.emit("generating", backend=backend.name, pool=backend.pool)
-        headers.append((TRAIL_HEADER, trail))
-        headers.append((BACKEND_HEADER, backend.name.encode()))
+            req.emit("generating", backend=name, pool=backend.pool)
+        keep((TRAIL_HEADER, trail))
+        keep((BACKEND_HEADER, name.encode()))
         self.start["headers"] = headers
         if (
             more_body
@@ -462,7 +465,13 @@ class Responder:
         ):
             self.kept = [chunk]
             req.continuable = True
-        self._watch_caller()
+        if self._failover.send_timeout is not None and self._caller_watch is None:
+            # _watch_caller, inline (a frame less a request)
+            guard = self._guard
+            if guard.young:
+                guard.then = self._arm_caller_watch
+            else:
+                self._arm_caller_watch()
         # The start and the first chunk, as two of _to_caller's sends in one block: the
         # caller's marks are the same (out from each send's start, back after the last).
         req.caller_blocked_since = clock.now()
@@ -598,7 +607,3 @@ class Responder:
         req.aborted = True
         assert req.interruption is not None  # armed on entry
         req.interruption.interrupt("tierchain: caller_stalled")
-
-
-def _has_body(status: int | None) -> bool:
-    return status is not None and status >= 200 and status not in (204, 304)

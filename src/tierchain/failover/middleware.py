@@ -362,7 +362,20 @@ class Failover:
             else:
                 if req.aborted:
                     own_abort(req)  # the app swallowed our cancellation and returned
-                error = req.attempt_error or responder.failure()
+                error = req.attempt_error
+                if (
+                    error is None
+                    and responder.committed
+                    and responder.observer.complete
+                    and responder.refusal is None
+                    and responder.race is None
+                    and type(responder) is Responder
+                ):
+                    # The usual end, a whole answer committed: what failure() and
+                    # conclude() would find, without their frame and coroutine.
+                    record(req, attempt, responder.outcome)
+                    return True, attempt, None
+                error = error or responder.failure()
             race = responder.race
             if race is None:
                 return await responder.conclude(error), attempt, responder.fault
