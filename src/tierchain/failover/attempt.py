@@ -221,18 +221,20 @@ class Responder:
         self.start = {**message, "headers": headers}
         self.outcome = "ok" if status < 400 else f"http_{status}"
 
-    async def _before_commit(self, message: Message) -> None:
+    def _before_commit(self, message: Message) -> Awaitable[None]:
+        # Not a coroutine: each case has at most one send to wait for, returned as is
+        # (the first chunk's commit costs no coroutine of this method's own).
         if self.req.aborted:
-            return  # on its way out: nothing more goes to the caller
+            return nothing_sent()  # on its way out: nothing more goes to the caller
         kind = message["type"]
         observer = self.observer
         if kind == "http.response.start":
             self._on_start(message)
-            return
+            return nothing_sent()
         if kind != "http.response.body":
             if self.committed or self.start is None:
-                await self._send(message)  # e.g. http.response.trailers, passed as-is
-            return
+                return self._send(message)  # e.g. http.response.trailers, passed as-is
+            return nothing_sent()
         chunk: bytes = message.get("body", b"")
         more = bool(message.get("more_body", False))
         if self.refusal is not None:
@@ -240,18 +242,17 @@ class Responder:
                 self.refusal.append(chunk)
             if not more:
                 observer.end()
-            return
+            return nothing_sent()
         if self.start is None:
             raise RuntimeError("the inner app sent a body before http.response.start")
         if self.committed:
-            await self.send(message)  # a trailer-less body after commit: the usual path
-            return
+            return self.send(message)  # a trailer-less body after commit: the usual path
         if observer.sse or observer.ndjson:
             try:
                 out = observer.body(chunk)
             except StreamError as exc:
                 self.req.abort(exc)
-                return
+                return nothing_sent()
             if observer.first_data_at is None:
                 # Comments and pings before the first data event: held with it.
                 if out:
@@ -261,21 +262,21 @@ class Responder:
                     self._hold(out)
                 if not more:
                     observer.end()  # no data at all: the attempt fails (no_data)
-                return
+                return nothing_sent()
             if not more:
                 observer.end()
                 if not observer.complete:
-                    return  # whole stream, nothing sent, but truncated: fail over
-            await self.commit(self.held_body() + out if self._held else out, more_body=more)
-            return
+                    return nothing_sent()  # whole stream, nothing sent, but truncated: fail over
+            return self.commit(self.held_body() + out if self._held else out, more_body=more)
         observer.body(chunk)
         if not more:
             observer.end()
             self._hold(chunk)  # whole: committed by Failover once the app returns
-            return
+            return nothing_sent()
         self._hold(chunk)
         if self._held_size > self._failover.hold_limit:
-            await self.commit_held(more_body=True)  # too large to hold: stream on
+            return self.commit_held(more_body=True)  # too large to hold: stream on
+        return nothing_sent()
 
     def _hold(self, chunk: bytes) -> None:
         if chunk:

@@ -263,14 +263,9 @@ class Failover:
         req.chain = chain
         req.in_chain = True
         req.wire = self._formats.get(route) or recognise(target.path)
-        await self._serve(scope, receive, send, req, plan)
-
-    async def _serve(
-        self, scope: Scope, receive: Receive, send: Send, req: TierRequest, plan: PoolPlan | None
-    ) -> None:
-        """The waiting room, then the chain attempt by attempt, then the final answer; the
-        caller watched for leaving and the request's span around it all."""
-        route = req.route or ""
+        # The waiting room, then the chain attempt by attempt, then the final answer; the
+        # caller watched for leaving and the request's span around it all. (Here, not in
+        # a method of its own: a coroutine less a request.)
         span = start_span("tierchain.request", {ATTR_ROUTE: route})
         guard = DisconnectGuard(receive)
         guard.enter()  # (as ``async with guard``, without its two coroutines)
@@ -278,12 +273,12 @@ class Failover:
         try:
             if self._waitable and route in self._waitable:
                 assert self.waiting is not None
-                refused = await wait_for_room(
+                waited = await wait_for_room(
                     self.waiting, self._priority, self.picker, scope, req, route
                 )
-                if refused is not None:
+                if waited is not None:
                     guard.done = True
-                    return await turned_away(send, req, refused)
+                    return await turned_away(send, req, waited)
             copies = ScopeCopy(scope)  # the scope itself for the first attempt, copies after
             chain = req.chain
             attempt: Attempt | None = Attempt(1, len(chain), chain[0], route, started=clock.now())
