@@ -422,8 +422,10 @@ class Responder:
         req, attempt, observer = self.req, self.attempt, self.observer
         self.committed = True
         req.committed = True
-        elapsed = clock.now() - attempt.started
-        labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(elapsed)
+        now = clock.now()
+        labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(
+            now - attempt.started
+        )
         # One pass over the headers: the gateway's own x-tierchain-* headers win (an
         # upstream's never reach the caller), and the content-length goes where the length
         # may change (a partial event dropped, an error event added, state lines put in
@@ -475,7 +477,8 @@ class Responder:
                 self._arm_caller_watch()
         # The start and the first chunk, as two of _to_caller's sends in one block: the
         # caller's marks are the same (out from each send's start, back after the last).
-        req.caller_blocked_since = clock.now()
+        # (The clock read above: the same step.)
+        req.caller_blocked_since = now
         try:
             await self._send(self.start)
             passing = req.body_pass
