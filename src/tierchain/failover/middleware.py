@@ -87,6 +87,7 @@ from ..observer import Observer
 from ..picker import Picker, PickWeights
 from ..request import (
     DEFAULT_SEND_TIMEOUT,
+    SCOPE_KEY,
     UNROUTED_KEY,
     Attempt,
     TierRequest,
@@ -242,7 +243,9 @@ class Failover:
         if scope["method"] != "POST" or not target.path.startswith(self.paths):
             scope[UNROUTED_KEY] = True
             return await self.app(scope, receive, send)
-        req = TierRequest.of(scope)
+        req: TierRequest | None = scope.get(SCOPE_KEY)  # (TierRequest.of, inline)
+        if req is None:
+            req = scope[SCOPE_KEY] = TierRequest()
         body = await read_or_refuse(scope, receive, send, self.max_body, self.body_timeout)
         if body is None:
             return  # answered 413 or 408, or the caller left
@@ -337,7 +340,11 @@ class Failover:
                     )
                     if self.waiting is not None and self.waiting.waiting(req.route or ""):
                         self.waiting.notify()  # the room this took is counted now
-                attempt_scope = copies.next()
+                attempt_scope = copies.scope  # (copies.next(), inline)
+                if attempt_scope is None:
+                    attempt_scope = copies()
+                else:
+                    copies.scope = None
                 if self.hedging is not None:  # [hedge] a timer for this attempt
                     self.hedging.arm(self, req, attempt, responder, guard, send, copies)
                 # The attempt's span is current inside, so that the Forwarder (or the

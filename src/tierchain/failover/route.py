@@ -129,8 +129,12 @@ class ScopeCopy:
     def __init__(self, scope: Scope) -> None:
         self.scope: Scope | None = scope
         keys = tuple(scope)
-        if len(_SCOPE_SHAPES) < _SCOPE_SHAPES_MAX:
-            keys = _SCOPE_SHAPES.setdefault(keys, keys)
+        shape = _SCOPE_SHAPES.get(keys)  # (a shape seen before: the usual case)
+        if shape is None:
+            if len(_SCOPE_SHAPES) < _SCOPE_SHAPES_MAX:
+                _SCOPE_SHAPES[keys] = keys
+        else:
+            keys = shape
         self.keys = keys
         self.values = tuple(scope.values())
 
