@@ -167,9 +167,13 @@ class Responder:
                 observer.data_events += 1
                 observer._previous, observer._last = observer._last, chunk
                 if more:
-                    if self.kept is not None:
-                        self.kept.append(chunk)
-                    return self._pass(message)
+                    kept = self.kept
+                    if kept is not None:
+                        kept.append(chunk)
+                    # (Read, then called: a call of a slot's bound method straight off
+                    # ``self`` is one the interpreter cannot specialise.)
+                    passing = self._pass
+                    return passing(message)
                 out = chunk
             elif observer.sse or observer.ndjson:
                 try:
@@ -197,7 +201,8 @@ class Responder:
             if observer.complete:
                 self._guard.done = True
                 if out is chunk:
-                    return self._send(message)  # the last events as they came
+                    send = self._send  # (read, then called: as above)
+                    return send(message)  # the last events as they came
                 return self._send({"type": "http.response.body", "body": out, "more_body": False})
             # Truncated: the caller gets the events so far, then (from Failover, once
             # the app returns) an error event, never a silently short answer.
@@ -479,15 +484,16 @@ class Responder:
         # caller's marks are the same (out from each send's start, back after the last).
         # (The clock read above: the same step.)
         req.caller_blocked_since = now
+        send = self._send
         try:
-            await self._send(self.start)
+            await send(self.start)
             passing = req.body_pass
-            if passing is not None and passing[0] == self._send:  # (bound methods: ==)
+            if passing is not None and passing[0] == send:  # (bound methods: ==)
                 self._pass = passing[1]  # an outer layer that only passes such chunks on
             if not more_body:
                 self._guard.done = True
             req.caller_unblocked_at = req.caller_blocked_since = clock.now()
-            await self._send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+            await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
         except asyncio.CancelledError:
             self._stalled()
             raise

@@ -97,6 +97,7 @@ from ..telemetry import (
     ATTR_OUTCOME,
     ATTR_ROUTE,
     start_span,
+    tracing_enabled,
 )
 from ..waiting import WaitingRoom
 from ..wire import recognise
@@ -269,7 +270,12 @@ class Failover:
         # The waiting room, then the chain attempt by attempt, then the final answer; the
         # caller watched for leaving and the request's span around it all. (Here, not in
         # a method of its own: a coroutine less a request.)
-        span = start_span("tierchain.request", {ATTR_ROUTE: route})
+        # (No SDK, the usual case: neither start_span's frame nor its attributes.)
+        span = (
+            start_span("tierchain.request", {ATTR_ROUTE: route})
+            if tracing_enabled()
+            else INVALID_SPAN
+        )
         guard = DisconnectGuard(receive)
         guard.enter()  # (as ``async with guard``, without its two coroutines)
         req.interruption = Interruption.beside(guard.cut)  # the same task, the same baseline
