@@ -53,6 +53,19 @@ async def read_body(
     With ``within``, the body must be whole within that many seconds
     (:class:`BodyTimeout` otherwise).
     """
+    begun = _begin(scope, receive, limit, within)
+    if type(begun) is bytes:
+        return begun
+    assert isinstance(begun, tuple)
+    return await _rest(receive, limit, within, *begun)
+
+
+def _begin(
+    scope: Scope, receive: Receive, limit: int, within: float | None
+) -> bytes | tuple[Awaitable[Message], Message | None]:
+    """The reading's first step, in the caller's step: the whole body when the first
+    message holds it (the usual case, no coroutine of :func:`_rest`'s), else what to
+    go on from: the first read (still to await) or its message."""
     for key, value in scope.get("headers", ()):
         if key == b"content-length":
             try:
@@ -78,6 +91,17 @@ async def read_body(
                 if len(chunk) > limit:
                     raise BodyTooLarge(limit)
                 return chunk or b""
+    return first, message
+
+
+async def _rest(
+    receive: Receive,
+    limit: int,
+    within: float | None,
+    first: Awaitable[Message],
+    message: Message | None,
+) -> bytes:
+    """The reading after :func:`_begin`, when the first message did not hold it all."""
     late: Interruption | None = None
     entry: deadlines.Deadline | None = None
     if within is not None:
@@ -96,7 +120,7 @@ async def read_body(
             if kind == "http.disconnect":
                 raise CallerGone
             if kind == "http.request":
-                chunk = message.get("body", b"")
+                chunk: bytes = message.get("body", b"")
                 if chunk:
                     size += len(chunk)
                     if size > limit:
@@ -119,7 +143,11 @@ async def read_or_refuse(
 ) -> bytes | None:
     """The whole body; or None, once the caller is answered 413 or 408 (or has gone)."""
     try:
-        return await read_body(scope, receive, limit, within)
+        begun = _begin(scope, receive, limit, within)
+        if type(begun) is bytes:
+            return begun  # the usual case: a coroutine less than read_body
+        assert isinstance(begun, tuple)
+        return await _rest(receive, limit, within, *begun)
     except BodyTooLarge as exc:
         await refuse_request(
             scope, send, 413, str(exc), "body_too_large", type="request_too_large", limit=exc.limit

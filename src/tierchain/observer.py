@@ -61,6 +61,7 @@ MAX_EVENT = 2**20
 OPENAI = "openai"
 """The default stream end: ``data: [DONE]``, or a ``finish_reason`` before a clean end."""
 
+_OPENAI_END = OPENAI.encode()
 _DONE = b"[DONE]"
 _DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -113,7 +114,10 @@ class Observer:
         self.started = clock.now() if started is None else started
         if wire == PLAIN and stream_end == OPENAI:
             stream_end = None  # plain: any clean end, unless a terminator was named
-        self._stream_end = None if stream_end is None else stream_end.encode()
+        if stream_end == OPENAI:
+            self._stream_end: bytes | None = _OPENAI_END  # (the default: encoded once)
+        else:
+            self._stream_end = None if stream_end is None else stream_end.encode()
         self.wire = wire
         self._opening = wire in _OPENING  # opening events to tell from progress
         self.max_event = max_event

@@ -167,9 +167,13 @@ class Responder:
                 observer.data_events += 1
                 observer._previous, observer._last = observer._last, chunk
                 if more:
-                    if self.kept is not None:
-                        self.kept.append(chunk)
-                    return self._pass(message)
+                    kept = self.kept
+                    if kept is not None:
+                        kept.append(chunk)
+                    # (Read, then called: a call of a slot's bound method straight off
+                    # ``self`` is one the interpreter cannot specialise.)
+                    passing = self._pass
+                    return passing(message)
                 out = chunk
             elif observer.sse or observer.ndjson:
                 try:
@@ -197,7 +201,8 @@ class Responder:
             if observer.complete:
                 self._guard.done = True
                 if out is chunk:
-                    return self._send(message)  # the last events as they came
+                    send = self._send  # (read, then called: as above)
+                    return send(message)  # the last events as they came
                 return self._send({"type": "http.response.body", "body": out, "more_body": False})
             # Truncated: the caller gets the events so far, then (from Failover, once
             # the app returns) an error event, never a silently short answer.
@@ -221,18 +226,20 @@ class Responder:
         self.start = {**message, "headers": headers}
         self.outcome = "ok" if status < 400 else f"http_{status}"
 
-    async def _before_commit(self, message: Message) -> None:
+    def _before_commit(self, message: Message) -> Awaitable[None]:
+        # Not a coroutine: each case has at most one send to wait for, returned as is
+        # (the first chunk's commit costs no coroutine of this method's own).
         if self.req.aborted:
-            return  # on its way out: nothing more goes to the caller
+            return nothing_sent()  # on its way out: nothing more goes to the caller
         kind = message["type"]
         observer = self.observer
         if kind == "http.response.start":
             self._on_start(message)
-            return
+            return nothing_sent()
         if kind != "http.response.body":
             if self.committed or self.start is None:
-                await self._send(message)  # e.g. http.response.trailers, passed as-is
-            return
+                return self._send(message)  # e.g. http.response.trailers, passed as-is
+            return nothing_sent()
         chunk: bytes = message.get("body", b"")
         more = bool(message.get("more_body", False))
         if self.refusal is not None:
@@ -240,18 +247,17 @@ class Responder:
                 self.refusal.append(chunk)
             if not more:
                 observer.end()
-            return
+            return nothing_sent()
         if self.start is None:
             raise RuntimeError("the inner app sent a body before http.response.start")
         if self.committed:
-            await self.send(message)  # a trailer-less body after commit: the usual path
-            return
+            return self.send(message)  # a trailer-less body after commit: the usual path
         if observer.sse or observer.ndjson:
             try:
                 out = observer.body(chunk)
             except StreamError as exc:
                 self.req.abort(exc)
-                return
+                return nothing_sent()
             if observer.first_data_at is None:
                 # Comments and pings before the first data event: held with it.
                 if out:
@@ -261,21 +267,21 @@ class Responder:
                     self._hold(out)
                 if not more:
                     observer.end()  # no data at all: the attempt fails (no_data)
-                return
+                return nothing_sent()
             if not more:
                 observer.end()
                 if not observer.complete:
-                    return  # whole stream, nothing sent, but truncated: fail over
-            await self.commit(self.held_body() + out if self._held else out, more_body=more)
-            return
+                    return nothing_sent()  # whole stream, nothing sent, but truncated: fail over
+            return self.commit(self.held_body() + out if self._held else out, more_body=more)
         observer.body(chunk)
         if not more:
             observer.end()
             self._hold(chunk)  # whole: committed by Failover once the app returns
-            return
+            return nothing_sent()
         self._hold(chunk)
         if self._held_size > self._failover.hold_limit:
-            await self.commit_held(more_body=True)  # too large to hold: stream on
+            return self.commit_held(more_body=True)  # too large to hold: stream on
+        return nothing_sent()
 
     def _hold(self, chunk: bytes) -> None:
         if chunk:
@@ -421,38 +427,43 @@ class Responder:
         req, attempt, observer = self.req, self.attempt, self.observer
         self.committed = True
         req.committed = True
-        elapsed = clock.now() - attempt.started
-        labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(elapsed)
+        now = clock.now()
+        labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(
+            now - attempt.started
+        )
         # One pass over the headers: the gateway's own x-tierchain-* headers win (an
         # upstream's never reach the caller), and the content-length goes where the length
         # may change (a partial event dropped, an error event added, state lines put in
         # front: the server then frames the body) or where this layer sets it.
         unsized = observer.sse or observer.ndjson or (more_body and length is None)
-        if unsized or _has_body(observer.status):
-            headers: Headers = [
-                (k, v)
-                for k, v in self.start["headers"]
-                if (name := k.lower()) != b"content-length" and not name.startswith(_OWN_HEADERS)
-            ]
+        status = observer.status
+        # (Loops, not list comprehensions: a comprehension is a frame of its own.)
+        headers: Headers = []
+        keep = headers.append
+        if unsized or (status is not None and status >= 200 and status not in (204, 304)):
+            for k, v in self.start["headers"]:
+                name = k.lower()
+                if name != b"content-length" and not name.startswith(_OWN_HEADERS):
+                    keep((k, v))
             if not unsized:
-                headers.append(
-                    (b"content-length", str(len(chunk) if length is None else length).encode())
-                )
+                keep((b"content-length", str(len(chunk) if length is None else length).encode()))
         else:
-            headers = [
-                (k, v) for k, v in self.start["headers"] if not k.lower().startswith(_OWN_HEADERS)
-            ]
+            for k, v in self.start["headers"]:
+                if not k.lower().startswith(_OWN_HEADERS):
+                    keep((k, v))
         backend = attempt.backend
+        name = backend.name
+        shown = name if backend.pool is None else f"{name};pool={backend.pool}"
+        if req.attempts:
+            trail = format_trail(req.attempts, (shown, self.outcome))
+        else:  # the usual case, the first tier answered: format_trail's first case
+            trail = f"{shown};outcome={self.outcome}".encode()
         if backend.pool is None:
-            trail = format_trail(req.attempts, (backend.name, self.outcome))
-            req.emit("generating", backend=backend.name)
+            req.emit("generating", backend=name)
         else:
-            trail = format_trail(
-                req.attempts, (f"{backend.name};pool={backend.pool}", self.outcome)
-            )
-            req.emit("generating", backend=backend.name, pool=backend.pool)
-        headers.append((TRAIL_HEADER, trail))
-        headers.append((BACKEND_HEADER, backend.name.encode()))
+            req.emit("generating", backend=name, pool=backend.pool)
+        keep((TRAIL_HEADER, trail))
+        keep((BACKEND_HEADER, name.encode()))
         self.start["headers"] = headers
         if (
             more_body
@@ -462,19 +473,27 @@ class Responder:
         ):
             self.kept = [chunk]
             req.continuable = True
-        self._watch_caller()
+        if self._failover.send_timeout is not None and self._caller_watch is None:
+            # _watch_caller, inline (a frame less a request)
+            guard = self._guard
+            if guard.young:
+                guard.then = self._arm_caller_watch
+            else:
+                self._arm_caller_watch()
         # The start and the first chunk, as two of _to_caller's sends in one block: the
         # caller's marks are the same (out from each send's start, back after the last).
-        req.caller_blocked_since = clock.now()
+        # (The clock read above: the same step.)
+        req.caller_blocked_since = now
+        send = self._send
         try:
-            await self._send(self.start)
+            await send(self.start)
             passing = req.body_pass
-            if passing is not None and passing[0] == self._send:  # (bound methods: ==)
+            if passing is not None and passing[0] == send:  # (bound methods: ==)
                 self._pass = passing[1]  # an outer layer that only passes such chunks on
             if not more_body:
                 self._guard.done = True
             req.caller_unblocked_at = req.caller_blocked_since = clock.now()
-            await self._send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+            await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
         except asyncio.CancelledError:
             self._stalled()
             raise
@@ -598,7 +617,3 @@ class Responder:
         req.aborted = True
         assert req.interruption is not None  # armed on entry
         req.interruption.interrupt("tierchain: caller_stalled")
-
-
-def _has_body(status: int | None) -> bool:
-    return status is not None and status >= 200 and status not in (204, 304)

@@ -87,6 +87,7 @@ from ..observer import Observer
 from ..picker import Picker, PickWeights
 from ..request import (
     DEFAULT_SEND_TIMEOUT,
+    SCOPE_KEY,
     UNROUTED_KEY,
     Attempt,
     TierRequest,
@@ -96,6 +97,7 @@ from ..telemetry import (
     ATTR_OUTCOME,
     ATTR_ROUTE,
     start_span,
+    tracing_enabled,
 )
 from ..waiting import WaitingRoom
 from ..wire import recognise
@@ -242,7 +244,9 @@ class Failover:
         if scope["method"] != "POST" or not target.path.startswith(self.paths):
             scope[UNROUTED_KEY] = True
             return await self.app(scope, receive, send)
-        req = TierRequest.of(scope)
+        req: TierRequest | None = scope.get(SCOPE_KEY)  # (TierRequest.of, inline)
+        if req is None:
+            req = scope[SCOPE_KEY] = TierRequest()
         body = await read_or_refuse(scope, receive, send, self.max_body, self.body_timeout)
         if body is None:
             return  # answered 413 or 408, or the caller left
@@ -263,27 +267,27 @@ class Failover:
         req.chain = chain
         req.in_chain = True
         req.wire = self._formats.get(route) or recognise(target.path)
-        await self._serve(scope, receive, send, req, plan)
-
-    async def _serve(
-        self, scope: Scope, receive: Receive, send: Send, req: TierRequest, plan: PoolPlan | None
-    ) -> None:
-        """The waiting room, then the chain attempt by attempt, then the final answer; the
-        caller watched for leaving and the request's span around it all."""
-        route = req.route or ""
-        span = start_span("tierchain.request", {ATTR_ROUTE: route})
+        # The waiting room, then the chain attempt by attempt, then the final answer; the
+        # caller watched for leaving and the request's span around it all. (Here, not in
+        # a method of its own: a coroutine less a request.)
+        # (No SDK, the usual case: neither start_span's frame nor its attributes.)
+        span = (
+            start_span("tierchain.request", {ATTR_ROUTE: route})
+            if tracing_enabled()
+            else INVALID_SPAN
+        )
         guard = DisconnectGuard(receive)
         guard.enter()  # (as ``async with guard``, without its two coroutines)
         req.interruption = Interruption.beside(guard.cut)  # the same task, the same baseline
         try:
             if self._waitable and route in self._waitable:
                 assert self.waiting is not None
-                refused = await wait_for_room(
+                waited = await wait_for_room(
                     self.waiting, self._priority, self.picker, scope, req, route
                 )
-                if refused is not None:
+                if waited is not None:
                     guard.done = True
-                    return await turned_away(send, req, refused)
+                    return await turned_away(send, req, waited)
             copies = ScopeCopy(scope)  # the scope itself for the first attempt, copies after
             chain = req.chain
             attempt: Attempt | None = Attempt(1, len(chain), chain[0], route, started=clock.now())
@@ -342,7 +346,11 @@ class Failover:
                     )
                     if self.waiting is not None and self.waiting.waiting(req.route or ""):
                         self.waiting.notify()  # the room this took is counted now
-                attempt_scope = copies.next()
+                attempt_scope = copies.scope  # (copies.next(), inline)
+                if attempt_scope is None:
+                    attempt_scope = copies()
+                else:
+                    copies.scope = None
                 if self.hedging is not None:  # [hedge] a timer for this attempt
                     self.hedging.arm(self, req, attempt, responder, guard, send, copies)
                 # The attempt's span is current inside, so that the Forwarder (or the
@@ -362,7 +370,20 @@ class Failover:
             else:
                 if req.aborted:
                     own_abort(req)  # the app swallowed our cancellation and returned
-                error = req.attempt_error or responder.failure()
+                error = req.attempt_error
+                if (
+                    error is None
+                    and responder.committed
+                    and responder.observer.complete
+                    and responder.refusal is None
+                    and responder.race is None
+                    and type(responder) is Responder
+                ):
+                    # The usual end, a whole answer committed: what failure() and
+                    # conclude() would find, without their frame and coroutine.
+                    record(req, attempt, responder.outcome)
+                    return True, attempt, None
+                error = error or responder.failure()
             race = responder.race
             if race is None:
                 return await responder.conclude(error), attempt, responder.fault

@@ -36,25 +36,6 @@ _SCOPE_SHAPES_MAX = 256
 _scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
-def _scan_object(body: bytes) -> dict[str, Any] | None:
-    """The usual body (a UTF-8 JSON object) read by the scanner alone, else None.
-
-    The same parser as ``json.loads`` without its encoding detection and its
-    Python-level wrappers; anything unusual (or wrong) is left to the loader
-    (:func:`_loaded`), which bounds the depth and gives the error message.
-    """
-    if body[:1] != b"{" or not _json.depth_ok(body):
-        return None  # the loader checks the depth of a text with many brackets
-    try:
-        text = body.decode()
-        data, end = _scan(text, 0)
-    except (StopIteration, UnicodeDecodeError, ValueError):
-        return None
-    if end != len(text) and text[end:].strip(" \t\n\r"):
-        return None  # something after the object: the loader says what
-    return data if isinstance(data, dict) else None
-
-
 def _loaded(body: bytes) -> dict[str, Any]:
     """A body the scanner alone did not read, by the loader (:mod:`tierchain._json`)."""
     try:
@@ -81,7 +62,24 @@ def route_of(
         if resolve is not None:
             route = resolve(scope, body)
         else:
-            data = _scan_object(body)
+            # The usual body, a UTF-8 JSON object, read by the scanner alone (json.loads'
+            # parser without its encoding detection and its Python-level wrappers; here,
+            # not in a function of its own: a frame less a request). Anything unusual (or
+            # wrong) is left to the loader, which bounds the depth and gives the error.
+            data: dict[str, Any] | None = None
+            # (_json.depth_ok's count, inline: the loader checks a text with many brackets)
+            if body[:1] == b"{" and body.count(b"[") + body.count(b"{") <= _json.MAX_DEPTH:
+                try:
+                    text = body.decode()
+                    scanned, end = _scan(text, 0)
+                except (StopIteration, UnicodeDecodeError, ValueError):
+                    pass
+                else:
+                    # Nothing but blanks after the object (else the loader says what).
+                    if isinstance(scanned, dict) and (
+                        end == len(text) or not text[end:].strip(" \t\n\r")
+                    ):
+                        data = scanned
             if data is None:
                 data = _loaded(body)
             model = data.get("model")
@@ -128,8 +126,12 @@ class ScopeCopy:
     def __init__(self, scope: Scope) -> None:
         self.scope: Scope | None = scope
         keys = tuple(scope)
-        if len(_SCOPE_SHAPES) < _SCOPE_SHAPES_MAX:
-            keys = _SCOPE_SHAPES.setdefault(keys, keys)
+        shape = _SCOPE_SHAPES.get(keys)  # (a shape seen before: the usual case)
+        if shape is None:
+            if len(_SCOPE_SHAPES) < _SCOPE_SHAPES_MAX:
+                _SCOPE_SHAPES[keys] = keys
+        else:
+            keys = shape
         self.keys = keys
         self.values = tuple(scope.values())
 
