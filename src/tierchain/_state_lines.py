@@ -1,7 +1,9 @@
 """A state event as the SSE comment line Heartbeats writes, counted and traced.
 
 The same few state lines repeat for every request, so each one's bytes and
-counter are found with one lookup (at most ``_KNOWN_MAX`` kept).
+counter are found with one lookup (at most ``_KNOWN_MAX`` kept). The last event of
+each state is kept too: an event equal to it (with its keys in the same order) is
+known without a tuple of its items to build and hash.
 """
 
 from __future__ import annotations
@@ -18,13 +20,19 @@ __all__ = ["state_line", "state_lines"]
 
 _KNOWN: dict[tuple[tuple[str, Any], ...], tuple[bytes, str, Any]] = {}
 _KNOWN_MAX = 4096
+# state -> (the last such event, a copy; its keys in order; what it is)
+_LAST: dict[Any, tuple[StateEvent, tuple[str, ...], tuple[bytes, str, Any]]] = {}
 
 
 def state_line(event: StateEvent, span: Span, keepalive: bool) -> bytes:
     """``event``'s comment line; counted in ``tierchain_stream_heartbeats_total`` and,
     while ``span`` records, a ``stream.heartbeat`` event on it."""
     try:
-        known = _KNOWN.get(tuple(event.items()))
+        last = _LAST.get(event.get("state"))
+        if last is not None and last[0] == event and tuple(event) == last[1]:
+            known: tuple[bytes, str, Any] | None = last[2]
+        else:
+            known = _KNOWN.get(tuple(event.items()))
     except TypeError:  # a value that cannot be a key
         known = None
     if known is None:
@@ -41,10 +49,15 @@ def state_lines(events: list[StateEvent], span: Span) -> bytes:
     call and one ``is_recording`` for the batch (a request queues two or three)."""
     recording = span is not INVALID_SPAN and span.is_recording()  # (as in state_line)
     known_line = _KNOWN.get
+    last_of = _LAST.get
     out = b""
     for event in events:
         try:
-            known = known_line(tuple(event.items()))
+            last = last_of(event.get("state"))  # (as in state_line)
+            if last is not None and last[0] == event and tuple(event) == last[1]:
+                known: tuple[bytes, str, Any] | None = last[2]
+            else:
+                known = known_line(tuple(event.items()))
         except TypeError:
             known = None
         if known is None:
@@ -71,5 +84,7 @@ def _new(event: StateEvent) -> tuple[bytes, str, Any]:
         return known  # not kept: encoded each time
     if len(_KNOWN) >= _KNOWN_MAX:
         _KNOWN.clear()
+        _LAST.clear()
     _KNOWN[key] = known
+    _LAST[event.get("state")] = (dict(event), tuple(event), known)
     return known

@@ -49,7 +49,7 @@ from .observer import Observer, nothing_sent, whole_events
 from .request import SCOPE_KEY, StateEvent, TierRequest
 from .sse import is_event_stream
 from .telemetry import current_span, log_event
-from .wire import SSE, LateAnswer, allows_comments, error_bytes, recognise
+from .wire import OLLAMA, SSE, LateAnswer, allows_comments, error_bytes, recognise
 
 __all__ = ["TASK_NAME", "Heartbeats"]
 
@@ -426,14 +426,27 @@ class _Stream:
                         return self._send_slow(message)
                     # State lines to put in at this chunk's boundaries (the first data
                     # event of most requests): written into it, then the same hot path.
-                    relayed = self._relayed(message)
-                    if relayed is None:
-                        return nothing_sent()
-                    message = relayed
-                    if self.phase != _DONE:
-                        self.last_output = clock.now()
-                else:
                     chunk: bytes = message.get("body", b"")
+                    if chunk and (chunk[:1] != b"\n" or self.last[-1:] != b"\r"):
+                        # A boundary before it (as in _relayed): the lines, then the chunk.
+                        events, self.queue = self.queue, []
+                        more = bool(message.get("more_body", False))
+                        body = state_lines(events, self.span) + chunk
+                        message = {"type": "http.response.body", "body": body, "more_body": more}
+                        self.last = chunk
+                        if more:
+                            self.last_output = clock.now()
+                        else:
+                            self.phase = _DONE
+                    else:
+                        relayed = self._relayed(message)
+                        if relayed is None:
+                            return nothing_sent()
+                        message = relayed
+                        if self.phase != _DONE:
+                            self.last_output = clock.now()
+                else:
+                    chunk = message.get("body", b"")
                     if chunk:
                         self.last = chunk
                         if message.get("more_body", False):
@@ -515,8 +528,9 @@ class _Stream:
         self.inner_started = True
         status = int(message["status"])
         headers = message.get("headers", ())
-        in_chain = self.req.in_chain
-        chained = self.req.observer if in_chain else None  # it has read the headers
+        req = self.req
+        in_chain = req.in_chain
+        chained = req.observer if in_chain else None  # it has read the headers
         sse = 200 <= status < 300 and (
             chained.sse if chained is not None else is_event_stream(headers)
         )
@@ -525,7 +539,17 @@ class _Stream:
             self.observer = Observer(wire=self.wire())  # alone: we pass on whole events
             self.observer.start(status, list(headers))
         if phase == _WAITING:
-            if sse and self.streaming():
+            streams: bool | None = False
+            if sse:
+                streams = req.streaming
+                if self.accept or streams is not None:
+                    # streaming()'s usual answer, inline (allows_comments: not Ollama's)
+                    streams = (self.accept or streams) and (
+                        req.wire or recognise(self.path)
+                    ) != OLLAMA
+                else:
+                    streams = self.streaming()
+            if streams:
                 self.phase = _RELAY
                 # State lines change the body's length: the server frames it.
                 # (Inside a Failover, its commit has already dropped the length.)

@@ -420,7 +420,19 @@ def current_span() -> trace.Span:
         return trace.get_current_span()
     var, key = _SPAN_SLOT
     span = var.get().get(key)
-    return span if isinstance(span, trace.Span) else trace.INVALID_SPAN
+    if span is None:
+        return trace.INVALID_SPAN
+    # ``trace.Span`` is an ABC, whose isinstance is costly: a span class seen once is known.
+    if type(span) in _SPAN_TYPES:
+        return span  # type: ignore[no-any-return]
+    if isinstance(span, trace.Span):
+        if len(_SPAN_TYPES) < 16:
+            _SPAN_TYPES.add(type(span))
+        return span
+    return trace.INVALID_SPAN
+
+
+_SPAN_TYPES: set[type] = set()  # classes of spans current_span has returned (a few)
 
 
 def start_span(name: str, attributes: dict[str, Any] | None = None) -> trace.Span:
