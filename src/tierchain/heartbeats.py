@@ -135,7 +135,7 @@ class Heartbeats:
         # It listens for state events and takes its place in the keepalive timer.
         # Nothing is timed for a request that is over before anything could be due:
         # the stream goes live when the commit (or the first keepalive) could fall due.
-        stream.req.subscribe(stream.on_event)
+        stream.req.listen(stream.on_event)
         first_due = self.first_due
         stream.entry = deadlines.schedule_at(stream.started + first_due, stream.due, lane=first_due)
         try:

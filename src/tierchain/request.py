@@ -301,6 +301,11 @@ class TierRequest:
         self._listeners.append(listener)
         return lambda: self.unsubscribe(listener)
 
+    def listen(self, listener: Listener) -> None:
+        """:meth:`subscribe` with no unsubscribe made (a listener for the request's life,
+        or one that calls :meth:`unsubscribe` itself)."""
+        self._listeners.append(listener)
+
     def unsubscribe(self, listener: Listener) -> None:
         """Stop calling ``listener`` (nothing happens if it is not listening)."""
         try:
