@@ -432,8 +432,14 @@ class SaturationWatchdog:
         interruption = watch.cut = Interruption()
         interruption.arm()
         watch.observer.on_first_data.append(watch._first_data)
-        due = watch._due()  # (the one rule for which point comes first)
-        if due == math.inf:
+        # watch._due(), inline (the one rule for which point comes first; `deadline` is
+        # watch._deadline()): a frame less per attempt.
+        due = ceiling_at if ceiling_at < cut else cut
+        if prefill_end < due:
+            due = prefill_end
+        if window_end < due:
+            due = window_end
+        if due == math.inf or (deadline is not None and due >= deadline):
             return watch
         if due == window_end:
             delay = window
@@ -447,7 +453,9 @@ class SaturationWatchdog:
             fixed = self.prompt_rate.recurs(delay)
         else:
             delay, fixed = max(0.0, due - clock.now()), False
-        watch._arm(delay, fixed=fixed)
+        watch._handle = deadlines.schedule(  # watch._arm, inline
+            delay, watch._expired, context=contextvars.copy_context(), fixed=fixed
+        )
         return watch
 
     def _lifespan_send(self, send: Send) -> Send:
