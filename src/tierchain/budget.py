@@ -52,6 +52,7 @@ __all__ = ["Budget"]
 
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 _REASON = "budget_exhausted"
+_new = object.__new__
 
 
 class Budget:
@@ -129,22 +130,47 @@ class Budget:
         if seconds is None:
             return await self.app(scope, receive, send)
         # The request under its budget, in this frame (a waiting stream holds one less).
-        spend = _spend(self, scope, seconds, send)  # (timed from here)
+        # _Spend has no __init__ (a frame less per request): its fields are set here.
+        spend: _Spend = _new(_Spend)
+        spend.budget = self
+        spend.seconds = seconds
+        # (TierRequest.of, inline: an outer layer such as Heartbeats has mostly made it)
+        req: TierRequest | None = scope.get(SCOPE_KEY)
+        if req is None:
+            req = TierRequest.of(scope)
+        spend.req = req
+        spend.started = False
+        spend.finished = False
+        spend._observer = None
+        spend._send = send
+        delay = seconds
+        deadline = clock.now() + delay  # (timed from here)
+        fixed = delay == self.default  # most requests: the same delay, a FIFO
+        if req.deadline is not None and req.deadline < deadline:
+            # An outer budget: the earlier deadline wins.
+            deadline, fixed = req.deadline, False
+            delay = max(0.0, deadline - clock.now())
+        req.deadline = deadline
+        req.budget = delay if req.budget is None else min(req.budget, delay)
+        cut = spend.cut = Interruption()
+        cut.arm()
+        # At the deadline itself (no second clock reading); a fixed delay's FIFO holds it.
+        spend.timer = deadlines.schedule_at(deadline, spend._fire, lane=delay if fixed else None)
         try:
             await self.app(scope, receive, spend.send)
         except asyncio.CancelledError:
-            if not spend.cut.ours():
+            if not cut.ours():
                 raise
             await spend.exhausted(send)
         except BudgetExhausted:
-            spend.req.cancel_reason = _REASON
+            req.cancel_reason = _REASON
             await spend.exhausted(send)
         else:
-            if spend.cut.interrupted:
-                spend.cut.swallowed()  # the app swallowed the cancellation and returned anyway
+            if cut.interrupted:
+                cut.swallowed()  # the app swallowed the cancellation and returned anyway
         finally:
             deadlines.cancel(spend.timer)
-            spend.req.body_pass = None  # (it holds this layer's send: no cycle outlives us)
+            req.body_pass = None  # (it holds this layer's send: no cycle outlives us)
 
 
 class _Spend:
@@ -152,7 +178,9 @@ class _Spend:
 
     Inside a Failover, the events that reach this layer are already whole and
     it only notes the start and the end. Alone in front of an event stream it
-    keeps an observer of its own, so that it too passes on whole events only.
+    keeps an observer of its own, so that it too passes on whole events only. It has
+    no ``__init__``: :meth:`Budget.__call__` sets its fields, sets the request's
+    deadline and times it (``timer``).
     """
 
     __slots__ = (
@@ -258,36 +286,3 @@ class _Spend:
         if not self.finished:
             raise BudgetExhausted(message)
 
-
-_new = object.__new__
-
-
-def _spend(budget: Budget, scope: Scope, seconds: float, send: Send) -> _Spend:
-    """A request's :class:`_Spend`: set its deadline and time it (``timer``). A function
-    on ``object.__new__`` rather than an ``__init__``: no second frame per request."""
-    spend: _Spend = _new(_Spend)
-    spend.budget = budget
-    spend.seconds = seconds
-    # (TierRequest.of, inline: an outer layer such as Heartbeats has mostly made it)
-    req: TierRequest | None = scope.get(SCOPE_KEY)
-    if req is None:
-        req = TierRequest.of(scope)
-    spend.req = req
-    spend.started = False
-    spend.finished = False
-    spend._observer = None
-    spend._send = send
-    delay = seconds
-    deadline = clock.now() + delay
-    fixed = delay == budget.default  # most requests: the same delay, a FIFO
-    if req.deadline is not None and req.deadline < deadline:
-        # An outer budget: the earlier deadline wins.
-        deadline, fixed = req.deadline, False
-        delay = max(0.0, deadline - clock.now())
-    req.deadline = deadline
-    req.budget = delay if req.budget is None else min(req.budget, delay)
-    cut = spend.cut = Interruption()
-    cut.arm()
-    # At the deadline itself (no second clock reading); a fixed delay's FIFO holds it.
-    spend.timer = deadlines.schedule_at(deadline, spend._fire, lane=delay if fixed else None)
-    return spend
