@@ -216,8 +216,7 @@ class _Spend:
                 self.finished = True
         elif kind == "http.response.start":
             self.started = True
-            headers = message.get("headers", ())
-            if not self.req.in_chain and is_event_stream(headers):
+            if not self.req.in_chain and is_event_stream(message.get("headers", ())):
                 self._observer = Observer()
             else:
                 # A mid-stream chunk then only passes through: Failover may skip this call

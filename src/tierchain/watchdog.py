@@ -302,6 +302,9 @@ class SaturationWatchdog:
             if watch is None:
                 await self.app(scope, receive, send)
                 return
+            # Told of the first chunk (one bound method, here: the finally removes the same).
+            first_data = watch._first_data
+            watch.observer.on_first_data.append(first_data)
             try:
                 if watch.own:  # alone: judged by the request's own wire format
                     watch.observer.wire = recognise(scope.get("path", ""))
@@ -321,7 +324,7 @@ class SaturationWatchdog:
                 # Over: stop timing. Our callback out of the observer, which outlives the
                 # attempt (and a cycle between the two would wait for the garbage collector).
                 try:
-                    watch.observer.on_first_data.remove(watch._first_data)
+                    watch.observer.on_first_data.remove(first_data)
                 except ValueError:
                     pass
                 if watch._handle is not None:
@@ -430,8 +433,7 @@ class SaturationWatchdog:
             raise BackendBusy(why, why="reserve")
         watch._send = send
         interruption = watch.cut = Interruption()
-        interruption.arm()
-        watch.observer.on_first_data.append(watch._first_data)
+        interruption.arm()  # (the caller then adds watch._first_data to the observer)
         # watch._due(), inline (the one rule for which point comes first; `deadline` is
         # watch._deadline()): a frame less per attempt.
         due = ceiling_at if ceiling_at < cut else cut
