@@ -284,4 +284,3 @@ class _Spend:
             return
         if not self.finished:
             raise BudgetExhausted(message)
-
