@@ -107,6 +107,7 @@ _TRANSITION_EVENT = {
 }
 _STORE_WARN_EVERY = 60.0
 _ADMIT = Ticket(True, "closed", clean=True)
+_new = object.__new__
 
 
 class Breaker:
@@ -187,8 +188,23 @@ class Breaker:
         name = attempt.backend.name
         if self.when_all_open == "try_soonest":
             req.try_soonest = True
-        if self._in_memory is not None:
-            ticket = self._acquire_now(self._in_memory, route, name, attempt.force)
+        store = self._in_memory
+        if store is not None:
+            # This process's own store: no coroutine, no wait (and no frame of ours).
+            try:
+                ticket = store.breaker_acquire_now(route, name, self.policy, force=attempt.force)
+            except Exception as exc:  # a store must never fail a request
+                self._store_failed(exc)
+                ticket = _ADMIT
+            else:
+                cached = self._gauges.get((route, name))
+                if (
+                    ticket.transitions
+                    or cached is None
+                    or cached[1] != _STATE_VALUE.get(ticket.state, 0)
+                ):
+                    self._observe(route, name, ticket.state, ticket.transitions, None)
+                # (Otherwise nothing to show: no transition, the gauge says this state.)
         else:
             ticket = await self._acquire(route, name, attempt.force)
         if (
@@ -206,7 +222,16 @@ class Breaker:
             )
         # The attempt, in this frame (a waiting stream holds one less): the guard
         # reads Failover's observer and settles the outcome once it ends.
-        guard = _Guard(self, route, name, ticket, req)
+        guard = _new(_Guard)  # _Guard(self, route, name, ticket, req), inline: no frame
+        guard.breaker = self
+        guard.route = route
+        guard.name = name
+        guard.ticket = ticket
+        guard.req = req
+        shared = req.observer  # (in a chain: Failover's)
+        guard.own = shared is None
+        guard.observer = shared if shared is not None else Observer()
+        guard.downstream = None
         try:
             await self.app(scope, receive, send)
         except BaseException as exc:
@@ -271,19 +296,6 @@ class Breaker:
         )
 
     # -- the store, guarded -------------------------------------------------
-
-    def _acquire_now(self, store: MemoryStore, route: str, name: str, force: bool) -> Ticket:
-        """:meth:`_acquire` on this process's own store: no coroutine, no wait."""
-        try:
-            ticket = store.breaker_acquire_now(route, name, self.policy, force=force)
-        except Exception as exc:  # a store must never fail a request
-            self._store_failed(exc)
-            return _ADMIT
-        cached = self._gauges.get((route, name))
-        if ticket.transitions or cached is None or cached[1] != _STATE_VALUE.get(ticket.state, 0):
-            self._observe(route, name, ticket.state, ticket.transitions, None)
-        # (Otherwise nothing to show: no transition, and the gauge already says this state.)
-        return ticket
 
     async def _acquire(self, route: str, name: str, force: bool, wake: bool = False) -> Ticket:
         try:
@@ -488,7 +500,14 @@ class _Guard:
         if left is not None and self.observer.reached_end():
             left = None  # the terminator arrived: a transport glitch after it is no failure
             self.observer.end()
-        outcome, retry_after = _classify(left) if left is not None else _judge(self.observer)
+        observer = self.observer
+        status = observer.status
+        if left is not None:
+            outcome, retry_after = _classify(left)
+        elif status is not None and status < 400:  # _judge's usual case, inline
+            outcome, retry_after = ("success" if observer.verdict() == "ok" else "failure"), None
+        else:
+            outcome, retry_after = _judge(observer)
         if outcome == "failure":
             outcome = _mid_stream(self.req, self.observer)
         ticket = self.ticket

@@ -52,6 +52,7 @@ __all__ = ["Budget"]
 
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 _REASON = "budget_exhausted"
+_new = object.__new__
 
 
 class Budget:
@@ -84,16 +85,21 @@ class Budget:
 
     def budget(self, scope: Scope) -> float | None:
         """Seconds of budget for this request (None: none). ValueError for a bad header."""
-        for key, value in scope.get("headers", ()):
-            if key.lower() == self._key:
-                text = value.decode("latin-1").strip()
-                if not _DECIMAL.fullmatch(text) or not math.isfinite(float(text)):
-                    raise ValueError(self._bad(text))
-                seconds = float(text)
-                if seconds <= 0:
-                    raise ValueError(self._bad(text))
-                return seconds if self.max is None else min(seconds, self.max)
+        key = self._key
+        for name, value in scope.get("headers", ()):
+            if name.lower() == key:
+                return self._asked(value)
         return self.default
+
+    def _asked(self, value: bytes) -> float:
+        """The budget the header's ``value`` asks for. ValueError when it is bad."""
+        text = value.decode("latin-1").strip()
+        if not _DECIMAL.fullmatch(text) or not math.isfinite(float(text)):
+            raise ValueError(self._bad(text))
+        seconds = float(text)
+        if seconds <= 0:
+            raise ValueError(self._bad(text))
+        return seconds if self.max is None else min(seconds, self.max)
 
     def _bad(self, text: str) -> str:
         shown = text if len(text) <= 40 else text[:40] + "..."
@@ -105,8 +111,13 @@ class Budget:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        key = self._key
+        seconds = self.default
         try:
-            seconds = self.budget(scope)
+            for name, value in scope.get("headers", ()):  # self.budget(scope), inline
+                if name.lower() == key:
+                    seconds = self._asked(value)
+                    break
         except ValueError as exc:
             return await send_json_error(
                 send,
@@ -119,22 +130,47 @@ class Budget:
         if seconds is None:
             return await self.app(scope, receive, send)
         # The request under its budget, in this frame (a waiting stream holds one less).
-        spend = _Spend(self, scope, seconds, send)  # (timed from here)
+        # _Spend has no __init__ (a frame less per request): its fields are set here.
+        spend: _Spend = _new(_Spend)
+        spend.budget = self
+        spend.seconds = seconds
+        # (TierRequest.of, inline: an outer layer such as Heartbeats has mostly made it)
+        req: TierRequest | None = scope.get(SCOPE_KEY)
+        if req is None:
+            req = TierRequest.of(scope)
+        spend.req = req
+        spend.started = False
+        spend.finished = False
+        spend._observer = None
+        spend._send = send
+        delay = seconds
+        deadline = clock.now() + delay  # (timed from here)
+        fixed = delay == self.default  # most requests: the same delay, a FIFO
+        if req.deadline is not None and req.deadline < deadline:
+            # An outer budget: the earlier deadline wins.
+            deadline, fixed = req.deadline, False
+            delay = max(0.0, deadline - clock.now())
+        req.deadline = deadline
+        req.budget = delay if req.budget is None else min(req.budget, delay)
+        cut = spend.cut = Interruption()
+        cut.arm()
+        # At the deadline itself (no second clock reading); a fixed delay's FIFO holds it.
+        spend.timer = deadlines.schedule_at(deadline, spend._fire, lane=delay if fixed else None)
         try:
             await self.app(scope, receive, spend.send)
         except asyncio.CancelledError:
-            if not spend.cut.ours():
+            if not cut.ours():
                 raise
             await spend.exhausted(send)
         except BudgetExhausted:
-            spend.req.cancel_reason = _REASON
+            req.cancel_reason = _REASON
             await spend.exhausted(send)
         else:
-            if spend.cut.interrupted:
-                spend.cut.swallowed()  # the app swallowed the cancellation and returned anyway
+            if cut.interrupted:
+                cut.swallowed()  # the app swallowed the cancellation and returned anyway
         finally:
             deadlines.cancel(spend.timer)
-            spend.req.body_pass = None  # (it holds this layer's send: no cycle outlives us)
+            req.body_pass = None  # (it holds this layer's send: no cycle outlives us)
 
 
 class _Spend:
@@ -142,7 +178,9 @@ class _Spend:
 
     Inside a Failover, the events that reach this layer are already whole and
     it only notes the start and the end. Alone in front of an event stream it
-    keeps an observer of its own, so that it too passes on whole events only.
+    keeps an observer of its own, so that it too passes on whole events only. It has
+    no ``__init__``: :meth:`Budget.__call__` sets its fields, sets the request's
+    deadline and times it (``timer``).
     """
 
     __slots__ = (
@@ -157,32 +195,15 @@ class _Spend:
         "timer",
     )
 
-    def __init__(self, budget: Budget, scope: Scope, seconds: float, send: Send) -> None:
-        """Set the request's deadline and time it (:attr:`timer`)."""
-        self.budget = budget
-        self.seconds = seconds
-        # (TierRequest.of, inline: an outer layer such as Heartbeats has mostly made it)
-        req: TierRequest | None = scope.get(SCOPE_KEY)
-        if req is None:
-            req = TierRequest.of(scope)
-        self.req = req
-        self.started = False
-        self.finished = False
-        self._observer: Observer | None = None
-        self._send = send
-        delay = seconds
-        deadline = clock.now() + delay
-        fixed = delay == budget.default  # most requests: the same delay, a FIFO
-        if req.deadline is not None and req.deadline < deadline:
-            # An outer budget: the earlier deadline wins.
-            deadline, fixed = req.deadline, False
-            delay = max(0.0, deadline - clock.now())
-        req.deadline = deadline
-        req.budget = delay if req.budget is None else min(req.budget, delay)
-        self.cut = Interruption()
-        self.cut.arm()
-        # At the deadline itself (no second clock reading); a fixed delay's FIFO holds it.
-        self.timer = deadlines.schedule_at(deadline, self._fire, lane=delay if fixed else None)
+    budget: Budget
+    seconds: float
+    req: TierRequest
+    started: bool
+    finished: bool
+    _observer: Observer | None
+    _send: Send
+    cut: Interruption
+    timer: deadlines.Deadline
 
     def send(self, message: Message) -> Awaitable[None]:
         """Note what passes and pass it on: the inner send's own awaitable, no frame of ours."""
@@ -195,8 +216,7 @@ class _Spend:
                 self.finished = True
         elif kind == "http.response.start":
             self.started = True
-            headers = message.get("headers", ())
-            if not self.req.in_chain and is_event_stream(headers):
+            if not self.req.in_chain and is_event_stream(message.get("headers", ())):
                 self._observer = Observer()
             else:
                 # A mid-stream chunk then only passes through: Failover may skip this call

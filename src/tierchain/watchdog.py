@@ -304,6 +304,9 @@ class SaturationWatchdog:
             if watch is None:
                 await self.app(scope, receive, send)
                 return
+            # Told of the first chunk (one bound method, here: the finally removes the same).
+            first_data = watch._first_data
+            watch.observer.on_first_data.append(first_data)
             try:
                 if watch.own:  # alone: judged by the request's own wire format
                     watch.observer.wire = recognise(scope.get("path", ""))
@@ -323,7 +326,7 @@ class SaturationWatchdog:
                 # Over: stop timing. Our callback out of the observer, which outlives the
                 # attempt (and a cycle between the two would wait for the garbage collector).
                 try:
-                    watch.observer.on_first_data.remove(watch._first_data)
+                    watch.observer.on_first_data.remove(first_data)
                 except ValueError:
                     pass
                 if watch._handle is not None:
@@ -432,10 +435,15 @@ class SaturationWatchdog:
             raise BackendBusy(why, why="reserve")
         watch._send = send
         interruption = watch.cut = Interruption()
-        interruption.arm()
-        watch.observer.on_first_data.append(watch._first_data)
-        due = watch._due()  # (the one rule for which point comes first)
-        if due == math.inf:
+        interruption.arm()  # (the caller then adds watch._first_data to the observer)
+        # watch._due(), inline (the one rule for which point comes first; `deadline` is
+        # watch._deadline()): a frame less per attempt.
+        due = ceiling_at if ceiling_at < cut else cut
+        if prefill_end < due:
+            due = prefill_end
+        if window_end < due:
+            due = window_end
+        if due == math.inf or (deadline is not None and due >= deadline):
             return watch
         if due == window_end:
             delay = window
@@ -449,7 +457,9 @@ class SaturationWatchdog:
             fixed = self.prompt_rate.recurs(delay)
         else:
             delay, fixed = max(0.0, due - clock.now()), False
-        watch._arm(delay, fixed=fixed)
+        watch._handle = deadlines.schedule(  # watch._arm, inline
+            delay, watch._expired, context=contextvars.copy_context(), fixed=fixed
+        )
         return watch
 
     def _lifespan_send(self, send: Send) -> Send:

@@ -249,8 +249,9 @@ def schedule(
     delay's FIFO. Pass False for a one-off delay (from a header, a remainder).
     Must be called from a running event loop; returns the deadline to cancel.
     """
-    loop = get_running_loop()  # (PerLoop.get's usual path, inline: a frame less per entry)
-    timers = _TIMERS.last if loop is _TIMERS.last_loop else _TIMERS.get()
+    timers = _TIMERS.last  # (PerLoop.get's usual path, inline: a frame less per entry)
+    if get_running_loop() is not _TIMERS.last_loop:
+        timers = _TIMERS.get()
     due = clock.now() + delay
     seq = timers.seq = timers.seq + 1
     pending = timers.pending
@@ -283,8 +284,9 @@ def schedule_at(
     entries come in due order; without one (or out of order) it goes into the heap.
     ``slack`` (with a ``lane``; one slack per lane): the lane is loose, and the entry
     may be called up to ``slack`` early at a wake the loop makes for another entry."""
-    loop = get_running_loop()  # (PerLoop.get's usual path, inline: a frame less per entry)
-    timers = _TIMERS.last if loop is _TIMERS.last_loop else _TIMERS.get()
+    timers = _TIMERS.last  # (PerLoop.get's usual path, inline: a frame less per entry)
+    if get_running_loop() is not _TIMERS.last_loop:
+        timers = _TIMERS.get()
     seq = timers.seq = timers.seq + 1
     pending = timers.pending
     entry = _new(Deadline)  # (no __init__: see Deadline)

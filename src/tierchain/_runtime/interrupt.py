@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from asyncio import get_running_loop
+from collections.abc import Callable
 from typing import Any
 
 # The running task, with no Python frame: 3.11's ``asyncio.current_task`` is a Python
@@ -31,6 +32,10 @@ from typing import Any
 # (docs/internals.md, "Private parts of other packages"; tests/test_dependency_internals.py).
 _CURRENT: dict[Any, asyncio.Task[Any]] | None = (
     None if sys.version_info >= (3, 12) else getattr(asyncio.tasks, "_current_tasks", None)
+)
+# The running task of a loop, in one call: the table's own get (3.11), or current_task.
+_task_of: Callable[[asyncio.AbstractEventLoop], asyncio.Task[Any] | None] = (
+    asyncio.current_task if _CURRENT is None else _CURRENT.get
 )
 
 __all__ = ["Interruption"]
@@ -49,8 +54,7 @@ class Interruption:
     def on(cls, task: asyncio.Task[Any] | None = None) -> Interruption:
         """A new interruption armed on ``task`` (default: the running task)."""
         if task is None:
-            current = _CURRENT
-            task = asyncio.current_task() if current is None else current.get(get_running_loop())
+            task = _task_of(get_running_loop())
             assert task is not None, "an Interruption is armed inside a task"
         made = cls()
         made._task = task
@@ -75,8 +79,7 @@ class Interruption:
     def arm(self, task: asyncio.Task[Any] | None = None) -> asyncio.Task[Any]:
         """Take the running task (or ``task``) and its cancellation count as the baseline."""
         if task is None:
-            current = _CURRENT
-            task = asyncio.current_task() if current is None else current.get(get_running_loop())
+            task = _task_of(get_running_loop())
             assert task is not None, "an Interruption is armed inside a task"
         self._task = task
         self._baseline = task.cancelling()
