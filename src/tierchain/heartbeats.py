@@ -458,7 +458,8 @@ class _Stream:
                         return nothing_sent()
                     else:
                         self.phase = _DONE
-                sending = self._send(message)
+                send = self._send  # (read, then called: see Failover's Responder.send)
+                sending = send(message)
                 if type(sending) is not _COROUTINE:
                     return self._relay(sending)  # a server whose send is not a coroutine
                 self.flight = sending

@@ -163,8 +163,9 @@ class Observer:
         """
         if (
             self.sse
-            and chunk[-2:] == b"\n\n"  # (slices: cheaper than endswith/startswith calls)
             and chunk[:5] == b"data:"
+            and chunk[-1] == 10  # "\n\n" (indexes: cheaper than a slice or endswith)
+            and chunk[-2] == 10
             and not self.pending
             and not self.pending_cr
         ):
