@@ -226,7 +226,7 @@ _KEEPALIVE = b': {"state":"waiting","backend":"tower"}\n\n'
 class KeepaliveProxy(BareProxy):
     """The bare proxy plus the least a gateway can do to hold a waiting stream open, with no
     tierchain: it commits ``200 text/event-stream`` at once and writes one SSE comment every
-    ``interval`` seconds (an asyncio timer per stream) until the upstream answers. Its CPU
+    ``interval`` seconds (a task sleeping per stream) until the upstream answers. Its CPU
     over the keepalive window is the floor of what those writes cost on this host and server."""
 
     def __init__(self, upstream: str, interval: float) -> None:
@@ -240,21 +240,25 @@ class KeepaliveProxy(BareProxy):
         start = {"type": "http.response.start", "status": 200}
         await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
         assert self.client is not None
-        answer = asyncio.ensure_future(self.client.send(request, stream=True))
+
+        async def keepalives() -> None:
+            line = {"type": "http.response.body", "body": _KEEPALIVE, "more_body": True}
+            while True:
+                await asyncio.sleep(self.interval)
+                await send(line)
+
+        ticker = asyncio.ensure_future(keepalives())
         try:
-            while not (await asyncio.wait([answer], timeout=self.interval))[0]:
-                await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
-            response = answer.result()
-            try:
-                async for chunk in response.aiter_raw():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b""})
-            finally:
-                await response.aclose()
+            response = await self.client.send(request, stream=True)
         finally:
-            if not answer.done():
-                answer.cancel()
-                await asyncio.wait([answer])
+            ticker.cancel()
+            await asyncio.wait([ticker])
+        try:
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await response.aclose()
 
 
 def run_gateway(
