@@ -31,7 +31,8 @@ async def test_the_example_gateway_fails_over_to_the_hosted_tier(factory):
     async with FakeBackend("hosted", streams(["hi ", "there"])) as hosted:
         routes = Routes({"echo": [Backend("tower", refused_url()), Backend("hosted", hosted.url)]})
         async with (
-            serve(factory(routes), lifespan="on") as url,
+            # (the real answer's headers, on a slow machine too: see the test below)
+            serve(factory(routes, commit_after=60.0), lifespan="on") as url,
             httpx.AsyncClient(timeout=5) as client,
         ):
             response = await client.post(url + "/v1/chat/completions", content=chat_request())
@@ -117,8 +118,10 @@ async def test_a_retryable_status_is_its_own_outcome_and_logs_nothing_at_error(
     ):
         routes = Routes({"echo": [Backend("tower", tower.url), Backend("hosted", hosted.url)]})
         caplog.set_level(logging.DEBUG)
+        # The trail header is the real answer's: a machine slow enough to pass Heartbeats'
+        # commit_after (1 s) would get the gateway's own 200 first, whose header has no trail.
         async with (
-            serve(factory(routes), lifespan="on") as url,
+            serve(factory(routes, commit_after=60.0), lifespan="on") as url,
             httpx.AsyncClient(timeout=5) as client,
         ):
             response = await client.post(url + "/v1/chat/completions", content=chat_request())
