@@ -27,17 +27,7 @@ _LAST: dict[Any, tuple[StateEvent, tuple[str, ...], tuple[bytes, str, Any]]] = {
 def state_line(event: StateEvent, span: Span, keepalive: bool) -> bytes:
     """``event``'s comment line; counted in ``tierchain_stream_heartbeats_total`` and,
     while ``span`` records, a ``stream.heartbeat`` event on it."""
-    try:
-        last = _LAST.get(event.get("state"))
-        if last is not None and last[0] == event and tuple(event) == last[1]:
-            known: tuple[bytes, str, Any] | None = last[2]
-        else:
-            known = _KNOWN.get(tuple(event.items()))
-    except TypeError:  # a value that cannot be a key
-        known = None
-    if known is None:
-        known = _new(event)
-    line, state, counted = known
+    line, state, counted = _known(event)
     counted.inc()
     if span is not INVALID_SPAN and span.is_recording():  # (none current: never recording)
         span.add_event("stream.heartbeat", {"state": state, "keepalive": keepalive})
@@ -48,26 +38,27 @@ def state_lines(events: list[StateEvent], span: Span) -> bytes:
     """Every queued event's line, in order, as :func:`state_line` (not keepalives): one
     call and one ``is_recording`` for the batch (a request queues two or three)."""
     recording = span is not INVALID_SPAN and span.is_recording()  # (as in state_line)
-    known_line = _KNOWN.get
-    last_of = _LAST.get
     out = b""
     for event in events:
-        try:
-            last = last_of(event.get("state"))  # (as in state_line)
-            if last is not None and last[0] == event and tuple(event) == last[1]:
-                known: tuple[bytes, str, Any] | None = last[2]
-            else:
-                known = known_line(tuple(event.items()))
-        except TypeError:
-            known = None
-        if known is None:
-            known = _new(event)
-        line, state, counted = known
+        line, state, counted = _known(event)
         counted.inc()
         if recording:
             span.add_event("stream.heartbeat", {"state": state, "keepalive": False})
         out += line
     return out
+
+
+def _known(event: StateEvent) -> tuple[bytes, str, Any]:
+    """``event``'s line, state and counter: the last event of its state, a kept one, or
+    encoded now."""
+    try:
+        last = _LAST.get(event.get("state"))
+        if last is not None and last[0] == event and tuple(event) == last[1]:
+            return last[2]
+        known = _KNOWN.get(tuple(event.items()))
+    except TypeError:  # a value that cannot be a key
+        known = None
+    return _new(event) if known is None else known
 
 
 def _new(event: StateEvent) -> tuple[bytes, str, Any]:
