@@ -426,25 +426,12 @@ class _Stream:
                         return self._send_slow(message)
                     # State lines to put in at this chunk's boundaries (the first data
                     # event of most requests): written into it, then the same hot path.
-                    chunk: bytes = message.get("body", b"")
-                    if chunk and (chunk[:1] != b"\n" or self.last[-1:] != b"\r"):
-                        # A boundary before it (as in _relayed): the lines, then the chunk.
-                        events, self.queue = self.queue, []
-                        more = bool(message.get("more_body", False))
-                        body = state_lines(events, self.span) + chunk
-                        message = {"type": "http.response.body", "body": body, "more_body": more}
-                        self.last = chunk
-                        if more:
-                            self.last_output = clock.now()
-                        else:
-                            self.phase = _DONE
-                    else:
-                        relayed = self._relayed(message)
-                        if relayed is None:
-                            return nothing_sent()
-                        message = relayed
-                        if self.phase != _DONE:
-                            self.last_output = clock.now()
+                    relayed = self._relayed(message)
+                    if relayed is None:
+                        return nothing_sent()
+                    message = relayed
+                    if self.phase != _DONE:
+                        self.last_output = clock.now()
                 else:
                     chunk = message.get("body", b"")
                     if chunk:
