@@ -17,9 +17,10 @@ its own uvicorn process on loopback:
 - ``stack``: the README's stack (Heartbeats, Budget, PreferBackend, Failover,
   Breaker, SaturationWatchdog, Forwarder; tower then hosted), with the
   watchdog and the budget set far beyond the run so the streams stay waiting;
-- ``serve`` (with ``--only serve``): the same stack as ``tierchain serve``
-  builds it from its variables, with no framework: against ``bare``, what
-  tierchain itself holds.
+- ``serve`` (with ``--only serve``): ``tierchain serve`` itself, from its
+  variables: its stack with no framework, its uvicorn server (one wake a second for
+  its own checks) and its HTTP parser (httptools when installed, whatever ``--http``
+  says): against ``bare``, what a gateway run as ``tierchain serve`` costs.
 
 For each K it reports: streams held and failed; how many got the gateway's own
 200 and how many never got a state line (for the stack, all K and none: a
@@ -65,6 +66,14 @@ HOSTED_ANSWER = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 40\r\n\r\n"
     b'data: {"choices":[]}\n\ndata: [DONE]\n\n\n\n\n\n'
 )
+
+
+try:
+    import httptools  # noqa: F401
+
+    _AUTO_HTTP = "httptools"
+except ImportError:
+    _AUTO_HTTP = "h11"
 
 
 def raise_fd_limit() -> int:
@@ -146,35 +155,6 @@ def build(kind: str, tower: str, hosted: str) -> Any:
 
             inner = FastAPI()
             inner.mount("/v1", proxy)  # (the path stays whole under a mount)
-    elif kind == "serve":
-        import tempfile
-
-        from tierchain.config import from_env
-        from tierchain.stack import build_stack
-
-        routes = os.path.join(tempfile.mkdtemp(), "routes.toml")
-        with open(routes, "w") as f:
-            f.write(
-                f'[[routes.echo.backends]]\nname = "tower"\nurl = "{tower}"\nregime = "local"\n'
-                f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{hosted}"\n'
-                'regime = "hosted"\n'
-            )
-        inner = build_stack(
-            None,
-            from_env(
-                {
-                    "TIERCHAIN_ROUTES_FILE": routes,
-                    "TIERCHAIN_SLOW_AFTER": "3600",
-                    "TIERCHAIN_WATCHDOG_STALL_AFTER": "3600",
-                    "TIERCHAIN_BUDGET_DEFAULT": "3600",
-                    "TIERCHAIN_HEARTBEAT_INTERVAL": os.environ["WAITING_INTERVAL"],
-                    "TIERCHAIN_IDENTITY": "off",
-                    # Parked means waited on: no expected-prefill cut, no hedge to hosted.
-                    "TIERCHAIN_WATCHDOG_PROMPT_RATE": "0",
-                    "TIERCHAIN_FAILOVER_HEDGE_AFTER": "none",
-                }
-            ),
-        )
     else:
         from readme_stack import readme_gateway
 
@@ -261,12 +241,43 @@ class KeepaliveProxy(BareProxy):
             await response.aclose()
 
 
+def serve_environ(tower: str, hosted: str, interval: float) -> dict[str, str]:
+    """``tierchain serve``'s variables for the tower then hosted, the streams left waiting."""
+    import tempfile
+
+    routes = os.path.join(tempfile.mkdtemp(), "routes.toml")
+    with open(routes, "w") as f:
+        f.write(
+            f'[[routes.echo.backends]]\nname = "tower"\nurl = "{tower}"\nregime = "local"\n'
+            f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{hosted}"\n'
+            'regime = "hosted"\n'
+        )
+    return {
+        "TIERCHAIN_ROUTES_FILE": routes,
+        "TIERCHAIN_SLOW_AFTER": "3600",
+        "TIERCHAIN_WATCHDOG_STALL_AFTER": "3600",
+        "TIERCHAIN_BUDGET_DEFAULT": "3600",
+        "TIERCHAIN_HEARTBEAT_INTERVAL": str(interval),
+        "TIERCHAIN_IDENTITY": "off",
+        # Parked means waited on: no expected-prefill cut, no hedge to hosted.
+        "TIERCHAIN_WATCHDOG_PROMPT_RATE": "0",
+        "TIERCHAIN_FAILOVER_HEDGE_AFTER": "none",
+        "TIERCHAIN_LOG_LEVEL": "error",
+    }
+
+
 def run_gateway(
     kind: str, port: int, tower: str, hosted: str, interval: float, http: str = "h11"
 ) -> None:
+    raise_fd_limit()
+    if kind == "serve":
+        # tierchain serve itself: its server, its parser (httptools when installed), its
+        # /metrics; not the bench's wrapper.
+        from tierchain.serve import run
+
+        sys.exit(run(host="127.0.0.1", port=port, environ=serve_environ(tower, hosted, interval)))
     import uvicorn
 
-    raise_fd_limit()
     os.environ["WAITING_INTERVAL"] = str(interval)
     if os.environ.get("WAITING_TRACE_MEMORY"):
         import tracemalloc
@@ -368,7 +379,7 @@ async def measure(
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
     tower, hosted = f"http://127.0.0.1:{tower_port}", f"http://127.0.0.1:{hosted_port}"
-    http = os.environ.get("WAITING_HTTP", "h11")
+    http = os.environ.get("WAITING_HTTP", _AUTO_HTTP)
     proc = ctx.Process(
         target=run_gateway, args=(kind, port, tower, hosted, interval, http), daemon=True
     )
@@ -414,7 +425,7 @@ async def measure(
         await asyncio.sleep(window)
         cpu1, t_1 = proc_stats(proc.pid)["cpu"], time.monotonic()
         lines = sum(c.lines for c in callers)
-        metrics = await scrape(port)
+        metrics = await scrape(port, "/metrics" if kind == "serve" else "/_bench/metrics")
         if tracing:
             print(await scrape(port, "/_bench/memory"))
         held = sum(1 for c in callers if c.held)
@@ -486,7 +497,11 @@ def main() -> None:
         "--settle", type=float, default=1.5, help="pause after each batch (its commits)"
     )
     parser.add_argument(
-        "--http", choices=["h11", "httptools"], default="h11", help="uvicorn's HTTP parser"
+        "--http",
+        choices=["h11", "httptools"],
+        default=_AUTO_HTTP,
+        help="uvicorn's HTTP parser for the gateways other than serve (default: as uvicorn's "
+        "auto, httptools when installed)",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
@@ -498,6 +513,8 @@ def main() -> None:
         help="with --trace-memory: group allocations by this (default: by file for 1 frame)",
     )
     args = parser.parse_args()
+    if args.trace_memory and "serve" in (args.only or []):
+        parser.error("--trace-memory needs the bench's own endpoint: not with --only serve")
     os.environ["WAITING_HTTP"] = args.http
     if args.trace_memory:
         os.environ["WAITING_TRACE_MEMORY"] = str(args.trace_memory)

@@ -17,12 +17,13 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from asgi_lifespan import LifespanManager
 
 from tierchain import Forwarder, identity
 from tierchain.config import from_env
 from tierchain.logs import JsonFormatter, TextFormatter
-from tierchain.serve import Drain
+from tierchain.serve import _TICK, Drain, _Server
 from tierchain.stack import build_stack
 from tierchain.telemetry import log_event
 
@@ -32,6 +33,8 @@ from .support import (
     chat_request,
     chunk_event,
     completion_body,
+    now,
+    on_virtual_time,
     openai_stream,
     parse_sse,
 )
@@ -389,6 +392,65 @@ async def test_drain_leaves_the_apps_own_timeout_alone_and_finished_requests_unt
     # Not the drain's cut (503 shutting_down): the app's own failure, a 500 of its own.
     assert sent[0]["status"] == 500
     assert b"shutting_down" not in sent[1]["body"]
+
+
+def ticking_server() -> tuple[_Server, list[tuple[float, int]]]:
+    """tierchain serve's uvicorn server, with its ``on_tick`` calls recorded (time, counter)."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        return None
+
+    config = uvicorn.Config(app, lifespan="off", log_config=None)
+    config.load()
+    server = _Server(config, drain=Drain(app), drain_timeout=1.0)
+    ticks: list[tuple[float, int]] = []
+    on_tick = server.on_tick
+
+    async def recorded(counter: int) -> bool:
+        ticks.append((now(), counter))
+        return await on_tick(counter)
+
+    server.on_tick = recorded  # type: ignore[method-assign]
+    return server, ticks
+
+
+@on_virtual_time
+async def test_the_served_server_wakes_once_a_second_for_its_own_checks():
+    # uvicorn's own main loop wakes ten times a second, most of what an idle gateway holding
+    # parked streams costs; tierchain serve's once a second, each wake refreshing the Date
+    # header as uvicorn's does every tenth.
+    server, ticks = ticking_server()
+    task = asyncio.create_task(server.main_loop())
+    start = now()
+    await asyncio.sleep(10 * _TICK + _TICK / 2)
+    assert [round(t - start, 6) for t, _ in ticks] == [i * _TICK for i in range(11)]
+    assert all(counter % 10 == 0 for _, counter in ticks)
+    assert server.server_state.default_headers[0][0] == b"date"
+    server.should_exit = True
+    await task
+
+
+@on_virtual_time
+async def test_a_stop_wakes_the_served_server_at_once_not_at_its_next_check():
+    # A signal (uvicorn's handle_exit, as the signal handler calls it) and a plain
+    # should_exit (the lifespan, an embedding program) both end the loop when they come.
+    for stop in ("signal", "should_exit"):
+        server, ticks = ticking_server()
+        task = asyncio.create_task(server.main_loop())
+        await asyncio.sleep(_TICK * 2.5)
+        loop = asyncio.get_running_loop()
+        asked = now() + _TICK / 4
+        if stop == "signal":
+            loop.call_at(asked, server.handle_exit, signal.SIGTERM, None)
+        else:
+            loop.call_at(asked, setattr, server, "should_exit", True)
+        await task
+        assert now() == asked, stop
+        assert ticks[-1][0] == asked, stop  # the check that ends it comes with the stop
+        assert len(ticks) == 4, stop  # (at 0, 1 and 2 s, then the stop's)
+        assert server.should_exit is True
+        # (the signal's name is what serve.draining logs)
+        assert server.signal_name == ("SIGTERM" if stop == "signal" else None), stop
 
 
 async def test_the_served_stack_starts_and_stops_through_drain(tmp_path, monkeypatch, caplog):

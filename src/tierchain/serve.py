@@ -234,17 +234,67 @@ class Drain:
 # Overrides uvicorn.Server methods that are public but undocumented (capture_signals,
 # handle_exit, startup, shutdown): a deliberate divergence, see docs/internals.md;
 # tests/test_dependency_internals.py fails if they move.
+_TICK = 1.0
+"""Seconds between the server's own checks (uvicorn's ``Date`` header, its request limit):
+uvicorn makes them ten times a second, which is most of what an idle gateway holding
+parked streams costs; its ``Date`` header changes once a second anyway."""
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server, with tierchain's start and stop events and a clean exit on a signal."""
+    """uvicorn's server, with tierchain's start and stop events, a clean exit on a signal,
+    and one wake a second for its own checks instead of ten.
+
+    It overrides uvicorn's ``main_loop`` and ``should_exit`` (public attributes of
+    ``uvicorn.Server``, not documented API; tests/test_serve.py holds them to it): the loop
+    waits a second between ``on_tick`` calls, and setting ``should_exit`` (a signal, the
+    lifespan, a test) wakes it at once, so a stop is as prompt as uvicorn's own.
+    """
 
     def __init__(
         self, config: uvicorn.Config, *, drain: Drain, drain_timeout: float, keys_on: bool = True
     ) -> None:
+        self._exit = False
+        self._tick_loop: asyncio.AbstractEventLoop | None = None
+        self._tick: asyncio.Future[None] | None = None
         super().__init__(config)
         self.drain = drain
         self.drain_timeout = drain_timeout
         self.keys_on = keys_on
         self.signal_name: str | None = None
+
+    @property
+    def should_exit(self) -> bool:
+        return self._exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        self._exit = value
+        loop = self._tick_loop
+        if value and loop is not None:
+            with contextlib.suppress(RuntimeError):  # (a loop already closed: nothing waits)
+                loop.call_soon_threadsafe(self._end_tick)
+
+    def _end_tick(self) -> None:
+        tick = self._tick
+        if tick is not None and not tick.done():
+            tick.set_result(None)
+
+    async def main_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tick_loop = loop
+        counter = 0  # (uvicorn refreshes its Date header when the counter is a multiple of 10)
+        try:
+            while not await self.on_tick(counter):
+                counter = (counter + 10) % 864000
+                self._tick = tick = loop.create_future()
+                timer = loop.call_later(_TICK, self._end_tick)
+                try:
+                    await tick
+                finally:
+                    timer.cancel()
+                    self._tick = None
+        finally:
+            self._tick_loop = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
