@@ -442,6 +442,8 @@ async def measure(
             "reached_tower": counts[0] - tower_before,
             "reached_hosted": counts[2] - hosted_before,
             "breaker_opened": breaker_opened(metrics),
+            # (the bare proxies have no tierchain metrics: "closed" there says nothing)
+            "metrics_read": "tierchain_" in metrics,
             "admit_s": round(admit_s, 1),
             "admit_ms_cpu_first_batch": round(per_batch[0], 3),
             "admit_ms_cpu_last_batch": round(per_batch[-1], 3),
@@ -555,7 +557,8 @@ def main() -> None:
                         f"[{r['kind']:12}] K={r['k']:>6} held {r['held']} failed {r['failed']} "
                         f"committed {r['committed']} without a line {r['without_lines']} "
                         f"(tower {r['reached_tower']}, hosted {r['reached_hosted']}, breaker "
-                        f"{'OPENED' if r['breaker_opened'] else 'closed'}); "
+                        f"{'OPENED' if r['breaker_opened'] else 'closed'}"
+                        f"{'' if r['metrics_read'] else ', no tierchain metrics'}); "
                         f"admit {r['admit_s']} s, "
                         f"CPU/stream first batch {r['admit_ms_cpu_first_batch']} ms, last "
                         f"{r['admit_ms_cpu_last_batch']} ms; RSS {r['rss_base_mb']}->"

@@ -76,7 +76,14 @@ def waiting(kind: str, k: int) -> tuple[list[int], str]:
 def test_the_waiting_streams_benchmark_holds_every_stream_and_each_hears_from_the_gateway():
     counts, out = waiting("stack", 40)
     assert counts == [40, 0, 40, 0], out
-    assert "breaker closed" in out, out
+    assert "breaker closed)" in out, out
+
+
+def test_the_waiting_streams_benchmark_runs_tierchain_serve_itself_for_serve():
+    # Its own server and its own /metrics (the breaker's state is read there).
+    counts, out = waiting("serve", 20)
+    assert counts == [20, 0, 20, 0], out
+    assert "breaker closed)" in out, out
 
 
 def test_the_waiting_streams_benchmark_measures_a_bare_proxy_that_only_sends_keepalives():
