@@ -43,7 +43,7 @@ from typing import Any, TextIO
 import uvicorn
 
 from ._responses import send_json_error
-from ._runtime import clock
+from ._runtime import clock, deadlines
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .config import ConfigError, Settings, config_warnings, from_env
 from .errors import CallerStalled
@@ -287,11 +287,11 @@ class _Server(uvicorn.Server):
             while not await self.on_tick(counter):
                 counter = (counter + 10) % 864000
                 self._tick = tick = loop.create_future()
-                timer = loop.call_later(_TICK, self._end_tick)
+                timer = deadlines.schedule(_TICK, self._end_tick)  # (the package's one timer)
                 try:
                     await tick
                 finally:
-                    timer.cancel()
+                    deadlines.cancel(timer)
                     self._tick = None
         finally:
             self._tick_loop = None
