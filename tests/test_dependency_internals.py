@@ -126,6 +126,16 @@ def test_uvicorn_server_still_has_the_methods_and_attributes_serve_overrides_and
         assert inspect.iscoroutinefunction(method)
         assert "sockets" in inspect.signature(method).parameters
     assert "self.servers" in inspect.getsource(uvicorn.Server.startup)
+    # The main loop serve.py replaces (one on_tick a second): uvicorn still runs it, asks
+    # on_tick whether to stop, refreshes its Date header on a counter multiple of 10, and
+    # reads should_exit there (serve.py's property wakes the loop when it is set).
+    assert "await self.main_loop()" in inspect.getsource(uvicorn.Server._serve)
+    assert inspect.iscoroutinefunction(uvicorn.Server.main_loop)
+    assert list(inspect.signature(uvicorn.Server.on_tick).parameters) == ["self", "counter"]
+    on_tick = inspect.getsource(uvicorn.Server.on_tick)
+    assert "counter % 10 == 0" in on_tick
+    assert "self.should_exit" in on_tick
+    assert server.should_exit is False
 
 
 # -- uvicorn and httptools: the parser callbacks HttpToolsWithoutTrailers wraps ---------------

@@ -231,21 +231,22 @@ class Drain:
         )
 
 
-# Overrides uvicorn.Server methods that are public but undocumented (capture_signals,
-# handle_exit, startup, shutdown): a deliberate divergence, see docs/internals.md;
-# tests/test_dependency_internals.py fails if they move.
 _TICK = 1.0
 """Seconds between the server's own checks (uvicorn's ``Date`` header, its request limit):
 uvicorn makes them ten times a second, which is most of what an idle gateway holding
 parked streams costs; its ``Date`` header changes once a second anyway."""
 
 
+# Overrides uvicorn.Server methods that are public but undocumented (capture_signals,
+# handle_exit, startup, shutdown, main_loop, should_exit): a deliberate divergence, see
+# docs/internals.md; tests/test_dependency_internals.py fails if they move.
 class _Server(uvicorn.Server):
     """uvicorn's server, with tierchain's start and stop events, a clean exit on a signal,
     and one wake a second for its own checks instead of ten.
 
     It overrides uvicorn's ``main_loop`` and ``should_exit`` (public attributes of
-    ``uvicorn.Server``, not documented API; tests/test_serve.py holds them to it): the loop
+    ``uvicorn.Server``, not documented API; tests/test_serve.py and
+    tests/test_dependency_internals.py hold them to it): the loop
     waits a second between ``on_tick`` calls, and setting ``should_exit`` (a signal, the
     lifespan, a test) wakes it at once, so a stop is as prompt as uvicorn's own.
     """
