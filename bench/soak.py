@@ -196,6 +196,10 @@ def own_stats() -> dict[str, Any]:
     }
 
 
+SERVER_KEEP_ALIVE = 30
+"""Seconds the gateway's uvicorn keeps an idle connection (uvicorn's default is 5)."""
+
+
 def run_gateway(port: int, tower: str, hosted: str) -> None:
     import uvicorn
 
@@ -208,6 +212,10 @@ def run_gateway(port: int, tower: str, hosted: str) -> None:
         access_log=False,
         lifespan="off",
         backlog=2048,
+        # Idle keep-alive connections: well past the callers' 2 s (see soak()), so that a
+        # caller starved of CPU, which finishes reading an answer seconds after the server
+        # sent it, never sends its next request on a connection the server is closing.
+        timeout_keep_alive=SERVER_KEEP_ALIVE,
     )
 
 
@@ -345,8 +353,10 @@ async def soak(callers: int, seconds: float, seed: int = 1, settle: float = 8.0)
                 raise RuntimeError("the gateway did not start")
             tally = Tally()
             refuser = asyncio.create_task(tower.refuse_now_and_then(stop))
-            # A client must give up an idle connection before the server does (uvicorn:
-            # 5 s), or a request sent as the server closes it is lost with 0 bytes read.
+            # A client must give up an idle connection before the server does (here
+            # SERVER_KEEP_ALIVE, counted from when the server sent the answer, not from when
+            # the caller read it), or a request sent as the server closes it is lost with 0
+            # bytes read: the HTTP/1.1 keep-alive race, not a loss of the gateway's.
             limits = httpx.Limits(
                 max_connections=callers, max_keepalive_connections=callers, keepalive_expiry=2.0
             )
