@@ -84,7 +84,7 @@ MIN_INTERVAL = 0.02
 KEEPALIVE_SLACK = 1 / 10
 """A keepalive may go out this share of ``interval`` early, at a wake the loop makes for
 another stream's: a thousand parked streams' keepalives then share about one wake a second
-instead of one each (a wake, not a line, is most of what a parked stream costs). Streams
+instead of one each (a wake of its own costs about as much as a dozen lines). Streams
 that shared a wake stay together: each goes early once. A stream's silence never lasts
 longer than ``interval``."""
 
