@@ -400,6 +400,67 @@ async def test_a_status_url_that_does_not_answer_in_time_is_unknown(metric):
 
 
 @on_virtual_time
+async def test_an_unknown_answer_after_a_working_one_keeps_the_attempt():
+    # Working, then a status that errors (a busy server's late or failed answer), then
+    # working again: the unknown answer in between is not evidence (issue 42).
+    generated = iter(range(100, 10_000, 37))
+    answers = iter([True, False, True, True, True, True])
+
+    def status() -> tuple[int, bytes]:
+        if next(answers, True):
+            return 200, vllm(1, next(generated))
+        return 503, b"busy"
+
+    chat, probed = after_probes(3, streams(["prefilled"]))
+    async with (
+        FakeBackend("tower", with_status(chat, counted(status, probed))) as tower,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        gw = Gateway(
+            [
+                Backend("tower", tower.url, status_url=tower.url + "/status"),
+                Backend("hosted", hosted.url),
+            ],
+            slow_after=0.12,
+        )
+        async with serve(gw.app) as url:
+            response, _ = await post(url, chat_request())
+        await gw.aclose()
+    assert response.content == b"".join(openai_stream(["prefilled"]))
+    assert hosted.requests == []
+    assert gw.states("backend_saturated") == []
+
+
+@on_virtual_time
+async def test_a_status_unknown_for_progress_span_after_working_is_the_stopwatch_again():
+    answers = iter([True])
+
+    def status() -> tuple[int, bytes]:
+        return (200, vllm(1, 100)) if next(answers, False) else (503, b"busy")
+
+    async with (
+        FakeBackend("tower", with_status(quiet, status)) as tower,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        gw = Gateway(
+            [
+                Backend("tower", tower.url, status_url=tower.url + "/status"),
+                Backend("hosted", hosted.url),
+            ],
+            slow_after=0.1,
+            progress_span=0.35,
+        )
+        async with serve(gw.app) as url:
+            response, took = await post(url, chat_request())
+        await gw.aclose()
+    assert response.content == b"".join(HOSTED)
+    # working at 0.1 (to 0.2); unknown at 0.2, 0.3 and 0.4 (kept: within 0.35 s of the
+    # working answer); unknown at 0.5: 0.4 s since it, the stopwatch ends the attempt.
+    assert took == pytest.approx(0.5, abs=0.02)
+    assert len(gw.states("still_working")) == 1
+
+
+@on_virtual_time
 async def test_busy_without_progress_is_starved_not_working(metric):
     before = metric("tierchain_probe_answers_total", backend="tower", verdict="no_progress")
     async with (

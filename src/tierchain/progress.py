@@ -119,7 +119,17 @@ class Progress:
     """One attempt's status conversation once a window ended: what the status said last
     (its progress), when it last moved, and our prompt's rate since the first answer."""
 
-    __slots__ = ("asker", "backend", "body", "moved_at", "previous", "rate_from", "route", "start")
+    __slots__ = (
+        "asker",
+        "backend",
+        "body",
+        "moved_at",
+        "previous",
+        "rate_from",
+        "route",
+        "start",
+        "worked_at",
+    )
 
     def __init__(
         self, asker: Asker, backend: Backend, route: str, body: bytes | None, start: float
@@ -132,6 +142,7 @@ class Progress:
         self.previous: Hashable | None = None  # the progress a working answer showed
         self.moved_at = start
         self.rate_from: tuple[float, int] | None = None
+        self.worked_at: float | None = None  # when a probe last said ``working``
 
     async def probe(self, limit: float) -> Status | None:
         """One GET of the backend's status URL, within ``limit`` seconds (None: no answer)."""
@@ -173,6 +184,16 @@ class Progress:
     def working(self, status: Status) -> None:
         """A ``working`` answer extended the wait: its progress is the one to move from."""
         self.previous = status.progress
+        self.worked_at = clock.now()
+
+    def unknown_holds(self, now: float) -> bool:
+        """An ``unknown`` answer (no answer in time, an error) is not evidence: True while
+        the last real answer of this attempt said ``working`` less than ``progress_span``
+        ago (a busy llama.cpp server may answer its status late between two that said it
+        was working). The attempt is then judged as if that answer still held; a status
+        that stays unknown for ``progress_span`` is the plain stopwatch again."""
+        worked = self.worked_at
+        return worked is not None and now - worked < self.asker.progress_span
 
     def _against_time(
         self, status: Status, verdict: str, now: float, end: float, prefill_end: float

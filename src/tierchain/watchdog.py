@@ -33,7 +33,9 @@ When the window expires on a tier that has a later tier behind it:
    remaining budget): ``working`` extends the wait by one more window and
    emits ``still_working``; ``idle``, ``no_progress`` or ``queued`` (requests
    are waiting at the backend, so the progress it reports is someone else's)
-   mean saturated; ``unknown`` behaves exactly as the plain stopwatch.
+   mean saturated; ``unknown`` is no evidence: at the first window it is the plain
+   stopwatch, after a ``working`` answer the wait goes on (for ``progress_span`` at
+   most) as that answer said.
 
 Saturated means: the inner app is cancelled (so the upstream connection
 closes) and :class:`~tierchain.errors.BackendSaturated` is raised for Failover
@@ -860,6 +862,14 @@ class _Watch:
         if self._handle is not None:  # the reserve's or the ceiling's timer
             deadlines.cancel(self._handle)
             self._handle = None
+        if verdict == "unknown" and (not window or progress.unknown_holds(now)):
+            # No answer is not evidence. At the expected prefill of an answer that does
+            # not stream, the plain stopwatch does not judge (the window goes on); after
+            # a ``working`` answer, the wait goes on as that answer said (one more window).
+            if window:
+                self._window_end += self.window
+            self._schedule()
+            return
         if verdict == "working":
             assert status is not None
             progress.working(status)
