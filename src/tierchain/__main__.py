@@ -155,7 +155,7 @@ def check_config(
 ) -> int:
     """Print the effective configuration and its warnings (exit 0), or every problem (exit 2)."""
     from .config import ConfigError, config_warnings, from_env
-    from .stack import build_stack
+    from .stack import build_stack, unrouted
 
     out = sys.stdout if out is None else out
     env = dict(os.environ) if environ is None else environ
@@ -165,8 +165,11 @@ def check_config(
         async def dummy(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover
             return None
 
-        # Build once to let every constructor check its options too.
+        # Build once to let every constructor check its options too (around a stand-in
+        # handler, so with the one check of serve's own Forwarder added by hand).
         build_stack(dummy, settings, identity=False)
+        if unrouted(settings):
+            raise ConfigError(unrouted(settings))
     except (ConfigError, ImportError) as exc:
         problems = exc.problems if isinstance(exc, ConfigError) else (str(exc),)
         if as_json:

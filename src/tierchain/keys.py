@@ -212,6 +212,8 @@ class CallerKeys:
             given.extend(load_keys_file(keys_file))
         if not given:
             raise ValueError("CallerKeys needs at least one key (keys= or keys_file=)")
+        if self.open_paths:
+            _refuse_open_paths_with_limits(app, given)
         self.header = header.lower().encode("latin-1")
         self._keys = tuple((hashlib.sha256(k.key.encode()).digest(), k) for k in given)
         for key in given:
@@ -277,6 +279,26 @@ class CallerKeys:
         scope["headers"] = kept
         scope[CALLER_KEY] = key
         await self.app(scope, receive, send)
+
+
+def _refuse_open_paths_with_limits(app: ASGIApp, keys: Iterable[CallerKey]) -> None:
+    """``open_paths`` in front of a layer that limits per key (``KeyLimits``), with a limit
+    to hold: a request without a key would pass every limit, so refuse to be built."""
+    layer: object = app
+    for _ in range(64):  # (the layers a stack can hold; a loop of .app ends here)
+        if layer is None:
+            return
+        if getattr(layer, "limits_per_key", False):
+            limited = [k.name for k in keys if k.limited]
+            if limited or getattr(layer, "budgets", None):
+                what = f"keys {limited} have limits" if limited else "it has backend budgets"
+                raise ValueError(
+                    f"open_paths cannot stand in front of KeyLimits while {what}: a request "
+                    "without a key on an open path has no key to limit or count; drop "
+                    "open_paths or the limits"
+                )
+            return
+        layer = getattr(layer, "app", None)
 
 
 def caller_name(scope: Scope) -> str | None:

@@ -163,6 +163,10 @@ class KeyLimits:
     reads them).
     """
 
+    limits_per_key = True
+    """Read by :class:`~tierchain.keys.CallerKeys`, which refuses ``open_paths`` in front
+    of a layer that limits per key."""
+
     def __init__(
         self,
         app: ASGIApp,
@@ -181,11 +185,14 @@ class KeyLimits:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        key: CallerKey | None = scope.get(CALLER_KEY)
-        if key is None:
+        if CALLER_KEY not in scope:
             raise RuntimeError(
                 "KeyLimits needs CallerKeys in front of it: it limits and counts per caller key"
             )
+        key: CallerKey | None = scope[CALLER_KEY]
+        if key is None:  # the anonymous caller of an open path: no key to limit or count
+            # (build_stack and CallerKeys refuse open paths in front of limits to hold)
+            return await self.app(scope, receive, send)
         checks = self._checks.get(key.name)
         if checks is None:
             checks = self._checks[key.name] = _checks(key)

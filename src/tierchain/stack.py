@@ -34,7 +34,7 @@ from .identity import StartupIdentity
 from .keys import CallerKey, load_keys_file
 from .limits import BackendBudget, BackendBudgets, KeyLimits, load_budgets
 
-__all__ = ["CloseOnShutdown", "Mount", "build_stack", "make_store"]
+__all__ = ["CloseOnShutdown", "Mount", "build_stack", "conflicts", "make_store", "unrouted"]
 
 
 class Mount:
@@ -100,11 +100,13 @@ def build_stack(
     store (``store``, or one made from ``TIERCHAIN_STORE_URL``) is shared by
     every piece that takes one; a store made here is closed on lifespan
     shut-down. A constructor that rejects its options raises
-    :class:`~tierchain.config.ConfigError` naming the variables it was given.
+    :class:`~tierchain.config.ConfigError` naming the variables it was given, and so
+    does a pair of options that cannot work together (:func:`conflicts`).
     """
     problems: list[str] = []
     keys, budgets = _keys_and_budgets(settings, problems)
     limited = any(k.limited for k in keys) or bool(budgets)
+    problems.extend(conflicts(settings, keys, budgets, own_forwarder=app is None))
     needs_store = (
         settings.admin_enabled
         or limited
@@ -143,7 +145,8 @@ def build_stack(
     if settings.layers["CallerKeys"].options:
         # Keys before anything else routed (Shed included); the endpoints stay open.
         prefer = settings.layers["PreferBackend"].options.get("header", "X-Prefer-Backend")
-        if limited:
+        if limited and not settings.layers["CallerKeys"].options.get("open_paths"):
+            # (with open paths, conflicts() has refused the limits already)
             inner = KeyLimits(inner, store=store, budgets=budgets)  # right behind the keys
         keyed = construct("CallerKeys", inner, header=prefer)
         if keyed is not None:
@@ -181,3 +184,85 @@ def _keys_and_budgets(
     except (OSError, ValueError) as exc:
         problems.append(f"TIERCHAIN_API_KEYS_FILE={path}: {exc}")
         return keys, ()
+
+
+def conflicts(
+    settings: Settings,
+    keys: tuple[CallerKey, ...],
+    budgets: tuple[BackendBudget, ...],
+    *,
+    own_forwarder: bool,
+) -> list[str]:
+    """Options that load one by one but cannot work together: one sentence and a hint each.
+
+    ``tierchain serve``, ``check-config`` and :func:`build_stack` refuse to start
+    on any of them rather than answer a request with a 500 or do nothing the
+    operator asked for. ``own_forwarder``: the stack ends in its own Forwarder
+    (what ``tierchain serve`` runs), not in a host's handler.
+    """
+    found: list[str] = []
+    keys_layer = settings.layers["CallerKeys"]
+    open_paths = keys_layer.options.get("open_paths")
+    limited = [k.name for k in keys if k.limited]
+    if open_paths and (limited or budgets):
+        what = (
+            f"key limits ({', '.join(repr(n) for n in limited)})"
+            if limited
+            else "[[backend_budgets]]"
+        )
+        found.append(
+            f"{keys_layer.sources.get('open_paths', 'open_paths')}={','.join(open_paths)} "
+            f"cannot work with {what} in {keys_layer.sources.get('keys_file', 'the keys file')}: "
+            "a request without a key on an open path has no key to limit or count, so the "
+            "limits would not hold; remove the open paths, or the limits (serve the open paths "
+            "from a gateway of their own)"
+        )
+    if own_forwarder:
+        found.extend(unrouted(settings))
+    steering = [k.name for k in keys if k.backend is not None or k.prefer]
+    if steering and "PreferBackend" not in settings.stack:
+        found.append(
+            f"keys {', '.join(repr(n) for n in steering)} steer (prefer or backend) but "
+            "PreferBackend is not in TIERCHAIN_STACK, so nothing would honour them; add "
+            "PreferBackend to TIERCHAIN_STACK or drop prefer and backend from those keys"
+        )
+    names = _backend_names(settings)
+    if names is not None:
+        for key in keys:
+            if key.backend is not None and key.backend not in names:
+                found.append(
+                    f"key {key.name!r}: backend = {key.backend!r} is no backend or pool of "
+                    f"any route (known: {', '.join(sorted(names))})"
+                )
+        for budget in budgets:
+            if budget.backend not in names:
+                found.append(
+                    f"[[backend_budgets]] backend = {budget.backend!r} is no backend of any "
+                    f"route, so its budget would never be spent (known: {', '.join(sorted(names))})"
+                )
+    return found
+
+
+def unrouted(settings: Settings) -> list[str]:
+    """The stack ``tierchain serve`` builds (its own Forwarder) without Failover: nothing
+    would tell the Forwarder where to send a request."""
+    if "Failover" in settings.stack:
+        return []
+    return [
+        f"TIERCHAIN_STACK={','.join(settings.stack) or '(empty)'} leaves Failover out, so "
+        "the gateway's Forwarder has no backend to send a request to and every routed "
+        "request would be a 404; add Failover to TIERCHAIN_STACK"
+    ]
+
+
+def _backend_names(settings: Settings) -> set[str] | None:
+    """Every backend and pool name the routes use (None: no routes to check against)."""
+    if settings.routes is None:
+        return None
+    names: set[str] = set()
+    for route in settings.routes:
+        for backend in settings.routes[route]:
+            names.add(backend.name)
+            if backend.pool is not None:
+                names.add(backend.pool)
+    return names
