@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 
@@ -136,3 +138,80 @@ async def test_serve_without_keys_warns_loudly_at_start_up(tmp_path: Path) -> No
     assert warning["level"] == "WARNING"
     assert "TIERCHAIN_API_KEYS" in warning["warning"]
     assert started["settings"]["options"]["CallerKeys"] == {"keys": "off"}
+
+
+KEY_B = "sk-gw-other-team-fedcba9876543210"
+
+
+def _raw_query(head: bytes) -> bytes:
+    target = head.split(b" ", 2)[1]
+    return target.partition(b"?")[2]
+
+
+async def test_no_configured_key_reaches_the_backend_in_any_carrier(tmp_path: Path) -> None:
+    """CallerKeys itself removes every configured key: the backend forwards the caller's auth
+    (so the Forwarder strips nothing), and it records the raw head and query it received."""
+    carriers = {
+        "bearer_plus_x_api_key": ([("authorization", f"Bearer {KEY}"), ("x-api-key", KEY_B)], ""),
+        "two_authorizations": (
+            [("authorization", f"Bearer {KEY}"), ("authorization", f"Bearer {KEY_B}")],
+            "",
+        ),
+        "another_header": ([("authorization", f"Bearer {KEY}"), ("x-goog-api-key", KEY_B)], ""),
+        "inside_a_value": ([("x-api-key", KEY), ("cookie", f"session=1; gw={KEY_B}")], ""),
+        "basic": (
+            [
+                ("x-api-key", KEY),
+                ("authorization", "Basic " + base64.b64encode(f"u:{KEY_B}".encode()).decode()),
+            ],
+            "",
+        ),
+        "query_api_key": ([("authorization", f"Bearer {KEY}")], f"?api_key={KEY_B}&n=1"),
+        "query_key_encoded": (
+            [("authorization", f"Bearer {KEY}")],
+            "?key=" + quote(KEY, safe="") + "&n=1",
+        ),
+        "query_own_key": ([("authorization", f"Bearer {KEY}")], f"?n=1&key={KEY}"),
+    }
+    async with FakeBackend("tower") as tower:
+        tower.script = _answer_json
+        async with (
+            gateway(tmp_path, tower, TIERCHAIN_API_KEYS=f"{KEY},{KEY_B}") as url,
+            httpx.AsyncClient() as client,
+        ):
+            for headers, query in carriers.values():
+                response = await client.post(
+                    url + "/v1/chat/completions" + query,
+                    content=chat_request("echo", stream=False),
+                    headers=headers,
+                )
+                assert response.status_code == 200
+    assert len(tower.requests) == len(carriers)
+    for (name, (_, query)), seen in zip(carriers.items(), tower.requests, strict=True):
+        raw = seen.head
+        for key in (KEY, KEY_B):
+            assert key.encode() not in raw, name
+            assert quote(key, safe="").encode() not in raw, name
+            assert base64.b64encode(f"u:{key}".encode()) not in raw, name
+        if query:  # the caller's other parameters go on
+            assert _raw_query(raw) == b"n=1", name
+    # A credential that is not a gateway key still goes on (forward_caller_auth).
+    assert b"session=1" not in tower.requests[3].head  # the field held a key: dropped whole
+
+
+async def test_an_open_path_forwards_no_configured_key_either(tmp_path: Path) -> None:
+    async with FakeBackend("tower") as tower:
+        tower.script = _answer_json
+        async with (
+            gateway(tmp_path, tower, TIERCHAIN_API_KEYS_OPEN_PATHS="/api/") as url,
+            httpx.AsyncClient() as client,
+        ):
+            response = await client.post(
+                url + f"/api/chat?api_key={KEY}",
+                content=chat_request("echo"),
+                headers=[("authorization", "Bearer not-a-gateway-key"), ("x-api-key", KEY)],
+            )
+    assert response.status_code == 200
+    (seen,) = tower.requests
+    assert KEY.encode() not in seen.head
+    assert b"authorization: Bearer not-a-gateway-key" in seen.head

@@ -29,10 +29,13 @@ Per key, limits (enforced by :class:`tierchain.limits.KeyLimits`, which
 :data:`CALLER_KEY` for the layers behind (None for a request let through on an
 open path).
 
-Every credential header that carries the valid key (``Authorization``,
-``x-api-key``, ``api-key``: all of them, not only the first) is removed before
-the request goes on: the gateway's key is never forwarded, not even to a backend with
-``forward_caller_auth``. Keys are compared in constant time (SHA-256 digests
+Every configured key (the one presented and any other) is removed before the
+request goes on, whichever carrier holds it: each header field whose value holds
+one (``Authorization``, also as ``Basic`` credentials, ``x-api-key``,
+``api-key``, or any other header; every one of them, not only the first) and
+each query parameter that holds one (``?api_key=``, ``?key=``, percent-encoded
+or not), on an open path too. A gateway key is never forwarded, not even to a
+backend with ``forward_caller_auth``. Keys are compared in constant time (SHA-256 digests
 through :func:`hmac.compare_digest`, every configured key each time); they are
 registered with the masker (:func:`tierchain.masking.hide`), so no log line,
 error or ``check-config`` output shows one; a log line names the key's
@@ -41,6 +44,7 @@ error or ``check-config`` output shows one; a log line names the key's
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
@@ -48,6 +52,7 @@ import re
 import tomllib
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from urllib.parse import unquote_to_bytes
 
 from ._checks import count, duration, parse_duration
 from ._head import refuse_request
@@ -216,6 +221,7 @@ class CallerKeys:
             _refuse_open_paths_with_limits(app, given)
         self.header = header.lower().encode("latin-1")
         self._keys = tuple((hashlib.sha256(k.key.encode()).digest(), k) for k in given)
+        self._strip = _Strip(k.key for k in given)
         for key in given:
             hide(key.key)
 
@@ -246,6 +252,7 @@ class CallerKeys:
         presented, _ = _presented(headers)
         key = None if presented is None else self.match(presented)
         if key is None and self.open_paths and self._open(scope):
+            self._strip.scope(scope)  # (another caller's key never travels with it)
             scope[CALLER_KEY] = None  # the anonymous caller
             return await self.app(scope, receive, send)
         if presented is None:
@@ -269,14 +276,11 @@ class CallerKeys:
                 headers=_CHALLENGE,
             )
         prefer = self.header
-        kept = [
-            (k, v)
-            for k, v in headers
-            if not _carries(k, v, presented) and (key.prefer or k != prefer)
-        ]
+        kept = [(k, v) for k, v in headers if key.prefer or k != prefer]
         if key.backend is not None and not any(k == prefer for k, _ in kept):
             kept.append((prefer, key.backend.encode()))
         scope["headers"] = kept
+        self._strip.scope(scope)
         scope[CALLER_KEY] = key
         await self.app(scope, receive, send)
 
@@ -318,9 +322,61 @@ def may_jump(scope: Scope) -> bool:
     return isinstance(key, CallerKey) and key.priority
 
 
-def _carries(name: bytes, value: bytes, presented: bytes) -> bool:
-    """Does this header carry the gateway key ``presented`` (in any credential header)?"""
-    return name.lower() in _CARRIERS and presented in value
+class _Strip:
+    """Every configured key out of a request's headers and query string, whichever carries it.
+
+    One pattern of every key (longest first); a request whose header values, query
+    string (as sent and percent-decoded) and ``Basic`` credentials (base64-decoded)
+    hold none is left as it is after one search. Otherwise each header field that
+    holds a key is dropped whole, and each query parameter that holds one. It runs
+    once the caller is let through, after the constant-time match.
+    """
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        ordered = sorted({k.encode() for k in keys}, key=len, reverse=True)
+        self._find = re.compile(b"|".join(re.escape(k) for k in ordered)).search
+
+    def _holds(self, name: bytes, value: bytes) -> bool:
+        if self._find(value):
+            return True
+        scheme, _, rest = value.partition(b" ")
+        return (
+            name == b"authorization"
+            and scheme.lower() == b"basic"
+            and bool(self._find(_unbase64(rest.strip())))
+        )
+
+    def scope(self, scope: Scope) -> None:
+        headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+        query: bytes = scope.get("query_string", b"")
+        find = self._find
+        blob = b"\n".join([v for _, v in headers])
+        if (
+            find(blob) is None
+            and not (query and (find(query) or find(_unquoted(query))))
+            and b"basic" not in blob.lower()
+        ):
+            return
+        scope["headers"] = [(k, v) for k, v in headers if not self._holds(k.lower(), v)]
+        if query:
+            pairs = [p for p in query.split(b"&") if p and not (find(p) or find(_unquoted(p)))]
+            kept = b"&".join(pairs)
+            if kept != query:
+                scope["query_string"] = kept
+                raw_path = scope.get("raw_path")
+                if raw_path is not None and b"?" in raw_path:
+                    scope["raw_path"] = raw_path.partition(b"?")[0]
+
+
+def _unquoted(text: bytes) -> bytes:
+    return unquote_to_bytes(text.replace(b"+", b" "))
+
+
+def _unbase64(text: bytes) -> bytes:
+    try:
+        return base64.b64decode(text, validate=False)
+    except ValueError:
+        return b""
 
 
 def _presented(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
