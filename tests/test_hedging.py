@@ -218,10 +218,15 @@ def test_local_backends_are_hedged_by_default_and_hosted_ones_only_when_marked()
     assert hedged_by_default(Backend("c", "http://localhost:8080"))
     assert hedged_by_default(Backend("d", "https://gpu.example.com", regime="local"))
     assert not hedged_by_default(Backend("e", "https://api.example.com"))
+    # A declared regime wins over the address: hosted on a private address is not hedged.
+    assert not hedged_by_default(Backend("f", "http://10.0.0.7:8000", regime="hosted"))
+    assert not hedged_by_default(Backend("g", "http://127.0.0.1:8000", regime="hosted"))
     policy = Failover(Forwarder(), routes={"x": [Backend("z", "http://1.1.1.1")]}, hedge_after=5)
     assert policy.hedging is not None
     assert policy.hedging.may_hedge(Backend("h", "https://api.example.com", hedge=True))
     assert not policy.hedging.may_hedge(Backend("l", "http://127.0.0.1:1", hedge=False))
+    assert policy.hedging.may_hedge(Backend("p", "http://10.0.0.8", regime="hosted", hedge=True))
+    assert not policy.hedging.may_hedge(Backend("v", "http://10.0.0.9", regime="hosted"))
 
 
 # -- a quiet first tier: the hedge wins --------------------------------------------------

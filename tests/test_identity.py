@@ -138,7 +138,9 @@ def test_the_line_carries_timestamp_implementation_version_pid_routes_and_settin
     assert fields["implementation"] == "tierchain"
     assert fields["version"] == VERSION
     assert fields["pid"] == os.getpid()
-    assert fields["routes"] == {"echo": [{"name": "tower", "url": "http://127.0.0.1:1"}]}
+    assert fields["routes"] == {
+        "echo": [{"name": "tower", "url": "http://127.0.0.1:1", "may_hedge": True}]
+    }
     assert fields["settings"]["stack"][0] == "Heartbeats"
     assert fields["settings"]["options"]["SaturationWatchdog"]["slow_after"] == 45.0
     assert record.getMessage().startswith("tierchain.started ts=")
@@ -182,3 +184,21 @@ def test_plain_mapping_settings_have_secret_sounding_keys_masked():
         "nested": {"api_key": "***"},
     }
     assert fields["redis"] == "redis://***@h:6379/0"
+
+
+def test_the_line_says_which_backends_may_be_hedged(lines, tmp_path):
+    """A declared regime wins over the address: a hosted API on a private address is not
+    hedged unless marked, a tower on loopback is, and ``hedge = true`` always is."""
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:1"\n\n'
+        '[[routes.echo.backends]]\nname = "vpc"\nurl = "http://10.0.0.7:8000"\n'
+        'regime = "hosted"\n\n'
+        '[[routes.echo.backends]]\nname = "paid"\nurl = "http://10.0.0.8:8000"\n'
+        'regime = "hosted"\nhedge = true\n'
+    )
+    settings = from_env({"TIERCHAIN_ROUTES_FILE": str(path)})
+    StartupIdentity(hello, settings=settings, once=Once()).write()
+    (record,) = lines()
+    shown = {e["name"]: e["may_hedge"] for e in record.tierchain["routes"]["echo"]}
+    assert shown == {"tower": True, "vpc": False, "paid": True}

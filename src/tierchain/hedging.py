@@ -2,11 +2,11 @@
 
 Failover runs one attempt at a time. With ``hedge_after`` set, an attempt at a tier
 that may be hedged (a backend marked ``hedge=True``, or, with ``hedge`` left None, a
-local one: regime ``local`` or a loopback or private URL host) and that is not the
-chain's last gets a timer (:class:`Hedging.arm`). When it fires with no first data event
-yet, nothing committed and no firm verdict from the watchdog (no status asked, or it
-said ``working`` or ``unknown``), and the budget leaves the next tier what it needs,
-the next tier is started beside it (a :class:`Race`):
+local one: regime ``local``, or with no regime written a loopback or private URL host)
+and that is not the chain's last gets a timer (:class:`Hedging.arm`). When it fires
+with no first data event yet, nothing committed and no firm verdict from the watchdog
+(no status asked, or it said ``working`` or ``unknown``), and the budget leaves the
+next tier what it needs, the next tier is started beside it (a :class:`Race`):
 
 - the hedge has its own :class:`~tierchain.request.TierRequest` (a copy of the
   request's facts; the attempt trail and the state channel are shared) in its own
@@ -48,7 +48,7 @@ from .errors import BackendSaturated
 from .request import SCOPE_KEY, Attempt, TierRequest
 from .telemetry import ATTR_HEDGE_FOR, ATTR_HEDGE_WITH, HEDGES, labelled, log_event
 
-__all__ = ["HEDGE_LOST", "UNCERTAIN", "Hedging", "Race", "hedged_by_default"]
+__all__ = ["HEDGE_LOST", "UNCERTAIN", "Hedging", "Race", "hedged_by_default", "may_hedge"]
 
 HEDGE_LOST = "hedge_lost"
 """The outcome of the side of a race that lost: cancelled, never a failure."""
@@ -106,10 +106,12 @@ class _Failover(Protocol):
 
 
 def hedged_by_default(backend: Backend) -> bool:
-    """True for a backend whose ``hedge`` is None and that is local: regime ``local``, or
-    a URL host that is ``localhost``, a loopback or a private address."""
-    if backend.regime == "local":
-        return True
+    """True for a backend whose ``hedge`` is None and that is local: regime ``local``, or,
+    when no regime was written, a URL host that is ``localhost``, a loopback or a private
+    address. A declared regime wins over the address: a paid API behind a private
+    endpoint (a VPC link, a corporate proxy) declared ``hosted`` is not paid twice."""
+    if backend.regime is not None:
+        return backend.regime == "local"
     host = urlsplit(backend.url).hostname or ""
     if host == "localhost" or host.endswith(".localhost"):
         return True
@@ -118,6 +120,12 @@ def hedged_by_default(backend: Backend) -> bool:
     except ValueError:
         return False
     return address.is_loopback or address.is_private
+
+
+def may_hedge(backend: Backend) -> bool:
+    """True when ``backend``'s attempts may be hedged once hedging is on: ``hedge`` when
+    written, else :func:`hedged_by_default`."""
+    return backend.hedge if backend.hedge is not None else hedged_by_default(backend)
 
 
 class Hedging:
@@ -146,8 +154,7 @@ class Hedging:
         """True when ``backend``'s attempts may be hedged (``hedge``, else local)."""
         may = self._may.get(backend)
         if may is None:
-            may = backend.hedge if backend.hedge is not None else hedged_by_default(backend)
-            self._may[backend] = may
+            may = self._may[backend] = may_hedge(backend)
         return may
 
     def arm(

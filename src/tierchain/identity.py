@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backend import Routes
+from .hedging import may_hedge
 from .masking import MASK, mask_url
 from .telemetry import VERSION, log_event
 
@@ -110,6 +111,8 @@ def _routes(routes: Routes | Mapping[str, Any]) -> dict[str, list[dict[str, Any]
                 entry["pool"] = backend.pool
             if backend.shares is not None:
                 entry["shares"] = backend.shares
+            # Whether Failover's hedge_after may start the next tier beside this one.
+            entry["may_hedge"] = may_hedge(backend)
             entries.append(entry)
         out[route] = entries
     return out
