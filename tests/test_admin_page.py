@@ -33,7 +33,7 @@ async def test_an_operator_logs_in_pins_sees_it_listed_and_unpins(browser):
                 "deep": [Backend("hosted", hosted.url, regime="hosted")],
             }
         )
-        breaker = {"failure_threshold": 1, "failure_cooldown": 90.0}
+        breaker = {"failure_threshold": 1, "failure_cooldown": 90.0, "probe_every": 0}
         app, fwd, _ = host_app(routes, store, token=TOKEN, breaker=breaker)
         async with serve(app) as url:
             async with httpx.AsyncClient(timeout=5) as client:  # tower refuses: its breaker opens

@@ -143,7 +143,26 @@ async def test_five_failures_open_the_breaker_and_the_backend_is_skipped_untouch
     (skipped,) = result.states("backend_skipped")
     assert skipped["backend"] == "tower"
     assert skipped["failing_over"] is True
-    assert 29.0 < skipped["retry_in_s"] <= 30.0
+    # The first open for failures lasts probe_every (2 s): the recovery probe comes soon.
+    assert 1.0 < skipped["retry_in_s"] <= 2.0
+
+
+async def test_a_same_tier_retry_that_fails_is_one_failure_not_two(manual_clock):
+    """Failover's retries=1 tries a 500 twice per request: the breaker counts the request's
+    bad luck once, so it opens after five failing requests, not three."""
+    store = MemoryStore(clock=manual_clock)
+    tiers = Tiers(tower=500)
+    app = chain(tiers, store)
+    for _ in range(4):
+        result = await call(app)
+        assert result.headers["x-tierchain-backend"] == "hosted"
+    assert tiers.calls["tower"] == 8  # every request tried the tower twice
+    snap = await store.breaker_snapshot("echo", "tower")
+    assert (snap.state, snap.failures) == ("closed", 4)
+    await call(app)
+    assert (await store.breaker_snapshot("echo", "tower")).state == "open"
+    await call(app)
+    assert tiers.calls["tower"] == 9  # the fifth request's first try opened it
 
 
 async def test_5xx_and_429_count_as_failures(manual_clock):
@@ -222,7 +241,7 @@ async def test_a_429_with_retry_after_opens_for_that_long_and_no_longer_than_the
 async def test_every_backend_open_answers_503_with_retry_after_naming_each_state(manual_clock):
     store = MemoryStore(clock=manual_clock)
     tiers = Tiers(tower="saturated", hosted="unavailable")
-    app = chain(tiers, store, failure_threshold=1, saturation_threshold=1)
+    app = chain(tiers, store, failure_threshold=1, saturation_threshold=1, probe_every=0)
     await call(app)
     manual_clock.advance(0.5)
     result = await call(app)
@@ -338,7 +357,8 @@ async def test_a_hundred_concurrent_requests_after_the_cooldown_send_one_probe(
 async def test_alone_in_front_of_one_backend_it_answers_503_fast_while_open():
     async with FakeBackend("tower", answers(502)) as tower:
         forwarder = Forwarder(backend=Backend("tower", tower.url))
-        app = Breaker(forwarder, failure_threshold=2, backend="tower")
+        # probe_every=0: the whole failure_cooldown (this runs on the real clock).
+        app = Breaker(forwarder, failure_threshold=2, backend="tower", probe_every=0)
         async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
             for _ in range(2):
                 response = await client.post(url + "/v1/chat/completions", content=b"{}")
@@ -391,7 +411,12 @@ async def test_transitions_are_counted_logged_and_the_gauge_follows(manual_clock
     assert (seen("half_open"), seen("closed")) == (1, 1)
     assert metric("tierchain_breaker_state", **labels) == 0
     events = [r.event for r in caplog.records if getattr(r, "event", "").startswith("breaker.")]
-    assert events == ["breaker.opened", "breaker.half_open", "breaker.closed"]
+    assert events == [
+        "breaker.opened",
+        "breaker.half_open",
+        "breaker.recovery_probe",
+        "breaker.closed",
+    ]
     opened = next(r for r in caplog.records if getattr(r, "event", "") == "breaker.opened")
     assert opened.tierchain["reason"] == "saturation"
     assert opened.tierchain["retry_in_s"] == 900.0

@@ -36,9 +36,10 @@ POLICY = BreakerPolicy(
     saturation_cooldown=900.0,
     retry_after_cap=100.0,
     probe_lease=60.0,
+    probe_every=2.0,
 )
 KEYS = [("echo", "tower"), ("echo", "hosted")]
-STEPS = [0.5, 1.0, 29.5, 30.0, 45.0, 60.0, 120.0, 899.0, 900.0]
+STEPS = [0.5, 1.0, 2.0, 4.0, 29.5, 30.0, 45.0, 60.0, 120.0, 899.0, 900.0]
 
 
 # -- the reference model ---------------------------------------------------------
@@ -64,7 +65,7 @@ class Reference:
         self.failures = 0
         self.saturations = 0
         self.reopen_at = 0.0
-        self.reopens = 0  # saturated probes since it last closed
+        self.reopens = 0  # failed probes since it last closed
         self.era = 0  # how many times it has opened
         self.holder: int | None = None  # the probe holding the gate
         self.holder_until = 0.0
@@ -115,7 +116,8 @@ class Reference:
             return
         if outcome == "failure":
             self.failures += 1
-            own = POLICY.failure_cooldown
+            # Envoy's ejection backoff: the base times the opens in a row, capped
+            own = min(POLICY.failure_cooldown, POLICY.probe_every * (self.reopens + 1))
             over = self.failures >= POLICY.failure_threshold
         else:
             self.saturations += 1
@@ -127,7 +129,9 @@ class Reference:
                 if outcome == "saturation":
                     # re-opens grow from 30 s, doubling, up to the saturation cooldown
                     own = min(POLICY.saturation_cooldown, 30.0 * 2**self.reopens)
-                    self.reopens += 1
+                else:  # one probe_every longer per failed probe, up to the failure cooldown
+                    own = min(POLICY.failure_cooldown, POLICY.probe_every * (self.reopens + 2))
+                self.reopens += 1
                 self.open_for(now, max(own, hinted))
             return  # an old verdict is counted, nothing more
         seconds = own if over else 0.0

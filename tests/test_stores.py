@@ -302,31 +302,48 @@ async def test_one_good_attempt_clears_the_mid_stream_count(store):
     assert (await store.breaker_snapshot(R, B)).state == "closed"
 
 
-async def test_an_open_breaker_lets_one_recovery_probe_through_every_probe_every(store, clock):
-    policy = BreakerPolicy(failure_threshold=5, failure_cooldown=30.0, probe_every=10.0)
+async def test_a_failing_breaker_is_probed_after_probe_every_then_less_often(store, clock):
+    """Envoy's ejection backoff: open probe_every (2 s) after the threshold, then one
+    probe_every longer after each failed probe (4, 6 ... s), capped at failure_cooldown."""
+    policy = BreakerPolicy(failure_threshold=5, failure_cooldown=7.0, probe_every=2.0)
     for _ in range(5):
         ticket = await store.breaker_acquire(R, B, policy)
-        await store.breaker_record(R, B, policy, "failure", gen=ticket.gen)
-    clock.advance(9)
-    assert not (await store.breaker_acquire(R, B, policy)).admitted
-    clock.advance(1)
+        change = await store.breaker_record(R, B, policy, "failure", gen=ticket.gen)
+    assert change.retry_in == pytest.approx(2.0, abs=0.01)
+    waits = []
+    for _ in range(4):
+        clock.advance(change.retry_in - 0.5)
+        assert not (await store.breaker_acquire(R, B, policy)).admitted
+        clock.advance(0.5)
+        probe = await store.breaker_acquire(R, B, policy)
+        assert (probe.admitted, probe.state) == (True, "half_open")
+        assert probe.probe
+        assert not (await store.breaker_acquire(R, B, policy)).admitted  # one at a time
+        change = await store.breaker_record(
+            R, B, policy, "failure", gen=probe.gen, probe=probe.probe
+        )
+        assert change.state == "open"
+        waits.append(round(change.retry_in, 2))
+    assert waits == [4.0, 6.0, 7.0, 7.0]  # 2 s more each time, up to the cap
+    clock.advance(7.0)
     probe = await store.breaker_acquire(R, B, policy)
-    assert probe.admitted
-    assert probe.probe
-    assert probe.state == "open"
-    assert not (await store.breaker_acquire(R, B, policy)).admitted  # one at a time
-    change = await store.breaker_record(R, B, policy, "failure", gen=probe.gen, probe=probe.probe)
-    assert change.state == "open"  # still down: open for another cooldown
-    assert change.retry_in == pytest.approx(30.0, abs=0.01)
-    clock.advance(5)
-    assert not (await store.breaker_acquire(R, B, policy)).admitted
-    clock.advance(5)  # probe_every after the last probe went
-    probe = await store.breaker_acquire(R, B, policy)
-    assert probe.admitted
     change = await store.breaker_record(R, B, policy, "success", gen=probe.gen, probe=probe.probe)
-    assert change.state == "closed"
     assert change.transitions == ("closed",)
-    assert (await store.breaker_acquire(R, B, policy)).admitted
+    for _ in range(5):  # a success ends the streak: the next open starts again at 2 s
+        ticket = await store.breaker_acquire(R, B, policy)
+        change = await store.breaker_record(R, B, policy, "failure", gen=ticket.gen)
+    assert change.retry_in == pytest.approx(2.0, abs=0.01)
+
+
+async def test_probe_every_zero_keeps_the_whole_failure_cooldown(store, clock):
+    policy = BreakerPolicy(failure_threshold=1, failure_cooldown=30.0, probe_every=0.0)
+    ticket = await store.breaker_acquire(R, B, policy)
+    change = await store.breaker_record(R, B, policy, "failure", gen=ticket.gen)
+    assert change.retry_in == pytest.approx(30.0, abs=0.01)
+    clock.advance(30.0)
+    probe = await store.breaker_acquire(R, B, policy)
+    change = await store.breaker_record(R, B, policy, "failure", gen=probe.gen, probe=probe.probe)
+    assert change.retry_in == pytest.approx(30.0, abs=0.01)
 
 
 async def test_no_recovery_probe_before_the_cooldown_for_saturation_or_retry_after(store, clock):

@@ -5,7 +5,11 @@ that count and cool down separately: *failures* (refused, reset, connect
 timeout, broken stream, 5xx, 429) and *saturations* (the watchdog's
 ``BackendSaturated``). A busy backend is not a broken one: by default two
 consecutive saturations open it for 15 minutes, five consecutive failures for
-30 seconds. One good attempt clears both counts.
+``probe_every`` (2 s), then, while its probes keep failing, one ``probe_every`` longer
+each time (4, 6, 8 ... s) up to ``failure_cooldown`` (30 s): Envoy's outlier ejection
+backoff (base ejection time times the ejections in a row, capped). One good attempt
+clears both counts. A second try of the same backend in one request (Failover's
+``retries``) that fails before any data is not a second failure: the first was counted.
 
 A breaker re-opened because its half-open probe saturated cools down for
 ``saturation_backoff`` seconds (30 s), doubling with each further re-open up
@@ -45,13 +49,10 @@ whole turn, so it counts as a failure and, on a ledger of its own, opens the
 breaker after ``stream_failure_threshold`` (2) in a row, where refused
 connections (milliseconds each) take ``failure_threshold`` (5).
 
-Recovery after a flapping outage: while a breaker is open for failures, one
-request every ``probe_every`` seconds (10 s) goes through as a recovery probe,
-before the cooldown ends (a failed probe keeps it open for another
-``failure_cooldown``): a backend that recovered is back in use within about
-``probe_every`` of recovering, however long it was down. A breaker open for
-saturation or for a ``Retry-After`` is not probed early (a saturated probe
-costs its caller a whole window; the backend said when).
+Recovery after a flapping outage: the first recovery probe goes ``probe_every`` after
+the breaker opened for failures, so a backend down a few seconds is found at once, and
+one that stays down is probed less and less often (never less than every
+``failure_cooldown``). A breaker open for a ``Retry-After`` waits what the backend said.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class Breaker:
         failure_threshold: int = 5,
         failure_cooldown: float | timedelta = 30.0,
         stream_failure_threshold: int = 2,
-        probe_every: float | timedelta = 10.0,
+        probe_every: float | timedelta = 2.0,
         saturation_threshold: int = 2,
         saturation_cooldown: float | timedelta = 900.0,
         saturation_backoff: float | timedelta = 30.0,
@@ -213,7 +214,7 @@ class Breaker:
             and _reports_idle(self.status_board, attempt.backend)
         ):
             ticket = await self._acquire(route, name, attempt.force, wake=True)
-        if ticket.probe and ticket.state == "open":
+        if ticket.probe:
             _recovery_probe(route, name)
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
@@ -248,7 +249,7 @@ class Breaker:
         route = (req.route if req is not None else None) or ""
         name = self.backend
         ticket = await self._acquire(route, name, False)
-        if ticket.probe and ticket.state == "open":
+        if ticket.probe:
             _recovery_probe(route, name)
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
@@ -391,16 +392,24 @@ def _reports_idle(board: StatusBoard | None, backend: Backend) -> bool:
 
 
 def _recovery_probe(route: str, name: str) -> None:
-    """An open breaker let one request through as its recovery probe (``probe_every``)."""
+    """A breaker not closed let one request through as its recovery probe."""
     BREAKER_RECOVERY_PROBES.labels(route, name).inc()
     log_event("breaker.recovery_probe", route=route, backend=name)
 
 
-def _mid_stream(req: TierRequest | None, observer: Observer) -> Outcome:
+def _mid_stream(req: TierRequest | None, observer: Observer, ticket: Ticket) -> Outcome:
     """A failure's outcome: ``stream_failure`` for a stream that had reached the caller
-    (it broke or stalled mid-answer), else ``failure``."""
+    (it broke or stalled mid-answer), else ``failure``; ``neutral`` for a second try of
+    the same backend in one request that failed before any data (the first try's
+    failure was counted: one request's bad luck is one failure, not two), unless it
+    holds the probe slot."""
     if req is not None and req.in_chain:
-        return "stream_failure" if req.committed else "failure"
+        if req.committed:
+            return "stream_failure"
+        attempt = req.attempt
+        if attempt is not None and attempt.retry and not ticket.probe:
+            return "neutral"
+        return "failure"
     framed = observer.sse or observer.ndjson
     return "stream_failure" if framed and observer.first_data_at is not None else "failure"
 
@@ -490,7 +499,7 @@ class _Guard:
         )
         outcome, retry_after = _classify(cause or exc)
         if outcome == "failure":
-            outcome = _mid_stream(req, self.observer)
+            outcome = _mid_stream(req, self.observer, self.ticket)
         await self.breaker.record(self.route, self.name, self.ticket, outcome, retry_after)
 
     def settle(self) -> Awaitable[None] | None:
@@ -509,7 +518,7 @@ class _Guard:
         else:
             outcome, retry_after = _judge(observer)
         if outcome == "failure":
-            outcome = _mid_stream(self.req, self.observer)
+            outcome = _mid_stream(self.req, self.observer, self.ticket)
         ticket = self.ticket
         if outcome == "success" and ticket.clean and not ticket.probe:
             return None  # (_nothing_to_record's usual case, inline)

@@ -523,7 +523,8 @@ LAYERS: tuple[Layer, ...] = (
         _o("stream_failure_threshold", "BREAKER_STREAM_FAILURE_THRESHOLD", integer(1), _COUNT,
            help="Mid-stream deaths in a row that open the breaker."),
         _o("probe_every", "BREAKER_PROBE_EVERY", seconds(), f"{_SECS} (0: off)",
-           help="How often an open breaker lets one recovery probe through before its cooldown."),
+           help="First recovery probe this long after failures open the breaker; each failed "
+           "probe waits one more, up to the failure cooldown."),
         _o("saturation_threshold", "BREAKER_SATURATION_THRESHOLD", integer(1), _COUNT),
         _o("saturation_cooldown", "BREAKER_SATURATION_COOLDOWN", seconds(), _SECS_NONNEG),
         _o("saturation_backoff", "BREAKER_SATURATION_BACKOFF", seconds(), _SECS_NONNEG,

@@ -70,7 +70,7 @@ local function keep(key, now, ou, pu, ttl)
 end
 """
 
-# KEYS[1] ledger; ARGV: now_ms|'' force lease_ms ttl_ms busy_ms wake probe_every_ms
+# KEYS[1] ledger; ARGV: now_ms|'' force lease_ms ttl_ms busy_ms wake
 # -> {admitted, state, gen, probe, retry_in_ms|'', transitions, clean[, reason while open]}
 _ACQUIRE = (
     _NOW
@@ -80,7 +80,7 @@ local now = now_ms(ARGV[1])
 local force = ARGV[2] == '1'
 local lease = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[4])
-local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r', 'pa')
+local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r')
 if not v[1] then return {1, 'closed', 0, 0, '', '', 1} end
 local st, f, s, ou = v[1], num(v[2]), num(v[3]), num(v[4])
 local pu, pt, g = num(v[5]), num(v[6]), num(v[7])
@@ -98,15 +98,6 @@ if st == 'closed' or force then
   local clean = 0
   if st == 'closed' and f == 0 and s == 0 then clean = 1 end
   return {1, st, g, 0, '', trans, clean}
-end
-local every = tonumber(ARGV[7] or '0')
-if st == 'open' and every > 0 and (v[8] == 'failure' or v[8] == 'stream_failure')
-    and now >= num(v[9]) and pu <= now then
-  pt = pt + 1
-  pu = now + lease
-  redis.call('HSET', key, 'pu', tostring(pu), 'pt', pt, 'pa', tostring(now + every))
-  keep(key, now, ou, pu, ttl)
-  return {1, st, g, pt, '', trans, 0}
 end
 if st == 'half_open' then
   if pu <= now then
@@ -140,7 +131,7 @@ local sth, scd = tonumber(ARGV[8]), tonumber(ARGV[9])
 local cap, ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
 local backoff = tonumber(ARGV[12])
 local sfth, every = tonumber(ARGV[13]), tonumber(ARGV[14])
-local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r', 'ro', 'sf', 'pa')
+local v = redis.call('HMGET', key, 'st', 'f', 's', 'ou', 'pu', 'pt', 'g', 'r', 'ro', 'sf')
 if not v[1] and (outcome == 'success' or outcome == 'neutral') then
   return {'closed', '', 0, 0, '', ''}
 end
@@ -148,7 +139,11 @@ local st = v[1] or 'closed'
 local f, s, ou, pu, pt, g = num(v[2]), num(v[3]), num(v[4]), num(v[5]), num(v[6]), num(v[7])
 local r = v[8] or ''
 local ro = num(v[9])
-local sf, pa = num(v[10]), num(v[11])
+local sf = num(v[10])
+local function failure_wait(reopens)
+  if every <= 0 then return fcd end
+  return math.min(fcd, every * (reopens + 1))
+end
 local trans = {}
 if st == 'open' and now >= ou then
   st = 'half_open'
@@ -174,7 +169,7 @@ elseif outcome == 'failure' or outcome == 'stream_failure' or outcome == 'satura
   local kind, tripped
   if outcome ~= 'saturation' then
     f = f + 1
-    kind = fcd
+    kind = failure_wait(0)
     tripped = f >= fth
     if outcome == 'stream_failure' then
       sf = sf + 1
@@ -205,16 +200,15 @@ elseif outcome == 'failure' or outcome == 'stream_failure' or outcome == 'satura
       local grown = scd
       if backoff > 0 then grown = math.min(scd, backoff * (2 ^ math.min(ro, 60))) end
       cd = math.max(hinted, grown)
-      if fresh then ro = ro + 1 end
     else
-      cd = math.max(cd, kind)
+      cd = math.max(hinted, failure_wait(ro + 1))
     end
+    if fresh then ro = ro + 1 end
   end
   if tripped then
     if st ~= 'open' then
       g = g + 1
       pu = 0
-      pa = now + every
       table.insert(trans, 'open')
     end
     st = 'open'
@@ -225,7 +219,7 @@ elseif outcome == 'failure' or outcome == 'stream_failure' or outcome == 'satura
   end
 end
 redis.call('HSET', key, 'st', st, 'f', f, 's', s, 'ou', tostring(ou), 'pu', tostring(pu),
-  'pt', pt, 'g', g, 'r', r, 'ro', ro, 'sf', sf, 'pa', tostring(pa))
+  'pt', pt, 'g', g, 'r', r, 'ro', ro, 'sf', sf)
 keep(key, now, ou, pu, ttl)
 local retry = ''
 if st == 'open' then retry = tostring(ou - now) end
@@ -574,7 +568,6 @@ class RedisStore:
             _ms(self.ttl),
             _ms(PROBE_BUSY_RETRY),
             "1" if wake else "0",
-            _ms(policy.probe_every),
         ]
 
         def orphan(ticket: Ticket) -> None:

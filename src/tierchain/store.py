@@ -50,6 +50,7 @@ __all__ = [
     "UsageStore",
     "WindowCheck",
     "acquire",
+    "failure_wait",
     "record",
     "snapshot",
 ]
@@ -60,9 +61,6 @@ stream that had already reached the caller (it broke or stalled mid-answer): it
 counts as a failure and, on a ledger of its own, against
 ``stream_failure_threshold``. ``neutral`` counts for nothing and only gives
 back a probe slot (a 4xx, a cancelled attempt, a spent budget)."""
-
-_EARLY_PROBED = frozenset({"failure", "stream_failure"})
-"""Why a breaker may be open and still let a recovery probe through every ``probe_every``."""
 
 PROBE_BUSY_RETRY = 1.0
 """``retry_in`` reported while another request holds the half-open probe slot."""
@@ -99,8 +97,11 @@ class BreakerPolicy:
     stream_failure_threshold: int = 2
     """Mid-stream deaths in a row (``stream_failure``) that open the breaker."""
     probe_every: float = 0.0
-    """While open for failures, one request may probe every this many seconds, before
-    the cooldown ends (0: only once the cooldown ended; the Breaker's default is 10 s)."""
+    """The base of a failure's cooldown: a breaker opened by failures half-opens (its
+    recovery probe goes) this long after it opened, and each further failed probe waits one
+    ``probe_every`` longer (2, 4, 6 ... s for 2 s), up to ``failure_cooldown`` (Envoy's
+    outlier ejection: base ejection time times the ejections in a row, capped). 0: every
+    open for failures lasts ``failure_cooldown`` (the Breaker's default is 2 s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +151,8 @@ class Ledger:
     probe_token: int = 0
     gen: int = 0
     reason: str = ""
-    reopens: int = 0
+    reopens: int = 0  # failed probes since the breaker last closed (the backoff's step)
     stream_failures: int = 0
-    probe_at: float = 0.0  # while open for failures: when the next recovery probe may go
 
 
 def reopen_cooldown(policy: BreakerPolicy, reopens: int) -> float:
@@ -160,6 +160,14 @@ def reopen_cooldown(policy: BreakerPolicy, reopens: int) -> float:
     if policy.saturation_backoff <= 0:
         return policy.saturation_cooldown
     return min(policy.saturation_cooldown, policy.saturation_backoff * 2.0 ** min(reopens, 60))
+
+
+def failure_wait(policy: BreakerPolicy, reopens: int) -> float:
+    """The cooldown of a breaker opened by failures after ``reopens`` failed probes in a row:
+    ``probe_every`` times the opens in the streak, capped at ``failure_cooldown``."""
+    if policy.probe_every <= 0:
+        return policy.failure_cooldown
+    return min(policy.failure_cooldown, policy.probe_every * (reopens + 1))
 
 
 def _settle_time(led: Ledger, now: float, transitions: list[str]) -> None:
@@ -184,19 +192,6 @@ def acquire(
     if led.state == "closed" or force:
         clean = led.state == "closed" and not led.failures and not led.saturations
         return Ticket(True, led.state, led.gen, 0, None, done, clean)
-    if (
-        led.state == "open"
-        and policy.probe_every > 0
-        and led.reason in _EARLY_PROBED
-        and now >= led.probe_at
-        and led.probe_until <= now
-    ):
-        # A recovery probe before the cooldown ends: a backend that failed fast comes
-        # back within probe_every of recovering, not a whole cooldown (or more) later.
-        led.probe_token += 1
-        led.probe_until = now + policy.probe_lease
-        led.probe_at = now + policy.probe_every
-        return Ticket(True, "open", led.gen, led.probe_token, None, done)
     if led.state == "half_open":
         if led.probe_until <= now:
             led.probe_token += 1
@@ -234,7 +229,7 @@ def record(
     elif outcome == "failure" or outcome == "stream_failure" or outcome == "saturation":
         if outcome != "saturation":
             led.failures += 1
-            kind_cooldown = policy.failure_cooldown
+            kind_cooldown = failure_wait(policy, 0)
             tripped = led.failures >= policy.failure_threshold
             if outcome == "stream_failure":
                 led.stream_failures += 1
@@ -260,19 +255,19 @@ def record(
             # The probe (or a forced attempt) failed: re-open. A verdict from an
             # attempt admitted before the breaker opened is counted, nothing more.
             tripped = fresh
+            # Re-opens grow: one slow probe after a hiccup must not cost the whole
+            # saturation cooldown (it doubles from saturation_backoff), and a failed
+            # probe waits one probe_every longer than the last (Envoy's ejection backoff).
             if outcome == "saturation":
-                # One slow probe after a hiccup must not cost the whole cooldown:
-                # re-opens grow from a short first value.
                 cooldown = max(hinted, reopen_cooldown(policy, led.reopens))
-                if fresh:
-                    led.reopens += 1
             else:
-                cooldown = max(cooldown, kind_cooldown)
+                cooldown = max(hinted, failure_wait(policy, led.reopens + 1))
+            if fresh:
+                led.reopens += 1
         if tripped:
             if led.state != "open":
                 led.gen += 1
                 led.probe_until = 0.0
-                led.probe_at = now + policy.probe_every
                 transitions.append("open")
             led.state = "open"
             if now + cooldown > led.open_until:
