@@ -77,6 +77,7 @@ _DONE = 4  # the final chunk went out
 _COROUTINE = types.CoroutineType  # what a server's ``async def send`` returns
 
 _LOOK_AGAIN = 0.002  # a line held beside a relayed send that is out: look again this soon
+_HELD_LOOK = 0.5  # a commit held while every tier so far said 429: look again this soon
 
 MIN_INTERVAL = 0.02
 """The shortest keepalive interval: at most 50 keepalive lines a second per stream."""
@@ -641,7 +642,7 @@ class _Stream:
             streaming = self.streaming()
             if streaming is False:
                 return
-            commit_at = self.started + hb.commit_after
+            commit_at = self._commit_at(now)
             if now < commit_at:
                 self.entry = deadlines.schedule_at(commit_at, self.due)
             elif streaming is None:
@@ -659,6 +660,22 @@ class _Stream:
             self._kick(at_once=True)
         # Otherwise a write under way times the next keepalive when done, or the line
         # waits for the relayed send's return or the next event boundary.
+
+    def _commit_at(self, now: float) -> float:
+        """When our own commit may go: ``commit_after`` into the request, but not while
+        every tier tried so far answered 429 (``TierRequest.rate_limited``): a caller
+        every tier refuses must get HTTP 429 with a ``Retry-After`` its SDK retries, not
+        200 and an error event. Held while Failover waits out a ``Retry-After`` between
+        attempts, and for ``commit_after`` into the next attempt (a tier that does not
+        refuse at once gets the usual commit and keepalives)."""
+        at = self.started + self.hb.commit_after
+        held = self.req.rate_limited
+        if held is None:
+            return at
+        attempt = self.req.attempt
+        if attempt is not None and attempt is not held:  # a new attempt since
+            return max(at, attempt.started + self.hb.commit_after)
+        return max(at, now + _HELD_LOOK)  # between attempts: look again soon
 
     def _owed(self, now: float) -> bool:
         """Is a line owed at ``now``: a state line queued, or a keepalive (the stream
@@ -736,7 +753,7 @@ class _Stream:
                         now += EARLY
                         if not self.streaming():
                             break
-                        commit_at = self.started + self.hb.commit_after
+                        commit_at = self._commit_at(now)
                         if now >= commit_at:
                             await self._commit_own()
                         elif self.entry is None:

@@ -190,6 +190,7 @@ class TierRequest:
         "observer",
         "pin",
         "preference",
+        "rate_limited",
         "reorderers",
         "route",
         "send_timeout",
@@ -261,6 +262,11 @@ class TierRequest:
         hands such chunks to the second when the send it holds is the first, a call less a
         chunk; the start and the last chunk still go through the layer. The layer sets it
         back to None when its request ends."""
+        self.rate_limited: Attempt | None = None
+        """While every attempt recorded so far was refused with 429 or skipped for a
+        backend's own ``Retry-After`` (Failover's records), the last of them; None
+        otherwise. Heartbeats holds its own commit
+        meanwhile, so that a caller every tier refused gets HTTP 429 its SDK retries."""
         self.wire: str | None = None
         """The request's wire format (:mod:`tierchain.wire`), set by Failover from the
         route or the path; a backend's own ``wire_format`` wins for its attempts."""

@@ -236,6 +236,12 @@ def record(
         )
     req.attempts.append(record)
     labelled(ATTEMPTS, attempt.route or "", backend.name, outcome).inc()
+    # Every tier so far said "rate limited": Heartbeats holds its commit (a 429 to come).
+    if outcome == "http_429" or (outcome == "skipped" and detail == answers.SAID_WHEN_SKIP):
+        if len(req.attempts) == 1 or req.rate_limited is not None:
+            req.rate_limited = attempt
+    else:
+        req.rate_limited = None
 
 
 def failed(req: TierRequest, attempt: Attempt, exc: BaseException, outcome: str) -> Fault | None:
