@@ -55,8 +55,19 @@ def header(headers: Headers, name: bytes) -> bytes | None:
     return None
 
 
+RETRY_AFTER_MAX = 900.0
+"""The most seconds a ``Retry-After`` from outside is read as (the Breaker's default
+``retry_after_cap``): a larger one, a number of 309 digits, an HTTP date years away, is
+read as this, so no caller is ever told more and nothing waits or stores more."""
+
+
 def retry_after(headers: Headers) -> float | None:
-    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), or None."""
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), or None.
+
+    The one reader of an upstream's ``Retry-After``: clamped to ``0 ..``
+    :data:`RETRY_AFTER_MAX` (an infinite one too), None when it is not a number or a
+    date (``NaN`` included).
+    """
     value = header(headers, b"retry-after")
     if value is None:
         return None
@@ -66,10 +77,12 @@ def retry_after(headers: Headers) -> float | None:
     except ValueError:
         try:
             when = email.utils.parsedate_to_datetime(text)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return None
         seconds = when.timestamp() - time.time()
-    return max(0.0, seconds) if math.isfinite(seconds) else None
+    if math.isnan(seconds):
+        return None
+    return min(max(0.0, seconds), RETRY_AFTER_MAX)
 
 
 def error_detail(body: bytes) -> str | None:

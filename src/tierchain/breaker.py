@@ -214,6 +214,10 @@ class Breaker:
             and _reports_idle(self.status_board, attempt.backend)
         ):
             ticket = await self._acquire(route, name, attempt.force, wake=True)
+        if not ticket.admitted and ticket.state == "half_open" and attempt.waited:
+            # This caller waited out the backend's own Retry-After: that time has come,
+            # and the probe another caller holds does not turn it away (it gets its retry).
+            ticket = await self._acquire(route, name, True)
         if ticket.probe:
             _recovery_probe(route, name)
         if not ticket.admitted:

@@ -81,7 +81,9 @@ class Attempt:
     SaturationWatchdog: 0 for the last tier or without a budget); ``verdict``
     is the watchdog's latest word on the backend (``working``, ``too_slow``...).
     ``retry`` counts the tries of the same backend before this one in the same
-    request (Failover's ``retries``, after a transient fault).
+    request (Failover's ``retries``, after a transient fault). ``waited``: this
+    try follows a ``Retry-After`` the backend gave and the request waited out;
+    a half-open breaker lets it through beside its probe (the backend said when).
     """
 
     n: int
@@ -94,6 +96,7 @@ class Attempt:
     reserve: float = 0.0
     verdict: str | None = None
     retry: int = 0
+    waited: bool = False
 
     def remaining(self) -> float | None:
         """Seconds left before the budget ends this attempt, or None without a budget."""

@@ -75,6 +75,7 @@ _TRANSIENT = frozenset({"http_500", "http_502", "http_503", "http_529", "not_sen
 # out once per request (within the budget's room, at most max_retry_wait) and retried.
 _SAID_WHEN = frozenset({"http_429", "http_503", "http_529"})
 _JITTER = 0.25  # a second try waits up to this long more, at random (no herd on one backend)
+_SPREAD = 0.1  # callers waiting out one Retry-After come back over this share of it more
 
 
 class FaultKind(Enum):
@@ -131,7 +132,15 @@ async def again(
     route = attempt.route or ""
     labelled(SAME_TIER_RETRIES, route, attempt.backend.name, fault.reason).inc()
     await _pause(req, attempt, pause, fault.reason)
-    return Attempt(attempt.n, attempt.of, attempt.backend, attempt.route, retry=attempt.retry + 1)
+    waited = fault.kind is FaultKind.WAIT
+    return Attempt(
+        attempt.n,
+        attempt.of,
+        attempt.backend,
+        attempt.route,
+        retry=attempt.retry + 1,
+        waited=waited,
+    )
 
 
 def next_attempt(req: TierRequest, attempt: Attempt) -> Attempt | None:
@@ -165,16 +174,23 @@ def retry_pause(
     limit = retries if backend.retries is None else backend.retries
     if tries.retried >= limit or not may_retry(req, attempt):
         return None
-    pause = _JITTER * random.random()
+    spread = _JITTER
+    after = 0.0
     if fault.kind is FaultKind.WAIT:
-        after = req.attempts[-1].retry_after if req.attempts else None
-        if tries.waited or after is None or after > max_retry_wait:
+        said = req.attempts[-1].retry_after if req.attempts else None
+        if tries.waited or said is None or said > max_retry_wait:
             return None
-        pause += after
+        after = said
+        # Every caller the backend told the same thing comes back over a tenth of it
+        # more, at random, not all at its first instant.
+        spread = max(_JITTER, _SPREAD * said)
     left = req.remaining()
-    if left is not None and pause >= left - attempt.reserve:
-        return None  # no room: the later tiers' time is not ours to wait away
-    return pause
+    if left is not None:
+        room = left - attempt.reserve
+        if after >= room:
+            return None  # no room: the later tiers' time is not ours to wait away
+        spread = min(spread, (room - after) * 0.5)
+    return after + spread * random.random()
 
 
 async def _pause(req: TierRequest, attempt: Attempt, pause: float, why: str) -> None:
