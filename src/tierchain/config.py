@@ -573,7 +573,10 @@ LAYERS: tuple[Layer, ...] = (
            help="How many times the expected prefill a first token may take."),
         _o("status_late", "WATCHDOG_STATUS_LATE", seconds(), f"{_SECS} (0: off)",
            help="A status answer slower than this counts as full, never as room."),
-    ), code_only=frozenset({"readers", "client", "status_board"})),
+        _o("suspect_for", "WATCHDOG_SUSPECT_FOR", seconds(), f"{_SECS} (0: off)",
+           help="After a verdict on a backend, the callers after skip it this long "
+           "(doubling while verdicts repeat), then one probes it."),
+    ), wired=frozenset({"store"}), code_only=frozenset({"readers", "client", "status_board"})),
     Layer("Allowance", "tierchain.allowance", "component", (
         _o("cold_start", "ALLOWANCE_COLD_START", seconds(), _SECS_NONNEG),
         _o("base", "ALLOWANCE_BASE", seconds(), _SECS_NONNEG),

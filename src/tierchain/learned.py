@@ -9,9 +9,16 @@ attempt is the ``quantile`` of those times times ``margin``, clamped between
 window is ``maximum``, the configured value (a cold start behaves exactly as a
 fixed ``slow_after=maximum``).
 
-Prompt-size buckets (estimated at 4 bytes per token): under 1k tokens, under
-4k, under 16k, under 64k, and larger: a long prompt's prefill is not judged by
-a short prompt's normal.
+Prompt-size buckets (estimated at :data:`BYTES_PER_TOKEN` bytes per token): under
+1k tokens, under 4k, under 16k, under 64k, and larger: a long prompt's prefill is
+not judged by a short prompt's normal.
+
+Until a backend's normal is learned it is judged by its regime's cold default
+(:data:`COLD`, :func:`cold`), sized for an outage, never by the ceiling.
+:class:`SharedNormals` keeps every learned value in the store (a
+:class:`~tierchain.MemoryStore`, or a :class:`~tierchain.RedisStore` shared by
+replicas), read at an attempt's start and written after its end, so a restarted
+gateway or a second replica judges its first request as the warm one would.
 
 A model swap that makes first tokens slower would otherwise be cut by the old
 normal forever (no attempt succeeds, so nothing new is learned): two
@@ -25,13 +32,20 @@ gauge (per backend and bucket).
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import json
 import math
+import os
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from ._checks import count, duration
+from ._runtime import clock, deadlines
 from .sketch import LogSketch
 from .telemetry import (
+    LEARNED_BYTES_PER_TOKEN,
     LEARNED_PROMPT_RATE,
     LEARNED_SLOW_AFTER,
     LEARNED_STALL_AFTER,
@@ -39,16 +53,70 @@ from .telemetry import (
     log_event,
 )
 
-__all__ = ["BUCKETS", "Learned", "LearnedGap", "PromptRate", "bucket_of", "prompt_tokens"]
+__all__ = [
+    "BUCKETS",
+    "BYTES_PER_TOKEN",
+    "COLD",
+    "Cold",
+    "Learned",
+    "LearnedGap",
+    "PromptRate",
+    "SharedNormals",
+    "bucket_of",
+    "cold",
+    "prompt_tokens",
+]
+
+BYTES_PER_TOKEN = 4.0
+"""The one rule for a prompt's size before a backend's answers said better: a token
+per 4 bytes of the request body, JSON included. Every estimate in the package starts
+here; :meth:`PromptRate.tokens` replaces it per backend once its answers reported
+their usage."""
+
+
+def prompt_tokens(body: bytes | None, bytes_per_token: float = BYTES_PER_TOKEN) -> float:
+    """The prompt size of ``body`` in tokens, from its bytes (:data:`BYTES_PER_TOKEN` a
+    token, JSON included, unless ``bytes_per_token`` says otherwise)."""
+    return len(body or b"") / bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class Cold:
+    """What a backend is judged by until its normal is learned: sized for an outage.
+
+    ``prompt_rate`` (prompt tokens per second) and ``first_token`` (the least wait for
+    a first token) bound the first token (:class:`PromptRate`); ``stall`` bounds a gap
+    between data events on a tier with a later tier (:class:`LearnedGap`; the last tier
+    waits ``stall_ceiling``).
+    """
+
+    prompt_rate: float
+    first_token: float
+    stall: float
+
+
+COLD: Mapping[str, Cold] = {"local": Cold(prompt_rate=100.0, first_token=10.0, stall=8.0)}
+"""Per regime, before anything is learned. A local server streams a token every few
+tens of milliseconds and pauses for seconds at most (another slot's prompt batch):
+8 s of silence is an outage, and the next tier finishes the answer within 10 s."""
+COLD_OTHER = Cold(prompt_rate=500.0, first_token=30.0, stall=30.0)
+"""Any other regime (``hosted``, none, ...): a provider's queue is not ours to know."""
+
+
+def cold(regime: str | None) -> Cold:
+    """The cold defaults of ``regime`` (:data:`COLD`, else :data:`COLD_OTHER`)."""
+    return COLD.get(regime or "", COLD_OTHER)
+
 
 BUCKETS = ("1k", "4k", "16k", "64k", "more")
 _LIMITS = (1_000, 4_000, 16_000, 64_000)
+_SMALL = _LIMITS[0] * BYTES_PER_TOKEN  # the bytes of the first bucket's prompts
 _FORGET_AFTER = 2  # saturations in a row under a learned window
 
 
 def bucket_of(body: bytes | None) -> str:
-    """The prompt-size bucket of a request body (4 bytes per token, estimated)."""
-    tokens = len(body or b"") / 4
+    """The prompt-size bucket of a request body (:func:`prompt_tokens`, estimated)."""
+    tokens = prompt_tokens(body)
     for limit, name in zip(_LIMITS, BUCKETS, strict=False):
         if tokens < limit:
             return name
@@ -119,8 +187,7 @@ class Learned:
     def window(self, backend: str, body: bytes | None) -> tuple[float, bool]:
         """The window for an attempt of ``backend`` with ``body``, and whether it was learned."""
         # bucket_of(body), inline (every attempt asks, and most prompts are under 1k tokens)
-        tokens = len(body or b"") / 4
-        bucket = BUCKETS[0] if tokens < _LIMITS[0] else bucket_of(body)
+        bucket = BUCKETS[0] if len(body or b"") < _SMALL else bucket_of(body)
         normal = self._normals.get((backend, bucket))
         if normal is None or normal.sketch.count < self.min_samples:
             return self.maximum, False
@@ -143,7 +210,7 @@ class Learned:
     def observe(self, backend: str, body: bytes | None, first_data_s: float) -> None:
         """One successful attempt's time to its first data event."""
         # bucket_of(body) and self._normal, inline as in window() (every success teaches)
-        bucket = BUCKETS[0] if len(body or b"") / 4 < _LIMITS[0] else bucket_of(body)
+        bucket = BUCKETS[0] if len(body or b"") < _SMALL else bucket_of(body)
         normal = self._normals.get((backend, bucket))
         if normal is None:
             normal = self._normal(backend, bucket)
@@ -168,6 +235,30 @@ class Learned:
             labelled(self._gauge, backend, bucket).set(self.maximum)
             log_event("watchdog.normal_forgotten", backend=backend, bucket=bucket)
 
+    def export(self, backend: str) -> dict[str, Any]:
+        """``backend``'s learned samples as JSON values (see :class:`SharedNormals`)."""
+        out: dict[str, Any] = {}
+        for bucket in BUCKETS:
+            normal = self._normals.get((backend, bucket))
+            if normal is not None and normal.sketch.count:
+                out[bucket] = normal.sketch.state()
+        return out
+
+    def adopt(self, backend: str, state: Mapping[str, Any]) -> None:
+        """Take ``backend``'s samples from ``state`` (another process's :meth:`export`)."""
+        for bucket in BUCKETS:
+            got = state.get(bucket)
+            normal = self._normals.get((backend, bucket))
+            if got is None and normal is None:
+                continue
+            normal = self._normal(backend, bucket)
+            if isinstance(got, dict):
+                normal.sketch.load(got)
+            else:
+                normal.sketch.reset()
+            normal.value = 0.0
+            normal.fresh = 0
+
 
 @dataclass
 class LearnedGap(Learned):
@@ -177,10 +268,11 @@ class LearnedGap(Learned):
     between data events (the gateway does no per-event work to learn it). The
     stall window is the ``quantile`` of those gaps times ``margin``, between
     ``floor`` (2 s: a tower whose tokens come every 50 ms is cut 2 s into a
-    stall) and ``maximum`` (120 s, the ceiling, used until ``min_samples``
-    streams were seen: a cold start is as patient as the old fixed default).
-    Exported as ``tierchain_learned_stall_after_seconds``. Not bucketed by
-    prompt size: pass ``None`` as the body.
+    stall) and ``maximum`` (120 s, the ceiling). Until ``min_samples`` streams
+    were seen, :meth:`window_for` gives the regime's cold default
+    (:data:`COLD`: 8 s for a local backend, 30 s otherwise, never above
+    ``maximum``). Exported as ``tierchain_learned_stall_after_seconds``. Not
+    bucketed by prompt size: pass ``None`` as the body.
     """
 
     maximum: float = 120.0
@@ -190,22 +282,23 @@ class LearnedGap(Learned):
     min_samples: int = 10
     _gauge: ClassVar[Any] = LEARNED_STALL_AFTER
 
+    def window_for(self, backend: str, regime: str | None) -> tuple[float, bool]:
+        """The stall window of ``backend``, and whether it was learned: until then its
+        regime's cold default (:func:`cold`), at most ``maximum``."""
+        window, learned = self.window(backend, None)
+        if learned:
+            return window, True
+        stall = cold(regime).stall
+        return (stall if stall < window else window), False
+
 
 # -- the prompt rate ----------------------------------------------------------
 
-_REGIME_DEFAULTS: dict[str, tuple[float, float]] = {"local": (100.0, 10.0)}
-"""Per regime, before anything is learned: (prompt tokens per second, least wait)."""
-_OTHER_DEFAULT = (500.0, 30.0)
-"""Any other regime (``hosted``, none, ...): a provider's queue is not ours to know."""
-_LEASTS = frozenset(least for _, least in (*_REGIME_DEFAULTS.values(), _OTHER_DEFAULT))
+_LEASTS = frozenset(c.first_token for c in (*COLD.values(), COLD_OTHER))
 _EW = 0.2  # the weight of a new sample in the running mean and variance of its log
 _GAUGE_EVERY = 16  # rates learned between two updates of the exported gauge
 _SPREAD = 2.0  # standard deviations below the mean rate (above the mean overhead)
-
-
-def prompt_tokens(body: bytes | None) -> float:
-    """The prompt size of ``body`` in tokens, from its bytes (4 a token, JSON included)."""
-    return len(body or b"") / 4
+_CALIBRATE_EVERY = 16  # once calibrated, one answer's usage in this many is read
 
 
 @dataclass(slots=True)
@@ -232,11 +325,23 @@ class _Running:
     def high(self) -> float:
         return math.exp(self.mean + _SPREAD * math.sqrt(self.var))
 
+    def state(self) -> list[float]:
+        return [self.n, self.mean, self.var]
+
+    def load(self, state: Any) -> None:
+        n, mean, var = state  # a malformed state raises ValueError or TypeError
+        if not (isinstance(n, int) and n >= 0 and math.isfinite(mean) and var >= 0):
+            raise ValueError("not a running mean")
+        self.n, self.mean, self.var = n, float(mean), float(var)
+
 
 @dataclass(slots=True)
 class _Rate:
     rate: _Running = field(default_factory=_Running)
     overhead: _Running = field(default_factory=_Running)
+    size: _Running = field(default_factory=_Running)
+    """Bytes of request body per prompt token, from the usage the answers reported."""
+    bytes_per_token: float = BYTES_PER_TOKEN
 
 
 @dataclass
@@ -248,17 +353,18 @@ class PromptRate:
     end of its normal: the running mean of log(tokens / seconds) less two
     standard deviations) and, from prompts under ``min_tokens``, the fixed
     cost of a first token (the slow end likewise). The prompt size is estimated
-    from the body's bytes, 4 a token, JSON included: no parse on the request
-    path, and the same estimate teaches the rate and judges it, so its bias
-    cancels out. A request whose expected prefill is over,
+    from the body's bytes (no parse on the request path): :data:`BYTES_PER_TOKEN`
+    a token until the backend's answers reported their usage, then the bytes
+    per token those answers showed (:meth:`calibrate`, its running mean). A
+    request whose expected prefill is over,
 
         limit = max(floor, margin * (overhead + tokens / rate))
 
     with no first token is ``too_slow``, whatever its status says. Until a
-    backend has ``min_samples`` rates, its regime's built-in default applies
-    (``local``: 100 tokens/s, at least 10 s; any other regime: 500 tokens/s,
-    at least 30 s), so a 625-token prompt on an unlearned local tower waits
-    12.5 s at most, and a 90k-token one 30 minutes (the ceiling cuts first).
+    backend has ``min_samples`` rates, its regime's cold default applies
+    (:data:`COLD`: ``local`` 100 tokens/s, at least 10 s; any other regime: 500
+    tokens/s, at least 30 s), so a 625-token prompt on an unlearned local tower
+    waits 12.5 s at most, and a 90k-token one 30 minutes (the ceiling cuts first).
     ``rate`` fixes the rate for every backend instead (nothing is learned).
     """
 
@@ -294,19 +400,51 @@ class PromptRate:
 
     def limit(self, backend: str, regime: str | None, body: bytes | None) -> tuple[float, bool]:
         """Seconds a first token may take for ``body`` at ``backend``, and whether learned."""
-        tokens = len(body or b"") / 4  # prompt_tokens(body), inline: every attempt asks
+        known = self._rates.get(backend)
+        # self.tokens(backend, body), inline: every attempt asks
+        size = len(body or b"")
+        tokens = size / (known.bytes_per_token if known is not None else BYTES_PER_TOKEN)
         if self.rate is not None:
             return max(self.floor, self.margin * tokens / self.rate), False
-        known = self._rates.get(backend)
         if known is None or known.rate.n < self.min_samples:
-            rate, least = _REGIME_DEFAULTS.get(regime or "", _OTHER_DEFAULT)
+            defaults = COLD.get(regime or "", COLD_OTHER)
+            least = defaults.first_token
             overhead = 0.0
             if known is not None and known.overhead.n >= self.min_samples:
                 overhead = known.overhead.high()
-            limit = self.margin * (overhead + tokens / rate)
+            limit = self.margin * (overhead + tokens / defaults.prompt_rate)
             return (limit if limit > least else least), False  # (max(), with no call)
         overhead = known.overhead.high() if known.overhead.n >= self.min_samples else 0.0
         return max(self.floor, self.margin * (overhead + tokens / known.rate.low())), True
+
+    def tokens(self, backend: str, body: bytes | None) -> float:
+        """The prompt size of ``body`` in tokens at ``backend``: its bytes over the bytes
+        per token that backend's answers reported (:data:`BYTES_PER_TOKEN` until then)."""
+        known = self._rates.get(backend)
+        return prompt_tokens(body, known.bytes_per_token if known is not None else BYTES_PER_TOKEN)
+
+    def calibrate(self, backend: str, body: bytes | None, reported: int | None) -> None:
+        """The answer to ``body`` reported ``reported`` prompt tokens: learn the bytes per
+        token of ``backend``'s prompts (a running mean of its log)."""
+        size = len(body or b"")
+        if reported is None or reported < self.min_tokens or size < reported:
+            return  # (a prompt served from a cache reports fewer tokens than it has)
+        known = self._rates.get(backend)
+        if known is None:
+            known = self._rates[backend] = _Rate()
+        known.size.add(size / reported)
+        known.bytes_per_token = math.exp(known.size.mean)
+        labelled(LEARNED_BYTES_PER_TOKEN, backend).set(known.bytes_per_token)
+
+    def calibrating(self, backend: str) -> bool:
+        """Whether the next answer's usage should be read: always until a few were,
+        then one answer in ``_CALIBRATE_EVERY`` (the ratio drifts only with the prompts)."""
+        if self.rate is not None:
+            return False
+        known = self._rates.get(backend)
+        if known is None or known.size.n < self.min_samples:
+            return True
+        return (known.rate.n + known.overhead.n) % _CALIBRATE_EVERY == 0
 
     def observe(self, backend: str, body: bytes | None, first_data_s: float) -> None:
         """One healthy attempt's time to its first data event."""
@@ -315,7 +453,7 @@ class PromptRate:
         known = self._rates.get(backend)
         if known is None:
             known = self._rates[backend] = _Rate()
-        tokens = prompt_tokens(body)
+        tokens = prompt_tokens(body, known.bytes_per_token)
         if tokens < self.min_tokens:
             known.overhead.add(first_data_s)
         else:
@@ -330,7 +468,7 @@ class PromptRate:
             return self.rate
         known = self._rates.get(backend)
         if known is None or known.rate.n < self.min_samples:
-            return _REGIME_DEFAULTS.get(regime or "", _OTHER_DEFAULT)[0]
+            return cold(regime).prompt_rate
         return known.rate.low()
 
     def normal_rate(self, backend: str) -> float | None:
@@ -341,3 +479,185 @@ class PromptRate:
         if known is None or known.rate.n < self.min_samples:
             return None
         return known.rate.low()
+
+    def export(self, backend: str) -> dict[str, Any]:
+        """``backend``'s learned rate, fixed cost and bytes per token as JSON values."""
+        known = self._rates.get(backend)
+        if known is None:
+            return {}
+        return {"r": known.rate.state(), "o": known.overhead.state(), "b": known.size.state()}
+
+    def adopt(self, backend: str, state: Mapping[str, Any]) -> None:
+        """Take ``backend``'s learned values from ``state`` (another process's :meth:`export`)."""
+        if not state:
+            return
+        known = _Rate()
+        known.rate.load(state["r"])
+        known.overhead.load(state["o"])
+        known.size.load(state["b"])
+        if known.size.n:
+            known.bytes_per_token = math.exp(known.size.mean)
+            labelled(LEARNED_BYTES_PER_TOKEN, backend).set(known.bytes_per_token)
+        self._rates[backend] = known
+        if known.rate.n >= self.min_samples:
+            labelled(LEARNED_PROMPT_RATE, backend).set(known.rate.low())
+
+
+# -- shared through the store ------------------------------------------------------
+
+
+class _Normals(Protocol):
+    """What :class:`SharedNormals` needs of a store (see :class:`tierchain.store.NormalStore`)."""
+
+    async def normals_get(self, backend: str) -> str | None: ...
+
+    async def normals_put(self, backend: str, value: str, ttl: float) -> None: ...
+
+
+class _Part(Protocol):
+    """A value learned per backend (:class:`Learned`, :class:`LearnedGap`, :class:`PromptRate`)."""
+
+    def export(self, backend: str) -> dict[str, Any]: ...
+
+    def adopt(self, backend: str, state: Mapping[str, Any]) -> None: ...
+
+
+_WARN_EVERY = 60.0
+
+
+class SharedNormals:
+    """This process's learned normals, kept in step with a store's (one entry per backend).
+
+    - **Read at an attempt's start** (:meth:`before`): the first attempt at a backend in
+      this process waits for the store's copy (one read; every concurrent first attempt
+      waits for the same one), so a restarted gateway or a new replica judges it as the
+      warm one would. After that, a copy older than ``refresh`` seconds is read again in
+      the background, at the start of the next attempt: no attempt waits for it.
+    - **Written after an attempt taught something** (:meth:`taught`), in the background,
+      at most once every ``flush`` seconds for all the backends taught meanwhile, and on
+      :meth:`aclose`. Entries live ``ttl`` seconds from their last write.
+    - A streamed chunk costs nothing here: one sample per attempt, as before.
+
+    Replicas share one entry per backend, last writer wins: each adopts the others'
+    copy at its next read (unless it has unwritten samples of its own), so they judge
+    by one normal within ``refresh`` seconds; a sample taught between two reads on two
+    replicas at once may be lost, which a normal (a quantile, a running mean) absorbs.
+    A store that fails is logged (once a minute) and the normals stay this process's.
+    """
+
+    def __init__(
+        self,
+        store: _Normals,
+        parts: Mapping[str, _Part],
+        *,
+        refresh: float = 5.0,
+        flush: float = 1.0,
+        ttl: float = 86400.0,
+    ) -> None:
+        self.store = store
+        self.parts = dict(parts)
+        self.refresh = duration("refresh", refresh)
+        self.flush = duration("flush", flush)
+        self.ttl = duration("ttl", ttl)
+        self._read_at: dict[str, float] = {}
+        self._loading: dict[str, asyncio.Task[None]] = {}
+        self._dirty: set[str] = set()
+        self._seen: dict[str, str] = {}  # per backend: the value last written or adopted
+        self._timer: deadlines.Deadline | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._warned = -math.inf
+        self._writer = os.urandom(6).hex()  # (two replicas never write the same value)
+        self._seq = 0
+
+    def before(self, backend: str) -> Awaitable[None] | None:
+        """At an attempt's start: None, or the first read of ``backend``'s normals to wait
+        for (a copy older than ``refresh`` is read again in the background)."""
+        read_at = self._read_at.get(backend)
+        if read_at is not None and clock.now() - read_at < self.refresh:
+            return None
+        read_now = getattr(self.store, "normals_get_now", None)
+        if read_now is not None:  # this process's own store: read at once, nothing to wait for
+            self._read_at[backend] = clock.now()
+            try:
+                value = read_now(backend)
+            except Exception as exc:  # a store must never fail a request
+                self._failed("read", exc)
+                return None
+            self._adopt(backend, value)
+            return None
+        loading = self._loading.get(backend)
+        if loading is None:
+            loading = self._loading[backend] = self._spawn(self._read(backend))
+        return asyncio.shield(loading) if read_at is None else None
+
+    def taught(self, backend: str) -> None:
+        """An attempt at ``backend`` taught a learned value: write it within ``flush``."""
+        self._dirty.add(backend)
+        if self._timer is None:
+            self._timer = deadlines.schedule(
+                self.flush, self._flush_due, context=contextvars.Context()
+            )
+
+    async def aclose(self) -> None:
+        """Write what was taught and not yet written; wait for every read and write."""
+        if self._timer is not None:
+            deadlines.cancel(self._timer)
+            self._timer = None
+        await self._write()
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        now = clock.now()
+        if now - self._warned >= _WARN_EVERY:
+            self._warned = now
+            log_event("watchdog.normals_store_failed", level=30, doing=what, error=repr(exc))
+
+    async def _read(self, backend: str) -> None:
+        try:
+            value = await self.store.normals_get(backend)
+        except Exception as exc:  # a store must never fail a request
+            self._failed("read", exc)
+            value = None
+        finally:
+            self._loading.pop(backend, None)
+            self._read_at[backend] = clock.now()
+        self._adopt(backend, value)
+
+    def _adopt(self, backend: str, value: str | None) -> None:
+        if value is None or value == self._seen.get(backend) or backend in self._dirty:
+            return  # nothing there, our own copy, or ours is newer (written within flush)
+        try:
+            state = json.loads(value)
+            for name, part in self.parts.items():
+                got = state.get(name)
+                if isinstance(got, dict):
+                    part.adopt(backend, got)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            self._failed("adopt", exc)
+            return
+        self._seen[backend] = value
+
+    def _flush_due(self) -> None:
+        self._timer = None
+        self._spawn(self._write())
+
+    async def _write(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for backend in sorted(dirty):
+            self._seq += 1
+            state: dict[str, Any] = {"by": self._writer, "seq": self._seq}
+            for name, part in self.parts.items():
+                state[name] = part.export(backend)
+            value = json.dumps(state, separators=(",", ":"))
+            self._seen[backend] = value
+            try:
+                await self.store.normals_put(backend, value, self.ttl)
+            except Exception as exc:
+                self._failed("write", exc)

@@ -183,6 +183,7 @@ class Observer:
                 return self._lines(chunk)
             if chunk:
                 now = self.last_event_at = clock.now()
+                self._previous, self._last = self._last, chunk
                 if self.first_data_at is None:
                     self.first_data_at = now
                     self._first()
@@ -358,6 +359,15 @@ class Observer:
         whole = self.terminated
         self.terminated = self.finish_seen = False  # judged again, once, at the end
         return whole
+
+    def tail_values(self) -> list[bytes]:
+        """The JSON values of the last two data chunks seen (where a stream's usage is),
+        or the last two body chunks of an answer that is not a stream."""
+        if self.sse:
+            return data_values(self._previous) + data_values(self._last)
+        if self.ndjson:
+            return (self._previous + self._last).splitlines()
+        return [self._previous + self._last]
 
     def drop_pending(self) -> bytes:
         """Forget the partial event held back (a failed attempt's); returns it."""

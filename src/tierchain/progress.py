@@ -29,7 +29,7 @@ from ._runtime.deadlines import EARLY
 from .allowance import estimate_tokens
 from .backend import Backend
 from .errors import BackendBusy
-from .learned import Learned, PromptRate, prompt_tokens
+from .learned import Learned, PromptRate
 from .probes import Reader, Status, fetch_status_once, judge, status_asked_at
 from .status import StatusBoard, full
 from .telemetry import ATTR_BACKEND, ATTR_ROUTE, tracer
@@ -270,5 +270,5 @@ class Progress:
         observed = done / (now - self.start)
         if observed * rate.margin < rate.rate_for(self.backend.name, self.backend.regime):
             return prefill_end  # slower than the normal allows: a starved server's batches
-        total = max(float(done), prompt_tokens(self.body))
+        total = max(float(done), rate.tokens(self.backend.name, self.body))
         return max(prefill_end, self.start + rate.margin * total / observed)

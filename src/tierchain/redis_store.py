@@ -18,7 +18,9 @@ a pool's prefix affinity is a string per prompt-prefix hash,
 counter (per-key limits, budgets) is a hash of buckets,
 ``tierchain:window:<name>`` (field: the bucket number, value: its amount), and
 the usage totals one hash, ``tierchain:usage`` (field: key, route, backend and
-kind; value: tokens or attempts).
+kind; value: tokens or attempts); a backend's learned normals are a string,
+``tierchain:normals:<backend>``, and its suspect mark a hash,
+``tierchain:suspect:<backend>`` (until, strikes, why, probe slot).
 Every key carries a TTL, so nothing lingers forever.
 
 When Redis cannot be reached, the store logs ONE warning, serves breaker
@@ -43,11 +45,13 @@ from .errors import StoreUnavailable
 from .masking import mask_text, mask_url
 from .store import (
     PROBE_BUSY_RETRY,
+    SUSPECT_KEEP,
     BreakerChange,
     BreakerPolicy,
     BreakerSnapshot,
     MemoryStore,
     Outcome,
+    Suspect,
     Ticket,
     WindowCheck,
 )
@@ -375,6 +379,42 @@ return out
 """
 )
 
+# KEYS[1] mark; ARGV: now_ms|'' lease_ms -> {} (not suspect) or {why, retry_in_ms, probe, strikes}
+_SUSPECT_CHECK = (
+    _NOW
+    + """
+local key = KEYS[1]
+local v = redis.call('HMGET', key, 'u', 's', 'w', 'p')
+if not v[1] then return {} end
+local now = now_ms(ARGV[1])
+local u, s, p = tonumber(v[1]), num(v[2]), num(v[4])
+if now < u then return {v[3], tostring(u - now), 0, s} end
+if p > now then return {v[3], tostring(p - now), 0, s} end
+redis.call('HSET', key, 'p', tostring(now + tonumber(ARGV[2])))
+return {v[3], '0', 1, s}
+"""
+)
+
+# KEYS[1] mark; ARGV: now_ms|'' why hold_ms most_ms keep_ms -> the hold set (ms)
+_SUSPECT_MARK = (
+    _NOW
+    + """
+local key = KEYS[1]
+local now = now_ms(ARGV[1])
+local s = num(redis.call('HGET', key, 's')) + 1
+local hold = math.min(tonumber(ARGV[4]), tonumber(ARGV[3]) * 2 ^ math.min(s - 1, 30))
+redis.call('HSET', key, 'u', tostring(now + hold), 's', s, 'w', ARGV[2], 'p', '0')
+redis.call('PEXPIRE', key, math.ceil(hold + tonumber(ARGV[5])))
+return tostring(hold)
+"""
+)
+
+# KEYS[1] mark: give the probe slot back (the key is not made again once gone)
+_SUSPECT_RELEASE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'p', '0') end
+return 1
+"""
+
 
 def _ms(seconds: float) -> str:
     return repr(seconds * 1000.0)
@@ -453,6 +493,9 @@ class RedisStore:
         self._window_admit = self._redis.register_script(_WINDOW_ADMIT)
         self._usage_record = self._redis.register_script(_USAGE_RECORD)
         self._window_sums = self._redis.register_script(_WINDOW_SUMS)
+        self._suspect_check = self._redis.register_script(_SUSPECT_CHECK)
+        self._suspect_mark = self._redis.register_script(_SUSPECT_MARK)
+        self._suspect_release = self._redis.register_script(_SUSPECT_RELEASE)
         self._fallback: MemoryStore | None = None
         self._retry_at = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -802,6 +845,80 @@ class RedisStore:
         except Exception as exc:
             return await self._went_away(exc).usage_totals()
         return {_text(k): int(v) for k, v in raw.items()}
+
+    # -- learned normals and suspect marks -----------------------------------------------
+
+    def _normals_key(self, backend: str) -> str:
+        return f"{self.prefix}normals:{quote(backend, safe='')}"
+
+    def _suspect_key(self, backend: str) -> str:
+        return f"{self.prefix}suspect:{quote(backend, safe='')}"
+
+    async def normals_get(self, backend: str) -> str | None:
+        local = self._local()
+        if local is not None:
+            return await local.normals_get(backend)
+        key = self._normals_key(backend)
+        try:
+            value = await self._call(lambda: self._redis.get(key))
+        except Exception as exc:
+            return await self._went_away(exc).normals_get(backend)
+        return None if value is None else _text(value)
+
+    async def normals_put(self, backend: str, value: str, ttl: float) -> None:
+        local = self._local()
+        if local is not None:
+            return await local.normals_put(backend, value, ttl)
+        key = self._normals_key(backend)
+        try:
+            await self._shielded(lambda: self._redis.set(key, value, px=max(1, int(ttl * 1000))))
+        except Exception as exc:
+            await self._went_away(exc).normals_put(backend, value, ttl)
+
+    async def suspect_check(self, backend: str, lease: float) -> Suspect | None:
+        local = self._local()
+        if local is not None:
+            return await local.suspect_check(backend, lease)
+        key = self._suspect_key(backend)
+        args = [self._args(), _ms(lease)]
+
+        def orphan(raw: Any) -> None:
+            if raw and int(raw[2]):  # the caller left holding the probe slot: give it back
+                self._spawn(self.suspect_end(backend, healthy=False))
+
+        try:
+            raw = await self._shielded(lambda: self._suspect_check(keys=[key], args=args), orphan)
+        except Exception as exc:
+            return await self._went_away(exc).suspect_check(backend, lease)
+        if not raw:
+            return None
+        why, retry_ms, probe, strikes = raw
+        return Suspect(_text(why), _seconds(retry_ms) or 0.0, bool(int(probe)), int(strikes))
+
+    async def suspect_mark(self, backend: str, why: str, hold: float, most: float) -> float:
+        local = self._local()
+        if local is not None:
+            return await local.suspect_mark(backend, why, hold, most)
+        key = self._suspect_key(backend)
+        args = [self._args(), why, _ms(hold), _ms(most), _ms(SUSPECT_KEEP)]
+        try:
+            raw = await self._shielded(lambda: self._suspect_mark(keys=[key], args=args))
+        except Exception as exc:
+            return await self._went_away(exc).suspect_mark(backend, why, hold, most)
+        return _seconds(raw) or hold
+
+    async def suspect_end(self, backend: str, *, healthy: bool) -> None:
+        local = self._local()
+        if local is not None:
+            return await local.suspect_end(backend, healthy=healthy)
+        key = self._suspect_key(backend)
+        try:
+            if healthy:
+                await self._shielded(lambda: self._redis.delete(key))
+            else:
+                await self._shielded(lambda: self._suspect_release(keys=[key], args=[]))
+        except Exception as exc:
+            await self._went_away(exc).suspect_end(backend, healthy=healthy)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

@@ -70,6 +70,33 @@ class LogSketch:
                 return self._lo * self.growth ** (i + 1)
         return self._lo * self.growth ** len(self._counts)
 
+    def state(self) -> dict[str, object]:
+        """The sketch as plain JSON values (what :meth:`load` takes back): its
+        non-empty buckets, their weights scaled so the newest sample weighs 1."""
+        weight = self._weight
+        return {
+            "n": self.count,
+            "c": {str(i): c / weight for i, c in enumerate(self._counts) if c > 0},
+        }
+
+    def load(self, state: dict[str, object]) -> None:
+        """Replace every sample with those of ``state`` (from :meth:`state`, maybe
+        another process's). A malformed state raises ValueError and changes nothing."""
+        counts = [0.0] * len(self._counts)
+        raw = state.get("c")
+        n = state.get("n")
+        if not isinstance(raw, dict) or not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError("not a LogSketch state")
+        for key, value in raw.items():
+            i = int(key)
+            if not (0 <= i < len(counts)) or not isinstance(value, int | float):
+                raise ValueError("not a LogSketch state")
+            if math.isfinite(value) and value > 0:
+                counts[i] = float(value)
+        self._counts = counts
+        self._weight = 1.0
+        self.count = n
+
     def reset(self) -> None:
         """Forget every sample."""
         self._counts = [0.0] * len(self._counts)

@@ -1,10 +1,11 @@
 """State shared between requests (and, with RedisStore, between replicas).
 
-A store holds four kinds of state: breaker ledgers per (route, backend),
+A store holds these kinds of state: breaker ledgers per (route, backend),
 operator pins per route, in-flight leases per backend (for
-``Backend(max_in_flight=N)``; see :mod:`tierchain.admission`), and windowed
+``Backend(max_in_flight=N)``; see :mod:`tierchain.admission`), windowed
 counters with usage totals (per-key limits and token accounting; see
-:mod:`tierchain.limits`). :class:`Store` is
+:mod:`tierchain.limits`), and the watchdog's per-backend learned normals and
+suspect marks (:class:`NormalStore`; see :mod:`tierchain.learned`). :class:`Store` is
 the protocol every store meets; :class:`MemoryStore` is the embedded default
 that needs no service, and :class:`~tierchain.RedisStore` shares the same
 semantics between replicas.
@@ -44,8 +45,10 @@ __all__ = [
     "LeaseStore",
     "Ledger",
     "MemoryStore",
+    "NormalStore",
     "Outcome",
     "Store",
+    "Suspect",
     "Ticket",
     "UsageStore",
     "WindowCheck",
@@ -474,6 +477,84 @@ def room_in(first: int | None, now: float, window: float) -> float:
     return max(0.001, (first + WINDOW_BUCKETS) * width - now)
 
 
+@dataclass(frozen=True, slots=True)
+class Suspect:
+    """A backend a caller's attempt was judged on (too slow, stalled, broke mid-stream).
+
+    ``why`` is the verdict; ``retry_in`` the seconds until one caller may try it again
+    (0 for that caller: ``probe`` is True, and only it goes until its verdict); ``strikes``
+    counts the verdicts in a row, each holding the mark twice as long.
+    """
+
+    why: str
+    retry_in: float
+    probe: bool = False
+    strikes: int = 1
+
+
+SUSPECT_KEEP = 600.0
+"""Seconds a suspect mark's strikes are remembered after its hold ended, with no verdict."""
+
+
+@runtime_checkable
+class NormalStore(Protocol):
+    """What the watchdog shares through a store: each backend's learned normals (an
+    opaque string, see :class:`~tierchain.learned.SharedNormals`) and suspect marks.
+
+    Times are seconds on the store's clock.
+    """
+
+    async def normals_get(self, backend: str) -> str | None:
+        """``backend``'s learned normals as last written, or None (never, or expired)."""
+        ...
+
+    async def normals_put(self, backend: str, value: str, ttl: float) -> None:
+        """Write ``backend``'s learned normals, kept ``ttl`` seconds from now."""
+        ...
+
+    async def suspect_check(self, backend: str, lease: float) -> Suspect | None:
+        """None when ``backend`` is not suspect. Otherwise the mark; once its hold is over,
+        the first caller to ask takes the probe slot (for ``lease`` seconds at most)."""
+        ...
+
+    async def suspect_mark(self, backend: str, why: str, hold: float, most: float) -> float:
+        """A verdict on ``backend``: mark it suspect for ``hold`` seconds, doubled for each
+        strike in a row, at most ``most``. Returns the hold set."""
+        ...
+
+    async def suspect_end(self, backend: str, *, healthy: bool) -> None:
+        """An attempt let through a mark ended: ``healthy`` drops the mark, otherwise (no
+        verdict either way) the probe slot is given back."""
+        ...
+
+
+@dataclass(slots=True)
+class _Mark:
+    until: float
+    why: str
+    strikes: int = 1
+    probe_until: float = 0.0
+
+
+def check_mark(marks: dict[str, _Mark], backend: str, now: float, lease: float) -> Suspect | None:
+    """:meth:`NormalStore.suspect_check` on a dict of marks (RedisStore runs it in Lua)."""
+    mark = marks.get(backend)
+    if mark is None:
+        return None
+    if now >= mark.until + SUSPECT_KEEP:
+        del marks[backend]
+        return None
+    if now < mark.until:
+        return Suspect(mark.why, mark.until - now, False, mark.strikes)
+    if mark.probe_until > now:
+        return Suspect(mark.why, mark.probe_until - now, False, mark.strikes)
+    mark.probe_until = now + lease
+    return Suspect(mark.why, 0.0, True, mark.strikes)
+
+
+NORMAL_ENTRIES = 4096
+"""How many backends' normals (and suspect marks) a MemoryStore keeps (the oldest go first)."""
+
 AFFINITY_ENTRIES = 65536
 """How many prefix entries a MemoryStore keeps (the least recently used go first)."""
 
@@ -496,6 +577,8 @@ class MemoryStore:
         self._affinity: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         self._windows: dict[str, dict[int, int]] = {}
         self._totals: dict[str, int] = {}
+        self._normals: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._marks: dict[str, _Mark] = {}
         self._clock = clock
 
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
@@ -685,6 +768,68 @@ class MemoryStore:
 
     async def usage_totals(self) -> dict[str, int]:
         return dict(self._totals)
+
+    # -- learned normals and suspect marks ----------------------------------------
+
+    def _now(self) -> float:
+        return clock.now() if self._clock is None else self._clock()
+
+    async def normals_get(self, backend: str) -> str | None:
+        return self.normals_get_now(backend)
+
+    def normals_get_now(self, backend: str) -> str | None:
+        """:meth:`normals_get` without a coroutine: this store answers at once."""
+        entry = self._normals.get(backend)
+        if entry is None:
+            return None
+        if entry[1] <= self._now():
+            del self._normals[backend]
+            return None
+        return entry[0]
+
+    async def normals_put(self, backend: str, value: str, ttl: float) -> None:
+        normals = self._normals
+        normals[backend] = (value, self._now() + ttl)
+        normals.move_to_end(backend)
+        while len(normals) > NORMAL_ENTRIES:
+            normals.popitem(last=False)
+
+    async def suspect_check(self, backend: str, lease: float) -> Suspect | None:
+        return self.suspect_check_now(backend, lease)
+
+    def suspect_check_now(self, backend: str, lease: float) -> Suspect | None:
+        """:meth:`suspect_check` without a coroutine: this store answers at once."""
+        if not self._marks:
+            return None  # the usual case: nothing marked, nothing read
+        return check_mark(self._marks, backend, self._now(), lease)
+
+    async def suspect_mark(self, backend: str, why: str, hold: float, most: float) -> float:
+        return self.suspect_mark_now(backend, why, hold, most)
+
+    def suspect_mark_now(self, backend: str, why: str, hold: float, most: float) -> float:
+        """:meth:`suspect_mark` without a coroutine."""
+        now = self._now()
+        marks = self._marks
+        mark = marks.get(backend)
+        strikes = 1 if mark is None or now >= mark.until + SUSPECT_KEEP else mark.strikes + 1
+        held = min(most, hold * 2.0 ** min(strikes - 1, 30))
+        marks[backend] = _Mark(now + held, why, strikes)
+        if len(marks) > NORMAL_ENTRIES:
+            oldest = min(marks, key=lambda name: marks[name].until)
+            del marks[oldest]
+        return held
+
+    async def suspect_end(self, backend: str, *, healthy: bool) -> None:
+        self.suspect_end_now(backend, healthy=healthy)
+
+    def suspect_end_now(self, backend: str, *, healthy: bool) -> None:
+        """:meth:`suspect_end` without a coroutine."""
+        if healthy:
+            self._marks.pop(backend, None)
+            return
+        mark = self._marks.get(backend)
+        if mark is not None:
+            mark.probe_until = 0.0
 
 
 _CLOSED = Ticket(True, "closed", clean=True)

@@ -287,6 +287,16 @@ LEARNED_PROMPT_RATE = Gauge(
     "The learned normal prompt rate in tokens per second (the slow end), by backend.",
     ["backend"],
 )
+LEARNED_BYTES_PER_TOKEN = Gauge(
+    "tierchain_learned_bytes_per_token",
+    "Request body bytes per prompt token, learned from the usage the answers reported.",
+    ["backend"],
+)
+SUSPECT_MARKS = Counter(
+    "tierchain_backend_suspect",
+    "Verdicts that marked a backend suspect (the callers after skip it), by why.",
+    ["route", "backend", "why"],
+)
 LEARNED_STALL_AFTER = Gauge(
     "tierchain_learned_stall_after_seconds",
     "The learned gap allowed between data events (stall_after=auto), by backend.",

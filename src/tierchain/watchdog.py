@@ -93,21 +93,24 @@ from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance
 from .errors import BackendBusy, BackendSaturated, BackendUnavailable, StreamError
-from .learned import Learned, LearnedGap, PromptRate
+from .learned import Learned, LearnedGap, PromptRate, SharedNormals
 from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, auto_reader, end_flights
 from .progress import Progress, check_room
 from .request import SCOPE_KEY, UNROUTED_KEY, Attempt, TierRequest
 from .status import Fullness, StatusBoard
+from .store import MemoryStore, NormalStore, Store, Suspect
 from .telemetry import (
     ATTR_BACKEND,
     BACKEND_SATURATED,
     PROBE_ANSWERS,
     RESERVE_ENDED,
+    SUSPECT_MARKS,
     labelled,
     log_event,
     tracing_enabled,
 )
+from .usage import read_usage
 from .wire import recognise
 
 __all__ = ["SaturationWatchdog", "SlowAfter", "window_warnings"]
@@ -127,6 +130,9 @@ def _prompt_rate(value: float | str | PromptRate, margin: float) -> PromptRate |
 
 
 _new = object.__new__
+_BACKGROUND: set[asyncio.Task[None]] = set()  # store writes in flight (kept from the collector)
+_SUSPECT_MOST = 600.0  # a suspect mark's hold doubles per verdict in a row, up to this
+_SUSPECT_LEASE = 120.0  # the most one probe of a suspect backend holds its slot
 _RESERVE_SHARE = 0.5  # a reserve never takes more than this share of the whole budget
 _SILENT = 5.0  # a committed stream silent this long (or its stall window) when the budget ends it
 
@@ -171,8 +177,15 @@ class SaturationWatchdog:
         prompt_margin: float = 2.0,
         status_late: float | timedelta = 0.25,
         status_board: StatusBoard | None = None,
+        store: NormalStore | Store | None = None,
+        suspect_for: float | timedelta = 0.0,
     ) -> None:
         self.app = app
+        self.suspect_for = duration("suspect_for", suspect_for, allow_zero=True)
+        # A store without normals (a Breaker's Store only): they are kept in this process.
+        self.store: NormalStore = store if isinstance(store, NormalStore) else MemoryStore()
+        # This process's own store (not a subclass): asked without a coroutine.
+        self._memory = self.store if type(self.store) is MemoryStore else None
         self.prompt_rate = _prompt_rate(prompt_rate, prompt_margin)
         self.status_late = duration("status_late", status_late, allow_zero=True)
         self.learned: Learned | None = None
@@ -245,6 +258,14 @@ class SaturationWatchdog:
                 timeout=min(self.probe_timeout, max(stale, interval)),
                 limits=Fullness(busy_waiting, float(busy_kv_cache), bool(busy_all_slots)),
             )
+        parts: dict[str, Any] = {}
+        if self.learned is not None:
+            parts["first"] = self.learned
+        if self.learned_gap is not None:
+            parts["gap"] = self.learned_gap
+        if self.prompt_rate is not None and self.prompt_rate.rate is None:
+            parts["rate"] = self.prompt_rate
+        self.normals = SharedNormals(self.store, parts) if parts else None
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -254,7 +275,10 @@ class SaturationWatchdog:
         return self._client
 
     async def aclose(self) -> None:
-        """Stop the status pollers; close the probe client (if this watchdog created it)."""
+        """Stop the status pollers; close the probe client (if this watchdog created it);
+        write the learned normals not yet written to the store."""
+        if self.normals is not None:
+            await self.normals.aclose()
         if self.board is not None:
             await self.board.aclose()
         client, self._client = self._client, None
@@ -293,6 +317,15 @@ class SaturationWatchdog:
             return await self.app(scope, receive, send)
         req: TierRequest | None = scope.get(SCOPE_KEY)  # (TierRequest.find, inline)
         attempt = req.attempt if req is not None else None
+        passed: Suspect | None = None  # a suspect mark this attempt goes through (the probe)
+        if attempt is not None:
+            normals = self.normals
+            if normals is not None:
+                loading = normals.before(attempt.backend.name)
+                if loading is not None:  # the first attempt at it in this process
+                    await loading
+            if self.suspect_for > 0 and not attempt.is_last:
+                passed = await self._suspect(attempt)
         board_url = None
         if self.board is not None and attempt is not None and attempt.backend.status_url:
             board_url = attempt.backend.status_url
@@ -319,6 +352,10 @@ class SaturationWatchdog:
                         watch.cancelled()
                     raise
                 await watch.verdict(send)
+            except Exception as exc:
+                if watch.fired is None:
+                    watch.broke(exc)
+                raise
             else:
                 if watch.cut.interrupted and watch.cut.swallowed():  # the inner app returned anyway
                     await watch.verdict(send)
@@ -344,6 +381,69 @@ class SaturationWatchdog:
                 if watch is not None and watch.fired is not None and not watch.answered():
                     # Our own prefill was cut: the server finishes its prompt batch first.
                     self.board.cut(board_url, self.progress_span)
+            if passed is not None and attempt is not None:
+                # The probe of a suspect backend: its verdict (marked again) or health
+                # (the mark dropped) decides; with neither, its slot is given back.
+                self._passed(attempt.backend.name, watch)
+
+    # -- suspect marks: one verdict spares the next caller -------------------------
+
+    async def _suspect(self, attempt: Attempt) -> Suspect | None:
+        """Skip a backend an earlier caller's attempt was judged on (``BackendBusy``), or
+        return the mark this attempt passes as its one probe (None: not suspect)."""
+        name = attempt.backend.name
+        memory = self._memory
+        try:
+            if memory is not None:
+                mark = memory.suspect_check_now(name, _SUSPECT_LEASE)
+            else:
+                mark = await self.store.suspect_check(name, _SUSPECT_LEASE)
+        except Exception as exc:  # a store must never fail a request: not suspect
+            log_event("watchdog.suspect_store_failed", level=logging.WARNING, error=repr(exc))
+            return None
+        if mark is None or mark.probe:
+            if mark is not None:
+                log_event("watchdog.suspect_probe", backend=name, why=mark.why)
+            return mark
+        why = f"suspect: {mark.why} on an earlier request, tried again in {mark.retry_in:.0f}s"
+        raise BackendBusy(f"backend {name!r} is {why}", why=why)
+
+    def mark_suspect(self, route: str, backend: str, why: str) -> None:
+        """A verdict on ``backend`` (too slow, stalled, broke mid-stream): the callers after
+        skip it for ``suspect_for`` seconds (doubling while the verdicts repeat), then one
+        probes it. Written to the store now, in the background for a remote one."""
+        if self.suspect_for <= 0:
+            return
+        labelled(SUSPECT_MARKS, route, backend, why).inc()
+        log_event("watchdog.backend_suspect", route=route, backend=backend, why=why)
+        memory = self._memory
+        if memory is not None:
+            memory.suspect_mark_now(backend, why, self.suspect_for, _SUSPECT_MOST)
+            return
+        self._background(self.store.suspect_mark(backend, why, self.suspect_for, _SUSPECT_MOST))
+
+    def _passed(self, backend: str, watch: _Watch | None) -> None:
+        if watch is not None and watch.marked:
+            return  # judged again: the mark is set anew (and its probe slot with it)
+        healthy = watch is not None and watch.healthy
+        memory = self._memory
+        if memory is not None:
+            memory.suspect_end_now(backend, healthy=healthy)
+            return
+        self._background(self.store.suspect_end(backend, healthy=healthy))
+
+    def _background(self, call: Awaitable[Any]) -> None:
+        """A store call nobody waits for (RedisStore finishes it even if the request ends)."""
+
+        async def run() -> None:
+            try:
+                await call
+            except Exception as exc:
+                log_event("watchdog.suspect_store_failed", level=logging.WARNING, error=repr(exc))
+
+        task = asyncio.ensure_future(run())
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
 
     def _watch(
         self, req: TierRequest | None, attempt: Attempt | None, send: Send | None = None
@@ -377,9 +477,10 @@ class SaturationWatchdog:
             if backend.stall_after is not None:
                 stall = backend.stall_after  # type: ignore[assignment]  # seconds once built
             elif self.learned_gap is not None and not last:
-                # The backend's own rhythm where a later tier can take over; the last tier
-                # has nothing to move on to, and waits the ceiling (self.stall_after).
-                stall = self.learned_gap.window(backend.name, None)[0]
+                # The backend's own rhythm where a later tier can take over (until learned,
+                # its regime's cold default); the last tier has nothing to move on to, and
+                # waits the ceiling (self.stall_after).
+                stall = self.learned_gap.window_for(backend.name, backend.regime)[0]
             if not last and req is not None:
                 if req.deadline is not None:
                     # The time this attempt leaves for the later tiers.
@@ -408,6 +509,7 @@ class SaturationWatchdog:
         watch.watchdog = self
         watch.req = req
         watch.attempt = attempt
+        watch.marked = watch.healthy = False
         watch.last = last
         watch.learned = learned
         watch.window = window
@@ -504,8 +606,10 @@ class _Watch:
         "attempt",
         "cut",
         "fired",
+        "healthy",
         "last",
         "learned",
+        "marked",
         "observer",
         "own",
         "req",
@@ -521,6 +625,8 @@ class _Watch:
     attempt: Attempt | None
     last: bool
     learned: bool  # the window was learned (two saturations under it forget it)
+    marked: bool  # this attempt's verdict marked its backend suspect
+    healthy: bool  # it ended whole and taught the normals
     window: float
     stall: float
     reserve: float
@@ -570,6 +676,7 @@ class _Watch:
         ):
             return
         name = attempt.backend.name
+        self.healthy = True
         watchdog = self.watchdog
         body = req.body if req is not None else None
         learned = watchdog.learned
@@ -577,13 +684,38 @@ class _Watch:
             end = first_at if observer.framed or self.own else clock.now()
             learned.observe(name, body, end - self.start)
         rate = watchdog.prompt_rate
-        if rate is not None and observer.framed:  # a first token's own time
-            rate.observe(name, body, first_at - self.start)
+        if rate is not None:
+            if rate.calibrating(name):  # the bytes per token its answers report
+                rate.calibrate(name, body, read_usage(observer.wire, observer.tail_values())[0])
+            if observer.framed:  # a first token's own time
+                rate.observe(name, body, first_at - self.start)
         gaps = watchdog.learned_gap
         events = observer.data_events
         if gaps is not None and events > 2 and (observer.sse or observer.ndjson):
             last = observer.last_event_at or first_at
             gaps.observe(name, None, (last - first_at) / (events - 1))
+        if watchdog.normals is not None:
+            watchdog.normals.taught(name)
+
+    def suspect(self, why: str) -> None:
+        """This attempt's verdict: its backend is suspect for the callers after (once)."""
+        if self.attempt is None or self.marked:
+            return
+        self.marked = True
+        self.watchdog.mark_suspect(self.route, self.attempt.backend.name, why)
+
+    def broke(self, exc: BaseException | None) -> None:
+        """The attempt ended in an error we did not cut: a stream that had reached the
+        caller and broke (not the gateway's nor the caller's doing) makes it suspect."""
+        req = self.req
+        observer = self.observer
+        if req is None or not req.committed or observer.reached_end():
+            return
+        cause = req.attempt_error if req.attempt_error is not None else exc
+        if isinstance(cause, StreamError) or (
+            isinstance(cause, BackendUnavailable) and not cause.gateway_fault
+        ):
+            self.suspect("broke_mid_stream")
 
     def cancelled(self) -> None:
         """Someone else cancelled the attempt (the budget, the caller): was it a stall?
@@ -596,6 +728,11 @@ class _Watch:
         """
         req = self.req
         observer = self.observer
+        error = req.attempt_error if req is not None else None
+        if isinstance(error, BackendSaturated) and error.why == "hedge_lost":
+            # The hedge on the next tier answered first: no first chunk in that time.
+            self.suspect("hedge_lost")
+            return
         if (
             req is None
             or req.cancel_reason != "budget_exhausted"
@@ -614,6 +751,7 @@ class _Watch:
             f"backend {self.backend!r} sent no data event for {gap:.1f}s when the budget ended",
             reason="stalled",
         )
+        self.suspect("stalled")
 
     def send(self, message: Message) -> Awaitable[None]:
         """Alone: feed the watchdog's own observer and pass on whole events."""
@@ -921,6 +1059,7 @@ class _Watch:
     async def verdict(self, send: Send) -> None:
         """Our cancellation landed: say why, as an exception or (alone) an answer."""
         if self.fired == "stalled":
+            self.suspect("stalled")
             message = f"backend {self.backend!r} sent no data event for {self.stall:g}s"
             if self.own and self.attempt is None and self.observer.framed:
                 self.observer.drop_pending()
@@ -978,6 +1117,7 @@ class _Watch:
         learned = self.watchdog.learned
         if learned is not None and self.backend is not None and reason != "reserve":
             learned.saturated(self.backend, self.req.body if self.req else None, self.learned)
+        self.suspect(reason)
         what = "no first chunk" if self.observer.first_data_at is None else "no whole answer"
         message = f"backend {backend!r} produced {what} in {waited:.1f}s ({reason})"
         if self.attempt is not None:

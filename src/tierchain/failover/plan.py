@@ -279,6 +279,8 @@ def failed(req: TierRequest, attempt: Attempt, exc: BaseException, outcome: str)
     fault: Fault | None = None
     if isinstance(exc, BackendBusy):
         why = "max_in_flight" if exc.why == "max_in_flight" else "status"
+        if exc.why.startswith("suspect"):
+            why = "suspect"  # an earlier caller's verdict (the watchdog's mark)
         labelled(BACKEND_BUSY, attempt.route or "", backend, why).inc()
         if exc.in_flight is not None:
             fields["in_flight"] = exc.in_flight

@@ -1,0 +1,288 @@
+"""The first minute of an outage: cold defaults sized for it, learned normals in the store.
+
+A fresh gateway judges a backend it has not learned by its regime's cold default (a local
+tower that goes quiet mid-stream is cut within 10 s, not the 120 s ceiling), and what a
+gateway learned lives in the store, so a restarted gateway or a second replica sharing a
+real redis-server judges its first request as the warm one would. Upstreams are fakes
+speaking OpenAI's chat stream byte for byte (tests/test_continuation.py); time is virtual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierchain import MemoryStore, RedisStore, SaturationWatchdog
+from tierchain.config import from_env
+from tierchain.learned import (
+    BYTES_PER_TOKEN,
+    COLD,
+    COLD_OTHER,
+    LearnedGap,
+    PromptRate,
+    SharedNormals,
+    prompt_tokens,
+)
+from tierchain.stack import build_stack
+
+from .support import Exchange, FakeBackend, Script, now, on_virtual_time, serve
+from .test_continuation import FULL, finisher, read_with_sdk, tower
+
+
+async def _nothing(scope: Any, receive: Any, send: Any) -> None:
+    pass
+
+
+def routes_file(tmp_path: Path, tower_url: str, hosted_url: str) -> Path:
+    file = tmp_path / "routes.toml"
+    file.write_text(
+        f'[[routes.echo.backends]]\nname = "tower"\nurl = "{tower_url}"\nregime = "local"\n'
+        f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{hosted_url}"\nregime = "hosted"\n'
+    )
+    return file
+
+
+@contextlib.asynccontextmanager
+async def serve_gateway(
+    tmp_path: Path, first: Script, second: Script, env: dict[str, str] | None = None
+) -> AsyncIterator[tuple[str, FakeBackend, FakeBackend]]:
+    """``tierchain serve``'s defaults (build_stack from the variables) and a routes file."""
+    async with FakeBackend("tower", first) as t, FakeBackend("hosted", second) as h:
+        file = routes_file(tmp_path, t.url, h.url)
+        settings = from_env({"TIERCHAIN_ROUTES_FILE": str(file), **(env or {})})
+        async with serve(build_stack(None, settings, identity=False), lifespan="on") as url:
+            yield url, t, h
+
+
+def timed(script: Script, at: list[float]) -> Script:
+    async def wrapped(ex: Exchange) -> None:
+        at.append(now())
+        await script(ex)
+
+    return wrapped
+
+
+# -- cold is not patient -------------------------------------------------------------
+
+
+def test_each_regime_has_a_cold_default_sized_for_the_outage():
+    gaps = LearnedGap()
+    assert gaps.window_for("tower", "local") == (COLD["local"].stall, False) == (8.0, False)
+    assert gaps.window_for("api", "hosted") == (COLD_OTHER.stall, False) == (30.0, False)
+    assert gaps.window_for("api", None) == (30.0, False)
+    assert LearnedGap(maximum=5.0).window_for("tower", "local") == (5.0, False)  # the ceiling
+    rate = PromptRate()
+    assert rate.limit("tower", "local", b"x" * 2500) == (12.5, False)  # 625 tokens at 100/s x2
+    assert rate.limit("tower", "local", b"hi") == (COLD["local"].first_token, False)
+    assert rate.limit("api", "hosted", b"hi") == (COLD_OTHER.first_token, False)
+
+
+@on_virtual_time
+async def test_a_cold_gateway_finishes_a_stalled_local_stream_on_hosted_within_10s(tmp_path):
+    """A fresh `tierchain serve`: the tower sends 20 tokens, then goes quiet with its
+    connection open; hosted takes over within 10 s of the silence (not the 120 s ceiling)."""
+    started: list[float] = []
+    asked: list[float] = []
+    async with serve_gateway(
+        tmp_path,
+        timed(tower("chat", upto=20, then="stall"), started),
+        timed(finisher("chat"), asked),
+    ) as (url, _, _h):
+        assert await read_with_sdk("chat", url) == FULL
+    assert len(asked) == 1
+    assert COLD["local"].stall <= asked[0] - started[0] < 10.0
+
+
+# -- learned normals live in the store -------------------------------------------------
+
+
+async def teach(watchdog: SaturationWatchdog, gap: float, rate_s: float) -> None:
+    """What a few healthy streams at the tower teach (as learn() does after each)."""
+    assert watchdog.learned_gap is not None
+    assert watchdog.prompt_rate is not None
+    assert watchdog.normals is not None
+    for _ in range(watchdog.learned_gap.min_samples):
+        watchdog.learned_gap.observe("tower", None, gap)
+        watchdog.prompt_rate.observe("tower", b"x" * 4000, rate_s)
+        watchdog.normals.taught("tower")
+
+
+async def first_judgement(watchdog: SaturationWatchdog) -> tuple[float, bool, float]:
+    """How a watchdog judges its first attempt at the tower: the stall window, whether it
+    is learned, and the first-token limit of a 1000-token prompt."""
+    assert watchdog.normals is not None
+    assert watchdog.learned_gap is not None
+    loading = watchdog.normals.before("tower")
+    if loading is not None:
+        await loading
+    window, learned = watchdog.learned_gap.window_for("tower", "local")
+    assert watchdog.prompt_rate is not None
+    return window, learned, watchdog.prompt_rate.limit("tower", "local", b"x" * 4000)[0]
+
+
+@on_virtual_time
+async def test_a_second_watchdog_on_the_same_memory_store_judges_as_the_first():
+    store = MemoryStore()
+    warm = SaturationWatchdog(_nothing, store=store)
+    await teach(warm, gap=0.05, rate_s=1.0)
+    await warm.aclose()  # (or within a second: the write is batched)
+    fresh = SaturationWatchdog(_nothing, store=store)
+    window, learned, limit = await first_judgement(fresh)
+    assert learned
+    assert window == LearnedGap.floor
+    assert limit < COLD["local"].first_token  # 1000 tokens/s learned, not the 100 cold
+    assert await first_judgement(SaturationWatchdog(_nothing)) == (8.0, False, 20.0)
+    await fresh.aclose()
+
+
+@on_virtual_time
+async def test_learned_normals_are_written_within_a_second_without_a_close():
+    store = MemoryStore()
+    warm = SaturationWatchdog(_nothing, store=store)
+    await teach(warm, gap=0.05, rate_s=1.0)
+    assert await store.normals_get("tower") is None  # nothing per sample
+    await asyncio.sleep(1.5)
+    assert json.loads(await store.normals_get("tower") or "{}")["gap"]
+    await warm.aclose()
+
+
+async def test_a_restarted_gateway_and_a_second_replica_judge_from_redis(redis_server):
+    """Replica A learns and is stopped; A restarted and a second replica B, both on the
+    same real redis-server, judge their first attempt by what A learned."""
+    async with RedisStore(redis_server.url) as store_a:
+        a = SaturationWatchdog(_nothing, store=store_a)
+        await teach(a, gap=0.05, rate_s=1.0)
+        await a.aclose()
+    async with RedisStore(redis_server.url) as store_a2, RedisStore(redis_server.url) as store_b:
+        restarted = SaturationWatchdog(_nothing, store=store_a2)
+        replica = SaturationWatchdog(_nothing, store=store_b)
+        for watchdog in (restarted, replica):
+            window, learned, limit = await first_judgement(watchdog)
+            assert learned
+            assert window == LearnedGap.floor
+            assert limit < COLD["local"].first_token
+            await watchdog.aclose()
+    async with RedisStore(redis_server.url, prefix="other:") as elsewhere:
+        assert await first_judgement(SaturationWatchdog(_nothing, store=elsewhere)) == (
+            8.0,
+            False,
+            20.0,
+        )
+
+
+async def test_a_store_that_fails_leaves_the_normals_in_the_process(caplog):
+    class Broken:
+        async def normals_get(self, backend: str) -> str | None:
+            raise OSError("down")
+
+        async def normals_put(self, backend: str, value: str, ttl: float) -> None:
+            raise OSError("down")
+
+    gaps = LearnedGap()
+    shared = SharedNormals(Broken(), {"gap": gaps})
+    loading = shared.before("tower")
+    assert loading is not None
+    await loading
+    gaps.observe("tower", None, 0.05)
+    shared.taught("tower")
+    await shared.aclose()
+    assert gaps._normals["tower", "1k"].sketch.count == 1
+    assert "watchdog.normals_store_failed" in caplog.text
+
+
+# -- the prompt estimate is calibrated -------------------------------------------------
+
+
+def test_the_4_bytes_rule_lives_in_one_place():
+    assert BYTES_PER_TOKEN == 4.0
+    assert prompt_tokens(b"x" * 2500) == 625
+    source = (Path(__file__).parents[1] / "src/tierchain/learned.py").read_text()
+    assert source.count("/ 4") == 0
+    assert source.count("/4") == 0
+
+
+def test_a_body_of_5_7_bytes_a_token_waits_12_5s_once_its_usage_was_reported():
+    """The finding: a 621-token prompt sent as 3,540 bytes (JSON and English words) was
+    judged as 885 tokens, so its limit came at 17.7 s; once one answer reported its
+    usage, the same body waits what 621 tokens need at 100 a second, twice: 12.4 s."""
+    body = b"x" * 3540
+    rate = PromptRate()
+    assert rate.limit("tower", "local", body)[0] == pytest.approx(17.7)
+    rate.calibrate("tower", body, 621)
+    assert rate.tokens("tower", body) == pytest.approx(621)
+    assert rate.limit("tower", "local", body)[0] == pytest.approx(12.42)
+    assert rate.limit("other", "local", body)[0] == pytest.approx(17.7)  # per backend
+    rate.calibrate("tower", b"x" * 10, 40)  # too small to say anything
+    rate.calibrate("tower", b"x" * 100, 900)  # more tokens than bytes: a cache, not a ratio
+    assert rate.tokens("tower", body) == pytest.approx(621)
+
+
+def usage_stream(pieces: list[str], prompt_tokens: int) -> list[bytes]:
+    """An OpenAI chat stream asked with stream_options.include_usage: the last chunk
+    before [DONE] has empty choices and the usage (openai.com API reference)."""
+
+    def chunk(payload: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+    base = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    events = [
+        chunk({**base, "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]})
+        for p in pieces
+    ]
+    events.append(chunk({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 2, "total_tokens": 0}
+    events.append(chunk({**base, "choices": [], "usage": usage}))
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+@on_virtual_time
+async def test_the_bytes_per_token_are_learned_from_the_usage_an_answer_reports(tmp_path):
+    import httpx
+
+    async def tower_with_usage(ex: Exchange) -> None:
+        reported = round(len(ex.request.body) / 5.7)
+        await ex.head(200)
+        for event in usage_stream(["a", "b"], reported):
+            await ex.write(event)
+        await ex.end()
+
+    async def hosted(ex: Exchange) -> None:
+        raise AssertionError("not asked")
+
+    watchdogs: list[SaturationWatchdog] = []
+    real_init = SaturationWatchdog.__init__
+
+    def spy(self: SaturationWatchdog, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        watchdogs.append(self)
+
+    body = {
+        "model": "echo",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "count to three " * 40}],
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SaturationWatchdog, "__init__", spy)
+        async with (
+            serve_gateway(tmp_path, tower_with_usage, hosted) as (url, _, _h),
+            httpx.AsyncClient() as client,
+        ):
+            raw = json.dumps(body).encode()
+            got = await client.post(
+                url + "/v1/chat/completions",
+                content=raw,
+                headers={"content-type": "application/json"},
+            )
+            assert got.status_code == 200
+            rate = watchdogs[0].prompt_rate
+            assert rate is not None
+            size = len(raw)
+            assert rate.tokens("tower", b"x" * size) == pytest.approx(size / 5.7, rel=0.02)
