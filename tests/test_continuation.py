@@ -589,7 +589,11 @@ def test_an_anthropic_block_closed_at_the_break_is_followed_by_the_next_index():
     out = data_of(found.splice(b"".join(anthropic_stream([" world"]))))
     assert [e["type"] for e in out][:3] == ["content_block_start", "ping", "content_block_delta"]
     assert {e.get("index") for e in out if "index" in e} == {1}
-    assert out[-2]["tierchain"] == {"continued_from": "tower", "after_chars": 5}
+    assert out[-2]["tierchain"] == {
+        "continued_from": "tower",
+        "after_chars": 5,
+        "written_by": ["tower"],
+    }
 
 
 def test_a_responses_item_closed_at_the_break_is_followed_by_a_new_item_of_its_own_id():
@@ -632,7 +636,11 @@ def test_an_openai_chat_seam_drops_the_role_chunk_and_marks_the_usage():
     assert {(c["id"], c["model"], c["created"]) for c in chunks} == {
         ("chatcmpl-tower", "tower-model", 1700000000)
     }
-    assert chunks[-1]["tierchain"] == {"continued_from": "tower", "after_chars": 5}
+    assert chunks[-1]["tierchain"] == {
+        "continued_from": "tower",
+        "after_chars": 5,
+        "written_by": ["tower"],
+    }
     assert out.endswith(b"data: [DONE]\n\n")
 
 
@@ -841,9 +849,12 @@ async def test_the_attempt_spans_and_the_log_say_which_tier_finished_whose_answe
     assert hosted["tierchain.outcome"] == "ok"
     assert hosted["tierchain.continuation.from"] == "tower"
     assert hosted["tierchain.continuation.after_chars"] == len("".join(TOKENS[:40]))
+    assert hosted["tierchain.continuation.written_by"] == ("tower", "hosted")
     events = [r.getMessage().split()[0] for r in caplog.records if r.name == "tierchain"]
     assert "dispatch.continuing" in events
     assert "dispatch.continuation" in events
+    (done,) = [r for r in caplog.records if r.getMessage().startswith("dispatch.continuation ")]
+    assert 'written_by="tower,hosted"' in done.getMessage()
 
 
 @pytest.mark.parametrize("fmt", ["chat", "anthropic"])

@@ -48,12 +48,15 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from typing import Any
 
+from ._json import loads
+from .restart import Restart
 from .wire import ANTHROPIC, OLLAMA, OPENAI, RESPONSES
 
-__all__ = ["INSTRUCTION", "PREFILL_DEFAULTS", "Seam", "prefill_for", "seam"]
+__all__ = ["INSTRUCTION", "LIMIT_KEYS", "PREFILL_DEFAULTS", "Seam", "prefill_for", "seam"]
 
 INSTRUCTION = (
     "Your previous answer was cut off. Continue it exactly where it stopped: do not "
@@ -100,11 +103,26 @@ def _events(buf: bytes) -> list[tuple[str | None, bytes]]:
     return found
 
 
+LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+"""The request keys that bound the answer's tokens (and Ollama's ``options.num_predict``):
+a continuation asks for what the caller's limit leaves."""
+
+_BYTES_PER_TOKEN = 4  # (the usage estimate's rule, tierchain.usage)
+
+
 def _load(data: bytes) -> Any:
     try:
-        return json.loads(data)
-    except (UnicodeDecodeError, ValueError):
+        return loads(data)
+    except ValueError:  # (UnicodeDecodeError and TooDeep are ValueErrors)
         return None
+
+
+def _limit(value: Any) -> int | None:
+    """A token limit as a request gives it (a positive int), else None (none, or Ollama's
+    -1 and -2: no limit)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
 
 
 def _dump(obj: Any) -> bytes:
@@ -130,9 +148,21 @@ class Seam:
         self._held: list[tuple[str | None, Any]] = []
         self._held_text = ""
         self._checking = False
+        self._exact: int | None = None  # the exact repeat found at the seam, once judged
+        self._restart: Restart | None = None  # the word rules (tierchain.restart)
         self.sent_text = ""  # text the next tier added, as it reached the caller
         self.spliced = False  # something of the next tier's reached the caller
         self.ended = False  # its terminator passed
+        self.units = 0  # the events that carried the caller's text (about a token each)
+        self.left: int | None = None  # tokens the caller's limit leaves (None: no limit)
+        self.writers: list[str] = [origin]  # the backends that wrote the answer, in order
+
+    @property
+    def used(self) -> int:
+        """The tokens the caller has: its text's events (one a token on llama.cpp, Ollama,
+        vLLM), or its text's length at 4 characters a token when that is more (a server
+        that sends several tokens an event): never less than it has."""
+        return max(self.units, math.ceil(len(self.text) / _BYTES_PER_TOKEN))
 
     # -- the request --------------------------------------------------------------
 
@@ -153,11 +183,37 @@ class Seam:
         self._skip = [s for s in (text, tail) if s]
         self._tail = tail
         self._checking = bool(self._skip)
+        self._exact = None
+        self._restart = Restart(text, fresh=not prefill) if text else None
         self._held, self._held_text = [], ""
         self.sent_text = ""
         self.spliced = self.ended = False
         out = self._build(data, self._prefill, prefill)
-        return None if out is None else _dump(out)
+        if out is None:
+            return None
+        return _dump(self._limited(out))
+
+    def _limited(self, data: dict[str, Any]) -> dict[str, Any]:
+        """``data`` asking for what the caller's token limits leave (:attr:`left`)."""
+        used = self.used
+        left: int | None = None
+        changed: dict[str, Any] = {}
+        for key in LIMIT_KEYS:
+            limit = _limit(data.get(key))
+            if limit is not None:
+                changed[key] = limit - used
+        options = data.get("options")
+        if isinstance(options, dict):
+            limit = _limit(options.get("num_predict"))
+            if limit is not None:
+                changed["options"] = {**options, "num_predict": limit - used}
+        for key, value in changed.items():
+            got = value["num_predict"] if key == "options" else value
+            left = got if left is None else min(left, got)
+        self.left = None if left is None else max(0, left)
+        if not changed or self.left == 0:
+            return data
+        return {**data, **changed}
 
     def _build(self, data: dict[str, Any], partial: str, prefill: bool) -> dict[str, Any] | None:
         messages = data.get("messages")
@@ -191,8 +247,19 @@ class Seam:
     def finish(self) -> bytes:
         """Whatever is still held at the seam (the next tier ended while it was checked)."""
         out: list[bytes] = []
+        if self._checking:
+            self._decide(out, final=True)
         self._release(out)
         return b"".join(out)
+
+    def ending(self) -> bytes:
+        """The caller's stream ended as the backend would have ended it at the caller's
+        token limit (a continuation that would ask for nothing): the format's own last
+        events, marked."""
+        return b"".join(self._write(name, obj) for name, obj in self._ending())
+
+    def _ending(self) -> list[tuple[str | None, Any]]:
+        return []
 
     def _parse(self, events: bytes) -> list[tuple[str | None, Any]]:
         parsed: list[tuple[str | None, Any]] = []
@@ -209,21 +276,40 @@ class Seam:
             if self._neutral(name, obj):
                 self._held.append((name, obj))  # a ping: it waits with the text
                 return
-            self._release(out, self._tail_repeat())
+            self._decide(out, final=True)  # no more text before this event
             self._emit(name, obj, out)
             return
         self._held.append((name, obj))
         self._held_text += piece
+        self._decide(out, final=False)
+
+    def _decide(self, out: list[bytes], *, final: bool) -> None:
+        """Judge the text held at the seam; release it (what repeats the caller's cut) once
+        it is decided. First an exact repeat (an echo of the prefill, the whitespace it
+        left out), then the word rules (:class:`~tierchain.restart.Restart`)."""
         held = self._held_text
-        for skip in self._skip:
-            if held.startswith(skip):
-                # The repeat (and perhaps the first new text in the same delta): the
-                # repeat is cut, everything else goes on as it came.
-                self._release(out, len(skip))
-                return
-        if any(skip.startswith(held) for skip in self._skip):
-            return  # still as the start of a repeat: keep holding
-        self._release(out, self._tail_repeat())
+        fresh: bool | None = None
+        if self._exact is None:
+            for skip in self._skip:
+                if held.startswith(skip):
+                    # The repeat: cut. What follows it goes on from the caller's text.
+                    self._exact = len(skip)
+                    fresh = False
+                    break
+            else:
+                if not final and any(skip.startswith(held) for skip in self._skip):
+                    return  # still as the start of a repeat: keep holding
+                self._exact = self._tail_repeat()
+        exact = self._exact
+        restart = self._restart
+        if restart is None or fresh is False:
+            self._release(out, exact)
+            return
+        judged = restart.judge(held[exact:], final=final)
+        if judged is None:
+            return  # it may still be a restart: keep holding
+        cut, insert = judged
+        self._release(out, exact + cut, insert)
 
     def _tail_repeat(self) -> int:
         """How much of the held text repeats the start of the whitespace the prefill left
@@ -234,17 +320,18 @@ class Seam:
             n += 1
         return n
 
-    def _release(self, out: list[bytes], cut: int = 0) -> None:
-        """Send what was held at the seam, its first ``cut`` characters of text left out."""
+    def _release(self, out: list[bytes], cut: int = 0, insert: str = "") -> None:
+        """Send what was held at the seam, its first ``cut`` characters of text left out
+        and ``insert`` put before the rest."""
         held, self._held, self._held_text, self._checking = self._held, [], "", False
         for name, obj in held:
             piece = self._delta(name, obj)
-            if cut and piece is not None:
+            if piece is not None and (cut or insert):
                 if len(piece) <= cut:
                     cut -= len(piece)
                     continue  # all of it a repeat
-                obj = self._with_delta(name, obj, piece[cut:])
-                cut = 0
+                obj = self._with_delta(name, obj, insert + piece[cut:])
+                cut, insert = 0, ""
             self._emit(name, obj, out)
 
     def _neutral(self, name: str | None, obj: Any) -> bool:
@@ -282,7 +369,11 @@ class Seam:
         return b"event: " + name.encode() + b"\ndata: " + data + b"\n\n"
 
     def _mark(self) -> dict[str, Any]:
-        return {"continued_from": self.origin, "after_chars": len(self.text)}
+        return {
+            "continued_from": self.origin,
+            "after_chars": len(self.text),
+            "written_by": list(self.writers),
+        }
 
     def _refuse(self, why: str) -> None:
         self.ok = False
@@ -321,6 +412,19 @@ class _Chat(Seam):
                 if isinstance(content, str):
                     text.append(content)
         self.text = "".join(text)
+        self.units = sum(1 for piece in text if piece)
+
+    def _ending(self) -> list[tuple[str | None, Any]]:
+        # (In the order OpenAI writes a chunk's fields.)
+        chunk = {"id": self.envelope.get("id", ""), "object": "chat.completion.chunk"}
+        for key in ("created", "model", "system_fingerprint"):
+            if key in self.envelope:
+                chunk[key] = self.envelope[key]
+        chunk |= {
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+            "tierchain": self._mark(),
+        }
+        return [(None, chunk), (None, b"[DONE]")]
 
     def _map(self, name: str | None, obj: Any) -> list[tuple[str | None, Any]]:
         if not isinstance(obj, dict) or "error" in obj:
@@ -345,7 +449,9 @@ class _Chat(Seam):
             if not kept and not obj.get("usage"):
                 return []
             obj["choices"] = kept
-        if obj.get("usage"):
+        if obj.get("usage") or any(c.get("finish_reason") is not None for c in choices or ()):
+            # The answer's last chunk (its finish, and its usage when asked for) says who
+            # wrote it: a field the SDKs keep as an extra, never an error.
             obj["tierchain"] = self._mark()
         return [(name, obj)]
 
@@ -396,8 +502,24 @@ class _Anthropic(Seam):
             elif kind == "content_block_stop":
                 self.open = False
         self.text = "".join(text)
+        self.units = sum(1 for piece in text if piece)
         self._offset = 0
         self._first_block = True
+
+    def _ending(self) -> list[tuple[str | None, Any]]:
+        events: list[tuple[str | None, Any]] = []
+        if self.open:
+            stop = {"type": "content_block_stop", "index": self.last_index}
+            events.append(("content_block_stop", stop))
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+            "usage": {"output_tokens": self.used},
+            "tierchain": self._mark(),
+        }
+        events.append(("message_delta", delta))
+        events.append(("message_stop", {"type": "message_stop"}))
+        return events
 
     def _map(self, name: str | None, obj: Any) -> list[tuple[str | None, Any]]:
         if not isinstance(obj, dict):
@@ -434,7 +556,7 @@ class _Anthropic(Seam):
             return [(name, {**obj, "index": index + self._offset})]
         if kind in ("content_block_delta", "content_block_stop") and "index" in obj:
             return [(name, {**obj, "index": int(obj["index"]) + self._offset})]
-        if kind == "message_delta" and obj.get("usage"):
+        if kind == "message_delta":
             return [(name, {**obj, "tierchain": self._mark()})]
         return [(name, obj)]
 
@@ -504,6 +626,7 @@ class _Responses(Seam):
             elif kind.startswith("response.function_call") or kind.startswith("response.reasoning"):
                 self._refuse(kind)
         self.text = "".join(text)
+        self.units = sum(1 for piece in text if piece)
         self._item_map: dict[str, str] = {}
         self._index_map: dict[int, int] = {}
         self._part_map: dict[int, int] = {}
@@ -523,6 +646,44 @@ class _Responses(Seam):
     def _next_seq(self) -> int:
         self.seq += 1
         return self.seq
+
+    def _ending(self) -> list[tuple[str | None, Any]]:
+        # As a Responses stream ends at max_output_tokens: the open part and item done,
+        # the item and the response ``incomplete``.
+        events: list[tuple[str | None, Any]] = []
+        item = self.open_item
+        if item is not None:
+            content = [dict(part) for part in item.get("content") or ()]
+            if self.part_index is not None:
+                at = {
+                    "item_id": item.get("id"),
+                    "output_index": self._open_index,
+                    "content_index": self.part_index,
+                }
+                text = self.part_text
+                part = {"type": "output_text", "text": text, "annotations": []}
+                kind = "response.output_text.done"
+                done: dict[str, Any] = {"type": kind, **at, "text": text, "logprobs": []}
+                events.append((kind, {**done, "sequence_number": self._next_seq()}))
+                kind = "response.content_part.done"
+                done = {"type": kind, **at, "part": part}
+                events.append((kind, {**done, "sequence_number": self._next_seq()}))
+                content.insert(self.part_index, part)
+            item = {**item, "status": "incomplete", "content": content}
+            self.items[self._open_index] = item
+            kind = "response.output_item.done"
+            done = {"type": kind, "output_index": self._open_index, "item": item}
+            events.append((kind, {**done, "sequence_number": self._next_seq()}))
+        response = {
+            **self.response,
+            "status": "incomplete",
+            "incomplete_details": {"reason": "max_output_tokens"},
+            "output": [self.items[i] for i in sorted(self.items)],
+        }
+        kind = "response.incomplete"
+        last = {"type": kind, "response": response, "sequence_number": self._next_seq()}
+        events.append((kind, {**last, "tierchain": self._mark()}))
+        return events
 
     def _map(self, name: str | None, obj: Any) -> list[tuple[str | None, Any]]:
         if not isinstance(obj, dict):
@@ -627,8 +788,7 @@ class _Responses(Seam):
                     if key in self.response:
                         fixed[key] = self.response[key]
                 fixed["output"] = [self.items[i] for i in sorted(self.items)]
-                if fixed.get("usage"):
-                    obj["tierchain"] = self._mark()
+                obj["tierchain"] = self._mark()
                 obj["response"] = fixed
         return obj
 
@@ -659,6 +819,7 @@ class _Ollama(Seam):
     def __init__(self, origin: str, lines: bytes) -> None:
         super().__init__(origin)
         self.envelope: dict[str, Any] = {}
+        self.created_at = ""
         text: list[str] = []
         for line in lines.splitlines():
             obj = _load(line) if line.strip() else None
@@ -674,7 +835,21 @@ class _Ollama(Seam):
                 self._refuse("tool_calls")
             if isinstance(message.get("content"), str):
                 text.append(message["content"])
+            if isinstance(obj.get("created_at"), str):
+                self.created_at = obj["created_at"]
         self.text = "".join(text)
+        self.units = sum(1 for piece in text if piece)
+
+    def _ending(self) -> list[tuple[str | None, Any]]:
+        last = {
+            **self.envelope,
+            "created_at": self.created_at,
+            "message": {"role": "assistant", "content": ""},
+            "done_reason": "length",
+            "done": True,
+            "tierchain": self._mark(),
+        }
+        return [(None, last)]
 
     def _parse(self, events: bytes) -> list[tuple[str | None, Any]]:
         return [(None, _load(line)) for line in events.splitlines() if line.strip()]

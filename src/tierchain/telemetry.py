@@ -57,6 +57,7 @@ ATTR_ATTEMPT_OF = "tierchain.attempt.of"
 ATTR_OUTCOME = "tierchain.outcome"
 ATTR_CONTINUES = "tierchain.continuation.from"
 ATTR_AFTER_CHARS = "tierchain.continuation.after_chars"
+ATTR_WRITTEN_BY = "tierchain.continuation.written_by"
 ATTR_HEDGE_WITH = "tierchain.hedge.with"
 ATTR_HEDGE_FOR = "tierchain.hedge.for"
 

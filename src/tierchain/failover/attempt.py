@@ -81,7 +81,7 @@ class Owner(Protocol):
         ndjson: bool,
         sent: list[bytes],
         error: bytes,
-    ) -> bool: ...
+    ) -> bytes | None: ...
 
 
 class Responder:
@@ -530,11 +530,14 @@ class Responder:
             await self._failover.admission.leave(lease)
         kept, self.kept = self.kept, None
         observer = self.observer
-        if kept is not None and self._failover._continue(
-            self.req, attempt, observer.wire, observer.ndjson, kept, error
-        ):
-            self._guard.done = False  # the stream goes on: the caller is watched again
-            return True
+        if kept is not None:
+            shown = self._failover._continue(
+                self.req, attempt, observer.wire, observer.ndjson, kept, error
+            )
+            if shown is None:
+                self._guard.done = False  # the stream goes on: the caller is watched again
+                return True
+            error = shown  # the break, or the answer's end at the caller's token limit
         await self._to_caller({"type": "http.response.body", "body": error, "more_body": False})
         return False
 

@@ -34,6 +34,7 @@ from ..request import (
 from ..telemetry import (
     ATTR_AFTER_CHARS,
     ATTR_CONTINUES,
+    ATTR_WRITTEN_BY,
     CONTINUATIONS,
     labelled,
     log_event,
@@ -56,15 +57,20 @@ def continue_stream(
     ndjson: bool,
     sent: list[bytes],
     error: bytes,
-) -> bool:
+) -> bytes | None:
     """After a committed stream broke: set up its continuation on the next tier
-    (True), or say it cannot be (False: the caller gets ``error``).
+    (None), or say what the caller gets instead: ``error``, or the answer's own end when
+    the caller's token limit leaves nothing to ask for.
 
     Parses the events the caller has (``sent``) once, here, off the healthy path."""
     route = req.route or ""
     previous = req.continuation
     done = previous.done if previous is not None else 0
     origin = previous.origin if previous is not None else attempt.backend.name
+    if previous is None:
+        writers = [origin]
+    else:  # the tier that broke in its turn wrote some of the answer, or none
+        writers = [*previous.writers, *([attempt.backend.name] if previous.seam.spliced else [])]
     if (
         done >= continuable.get(route, 0)
         or attempt.n >= len(req.chain)
@@ -72,7 +78,7 @@ def continue_stream(
         or req.body is None
     ):
         req.continuation = None
-        return False
+        return error
     target = req.chain[attempt.n]
     to = target.pool or target.name  # (a pool's replica is picked when it starts)
     left = req.remaining()
@@ -92,24 +98,33 @@ def continue_stream(
     except Exception as exc:  # events of a shape no format rule expects
         found = Seam(origin)
         found.ok, found.why = False, f"unparsed: {exc!r}"
+    found.writers = writers
     if not why and not found.ok:
         why = "tool_calls" if found.why in _TOOLS else "unsupported"
     if not why and found.request(body, prefill=False) is None:
         why = "unsupported"  # not a JSON body with messages
+    if not why and found.left == 0:
+        # The caller's token limit is reached: the answer ends as the backend would have
+        # ended it there, in its own format, never with the break's error.
+        why = "length"
+        error = found.ending()
     if why:
         req.continuation = None
         labelled(CONTINUATIONS, route, origin, to, why).inc()
         log_event(
             "dispatch.continuation",
-            level=30,
+            level=20 if why == "length" else 30,
             route=route,
             outcome=why,
             detail=found.why or None,
             origin=origin,
             backend=to,
+            written_by=",".join(writers) if why == "length" else None,
         )
-        return False
-    req.continuation = Continuation(found, error, done + 1, origin, sent, body, wire, ndjson)
+        return error
+    req.continuation = Continuation(
+        found, error, done + 1, origin, sent, body, wire, ndjson, writers
+    )
     req.emit("continuing", **{"from": origin}, backend=to, after_chars=len(found.text))
     log_event(
         "dispatch.continuing",
@@ -118,7 +133,7 @@ def continue_stream(
         origin=origin,
         backend=to,
     )
-    return True
+    return None
 
 
 def continuing(
@@ -135,6 +150,7 @@ def continuing(
     assert cont is not None
     backend = attempt.backend
     wire = backend.wire_format or req.wire
+    cont.seam.writers = [*cont.writers, backend.name]
     req.body = cont.seam.request(cont.body, prefill=prefill_for(wire, backend.prefill))
     span = attempt_span(attempt)
     if span is not INVALID_SPAN:
@@ -146,7 +162,7 @@ def continuing(
 class Continuation:
     """A broken stream being finished on a later tier (``TierRequest.continuation``)."""
 
-    __slots__ = ("body", "done", "error", "ndjson", "origin", "seam", "sent", "wire")
+    __slots__ = ("body", "done", "error", "ndjson", "origin", "seam", "sent", "wire", "writers")
 
     def __init__(
         self,
@@ -158,6 +174,7 @@ class Continuation:
         body: bytes,
         wire: str | None,
         ndjson: bool,
+        writers: list[str],
     ) -> None:
         self.seam = seam
         self.error = error  # the original break, in the caller's format
@@ -167,6 +184,7 @@ class Continuation:
         self.body = body  # the caller's own request
         self.wire = wire
         self.ndjson = ndjson
+        self.writers = writers  # the backends whose text the caller has, in order
 
 
 class Continuing(Responder):
@@ -290,6 +308,9 @@ class Continuing(Responder):
             req.continuation = None
             record(req, attempt, "ok")
             labelled(CONTINUATIONS, route, cont.origin, target, "ok").inc()
+            written_by = cont.seam.writers
+            if self.span is not INVALID_SPAN:
+                self.span.set_attribute(ATTR_WRITTEN_BY, written_by)
             log_event(
                 "dispatch.continuation",
                 route=route,
@@ -298,6 +319,7 @@ class Continuing(Responder):
                 added_chars=len(cont.seam.sent_text),
                 origin=cont.origin,
                 backend=target,
+                written_by=",".join(written_by),
             )
             return True
         outcome = self.outcome = error.reason if isinstance(error, AttemptError) else "error"
@@ -327,8 +349,10 @@ class Continuing(Responder):
                 f"backend {target!r} failed mid-stream ({outcome})", "upstream_error", outcome
             )
             shown = own if own is not None else shown
-        if failover._continue(req, attempt, cont.wire, cont.ndjson, cont.sent, shown):
+        then = failover._continue(req, attempt, cont.wire, cont.ndjson, cont.sent, shown)
+        if then is None:
             return False  # one more continuation, on the tier after this one
+        shown = then
         self._guard.done = True
         await self._to_caller({"type": "http.response.body", "body": shown, "more_body": False})
         return True

@@ -514,9 +514,9 @@ class Failover:
         ndjson: bool,
         sent: list[bytes],
         error: bytes,
-    ) -> bool:
+    ) -> bytes | None:
         """After a committed stream broke: its continuation set up on the next tier
-        (True), or not (False: the caller gets ``error``). See :func:`continue_stream`."""
+        (None), or what the caller gets instead. See :func:`continue_stream`."""
         return continue_stream(self.continuable, req, attempt, wire, ndjson, sent, error)
 
     def _record(
