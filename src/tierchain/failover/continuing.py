@@ -46,7 +46,11 @@ from .plan import named, record
 __all__ = ["Continuation", "Continuing", "continue_stream", "continuing"]
 
 _CONTINUE_MIN_LEFT = 1.0  # budget seconds below which a broken stream is not continued
-_TOOLS = frozenset({"tool_calls", "tool_use", "function_call", "server_tool_use"})
+# The seam's refusals that are no block in flight: a format, path or body with no
+# continuation. Every other refusal names a block, delta or item that is not text (a tool
+# call, an Anthropic ``thinking`` block and its ``thinking_delta``, a Responses item other
+# than a message and its events): a tool call or other non-text block in flight.
+_NO_SEAM = frozenset({"choices", "not_chat", "format"})
 
 
 def continue_stream(
@@ -100,7 +104,8 @@ def continue_stream(
         found.ok, found.why = False, f"unparsed: {exc!r}"
     found.writers = writers
     if not why and not found.ok:
-        why = "tool_calls" if found.why in _TOOLS else "unsupported"
+        unsupported = found.why in _NO_SEAM or found.why.startswith("unparsed")
+        why = "unsupported" if unsupported else "tool_calls"
     if not why and found.request(body, prefill=False) is None:
         why = "unsupported"  # not a JSON body with messages
     if not why and found.left == 0:
