@@ -505,14 +505,10 @@ def _layers(app: Any) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("extra", "limited"),
-    [
-        ("", False),
-        ("rpm = 5\n", True),
-        ('\n[[backend_budgets]]\nbackend = "tower"\ntokens = 9\n', True),
-    ],
+    "extra",
+    ["", "rpm = 5\n", '\n[[backend_budgets]]\nbackend = "tower"\ntokens = 9\n'],
 )
-def test_serve_adds_the_limits_only_when_a_key_or_backend_has_one(tmp_path, extra, limited):
+def test_serve_counts_every_key_behind_the_keys_limited_or_not(tmp_path, extra):
     from tierchain.config import from_env
     from tierchain.stack import build_stack
 
@@ -522,7 +518,17 @@ def test_serve_adds_the_limits_only_when_a_key_or_backend_has_one(tmp_path, extr
     keys.write_text(f'[[keys]]\nname = "a"\nkey = "{KEY_A}"\n{extra}')
     env = {"TIERCHAIN_ROUTES_FILE": str(routes), "TIERCHAIN_API_KEYS_FILE": str(keys)}
     layers = _layers(build_stack(None, from_env(env), identity=False))
-    assert ("KeyLimits" in layers) is limited
-    if limited:  # right behind the keys
-        assert layers[layers.index("CallerKeys") + 1] == "KeyLimits"
+    assert layers[layers.index("CallerKeys") + 1] == "KeyLimits"  # right behind the keys
     assert ("BackendBudgets" in layers) is ("backend_budgets" in extra)
+
+
+def test_serve_without_keys_has_no_limits_layer(tmp_path):
+    from tierchain.config import from_env
+    from tierchain.stack import build_stack
+
+    routes = tmp_path / "routes.toml"
+    routes.write_text('[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:9"\n')
+    layers = _layers(
+        build_stack(None, from_env({"TIERCHAIN_ROUTES_FILE": str(routes)}), identity=False)
+    )
+    assert "KeyLimits" not in layers

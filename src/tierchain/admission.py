@@ -75,21 +75,33 @@ class Admission:
         if limit is None:
             return None
         name = backend.name
-        token = self._prefix + str(next(self._ids))
-        try:
-            taken, live = await self.store.lease_acquire(name, token, limit, self.lease, force=last)
-        except Exception as exc:  # a store must never fail a request
-            self._store_failed(exc)
-            return None
-        if not taken:
+        lease, live = await self.take(name, limit, force=last)
+        if lease is None and live:
             raise BackendBusy(
                 f"backend {name!r} has {live} attempts in flight (max_in_flight={limit})",
                 in_flight=live,
             )
+        if lease is not None:
+            labelled(BACKEND_IN_FLIGHT, name).inc()
+        return lease
+
+    async def take(self, name: str, limit: int, *, force: bool = False) -> tuple[Lease | None, int]:
+        """A lease on ``name`` when fewer than ``limit`` are live (always, with ``force``):
+        (the lease, the live count), or (None, the live count) when full. A store that
+        fails gives (None, 0): nothing is refused for it."""
+        token = self._prefix + str(next(self._ids))
+        try:
+            taken, live = await self.store.lease_acquire(
+                name, token, limit, self.lease, force=force
+            )
+        except Exception as exc:  # a store must never fail a request
+            self._store_failed(exc)
+            return None, 0
+        if not taken:
+            return None, max(1, live)
         self._live.setdefault(name, set()).add(token)
-        labelled(BACKEND_IN_FLIGHT, name).inc()
         self._ensure_renewer()
-        return Lease(name, token, live)
+        return Lease(name, token, live), live
 
     async def leave(self, lease: Lease | None) -> None:
         """Give ``lease`` back (None: nothing to give)."""
@@ -103,7 +115,8 @@ class Admission:
         if not self._live and self._renewer is not None:
             self._renewer.cancel()  # nothing left to renew; the next lease starts another
             self._renewer = None
-        labelled(BACKEND_IN_FLIGHT, lease.backend).dec()
+        if "\t" not in lease.backend:  # (a caller key's lease is no backend's)
+            labelled(BACKEND_IN_FLIGHT, lease.backend).dec()
         try:
             await self.store.lease_release(lease.backend, lease.token)
         except Exception as exc:  # it runs out by itself

@@ -10,6 +10,7 @@ given. Each replica of a pool knows its pool (``Backend.pool``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -70,6 +71,10 @@ class Backend:
     retries: int | None = None
     prefill: bool | None = None
     hedge: bool | None = None
+    price_input: float | None = None
+    """What a million input tokens cost here (None: not priced; 0: free, as a local tier)."""
+    price_output: float | None = None
+    """What a million output tokens cost here (None: not priced)."""
     pool: str | None = field(default=None, init=False, compare=False)
 
     def __repr__(self) -> str:
@@ -130,6 +135,25 @@ class Backend:
         object.__setattr__(self, "stall_after", stall)
         again = count(f"{who} retries", self.retries, minimum=0, allow_none=True)
         object.__setattr__(self, "retries", again)
+        for side in ("price_input", "price_output"):
+            object.__setattr__(self, side, _price(f"{who} {side}", getattr(self, side)))
+
+
+def _price(what: str, value: object) -> float | None:
+    """A price per million tokens: a finite number >= 0, or None."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+        or value > 1e6
+    ):
+        raise ValueError(
+            f"{what} must be a price per million tokens: a number from 0 to 1000000, got {value!r}"
+        )
+    return float(value)
 
 
 @dataclass(frozen=True, slots=True)

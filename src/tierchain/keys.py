@@ -23,9 +23,10 @@ Per key:
   itself.
 
 Per key, limits (enforced by :class:`tierchain.limits.KeyLimits`, which
-``tierchain serve`` puts right behind this layer when any key has one):
+``tierchain serve`` puts right behind this layer, to count every key's usage):
 ``rpm`` and ``tpm`` (requests and tokens per minute), ``budget_tokens`` per
-``budget_period``. The matched key is left in the scope under
+``budget_period``, ``max_parallel`` requests in flight, and ``default_max_tokens``
+(the output a request that names none reserves). The matched key is left in the scope under
 :data:`CALLER_KEY` for the layers behind (None for a request let through on an
 open path).
 
@@ -78,7 +79,7 @@ _KEY = re.compile(r"[\x21-\x7e]{16,512}")
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _CARRIERS = (b"authorization", b"x-api-key", b"api-key")
 _CHALLENGE = [(b"www-authenticate", b'Bearer realm="tierchain"')]
-_LIMITS = ("rpm", "tpm", "budget_tokens", "budget_period")
+_LIMITS = ("rpm", "tpm", "budget_tokens", "budget_period", "max_parallel", "default_max_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,11 +100,22 @@ class CallerKey:
     """Tokens per ``budget_period``; None: no budget."""
     budget_period: float = 86400.0
     """The budget's sliding period in seconds (default a day)."""
+    max_parallel: int | None = None
+    """Requests of this key in flight at once, across replicas (LiteLLM's
+    ``max_parallel_requests``); None: no limit."""
+    default_max_tokens: int | None = None
+    """The output tokens reserved for a request that names no ``max_tokens`` (None:
+    KeyLimits' ``default_max_tokens``)."""
 
     @property
     def limited(self) -> bool:
-        """True when the key has a rate limit or a budget."""
-        return self.rpm is not None or self.tpm is not None or self.budget_tokens is not None
+        """True when the key has a rate limit, a budget or a cap on requests in flight."""
+        return (
+            self.rpm is not None
+            or self.tpm is not None
+            or self.budget_tokens is not None
+            or self.max_parallel is not None
+        )
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -115,7 +127,7 @@ class CallerKey:
             )
         if self.backend is not None and not _NAME.fullmatch(self.backend):
             raise ValueError(f"key {self.name!r}: backend must be a backend name")
-        for limit in ("rpm", "tpm", "budget_tokens"):
+        for limit in ("rpm", "tpm", "budget_tokens", "max_parallel", "default_max_tokens"):
             count(f"key {self.name!r}: {limit}", getattr(self, limit), allow_none=True)
         period = duration(f"key {self.name!r}: budget_period", self.budget_period, at_least=60.0)
         object.__setattr__(self, "budget_period", period)  # a timedelta, as seconds
@@ -135,7 +147,8 @@ def key_list(raw: str) -> tuple[CallerKey, ...]:
 def load_keys_file(path: str, environ: Mapping[str, str] | None = None) -> tuple[CallerKey, ...]:
     """A TOML file of ``[[keys]]`` tables: ``name``, ``key`` or ``key_env``, ``prefer``,
     ``backend``, ``priority``, ``rpm``, ``tpm``, ``budget_tokens``, ``budget_period`` (a
-    duration such as ``"1d"``). ``key_env`` names the variable that holds the key."""
+    duration such as ``"1d"``), ``max_parallel``, ``default_max_tokens``. ``key_env`` names
+    the variable that holds the key."""
     env = os.environ if environ is None else environ
     with open(path, "rb") as f:
         data = tomllib.load(f)

@@ -43,26 +43,42 @@ counts. A key appears everywhere by its ``name``, never the key itself.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-import tomllib
-from collections.abc import Awaitable, Iterable, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
-from ._checks import count, duration, parse_duration
+from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse
+from ._checks import count
 from ._head import refuse_request
+from ._runtime import clock
+from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
-from .errors import BackendBusy
+from .accounts import (
+    ANONYMOUS,
+    COST_SUFFIX,
+    KINDS,
+    MINUTE,
+    key_checks,
+    period_text,
+    total_field,
+    usage_report,
+    window_name,
+)
+from .admission import Admission, Lease
+from .budgets import BackendBudget, BackendBudgets, load_budgets
 from .keys import CALLER_KEY, CallerKey
 from .request import SCOPE_KEY, TierRequest
 from .sse import data_values
-from .store import MemoryStore, WindowCheck
-from .telemetry import TOKENS, labelled, log_event
-from .usage import body_units, estimate, read_usage
-from .wire import OLLAMA
+from .store import USAGE_BOUND, MemoryStore, WindowCheck, WindowHold
+from .telemetry import COST, TOKENS, labelled, log_event, observe_usage
+from .usage import DEFAULT_MAX_TOKENS, body_units, bounded, estimate, read_usage, reservation
+from .wire import NDJSON, OLLAMA, SSE, error_bytes, error_format
 
 __all__ = [
+    "ANONYMOUS",
     "KINDS",
     "BackendBudget",
     "BackendBudgets",
@@ -71,96 +87,143 @@ __all__ = [
     "usage_report",
 ]
 
-KINDS = (
-    "input",
-    "output",
-    "input_estimated",
-    "output_estimated",
-    "failed_input",
-    "failed_output",
-)
-"""The token kinds: as the answering backend reported them, estimated where it did not,
-and those of an attempt that failed after it began answering."""
-
-MINUTE = 60.0
 _HOLD_WHOLE = 16 * 2**20  # a whole answer's bytes kept (by reference) to read its usage
 _HEAD = 2  # body chunks kept from the start (Anthropic's message_start)
 _TAIL = 4  # body chunks kept from the end (the usage events)
-_SEP = "\t"
 _NOT_BILLED = frozenset({"skipped", "busy"})  # never reached the backend
-
-
-@dataclass(frozen=True, slots=True)
-class BackendBudget:
-    """At most ``tokens`` tokens per ``period`` seconds (sliding) at ``backend``, all keys."""
-
-    backend: str
-    tokens: int
-    period: float = 86400.0
-
-    def __post_init__(self) -> None:
-        count(f"backend budget {self.backend!r}: tokens", self.tokens)
-        period = duration(f"backend budget {self.backend!r}: period", self.period, at_least=60.0)
-        object.__setattr__(self, "period", period)
-
-
-def load_budgets(path: str) -> tuple[BackendBudget, ...]:
-    """The keys file's ``[[backend_budgets]]`` tables: ``backend``, ``tokens``, ``period``."""
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
-    tables = data.get("backend_budgets", [])
-    if not isinstance(tables, list):
-        raise ValueError(f"{path}: backend_budgets must be [[backend_budgets]] tables")
-    budgets = []
-    for n, table in enumerate(tables, 1):
-        if not isinstance(table, dict) or not isinstance(table.get("backend"), str):
-            raise ValueError(f'{path}: [[backend_budgets]] entry {n} needs backend = "<name>"')
-        unknown = set(table) - {"backend", "tokens", "period"}
-        if unknown:
-            raise ValueError(
-                f"{path}: [[backend_budgets]] entry {n} has unknown fields {sorted(unknown)}"
-            )
-        period = table.get("period", 86400.0)
-        try:
-            if isinstance(period, str):
-                period = parse_duration(period)
-            budgets.append(BackendBudget(table["backend"], table.get("tokens", 0), period))
-        except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from None
-    return tuple(budgets)
-
-
-def _window(kind: str, name: str) -> str:
-    return f"{kind}{_SEP}{name}"
-
-
-def _checks(key: CallerKey) -> list[tuple[WindowCheck, str]]:
-    checks = []
-    if key.rpm is not None:
-        checks.append((WindowCheck(_window("rpm", key.name), MINUTE, key.rpm, 1), "rpm"))
-    if key.tpm is not None:
-        checks.append((WindowCheck(_window("tpm", key.name), MINUTE, key.tpm), "tpm"))
-    if key.budget_tokens is not None:
-        window = _window("budget", key.name)
-        checks.append((WindowCheck(window, key.budget_period, key.budget_tokens), "budget"))
-    return checks
 
 
 _REFUSALS = {
     "rpm": ("rpm_exceeded", "{n} requests per minute"),
     "tpm": ("tpm_exceeded", "{n} tokens per minute"),
     "budget": ("budget_exceeded", "its budget of {n} tokens per {period}"),
+    "parallel": ("parallel_exceeded", "{n} requests in flight (max_parallel)"),
 }
 
 
+def _reset_text(seconds: float) -> str:
+    """A reset time as OpenAI writes it: ``12ms``, ``1s``, ``6m0s``, ``1h2m3s``."""
+    if seconds < 1:
+        return f"{max(1, round(seconds * 1000))}ms"
+    whole = math.ceil(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+_RATE_HEADERS = {"rpm": b"requests", "tpm": b"tokens"}
+
+
+def _rate_headers(
+    checks: list[tuple[WindowCheck, str]], hold: WindowHold | None
+) -> list[tuple[bytes, bytes]]:
+    """The ``x-ratelimit-*`` headers for the key's rpm and tpm (LiteLLM's and OpenAI's names)."""
+    if hold is None or len(hold.used) != len(checks):
+        return []
+    out = []
+    for (check, which), used, reset in zip(checks, hold.used, hold.reset, strict=True):
+        unit = _RATE_HEADERS.get(which)
+        if unit is not None:
+            out.append((b"x-ratelimit-limit-" + unit, str(check.limit).encode()))
+            left = max(0, check.limit - used)
+            out.append((b"x-ratelimit-remaining-" + unit, str(left).encode()))
+            out.append((b"x-ratelimit-reset-" + unit, _reset_text(reset).encode()))
+    return out
+
+
+class _Held:
+    """One request's reservation in its key's token windows, grown while its stream runs
+    past it, released when it ends (:meth:`KeyLimits._account`)."""
+
+    __slots__ = ("crossed", "cut", "held", "holds", "scope", "spent", "step", "store", "windows")
+
+    def __init__(
+        self,
+        scope: Scope,
+        store: Any,
+        checks: list[tuple[WindowCheck, str]],
+        prompt: int,
+        total: int,
+    ) -> None:
+        self.scope = scope
+        self.store = store
+        self.windows = [(c, which) for c, which in checks if which != "rpm"]
+        self.holds: list[tuple[float, int]] = []  # (store time, tokens) per hold
+        self.held = 0
+        self.spent = prompt  # the prompt estimate, then a token per data event
+        self.step = max(_STEP, total - prompt)
+        self.crossed: str | None = None
+        self.cut = Interruption()
+
+    @property
+    def wire(self) -> str:
+        """The request's wire format, for the error that ends a stream."""
+        req: TierRequest | None = self.scope.get(SCOPE_KEY)
+        attempt = req.attempt if req is not None else None
+        wire = attempt.backend.wire_format if attempt is not None else None
+        return (
+            wire
+            or (req.wire if req is not None else None)
+            or error_format(self.scope.get("path") or "")
+        )
+
+    def took(self, at: float, amount: int) -> None:
+        self.holds.append((at, amount))
+        self.held += amount
+
+    async def extend(self) -> bool:
+        """Hold another step, if the key's token windows still have room (False: crossed)."""
+        checks = [
+            WindowCheck(c.name, c.window, c.limit, self.step, fits=False) for c, _ in self.windows
+        ]
+        try:
+            hold = await self.store.window_hold(checks)
+        except Exception as exc:  # a store error never cuts an answer
+            log_event("usage.not_held", logging.WARNING, error=repr(exc))
+            self.held += self.step
+            return True
+        if hold.refused is not None:
+            self.crossed = self.windows[hold.refused[1]][1]
+            return False
+        self.took(hold.at, self.step)
+        return True
+
+    def released(self) -> list[tuple[str, float, int, float]]:
+        holds = self.holds
+        return [(c.name, c.window, amount, at) for c, _ in self.windows for at, amount in holds]
+
+
+_STEP = 256  # the least a stream past its reservation holds more by
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The request's ``receive`` once its body was read here: the body, then ``receive``."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 class KeyLimits:
-    """Enforce each caller key's ``rpm``, ``tpm`` and budget; count its tokens.
+    """Enforce each caller key's ``rpm``, ``tpm``, budget and ``max_parallel``; count
+    every key's tokens (and their cost, where the backend has a price).
 
     Stand it right behind :class:`~tierchain.keys.CallerKeys`. ``store``: where the
     windows and totals live (share a :class:`~tierchain.RedisStore` between
     replicas; None: a MemoryStore of its own). ``budgets``: the backend budgets,
     whose windows this layer fills (the :class:`BackendBudgets` inside Failover
-    reads them).
+    reads them). ``default_max_tokens``: the output a request that names no
+    ``max_tokens`` reserves (a key's own ``default_max_tokens`` wins).
+    ``max_body``: the most body bytes read to reserve a request's tokens (413
+    beyond, as Failover's own ``max_body``).
     """
 
     limits_per_key = True
@@ -173,14 +236,21 @@ class KeyLimits:
         *,
         store: Any = None,
         budgets: Iterable[BackendBudget] = (),
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_body: int = 32 * 2**20,
     ) -> None:
         self.app = app
         self.store = store if store is not None else MemoryStore()
         self.budgets = {b.backend: b for b in budgets}
-        self._checks: dict[str, list[tuple[WindowCheck, str]]] = {}
+        self.default_max_tokens = count("default_max_tokens", default_max_tokens, minimum=0)
+        self.max_body = count("max_body", max_body, minimum=0)
+        self._parallel = Admission(self.store)
 
     def __repr__(self) -> str:
-        return f"KeyLimits(budgets={sorted(self.budgets)})"
+        return (
+            f"KeyLimits(budgets={sorted(self.budgets)}, "
+            f"default_max_tokens={self.default_max_tokens})"
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -190,69 +260,152 @@ class KeyLimits:
                 "KeyLimits needs CallerKeys in front of it: it limits and counts per caller key"
             )
         key: CallerKey | None = scope[CALLER_KEY]
-        if key is None:  # the anonymous caller of an open path: no key to limit or count
-            # (build_stack and CallerKeys refuse open paths in front of limits to hold)
-            return await self.app(scope, receive, send)
-        checks = self._checks.get(key.name)
-        if checks is None:
-            checks = self._checks[key.name] = _checks(key)
-        if checks:
-            refused = await self.store.window_admit([c for c, _ in checks])
-            if refused is not None:
-                return await self._refuse(scope, send, key, checks[refused[1]][1], refused[0])
+        if key is not None and key.limited:
+            return await self._limited(scope, receive, send, key)
         meter = _Meter(send)
         try:
             await self.app(scope, receive, meter.send)
         finally:
+            await self._settle(scope, key, meter, None)
+
+    async def _limited(self, scope: Scope, receive: Receive, send: Send, key: CallerKey) -> None:
+        prompt = reserve = 0
+        if key.tpm is not None or key.budget_tokens is not None:
+            body = await read_or_refuse(scope, receive, send, self.max_body, DEFAULT_BODY_TIMEOUT)
+            if body is None:
+                return  # answered 413 or 408, or the caller left
+            receive = _replay(body, receive)
+            default = key.default_max_tokens
+            prompt, reserve = reservation(
+                body, self.default_max_tokens if default is None else default
+            )
+        lease: Lease | None = None
+        if key.max_parallel is not None:
+            lease, live = await self._parallel.take("\t" + key.name, key.max_parallel)
+            if lease is None and live:
+                return await self._refuse(scope, send, key, "parallel", 1.0, [])
+        checks = key_checks(key, reserve)
+        held = _Held(scope, self.store, checks, prompt, reserve)
+        try:
+            hold: WindowHold | None = await self.store.window_hold([c for c, _ in checks])
+        except Exception as exc:  # a store error never refuses a request
+            log_event("usage.not_checked", logging.WARNING, key_name=key.name, error=repr(exc))
+            hold = None
+        headers = _rate_headers(checks, hold)
+        if hold is not None and hold.refused is not None:
+            await self._parallel.leave(lease)
+            which = checks[hold.refused[1]][1]
+            return await self._refuse(scope, send, key, which, hold.refused[0], headers)
+        if hold is not None and reserve:
+            held.took(hold.at, reserve)
+        else:
+            held.held = USAGE_BOUND  # nothing held: nothing to grow or cut
+        meter = _Meter(send, headers, held if held.windows else None)
+        cut = held.cut
+        cut.arm()
+        try:
+            await self.app(scope, receive, meter.send)
+        except asyncio.CancelledError:
+            if not cut.ours():
+                raise
+        finally:
             try:
-                await self._account(scope, key, meter)
-            except Exception as exc:  # accounting must never break an answered request
-                log_event("usage.not_recorded", logging.WARNING, key_name=key.name, error=repr(exc))
+                await self._settle(scope, key, meter, held)
+            finally:
+                await self._parallel.leave(lease)
+
+    async def _settle(
+        self, scope: Scope, key: CallerKey | None, meter: _Meter, held: _Held | None
+    ) -> None:
+        try:
+            await self._account(scope, key, meter, held)
+        except Exception as exc:  # accounting must never break an answered request
+            name = key.name if key is not None else ANONYMOUS
+            log_event("usage.not_recorded", logging.WARNING, key_name=name, error=repr(exc))
 
     async def _refuse(
-        self, scope: Scope, send: Send, key: CallerKey, which: str, wait: float
+        self,
+        scope: Scope,
+        send: Send,
+        key: CallerKey,
+        which: str,
+        wait: float,
+        headers: list[tuple[bytes, bytes]],
     ) -> None:
         retry = max(1, math.ceil(wait))
         code, what = _REFUSALS[which]
-        n = {"rpm": key.rpm, "tpm": key.tpm, "budget": key.budget_tokens}[which]
-        said = what.format(n=n, period=_period(key.budget_period))
-        await self.store.usage_record((), [(_field(key.name, "-", "-", "refused"), 1)])
+        limit = {"rpm": key.rpm, "tpm": key.tpm, "budget": key.budget_tokens}.get(which)
+        said = what.format(n=limit or key.max_parallel, period=period_text(key.budget_period))
+        await self.store.usage_record((), [(total_field(key.name, "-", "-", "refused"), 1)])
         log_event("usage.limited", key_name=key.name, limit=which, retry_after_s=retry)
+        extra: dict[str, Any] = {}
+        headers = [*headers, (b"retry-after", str(retry).encode())]
+        message = f"key {key.name!r} is over {said}; retry in {retry}s"
+        if which == "budget":
+            # Not a rate to wait out: the SDKs are told not to retry (they would spend their
+            # retries at once); the body says when the budget has room again.
+            renews = clock.wall() + wait
+            extra = {"renews_in_s": retry, "renews_at": _iso(renews)}
+            message = (
+                f"key {key.name!r} spent {said}; it has room again in {retry}s "
+                f"(at {extra['renews_at']})"
+            )
+            headers.append((b"x-should-retry", b"false"))
         await refuse_request(
-            scope,
-            send,
-            429,
-            f"key {key.name!r} is over {said}; retry in {retry}s",
-            code,
-            type="rate_limit_error",
-            headers=[(b"retry-after", str(retry).encode())],
+            scope, send, 429, message, code, type="rate_limit_error", headers=headers, **extra
         )
 
-    async def _account(self, scope: Scope, key: CallerKey, meter: _Meter) -> None:
+    async def _account(
+        self, scope: Scope, key: CallerKey | None, meter: _Meter, held: _Held | None
+    ) -> None:
+        name = key.name if key is not None else ANONYMOUS
         req: TierRequest | None = scope.get(SCOPE_KEY)
         route = (req.route if req is not None else None) or "-"
-        totals: list[tuple[str, int]] = [(_field(key.name, route, "-", "requests"), 1)]
+        totals: list[tuple[str, int]] = [(total_field(name, route, "-", "requests"), 1)]
         if req is not None:
-            for record in req.attempts:
+            # A stream ended here (its key ran out) was answered: no failed attempt of its own.
+            records = req.attempts[:-1] if meter.ended else req.attempts
+            for record in records:
                 if record.outcome != "ok" and record.outcome not in _NOT_BILLED:
-                    totals.append((_field(key.name, route, record.backend, "failed_attempts"), 1))
+                    totals.append((total_field(name, route, record.backend, "failed_attempts"), 1))
         backend, tokens = self._tokens(req, meter)
+        price = _price(req)
         windows: list[tuple[str, float, int]] = []
         spent = 0
+        cost = 0
         for kind, amount in tokens:
             if amount:
-                totals.append((_field(key.name, route, backend, kind), amount))
-                labelled(TOKENS, key.name, route, backend, kind).inc(amount)
+                totals.append((total_field(name, route, backend, kind), amount))
+                labelled(TOKENS, name, route, backend, kind).inc(amount)
                 spent += amount
+                nanos = _nanos(amount, price, kind)
+                if price is not None:  # (a free backend's 0 too: free is not unpriced)
+                    totals.append((total_field(name, route, backend, kind + COST_SUFFIX), nanos))
+                    cost += nanos
+        if cost:
+            labelled(COST, name, route, backend).inc(cost / 1e9)
         if spent:
-            if key.tpm is not None:
-                windows.append((_window("tpm", key.name), MINUTE, spent))
-            if key.budget_tokens is not None:
-                windows.append((_window("budget", key.name), key.budget_period, spent))
+            if key is not None and key.tpm is not None:
+                windows.append((window_name("tpm", name), MINUTE, spent))
+            if key is not None and key.budget_tokens is not None:
+                windows.append((window_name("budget", name), key.budget_period, spent))
             budget = self.budgets.get(backend)
             if budget is not None:
-                windows.append((_window("backend", backend), budget.period, spent))
-        await self.store.usage_record(windows, totals)
+                windows.append((window_name("backend", backend), budget.period, spent))
+            tokens_in = sum(n for kind, n in tokens if "input" in kind)
+            observe_usage(scope.get("path") or "", route, tokens_in, spent - tokens_in, meter.begun)
+        released = held.released() if held is not None else []
+        await self.store.usage_record(windows, totals, released)
+        if spent:
+            log_event(
+                "usage.recorded",
+                key_name=name,
+                route=route,
+                backend=backend,
+                **{kind: amount for kind, amount in tokens if amount},
+                cost=round(cost / 1e9, 9) if price is not None else None,
+                cut=held.crossed if held is not None else None,
+            )
 
     def _tokens(self, req: TierRequest | None, meter: _Meter) -> tuple[str, list[tuple[str, int]]]:
         """The answering backend's name and its tokens by kind (none when nothing answered)."""
@@ -265,46 +418,82 @@ class KeyLimits:
         wire = (attempt.backend.wire_format if attempt is not None else None) or (
             req.wire if req is not None else None
         )
-        found = read_usage(wire, meter.values(wire))
+        got_in, got_out = read_usage(wire, meter.values(wire))
+        found = (
+            None if got_in is None else bounded(got_in, "usage", backend),
+            None if got_out is None else bounded(got_out, "usage", backend),
+        )
         observer = req.observer if req is not None else None
         if meter.whole is not None:
             units = body_units(meter.size)
+        elif meter.ended:  # ended here: what reached the caller, not what the attempt read
+            units = meter.events
         else:
             units = observer.data_events if observer is not None else meter.chunks
             units = max(0, units - (0 if wire == OLLAMA else 1))  # the terminator
         usage = estimate(found, len(req.body or b"") if req is not None else 0, units)
-        ok = req is None or not req.attempts or req.attempts[-1].outcome == "ok"
+        ok = meter.ended or req is None or not req.attempts or req.attempts[-1].outcome == "ok"
         prefix = "" if ok else "failed_"
         return backend, [
             (
                 f"{prefix}input{'_estimated' if usage.input_estimated and ok else ''}",
-                usage.input,
+                bounded(usage.input, "estimate", backend),
             ),
             (
                 f"{prefix}output{'_estimated' if usage.output_estimated and ok else ''}",
-                usage.output,
+                bounded(usage.output, "estimate", backend),
             ),
         ]
 
 
 class _Meter:
-    """The send wrapper: keeps references to the chunks that can carry the usage."""
+    """The send wrapper: keeps references to the chunks that can carry the usage, adds the
+    ``x-ratelimit-*`` headers, and for a reserved stream counts its data events (a token
+    each) and ends it once the key's token windows have no room left."""
 
-    __slots__ = ("_send", "chunks", "head", "size", "status", "stream", "tail", "whole")
+    __slots__ = (
+        "_send",
+        "begun",
+        "chunks",
+        "ended",
+        "events",
+        "head",
+        "headers",
+        "held",
+        "ndjson",
+        "size",
+        "status",
+        "stream",
+        "tail",
+        "whole",
+    )
 
-    def __init__(self, send: Send) -> None:
+    def __init__(
+        self,
+        send: Send,
+        headers: list[tuple[bytes, bytes]] | None = None,
+        held: _Held | None = None,
+    ) -> None:
         self._send = send
         self.status: int | None = None
         self.stream = False
+        self.ndjson = False
         self.head: list[bytes] = []
         self.tail: list[bytes] = []
         self.whole: list[bytes] | None = None
         self.size = 0
         self.chunks = 0
+        self.headers = headers
+        self.held = held
+        self.ended = False
+        self.events = 0  # data events passed on (counted only for a reserved stream)
+        self.begun = clock.wall()
 
     def send(self, message: Message) -> Awaitable[None]:
         kind = message["type"]
         if kind == "http.response.body":
+            if self.ended:
+                return _nothing()
             chunk: bytes = message.get("body", b"")
             if chunk:
                 self.chunks += 1
@@ -315,22 +504,64 @@ class _Meter:
                         whole.append(chunk)
                 elif chunk[:1] == b":" and b"data:" not in chunk:
                     pass  # heartbeat comments only: no usage in them
-                elif len(self.head) < _HEAD:
-                    self.head.append(chunk)
                 else:
-                    tail = self.tail
-                    tail.append(chunk)
-                    if len(tail) > _TAIL:
-                        del tail[0]
+                    if len(self.head) < _HEAD:
+                        self.head.append(chunk)
+                    else:
+                        tail = self.tail
+                        tail.append(chunk)
+                        if len(tail) > _TAIL:
+                            del tail[0]
+                    held = self.held
+                    if held is not None:
+                        events = (
+                            chunk.count(b"\n")
+                            if self.ndjson
+                            else chunk.count(b"\ndata:") + (chunk[:5] == b"data:")
+                        )
+                        self.events += events
+                        held.spent += events
+                        if held.spent > held.held:
+                            return self._grow(message, held)
         elif kind == "http.response.start":
             self.status = int(message["status"])
             for name, value in message.get("headers", ()):
                 if name.lower() == b"content-type":
                     value = value.lower()
-                    self.stream = b"event-stream" in value or b"ndjson" in value
+                    self.ndjson = b"ndjson" in value
+                    self.stream = b"event-stream" in value or self.ndjson
             if not self.stream:
                 self.whole = []
+                self.held = None  # a whole answer is counted when it ends, never cut
+            if self.headers:
+                kept = [
+                    (k, v)
+                    for k, v in message.get("headers", ())
+                    if not k.lower().startswith(b"x-ratelimit-")
+                ]
+                message = {**message, "headers": [*kept, *self.headers]}
         return self._send(message)
+
+    async def _grow(self, message: Message, held: _Held) -> None:
+        """A stream past what it holds: hold more, or pass this event on and end it."""
+        if self.ended:
+            return
+        room = await held.extend()
+        await self._send(message)
+        if room or not message.get("more_body", False):
+            return
+        self.ended = True
+        code = _REFUSALS[held.crossed or "tpm"][0]
+        error = error_bytes(
+            held.wire,
+            NDJSON if self.ndjson else SSE,
+            f"the key's {'budget' if held.crossed == 'budget' else 'tokens per minute'} "
+            "ran out mid-stream: the answer ends here",
+            "rate_limit_error",
+            code,
+        )
+        await self._send({"type": "http.response.body", "body": error, "more_body": False})
+        held.cut.interrupt("tierchain: the key's token limit ran out mid-stream")
 
     def values(self, wire: str | None) -> list[bytes]:
         """The JSON values that may carry the usage, in order."""
@@ -345,88 +576,28 @@ class _Meter:
         return values
 
 
-class BackendBudgets:
-    """Inside Failover, in front of the handler: skip an attempt at a backend whose budget
-    is spent (``BackendBusy``, reason ``budget``), before anything is sent to it."""
-
-    def __init__(
-        self, app: ASGIApp, *, store: Any = None, budgets: Iterable[BackendBudget] = ()
-    ) -> None:
-        self.app = app
-        self.store = store if store is not None else MemoryStore()
-        self.budgets = {b.backend: b for b in budgets}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.budgets and SCOPE_KEY in scope:
-            attempt = TierRequest.of(scope).attempt
-            budget = self.budgets.get(attempt.backend.name) if attempt is not None else None
-            if budget is not None:
-                check = WindowCheck(
-                    _window("backend", budget.backend), budget.period, budget.tokens
-                )
-                refused = await self.store.window_admit([check])
-                if refused is not None:
-                    raise BackendBusy(
-                        f"backend {budget.backend!r} spent its budget of {budget.tokens} tokens "
-                        f"per {_period(budget.period)}",
-                        why="budget",
-                    )
-        await self.app(scope, receive, send)
+async def _nothing() -> None:
+    """A send after the stream was ended here: nothing more reaches the caller."""
 
 
-def _field(key_name: str, route: str, backend: str, kind: str) -> str:
-    return _SEP.join((key_name, route, backend, kind))
+def _price(req: TierRequest | None) -> tuple[float, float] | None:
+    """The answering backend's price (input, output per million tokens), or None."""
+    attempt = req.attempt if req is not None else None
+    if attempt is None:
+        return None
+    backend = attempt.backend
+    if backend.price_input is None and backend.price_output is None:
+        return None
+    return backend.price_input or 0.0, backend.price_output or 0.0
 
 
-def _period(seconds: float) -> str:
-    for unit, size in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
-        if seconds >= size and seconds % size == 0:
-            return f"{seconds / size:g}{unit}"
-    return f"{seconds:g}s"
+def _nanos(amount: int, price: tuple[float, float] | None, kind: str) -> int:
+    """The cost of ``amount`` tokens of ``kind`` in nano-units of the price's currency."""
+    if price is None:
+        return 0
+    per_million = price[1] if kind.endswith(("output", "output_estimated")) else price[0]
+    return bounded(round(amount * per_million * 1000), "cost", "price")
 
 
-async def usage_report(store: Any, keys: Sequence[CallerKey] = ()) -> dict[str, Any]:
-    """The usage read-out (the Admin's ``GET /usage`` and its page): per key name, route,
-    backend and kind, the running totals; per key given, its limits and what its windows
-    hold now."""
-    totals = await store.usage_totals() if hasattr(store, "usage_totals") else {}
-    rows = []
-    for field_name, amount in sorted(totals.items()):
-        parts = field_name.split(_SEP)
-        if len(parts) == 4:
-            key_name, route, backend, kind = parts
-            rows.append(
-                {
-                    "key_name": key_name,
-                    "route": route,
-                    "backend": backend,
-                    "kind": kind,
-                    "value": amount,
-                }
-            )
-    by_key: dict[str, dict[str, int]] = {}
-    for row in rows:
-        sums = by_key.setdefault(row["key_name"], {})
-        sums[row["kind"]] = sums.get(row["kind"], 0) + row["value"]
-    limits = []
-    for key in keys:
-        windows = [(c.name, c.window) for c, _ in _checks(key)]
-        used = await store.window_sums(windows) if windows else []
-        now = {what: n for (_, what), n in zip(_checks(key), used, strict=True)}
-        limits.append(
-            {
-                "key_name": key.name,
-                "rpm": key.rpm,
-                "rpm_used": now.get("rpm"),
-                "tpm": key.tpm,
-                "tpm_used": now.get("tpm"),
-                "budget_tokens": key.budget_tokens,
-                "budget_period_s": key.budget_period if key.budget_tokens is not None else None,
-                "budget_used": now.get("budget"),
-            }
-        )
-    return {
-        "keys": [{"key_name": name, **sums} for name, sums in sorted(by_key.items())],
-        "limits": limits,
-        "usage": rows,
-    }
+def _iso(epoch: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))

@@ -28,7 +28,10 @@ operations and pin reads from a local :class:`~tierchain.MemoryStore` for the
 outage, and tries Redis again at most every ``reconnect_every`` seconds (one
 request tries; the rest stay on the fallback meanwhile). Pin *writes* during an
 outage raise :class:`StoreUnavailable` instead: an operator must not believe a
-pin reached every replica when it did not.
+pin reached every replica when it did not. An error *reply* (Redis refused one
+script: a value it cannot take, a key of the wrong type) is no outage: that one
+call raises, logged as ``store.redis_refused``, and every other call still goes
+to Redis (a read-only replica, Redis failing over, counts as an outage).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from .masking import mask_text, mask_url
 from .store import (
     PROBE_BUSY_RETRY,
     SUSPECT_KEEP,
+    USAGE_BOUND,
     BreakerChange,
     BreakerPolicy,
     BreakerSnapshot,
@@ -54,6 +58,7 @@ from .store import (
     Suspect,
     Ticket,
     WindowCheck,
+    WindowHold,
 )
 from .telemetry import log_event
 
@@ -322,45 +327,73 @@ end
 """
 )
 
-# KEYS: one bucket hash per check; ARGV: now_ms|'' then window_ms limit cost per check
-# -> '' (admitted, costs added) or {ms until there is room, index of the check}
-_WINDOW_ADMIT = (
+# KEYS: one bucket hash per check; ARGV: now_ms|'' then window_ms limit cost fits per check
+# -> {0 (admitted, costs added) | ms until there is room, index of the check, now_ms,
+#     the sums (after the costs) joined by commas, the ms until each oldest bucket leaves}
+_WINDOW_HOLD = (
     _WINDOWS
     + """
 local now = now_ms(ARGV[1])
 local wait, which = 0, 0
+local used, reset = {}, {}
 for i = 1, #KEYS do
-  local w, lim, cost = tonumber(ARGV[i * 3 - 1]), tonumber(ARGV[i * 3]), tonumber(ARGV[i * 3 + 1])
+  local b = i * 4 - 2
+  local w, lim, cost = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local sum, first, cur, width = wsum(KEYS[i], now, w)
-  if (cost > 0 and sum + cost > lim) or (cost == 0 and sum >= lim) then
-    local r = w
-    if first then r = math.max(1, (first + 60) * width - now) end
-    if r > wait then wait, which = r, i end
+  local r = w
+  if first then r = math.max(1, (first + 60) * width - now) end
+  used[i], reset[i] = sum, r
+  local full = sum >= lim
+  if cost > 0 and ARGV[b + 3] == '1' then full = sum + cost > lim end
+  if full and r > wait then wait, which = r, i end
+end
+if wait == 0 then
+  for i = 1, #KEYS do
+    local cost = tonumber(ARGV[i * 4])
+    if cost > 0 then
+      wadd(KEYS[i], now, tonumber(ARGV[i * 4 - 2]), cost)
+      used[i] = used[i] + cost
+    end
   end
 end
-if wait > 0 then return {tostring(wait), which - 1} end
 for i = 1, #KEYS do
-  local cost = tonumber(ARGV[i * 3 + 1])
-  if cost > 0 then wadd(KEYS[i], now, tonumber(ARGV[i * 3 - 1]), cost) end
+  used[i] = string.format('%d', used[i])
+  reset[i] = tostring(reset[i])
 end
-return ''
+return {tostring(wait), which - 1, tostring(now), table.concat(used, ','), table.concat(reset, ',')}
 """
 )
 
-# KEYS: the bucket hashes, then the totals hash last; ARGV: now_ms|'' ttl_ms n_windows,
+# KEYS: the bucket hashes released, then those added to, then the totals hash last;
+# ARGV: now_ms|'' ttl_ms n_released n_windows, window_ms amount at_ms per release,
 # window_ms amount per window, then field amount per total
 _USAGE_RECORD = (
     _WINDOWS
     + """
-local now, ttl, n = now_ms(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-for i = 1, n do
-  local w = tonumber(ARGV[2 + i * 2])
+local now, ttl = now_ms(ARGV[1]), tonumber(ARGV[2])
+local nr, n = tonumber(ARGV[3]), tonumber(ARGV[4])
+local a = 5
+for i = 1, nr do
+  local w, amount, at = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  a = a + 3
   wsum(KEYS[i], now, w)
-  wadd(KEYS[i], now, w, tonumber(ARGV[3 + i * 2]))
+  local field = tostring(math.floor(at / (w / 60)))
+  local held = tonumber(redis.call('HGET', KEYS[i], field) or '0')
+  if held > amount then
+    redis.call('HINCRBY', KEYS[i], field, -amount)
+  elseif held > 0 then
+    redis.call('HDEL', KEYS[i], field)
+  end
 end
-local totals = KEYS[n + 1]
-for j = 4 + n * 2, #ARGV, 2 do redis.call('HINCRBY', totals, ARGV[j], ARGV[j + 1]) end
-if #ARGV >= 4 + n * 2 then redis.call('PEXPIRE', totals, ttl) end
+for i = 1, n do
+  local w = tonumber(ARGV[a])
+  wsum(KEYS[nr + i], now, w)
+  wadd(KEYS[nr + i], now, w, tonumber(ARGV[a + 1]))
+  a = a + 2
+end
+local totals = KEYS[nr + n + 1]
+for j = a, #ARGV, 2 do redis.call('HINCRBY', totals, ARGV[j], ARGV[j + 1]) end
+if #ARGV >= a then redis.call('PEXPIRE', totals, ttl) end
 return 1
 """
 )
@@ -426,6 +459,13 @@ def _seconds(ms: Any) -> float | None:
     return max(0.0, float(ms) / 1000.0)
 
 
+def _bounded(amount: int) -> int:
+    """An amount as a script may take it: within +-USAGE_BOUND (a Redis integer past 2^63,
+    or a Lua double past 2^53, would be refused or rounded; the callers bound theirs
+    already, this is the last guard)."""
+    return max(-USAGE_BOUND, min(USAGE_BOUND, int(amount)))
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -462,6 +502,7 @@ class RedisStore:
             from redis.asyncio.retry import Retry
             from redis.backoff import NoBackoff
             from redis.exceptions import ConnectionError as RedisConnectionError
+            from redis.exceptions import ReadOnlyError, ResponseError
         except ImportError:
             raise ImportError(
                 "RedisStore needs the redis package: install tierchain[redis]."
@@ -490,12 +531,15 @@ class RedisStore:
         self._lease_acquire = self._redis.register_script(_LEASE_ACQUIRE)
         self._lease_renew = self._redis.register_script(_LEASE_RENEW)
         self._lease_count = self._redis.register_script(_LEASE_COUNT)
-        self._window_admit = self._redis.register_script(_WINDOW_ADMIT)
+        self._window_hold = self._redis.register_script(_WINDOW_HOLD)
         self._usage_record = self._redis.register_script(_USAGE_RECORD)
         self._window_sums = self._redis.register_script(_WINDOW_SUMS)
         self._suspect_check = self._redis.register_script(_SUSPECT_CHECK)
         self._suspect_mark = self._redis.register_script(_SUSPECT_MARK)
         self._suspect_release = self._redis.register_script(_SUSPECT_RELEASE)
+        self._refusals: tuple[type[BaseException], ...] = (ResponseError,)
+        # A read-only replica (Redis failing over) refuses every write: an outage.
+        self._outages: tuple[type[BaseException], ...] = (ReadOnlyError,)
         self._fallback: MemoryStore | None = None
         self._retry_at = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -537,7 +581,20 @@ class RedisStore:
         self._retry_at = now + self.reconnect_every  # this caller tries; the rest wait
         return None
 
-    def _went_away(self, exc: BaseException) -> MemoryStore:
+    def _went_away(self, exc: BaseException, what: str = "") -> MemoryStore:
+        """The fallback for an outage; an error reply (Redis refused this one call: a
+        script error, a value it cannot take) is no outage: it is logged and raised,
+        and every other call goes on reaching Redis."""
+        if isinstance(exc, self._refusals) and not isinstance(exc, self._outages):
+            self._came_back()  # Redis answered
+            log_event(
+                "store.redis_refused",
+                level=30,
+                url=mask_url(self.url),
+                call=what or None,
+                error=mask_text(repr(exc), self.url),
+            )
+            raise exc
         self._retry_at = clock.now() + self.reconnect_every
         if self._fallback is None:
             self._fallback = MemoryStore(clock=self._clock or clock.wall)
@@ -792,37 +849,52 @@ class RedisStore:
         return f"{self.prefix}window:{quote(name, safe='')}"
 
     async def window_admit(self, checks: Sequence[WindowCheck]) -> tuple[float, int] | None:
+        return (await self.window_hold(checks)).refused
+
+    async def window_hold(self, checks: Sequence[WindowCheck]) -> WindowHold:
         local = self._local()
         if local is not None:
-            return await local.window_admit(checks)
+            return await local.window_hold(checks)
         keys = [self._window_key(c.name) for c in checks]
         args = [self._args()]
         for c in checks:
-            args += [_ms(c.window), str(c.limit), str(c.cost)]
+            args += [_ms(c.window), str(_bounded(c.limit)), str(_bounded(c.cost))]
+            args.append("1" if c.fits else "0")
         try:
-            raw = await self._shielded(lambda: self._window_admit(keys=keys, args=args))
+            raw = await self._shielded(lambda: self._window_hold(keys=keys, args=args))
         except Exception as exc:
-            return await self._went_away(exc).window_admit(checks)
-        if not raw:
-            return None
-        return _seconds(raw[0]) or 0.001, int(raw[1])
+            return await self._went_away(exc, "window_hold").window_hold(checks)
+        wait, which, now, used, reset = (_text(v) for v in raw)
+        waited = _seconds(wait)
+        return WindowHold(
+            (waited or 0.001, int(which)) if waited else None,
+            float(now) / 1000.0,
+            tuple(int(v) for v in used.split(",")) if used else (),
+            tuple(float(v) / 1000.0 for v in reset.split(",")) if reset else (),
+        )
 
     async def usage_record(
-        self, windows: Sequence[tuple[str, float, int]], totals: Sequence[tuple[str, int]]
+        self,
+        windows: Sequence[tuple[str, float, int]],
+        totals: Sequence[tuple[str, int]],
+        released: Sequence[tuple[str, float, int, float]] = (),
     ) -> None:
         local = self._local()
         if local is not None:
-            return await local.usage_record(windows, totals)
-        keys = [self._window_key(n) for n, _, _ in windows] + [f"{self.prefix}usage"]
-        args = [self._args(), _ms(self.ttl), str(len(windows))]
+            return await local.usage_record(windows, totals, released)
+        keys = [self._window_key(n) for n, _, _, _ in released]
+        keys += [self._window_key(n) for n, _, _ in windows] + [f"{self.prefix}usage"]
+        args = [self._args(), _ms(self.ttl), str(len(released)), str(len(windows))]
+        for _, window, amount, at in released:
+            args += [_ms(window), str(_bounded(amount)), _ms(at)]
         for _, window, amount in windows:
-            args += [_ms(window), str(amount)]
+            args += [_ms(window), str(_bounded(amount))]
         for field_name, amount in totals:
-            args += [field_name, str(amount)]
+            args += [field_name, str(_bounded(amount))]
         try:
             await self._shielded(lambda: self._usage_record(keys=keys, args=args))
         except Exception as exc:
-            await self._went_away(exc).usage_record(windows, totals)
+            await self._went_away(exc, "usage_record").usage_record(windows, totals, released)
 
     async def window_sums(self, windows: Sequence[tuple[str, float]]) -> list[int]:
         local = self._local()

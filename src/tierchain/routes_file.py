@@ -132,6 +132,12 @@ def _toml_count_or_zero(value: Any) -> int:
     return value
 
 
+def _toml_price(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1e6:
+        raise ValueError
+    return float(value)
+
+
 def _toml_bool(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError
@@ -198,6 +204,10 @@ BACKEND_KEYS: tuple[BackendKey, ...] = (
     BackendKey("retries", _toml_count_or_zero, "a whole number >= 0"),
     BackendKey("prefill", _toml_bool, "true or false (no quotes)"),
     BackendKey("hedge", _toml_bool, "true or false (no quotes)"),
+    BackendKey("price_input", _toml_price,
+               "a price per million input tokens: a number from 0 to 1000000"),
+    BackendKey("price_output", _toml_price,
+               "a price per million output tokens: a number from 0 to 1000000"),
     BackendKey("headers", lambda v: v, "a table of HTTP header names to strings", field=False),
     BackendKey("api_key_env", _toml_text, "the name of a variable", field=False),
     BackendKey("api_key_header", _toml_header_name,

@@ -91,9 +91,10 @@ def build_stack(
     Outermost first: the identity line, the Admin mount (when a token is set),
     the :class:`~tierchain.endpoints.Endpoints` (answered here, never
     forwarded), then :class:`~tierchain.keys.CallerKeys` (when keys are set),
-    then :class:`~tierchain.limits.KeyLimits` (when a key has a limit or the keys
-    file a backend budget; :class:`~tierchain.limits.BackendBudgets` then stands
-    in front of the handler), then Shed (when ``TIERCHAIN_SHED_MAX_CONCURRENT`` is set),
+    then :class:`~tierchain.limits.KeyLimits` (with the keys: it counts every key's
+    usage and enforces the limits of those that have some; with backend budgets in
+    the keys file, :class:`~tierchain.limits.BackendBudgets` stands in front of the
+    handler), then Shed (when ``TIERCHAIN_SHED_MAX_CONCURRENT`` is set),
     Heartbeats, Budget, PreferBackend, Failover, Breaker, SaturationWatchdog:
     each that is enabled, with its configured options. The watchdog's status
     board is given to the Breaker and the Failover around it (``status_board``). One
@@ -105,11 +106,12 @@ def build_stack(
     """
     problems: list[str] = []
     keys, budgets = _keys_and_budgets(settings, problems)
-    limited = any(k.limited for k in keys) or bool(budgets)
     problems.extend(conflicts(settings, keys, budgets, own_forwarder=app is None))
+    keyed = bool(settings.layers["CallerKeys"].options)
     needs_store = (
         settings.admin_enabled
-        or limited
+        or keyed
+        or bool(budgets)
         or any("store" in find_layer(n).wired for n in settings.stack)
     )
     made_store = store is None and needs_store
@@ -142,15 +144,15 @@ def build_stack(
         shed = construct("Shed", inner)  # outermost of the middlewares
         if shed is not None:
             inner = shed
-    if settings.layers["CallerKeys"].options:
-        # Keys before anything else routed (Shed included); the endpoints stay open.
+    if keyed:
+        # Keys before anything else routed (Shed included); the endpoints stay open. Every
+        # key's usage is counted (and limited, where it has limits) right behind them.
         prefer = settings.layers["PreferBackend"].options.get("header", "X-Prefer-Backend")
-        if limited and not settings.layers["CallerKeys"].options.get("open_paths"):
-            # (with open paths, conflicts() has refused the limits already)
-            inner = KeyLimits(inner, store=store, budgets=budgets)  # right behind the keys
-        keyed = construct("CallerKeys", inner, header=prefer)
-        if keyed is not None:
-            inner = keyed
+        max_body = settings.layers["Failover"].options.get("max_body", 32 * 2**20)
+        inner = KeyLimits(inner, store=store, budgets=budgets, max_body=max_body)
+        with_keys = construct("CallerKeys", inner, header=prefer)
+        if with_keys is not None:
+            inner = with_keys
     inner = Endpoints(
         inner,
         routes=settings.routes,

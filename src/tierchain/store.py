@@ -37,6 +37,7 @@ from ._runtime import clock
 
 __all__ = [
     "AFFINITY_ENTRIES",
+    "USAGE_BOUND",
     "WINDOW_BUCKETS",
     "AffinityStore",
     "BreakerChange",
@@ -52,6 +53,7 @@ __all__ = [
     "Ticket",
     "UsageStore",
     "WindowCheck",
+    "WindowHold",
     "acquire",
     "failure_wait",
     "record",
@@ -409,16 +411,53 @@ WINDOW_BUCKETS = 60
 second, a day's in 24-minute buckets; an amount leaves the window with its bucket."""
 
 
+USAGE_BOUND = 2**31
+"""The most any one amount a store is given may be (tokens of one request, a cost in
+nano-units): :mod:`tierchain.limits` bounds every number from outside (an upstream's usage,
+a caller's ``max_tokens``) to it before it is stored. No model's context holds a
+thousandth of it, and sums of such amounts stay exact in Lua's doubles (2^53) and in
+Redis's 64-bit integers for millions of requests per bucket."""
+
+
 @dataclass(frozen=True, slots=True)
 class WindowCheck:
     """One limit to check on admission: the counter ``name`` summed over the last
     ``window`` seconds must stay within ``limit`` once ``cost`` is added (with
-    ``cost`` 0: must be below ``limit``)."""
+    ``cost`` 0: must be below ``limit``). With ``fits`` False the counter must only
+    be below ``limit`` and the cost may take it past: a reservation, where the
+    request admitted last may overrun the limit by its own amount, never more."""
 
     name: str
     window: float
     limit: int
     cost: int = 0
+    fits: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class WindowHold:
+    """The answer of :meth:`UsageStore.window_hold`.
+
+    ``refused``: None when every check passed and the costs were added, else the
+    seconds until the failing counters have room and the index of the check that
+    needs the longest. ``at``: the store's time the costs were added at (hand it
+    back to :meth:`UsageStore.usage_record` as ``released`` to take them out of
+    their own bucket). ``used``: each counter's sum now (after the costs, when
+    added); ``reset``: the seconds until each counter's oldest amount leaves its
+    window (the window's length when it holds nothing).
+    """
+
+    refused: tuple[float, int] | None
+    at: float
+    used: tuple[int, ...]
+    reset: tuple[float, ...]
+
+
+def refuses(check: WindowCheck, total: int) -> bool:
+    """Does a counter that holds ``total`` refuse ``check``?"""
+    if check.cost and check.fits:
+        return total + check.cost > check.limit
+    return total >= check.limit
 
 
 @runtime_checkable
@@ -435,11 +474,21 @@ class UsageStore(Protocol):
         index of the check that needs the longest."""
         ...
 
+    async def window_hold(self, checks: Sequence[WindowCheck]) -> WindowHold:
+        """:meth:`window_admit` that also says when (``at``) the costs were added and
+        what each counter holds (see :class:`WindowHold`): a reservation to release later."""
+        ...
+
     async def usage_record(
-        self, windows: Sequence[tuple[str, float, int]], totals: Sequence[tuple[str, int]]
+        self,
+        windows: Sequence[tuple[str, float, int]],
+        totals: Sequence[tuple[str, int]],
+        released: Sequence[tuple[str, float, int, float]] = (),
     ) -> None:
         """Add each (name, window, amount) to its windowed counter and each (field,
-        amount) to the running totals."""
+        amount) to the running totals; first take each (name, window, amount, at) of
+        ``released`` out of the bucket it was held in at ``at`` (nothing when that
+        bucket has left the window; never below zero)."""
         ...
 
     async def window_sums(self, windows: Sequence[tuple[str, float]]) -> list[int]:
@@ -733,27 +782,42 @@ class MemoryStore:
     # -- windowed counters and usage totals ---------------------------------------
 
     async def window_admit(self, checks: Sequence[WindowCheck]) -> tuple[float, int] | None:
+        return (await self.window_hold(checks)).refused
+
+    async def window_hold(self, checks: Sequence[WindowCheck]) -> WindowHold:
         now = clock.now() if self._clock is None else self._clock()
         refused: tuple[float, int] | None = None
+        used: list[int] = []
+        reset: list[float] = []
         for i, check in enumerate(checks):
             total, first = window_sum(self._windows.get(check.name, {}), now, check.window)
-            if total + check.cost > check.limit or (not check.cost and total >= check.limit):
-                wait = room_in(first, now, check.window)
-                if refused is None or wait > refused[0]:
-                    refused = (wait, i)
-        if refused is not None:
-            return refused
-        for check in checks:
-            if check.cost:
-                buckets = self._windows.setdefault(check.name, {})
-                bucket = _bucket_of(now, check.window)
-                buckets[bucket] = buckets.get(bucket, 0) + check.cost
-        return None
+            used.append(total)
+            reset.append(room_in(first, now, check.window))
+            if refuses(check, total) and (refused is None or reset[-1] > refused[0]):
+                refused = (reset[-1], i)
+        if refused is None:
+            for i, check in enumerate(checks):
+                if check.cost:
+                    buckets = self._windows.setdefault(check.name, {})
+                    bucket = _bucket_of(now, check.window)
+                    buckets[bucket] = buckets.get(bucket, 0) + check.cost
+                    used[i] += check.cost
+        return WindowHold(refused, now, tuple(used), tuple(reset))
 
     async def usage_record(
-        self, windows: Sequence[tuple[str, float, int]], totals: Sequence[tuple[str, int]]
+        self,
+        windows: Sequence[tuple[str, float, int]],
+        totals: Sequence[tuple[str, int]],
+        released: Sequence[tuple[str, float, int, float]] = (),
     ) -> None:
         now = clock.now() if self._clock is None else self._clock()
+        for name, window, amount, at in released:
+            buckets = self._windows.get(name)
+            if buckets is not None:
+                window_sum(buckets, now, window)  # drops what left the window
+                bucket = _bucket_of(at, window)
+                if bucket in buckets:
+                    buckets[bucket] = max(0, buckets[bucket] - amount)
         for name, window, amount in windows:
             buckets = self._windows.setdefault(name, {})
             window_sum(buckets, now, window)  # drops what left the window

@@ -371,6 +371,26 @@ TOKENS = Counter(
     "failed_input and failed_output for an attempt that failed after it began answering.",
     ["key_name", "route", "backend", "kind"],
 )
+COST = Counter(
+    "tierchain_cost",
+    "What the answering backends' tokens cost, by caller key name, route and backend, in the "
+    "currency of the backends' prices (price_input and price_output, per million tokens).",
+    ["key_name", "route", "backend"],
+)
+GEN_AI_TOKEN_USAGE = Histogram(
+    "gen_ai_client_token_usage",
+    "OpenTelemetry GenAI's gen_ai.client.token.usage: tokens per answered request, by "
+    "operation, requested model (the route) and token type (input, output).",
+    ["gen_ai_operation_name", "gen_ai_request_model", "gen_ai_token_type"],
+    buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216),
+)
+GEN_AI_TIME_TO_FIRST_TOKEN = _HotHistogram(
+    "gen_ai_server_time_to_first_token_seconds",
+    "OpenTelemetry GenAI's gen_ai.server.time_to_first_token: seconds from the start of the "
+    "answering attempt to its first data, by requested model (the route).",
+    ["gen_ai_request_model"],
+    buckets=(0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 30, 120, 600),
+)
 REQUESTS_REFUSED = Counter(
     "tierchain_requests_refused",
     "Requests refused before any backend for what the caller sent (headers, framing, a slow "
@@ -451,6 +471,48 @@ def start_span(name: str, attributes: dict[str, Any] | None = None) -> trace.Spa
     if not tracing_enabled():
         return trace.INVALID_SPAN
     return tracer.start_span(name, attributes=attributes)
+
+
+_OPERATIONS = (
+    ("/chat/completions", "chat"),
+    ("/completions", "text_completion"),
+    ("/embeddings", "embeddings"),
+    ("/embed", "embeddings"),
+    ("/api/generate", "text_completion"),
+)
+
+
+def gen_ai_operation(path: str) -> str:
+    """OpenTelemetry GenAI's ``gen_ai.operation.name`` for a request path (``chat`` else)."""
+    for suffix, name in _OPERATIONS:
+        if path.endswith(suffix):
+            return name
+    return "chat"
+
+
+def observe_usage(
+    path: str, route: str, input_tokens: int, output_tokens: int, begun: float
+) -> None:
+    """One answered request's usage in OpenTelemetry GenAI's terms: the
+    ``gen_ai.client.token.usage`` histogram and, when tracing, a span named
+    ``<operation> <model>`` (from ``begun``, epoch seconds, to now) with
+    ``gen_ai.operation.name``, ``gen_ai.request.model`` and ``gen_ai.usage.input_tokens``
+    / ``output_tokens``."""
+    operation = gen_ai_operation(path)
+    labelled(GEN_AI_TOKEN_USAGE, operation, route, "input").observe(input_tokens)
+    labelled(GEN_AI_TOKEN_USAGE, operation, route, "output").observe(output_tokens)
+    if tracing_enabled():
+        span = tracer.start_span(
+            f"{operation} {route}",
+            start_time=int(begun * 1e9),
+            attributes={
+                "gen_ai.operation.name": operation,
+                "gen_ai.request.model": route,
+                "gen_ai.usage.input_tokens": input_tokens,
+                "gen_ai.usage.output_tokens": output_tokens,
+            },
+        )
+        span.end()
 
 
 def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:

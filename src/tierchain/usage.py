@@ -27,14 +27,32 @@ last events, NDJSON lines, or a whole body) and returns what it found;
 
 from __future__ import annotations
 
-import json
+import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from . import _json
+from .continuation import LIMIT_KEYS
+from .learned import prompt_tokens
+from .store import USAGE_BOUND
+from .telemetry import log_event
 from .wire import ANTHROPIC, OLLAMA, RESPONSES
 
-__all__ = ["Usage", "body_units", "estimate", "read_usage"]
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "Usage",
+    "asked_output",
+    "body_units",
+    "bounded",
+    "estimate",
+    "read_usage",
+    "reservation",
+]
+
+DEFAULT_MAX_TOKENS = 4096
+"""The output tokens a request that names no ``max_tokens`` reserves (KeyLimits' default)."""
 
 _MARKERS = (b"usage", b"eval_count")
 _BYTES_PER_TOKEN = 4  # a rough, common rule for English text and JSON
@@ -100,8 +118,9 @@ def read_usage(wire: str | None, values: Iterable[bytes]) -> tuple[int | None, i
         if not any(marker in value for marker in _MARKERS):
             continue
         try:
-            obj = json.loads(value)
-        except (UnicodeDecodeError, ValueError):
+            obj = _json.loads(value)  # the one bounded loader: a 100,000-deep answer is no crash
+        except ValueError:  # (UnicodeDecodeError and _json.TooDeep are ValueErrors)
+            log_event("usage.unreadable", logging.INFO, wire=wire, size=len(value))
             continue
         if not isinstance(obj, dict):
             continue
@@ -129,3 +148,61 @@ def estimate(found: tuple[int | None, int | None], request_bytes: int, output_un
 def body_units(size: int) -> int:
     """A whole body's size as an output estimate in tokens."""
     return size // _BYTES_PER_TOKEN
+
+
+def bounded(value: int, what: str, source: str) -> int:
+    """``value`` (a number from outside: an upstream's usage, a caller's ``max_tokens``)
+    within ``[0, USAGE_BOUND]``; past the bound it is the bound, logged once per
+    (``what``, ``source``) in this process (``usage.clamped``)."""
+    if 0 <= value <= USAGE_BOUND:
+        return value
+    if value < 0:
+        return 0
+    if (what, source) not in _CLAMPED and len(_CLAMPED) < 1024:
+        _CLAMPED.add((what, source))
+        log_event(
+            "usage.clamped",
+            logging.WARNING,
+            what=what,
+            source=source,
+            reported=value if value.bit_length() <= 128 else "over 2^128",
+            bound=USAGE_BOUND,
+        )
+    return USAGE_BOUND
+
+
+_CLAMPED: set[tuple[str, str]] = set()
+_ASKED_MARKS = (b'"max_', b'"num_predict"')
+
+
+def asked_output(body: bytes) -> int | None:
+    """The most output tokens a request asks for: ``max_completion_tokens``,
+    ``max_tokens`` (OpenAI chat and completions, Anthropic), ``max_output_tokens``
+    (Responses) or ``options.num_predict`` (Ollama; its -1 and -2 mean no limit);
+    None when it names none. A body that names none is not parsed."""
+    if not any(mark in body for mark in _ASKED_MARKS):
+        return None
+    try:
+        data = _json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    options = data.get("options")
+    found = [data.get(name) for name in LIMIT_KEYS]
+    if isinstance(options, dict):
+        found.append(options.get("num_predict"))
+    for value in found:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
+def reservation(body: bytes, default: int) -> tuple[int, int]:
+    """(the prompt's estimated tokens, the tokens a request reserves): the prompt estimate
+    the watchdog uses (:func:`tierchain.learned.prompt_tokens`) plus the output it asks
+    for at most (``default`` when it names none), each bounded."""
+    prompt = bounded(math.ceil(prompt_tokens(body)), "prompt_estimate", "request")
+    asked = asked_output(body)
+    output = default if asked is None else bounded(asked, "max_tokens", "request")
+    return prompt, min(USAGE_BOUND, prompt + output)

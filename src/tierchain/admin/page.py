@@ -190,16 +190,19 @@ def _usage(usage: Mapping[str, Any]) -> str:
     """Tokens per key name, route, backend and kind; each key's limits and windows now."""
     out = [
         '<h2>Usage</h2><table id="usage"><thead><tr><th>key</th><th>route</th>'
-        "<th>backend</th><th>kind</th><th>count</th></tr></thead><tbody>"
+        "<th>backend</th><th>kind</th><th>count</th><th>cost</th></tr></thead><tbody>"
     ]
     rows = usage.get("usage", [])
     if not rows:
-        out.append('<tr class="empty"><td colspan="5">Nothing counted yet.</td></tr>')
+        out.append('<tr class="empty"><td colspan="6">Nothing counted yet.</td></tr>')
     for row in rows:
+        cost = row.get("cost")
+        shown = "" if cost is None else f"{cost:.6f}"
         out.append(
             f'<tr data-key="{esc(row["key_name"], quote=True)}"><td>{esc(row["key_name"])}</td>'
             f"<td>{esc(row['route'])}</td><td>{esc(row['backend'])}</td>"
-            f"<td>{esc(row['kind'])}</td><td>{esc(str(row['value']))}</td></tr>"
+            f"<td>{esc(row['kind'])}</td><td>{esc(str(row['value']))}</td>"
+            f"<td>{esc(shown)}</td></tr>"
         )
     out.append("</tbody></table>")
     limits = usage.get("limits", [])

@@ -43,6 +43,7 @@ from ..request import (
 from ..telemetry import (
     ATTR_OUTCOME,
     ATTR_REGIME,
+    GEN_AI_TIME_TO_FIRST_TOKEN,
     TIME_TO_FIRST_CHUNK,
     labelled,
     log_event,
@@ -432,6 +433,7 @@ class Responder:
         labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(
             now - attempt.started
         )
+        labelled(GEN_AI_TIME_TO_FIRST_TOKEN, attempt.route or "").observe(now - attempt.started)
         # One pass over the headers: the gateway's own x-tierchain-* headers win (an
         # upstream's never reach the caller), and the content-length goes where the length
         # may change (a partial event dropped, an error event added, state lines put in

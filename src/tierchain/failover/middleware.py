@@ -272,7 +272,7 @@ class Failover:
         # a method of its own: a coroutine less a request.)
         # (No SDK, the usual case: neither start_span's frame nor its attributes.)
         span = (
-            start_span("tierchain.request", {ATTR_ROUTE: route})
+            start_span("tierchain.request", {ATTR_ROUTE: route, "gen_ai.request.model": route})
             if tracing_enabled()
             else INVALID_SPAN
         )

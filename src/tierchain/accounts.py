@@ -1,0 +1,145 @@
+"""The names a key's usage lives under in a store, and the usage read-out.
+
+:class:`~tierchain.limits.KeyLimits` writes, :func:`usage_report` reads, and
+:class:`~tierchain.budgets.BackendBudgets` checks the same windows and totals:
+
+- a windowed counter per key and limit, ``rpm<TAB>name``, ``tpm<TAB>name``,
+  ``budget<TAB>name`` (:func:`key_checks`), and per backend with a budget,
+  ``backend<TAB>name``;
+- a running total per key name, route, backend and kind (:func:`total_field`):
+  the token kinds (:data:`KINDS`), ``requests``, ``refused``, ``failed_attempts``,
+  and for a priced backend each token kind's cost in nano-units of the price's
+  currency (the kind with :data:`COST_SUFFIX`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .keys import CallerKey
+from .store import WindowCheck
+
+__all__ = [
+    "ANONYMOUS",
+    "COST_SUFFIX",
+    "KINDS",
+    "MINUTE",
+    "key_checks",
+    "period_text",
+    "total_field",
+    "usage_report",
+    "window_name",
+]
+
+KINDS = (
+    "input",
+    "output",
+    "input_estimated",
+    "output_estimated",
+    "failed_input",
+    "failed_output",
+)
+"""The token kinds: as the answering backend reported them, estimated where it did not,
+and those of an attempt that failed after it began answering."""
+
+ANONYMOUS = "(anonymous)"
+"""The name a request let through on an open path without a key is counted under."""
+
+MINUTE = 60.0
+COST_SUFFIX = ":cost"
+"""A total's kind with this suffix holds the cost of that kind's tokens, in nano-units."""
+_SEP = "\t"
+
+
+def window_name(kind: str, name: str) -> str:
+    """The windowed counter of limit ``kind`` (rpm, tpm, budget, backend) for ``name``."""
+    return f"{kind}{_SEP}{name}"
+
+
+def key_checks(key: CallerKey, reserve: int = 0) -> list[tuple[WindowCheck, str]]:
+    """The key's windows to check on admission; ``reserve``: the tokens this request holds
+    in its token windows (they must only have room left: the last one in may overrun)."""
+    checks = []
+    if key.rpm is not None:
+        checks.append((WindowCheck(window_name("rpm", key.name), MINUTE, key.rpm, 1), "rpm"))
+    if key.tpm is not None:
+        check = WindowCheck(window_name("tpm", key.name), MINUTE, key.tpm, reserve, fits=False)
+        checks.append((check, "tpm"))
+    if key.budget_tokens is not None:
+        window = window_name("budget", key.name)
+        check = WindowCheck(window, key.budget_period, key.budget_tokens, reserve, fits=False)
+        checks.append((check, "budget"))
+    return checks
+
+
+def total_field(key_name: str, route: str, backend: str, kind: str) -> str:
+    """The running total of ``kind`` for (key name, route, backend)."""
+    return _SEP.join((key_name, route, backend, kind))
+
+
+def period_text(seconds: float) -> str:
+    """A period as a duration a person reads: ``1d``, ``12h``, ``30m``, ``90s``."""
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+async def usage_report(store: Any, keys: Sequence[CallerKey] = ()) -> dict[str, Any]:
+    """The usage read-out (the Admin's ``GET /usage`` and its page): per key name, route,
+    backend and kind, the running totals and their ``cost`` (None where the backend has no
+    price); per key, the sums and the ``cost``; per key given, its limits and what its
+    windows hold now."""
+    totals = await store.usage_totals() if hasattr(store, "usage_totals") else {}
+    rows: list[dict[str, Any]] = []
+    costs: dict[tuple[str, ...], int] = {}
+    for field_name, amount in sorted(totals.items()):
+        parts = field_name.split(_SEP)
+        if len(parts) != 4:
+            continue
+        if parts[3].endswith(COST_SUFFIX):
+            costs[(*parts[:3], parts[3].removesuffix(COST_SUFFIX))] = amount
+            continue
+        key_name, route, backend, kind = parts
+        rows.append(
+            {
+                "key_name": key_name,
+                "route": route,
+                "backend": backend,
+                "kind": kind,
+                "value": amount,
+            }
+        )
+    by_key: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        nanos = costs.get((row["key_name"], row["route"], row["backend"], row["kind"]))
+        row["cost"] = None if nanos is None else nanos / 1e9
+        sums = by_key.setdefault(row["key_name"], {})
+        sums[row["kind"]] = sums.get(row["kind"], 0) + row["value"]
+        if nanos is not None:
+            sums["cost"] = round(sums.get("cost", 0.0) + nanos / 1e9, 9)
+    limits = []
+    for key in keys:
+        checks = key_checks(key)
+        windows = [(c.name, c.window) for c, _ in checks]
+        used = await store.window_sums(windows) if windows else []
+        now = {what: n for (_, what), n in zip(checks, used, strict=True)}
+        limits.append(
+            {
+                "key_name": key.name,
+                "rpm": key.rpm,
+                "rpm_used": now.get("rpm"),
+                "tpm": key.tpm,
+                "tpm_used": now.get("tpm"),
+                "budget_tokens": key.budget_tokens,
+                "budget_period_s": key.budget_period if key.budget_tokens is not None else None,
+                "budget_used": now.get("budget"),
+                "max_parallel": key.max_parallel,
+            }
+        )
+    return {
+        "keys": [{"key_name": name, **sums} for name, sums in sorted(by_key.items())],
+        "limits": limits,
+        "usage": rows,
+    }
