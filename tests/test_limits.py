@@ -432,7 +432,7 @@ def test_the_keys_file_on_the_limits_page_loads_as_it_is_shown(tmp_path):
     from pathlib import Path
 
     page = (Path(__file__).resolve().parent.parent / "docs" / "limits.md").read_text()
-    (block,) = re.findall(r"```toml\n(.*?)```", page, re.S)
+    block, prices = re.findall(r"```toml\n(.*?)```", page, re.S)
     path = tmp_path / "keys.toml"
     path.write_text(block)
     env = {"GW_KEY_APP": KEY_A, "GW_KEY_BATCH": KEY_B}
@@ -443,8 +443,17 @@ def test_the_keys_file_on_the_limits_page_loads_as_it_is_shown(tmp_path):
         5000000,
         86400.0,
     )
+    assert (app.max_parallel, app.default_max_tokens) == (8, 2048)
     assert (batch.rpm, batch.tpm, batch.budget_tokens) == (30, 50000, None)
     assert load_budgets(str(path)) == (BackendBudget("hosted", 20000000, 86400.0),)
+    # The prices' routes file, as shown.
+    import tomllib
+
+    from tierchain.routes_file import routes_from_toml
+
+    tower, hosted = routes_from_toml(tomllib.loads(prices))["chat"]
+    assert (tower.price_input, tower.price_output) == (0.0, None)
+    assert (hosted.price_input, hosted.price_output) == (0.15, 0.6)
 
 
 async def test_when_no_tier_answers_only_failed_attempts_are_counted_not_tokens():

@@ -18,15 +18,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from .keys import CallerKey
+from .request import TierRequest
 from .store import WindowCheck
+from .usage import bounded
 
 __all__ = [
     "ANONYMOUS",
     "COST_SUFFIX",
     "KINDS",
     "MINUTE",
+    "cost_nanos",
     "key_checks",
     "period_text",
+    "price_of",
     "total_field",
     "usage_report",
     "window_name",
@@ -76,6 +80,25 @@ def key_checks(key: CallerKey, reserve: int = 0) -> list[tuple[WindowCheck, str]
 def total_field(key_name: str, route: str, backend: str, kind: str) -> str:
     """The running total of ``kind`` for (key name, route, backend)."""
     return _SEP.join((key_name, route, backend, kind))
+
+
+def price_of(req: TierRequest | None) -> tuple[float, float] | None:
+    """The answering backend's price (input, output per million tokens), or None."""
+    attempt = req.attempt if req is not None else None
+    if attempt is None:
+        return None
+    backend = attempt.backend
+    if backend.price_input is None and backend.price_output is None:
+        return None
+    return backend.price_input or 0.0, backend.price_output or 0.0
+
+
+def cost_nanos(amount: int, price: tuple[float, float] | None, kind: str) -> int:
+    """The cost of ``amount`` tokens of ``kind`` in nano-units of the price's currency."""
+    if price is None:
+        return 0
+    per_million = price[1] if kind.endswith(("output", "output_estimated")) else price[0]
+    return bounded(round(amount * per_million * 1000), "cost", "price")
 
 
 def period_text(seconds: float) -> str:

@@ -61,8 +61,10 @@ from .accounts import (
     COST_SUFFIX,
     KINDS,
     MINUTE,
+    cost_nanos,
     key_checks,
     period_text,
+    price_of,
     total_field,
     usage_report,
     window_name,
@@ -369,7 +371,7 @@ class KeyLimits:
                 if record.outcome != "ok" and record.outcome not in _NOT_BILLED:
                     totals.append((total_field(name, route, record.backend, "failed_attempts"), 1))
         backend, tokens = self._tokens(req, meter)
-        price = _price(req)
+        price = price_of(req)
         windows: list[tuple[str, float, int]] = []
         spent = 0
         cost = 0
@@ -378,7 +380,7 @@ class KeyLimits:
                 totals.append((total_field(name, route, backend, kind), amount))
                 labelled(TOKENS, name, route, backend, kind).inc(amount)
                 spent += amount
-                nanos = _nanos(amount, price, kind)
+                nanos = cost_nanos(amount, price, kind)
                 if price is not None:  # (a free backend's 0 too: free is not unpriced)
                     totals.append((total_field(name, route, backend, kind + COST_SUFFIX), nanos))
                     cost += nanos
@@ -578,25 +580,6 @@ class _Meter:
 
 async def _nothing() -> None:
     """A send after the stream was ended here: nothing more reaches the caller."""
-
-
-def _price(req: TierRequest | None) -> tuple[float, float] | None:
-    """The answering backend's price (input, output per million tokens), or None."""
-    attempt = req.attempt if req is not None else None
-    if attempt is None:
-        return None
-    backend = attempt.backend
-    if backend.price_input is None and backend.price_output is None:
-        return None
-    return backend.price_input or 0.0, backend.price_output or 0.0
-
-
-def _nanos(amount: int, price: tuple[float, float] | None, kind: str) -> int:
-    """The cost of ``amount`` tokens of ``kind`` in nano-units of the price's currency."""
-    if price is None:
-        return 0
-    per_million = price[1] if kind.endswith(("output", "output_estimated")) else price[0]
-    return bounded(round(amount * per_million * 1000), "cost", "price")
 
 
 def _iso(epoch: float) -> str:
