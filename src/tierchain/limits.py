@@ -397,7 +397,10 @@ class KeyLimits:
             tokens_in = sum(n for kind, n in tokens if "input" in kind)
             observe_usage(scope.get("path") or "", route, tokens_in, spent - tokens_in, meter.begun)
         released = held.released() if held is not None else []
-        await self.store.usage_record(windows, totals, released)
+        if released:
+            await self.store.usage_record(windows, totals, released=released)
+        else:  # (a store of the older protocol, without holds, takes this call too)
+            await self.store.usage_record(windows, totals)
         if spent:
             log_event(
                 "usage.recorded",
