@@ -253,6 +253,20 @@ def pick_weights(raw: str) -> Any:
         raise ValueError from None
 
 
+def import_path(raw: str) -> str:
+    """An import path ``package.module:name`` of something that can be imported now (so that
+    ``check-config`` finds a typo; the layer imports it again when it is built)."""
+    text = raw.strip()
+    if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", text):
+        raise ValueError
+    module, _, name = text.partition(":")
+    try:
+        getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot be imported: {exc}") from None
+    return text
+
+
 def path_list(raw: str) -> tuple[str, ...]:
     """URL path prefixes separated by commas, each starting with ``/``."""
     paths = tuple(p.strip() for p in raw.split(",") if p.strip())
@@ -492,6 +506,10 @@ LAYERS: tuple[Layer, ...] = (
            "weights name=number separated by commas, such as in_flight=1,waiting=1,kv_cache=2,"
            "slots=1,first_data=0.1",
            help="The weights of a pool replica's score (see Pools)."),
+        _o("pick_policy", "FAILOVER_PICK_POLICY", import_path,
+           "an import path such as mypackage.scoring:policy",
+           help="A pool's replica-picking policy of your own, or a function of the weights "
+           "that builds one (see Pools, adding a scorer)."),
         _o("retries", "FAILOVER_RETRIES", integer(0), "a whole number >= 0",
            help="Tries of the same backend again after a transient fault, per request."),
         _o("max_retry_wait", "FAILOVER_MAX_RETRY_WAIT", seconds(), _SECS_NONNEG,

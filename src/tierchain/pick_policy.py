@@ -16,13 +16,22 @@ per request but the facts of each replica and the lists the filters return):
 Today's policy (:func:`default_policy`): :class:`NotOpen`, then :class:`HasRoom` (so the
 classes are free, full, open), and the five scorers :class:`InFlight`, :class:`Waiting`,
 :class:`KvCache`, :class:`SlotsBusy` and :class:`FirstData`.
+
+A policy of one's own (``Failover(pick_policy=...)``, ``TIERCHAIN_FAILOVER_PICK_POLICY``) is
+anything with ``rank`` (:class:`Ranking`), usually a :class:`PickPolicy` of these pieces and
+scorers of one's own; :func:`resolve_policy` turns what the option was given into one, once.
+The contract of a scorer (docs/pools.md, "Adding a scorer"): synchronous, no I/O, never
+raising on a fact it does not know (0.0); its number is in its fact's own unit and lower is
+better; its weight turns that unit into score points, compared in steps of
+``PickWeights.resolution``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 from .backend import Backend
 from .probes import Status
@@ -36,11 +45,14 @@ __all__ = [
     "KvCache",
     "NotOpen",
     "PickPolicy",
+    "PolicyOption",
+    "Ranking",
     "Scorer",
     "SlotsBusy",
     "Waiting",
     "Weights",
     "default_policy",
+    "resolve_policy",
 ]
 
 
@@ -76,6 +88,15 @@ class Scorer(Protocol):
     def weight(self) -> float: ...
 
     def __call__(self, candidate: Candidate) -> float: ...
+
+
+class Ranking(Protocol):
+    """What the Picker asks of a policy: each candidate's (class, score), in the order given.
+
+    Class 0 goes first, then 1, and so on; within a class the lowest score goes first.
+    """
+
+    def rank(self, candidates: Sequence[Candidate]) -> list[tuple[int, float]]: ...
 
 
 class Weights(Protocol):
@@ -223,3 +244,36 @@ def default_policy(weights: Weights) -> PickPolicy:
             FirstData(weights.first_data),
         ),
     )
+
+
+PolicyOption: TypeAlias = "Ranking | Callable[[Weights], Ranking] | str"
+"""What ``pick_policy`` takes: a policy, a function of the weights that builds one, or the
+import path (``package.module:name``) of either."""
+
+
+def resolve_policy(option: PolicyOption | None, weights: Weights) -> Ranking | None:
+    """The policy ``option`` names, built once (None: the default policy, built by the Picker).
+
+    Raises ValueError, in one sentence, for anything that is not a policy."""
+    if option is None:
+        return None
+    found: object = option
+    if isinstance(option, str):
+        module, colon, name = option.partition(":")
+        if not colon or not module or not name:
+            raise ValueError(
+                f"pick_policy {option!r} is not an import path such as 'mypackage.scoring:policy'"
+            )
+        try:
+            found = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"pick_policy {option!r} cannot be imported: {exc}") from None
+    if not callable(getattr(found, "rank", None)) and callable(found):
+        found = found(weights)  # a builder, given the weights
+    if not callable(getattr(found, "rank", None)):
+        raise ValueError(
+            f"pick_policy must be a policy with rank(candidates) (such as a "
+            f"tierchain.pick_policy.PickPolicy), or a function of the weights that returns one; "
+            f"got {found!r}"
+        )
+    return found  # type: ignore[return-value]

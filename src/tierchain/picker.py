@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -66,11 +67,11 @@ from . import _json
 from ._runtime import clock
 from .backend import Backend
 from .learned import Learned
-from .pick_policy import Candidate, default_policy
+from .pick_policy import Candidate, Ranking, default_policy
 from .probes import auto_reader
 from .status import StatusBoard, full
 from .store import AffinityStore, MemoryStore, Store
-from .telemetry import POOL_AFFINITY, POOL_PICKS, labelled
+from .telemetry import POOL_AFFINITY, POOL_PICKS, labelled, log_event
 
 __all__ = ["AFFINITY_TTL", "PickWeights", "Picker", "Prefix", "prefix_keys"]
 
@@ -197,6 +198,7 @@ class Picker:
         "_affinity",
         "_board",
         "_breakers",
+        "_fallback",
         "_in_flight",
         "_learned",
         "_open",
@@ -212,9 +214,13 @@ class Picker:
         admission: Any,
         store: Any = None,
         board: StatusBoard | None = None,
+        policy: Ranking | None = None,
     ) -> None:
         self.weights = weights
-        self.policy = default_policy(weights)  # built once: the filters and scorers
+        # Built once: the filters and scorers. A policy of the user's is guarded by the
+        # default one: should it raise or answer the wrong length, the pick goes on with it.
+        self.policy: Ranking = default_policy(weights) if policy is None else policy
+        self._fallback = None if policy is None else default_policy(weights)
         self._board = board
         self._admission = admission
         self._breakers: Store | None = store if isinstance(store, Store) else None
@@ -247,7 +253,7 @@ class Picker:
             seen = await asyncio.gather(*(self._facts(route, b, body) for b in replicas))
         else:  # (in memory nothing waits: no task per replica)
             seen = [await self._facts(route, b, body) for b in replicas]
-        ranked = self.policy.rank(seen)
+        ranked = self.policy.rank(seen) if self._fallback is None else self._guarded(seen)
         step = self.weights.resolution
         keyed = sorted(
             zip(ranked, [random.random() for _ in replicas], replicas, strict=True),
@@ -268,6 +274,26 @@ class Picker:
                 else:
                     labelled(POOL_AFFINITY, route, pool, "loaded").inc()
         return out
+
+    def _guarded(self, seen: list[Candidate]) -> list[tuple[int, float]]:
+        """A user's policy's ranking, or the default one's when it raises or is malformed
+        (as OpenTelemetry wraps a user's hooks: a broken scorer never breaks a request)."""
+        assert self._fallback is not None
+        try:
+            ranked = [(int(c), float(s)) for c, s in self.policy.rank(seen)]
+            if len(ranked) == len(seen) and all(math.isfinite(s) for _, s in ranked):
+                return ranked
+            problem = f"ranked {len(ranked)} of {len(seen)} replicas, or a score not finite"
+        except Exception as exc:  # a user's code: logged, never raised into the request
+            problem = f"{type(exc).__name__}: {exc}"
+        log_event(
+            "pool.policy_failed",
+            logging.WARNING,
+            policy=type(self.policy).__name__,
+            error=problem,
+            using="the default policy",
+        )
+        return self._fallback.rank(seen)
 
     async def _affine(self, route: str, prefix: Prefix) -> str | None:
         """The replica that last answered the longest of the request's prefixes, when

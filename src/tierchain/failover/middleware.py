@@ -84,6 +84,7 @@ from ..errors import (
 from ..hedging import Hedging
 from ..keys import caller_name
 from ..observer import Observer
+from ..pick_policy import PolicyOption, resolve_policy
 from ..picker import Picker, PickWeights
 from ..request import (
     DEFAULT_SEND_TIMEOUT,
@@ -144,6 +145,7 @@ class Failover:
         body_timeout: float | timedelta | None = DEFAULT_BODY_TIMEOUT,
         send_timeout: float | timedelta | None = DEFAULT_SEND_TIMEOUT,
         pick: PickWeights | None = None,
+        pick_policy: PolicyOption | None = None,
         retries: int = 1,
         max_retry_wait: float | timedelta = 10.0,
         waiting_room: bool = False,
@@ -187,8 +189,13 @@ class Failover:
             )
         # The board of the watchdog this Failover wraps (found once, here), or the one given.
         self.status_board = status_board if status_board is not None else board_within(app)
+        weights = pick or PickWeights()
         self.picker = Picker(
-            pick or PickWeights(), admission=self.admission, store=store, board=self.status_board
+            weights,
+            admission=self.admission,
+            store=store,
+            board=self.status_board,
+            policy=resolve_policy(pick_policy, weights),
         )
         self.retries = count("retries", retries, minimum=0)
         self.max_retry_wait = duration("max_retry_wait", max_retry_wait, allow_zero=True)
