@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections import Counter
 from typing import Any
 
@@ -26,7 +25,16 @@ from tierchain import (
 )
 from tierchain.errors import BudgetExhausted
 
-from .support import FakeBackend, answers, chat_request, serve, streams
+from .support import (
+    FakeBackend,
+    answers,
+    chat_request,
+    fresh_post,
+    now,
+    on_virtual_time,
+    serve,
+    streams,
+)
 
 TOWER = Backend("tower", "http://tower.invalid")
 HOSTED = Backend("hosted", "http://hosted.invalid")
@@ -222,6 +230,7 @@ async def test_one_good_attempt_clears_the_counts(manual_clock):
     assert (snap.state, snap.saturations) == ("closed", 1)
 
 
+@on_virtual_time  # Failover waits the 7 s out before its same-tier retry
 async def test_a_429_with_retry_after_opens_for_that_long_and_no_longer_than_the_cap(
     manual_clock,
 ):
@@ -354,21 +363,22 @@ async def test_a_hundred_concurrent_requests_after_the_cooldown_send_one_probe(
     assert (await breaker_store.breaker_snapshot("echo", "tower")).state == "closed"
 
 
+@on_virtual_time
 async def test_alone_in_front_of_one_backend_it_answers_503_fast_while_open():
     async with FakeBackend("tower", answers(502)) as tower:
         forwarder = Forwarder(backend=Backend("tower", tower.url))
-        # probe_every=0: the whole failure_cooldown (this runs on the real clock).
+        # probe_every=0: the whole failure_cooldown.
         app = Breaker(forwarder, failure_threshold=2, backend="tower", probe_every=0)
-        async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
-            for _ in range(2):
-                response = await client.post(url + "/v1/chat/completions", content=b"{}")
+        async with serve(app) as url:
+            for _ in range(2):  # each on a connection of its own: see fresh_post
+                response = await fresh_post(url + "/v1/chat/completions", content=b"{}")
                 assert response.status_code == 502
-            t0 = time.monotonic()
-            response = await client.post(url + "/v1/chat/completions", content=b"{}")
-            took = time.monotonic() - t0
+            t0 = now()
+            response = await fresh_post(url + "/v1/chat/completions", content=b"{}")
+            took = now() - t0
         await forwarder.aclose()
     assert response.status_code == 503
-    assert took < 1.5  # no upstream round trip; the real proof is the request count below
+    assert took == 0.0  # no upstream round trip, no timer: answered from the ledger
     assert response.headers["retry-after"] == "30"
     error = response.json()["error"]
     (shown,) = error["backends"]
@@ -450,6 +460,7 @@ def test_options_are_checked_at_start_up(opts, word):
         Breaker(Tiers(), **opts)
 
 
+@on_virtual_time
 async def test_the_seed_000_shape_a_saturated_tower_stops_receiving_work():
     """After two saturations the tower gets no more work and a request costs no wait for it."""
     import tierchain
@@ -467,20 +478,18 @@ async def test_the_seed_000_shape_a_saturated_tower_stops_receiving_work():
             else _SaturateAfter(forwarder, 0.3)
         )
         app = Failover(Breaker(inner), routes=routes)
-        async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+        async with serve(app) as url:
             waits = []
             for _ in range(4):
-                t0 = time.monotonic()
-                response = await client.post(url + "/v1/chat/completions", content=chat_request())
-                waits.append(time.monotonic() - t0)
+                t0 = now()
+                response = await fresh_post(url + "/v1/chat/completions", content=chat_request())
+                waits.append(now() - t0)
                 assert response.status_code == 200
                 assert response.headers["x-tierchain-backend"] == "hosted"
         await forwarder.aclose()
     assert len(tower.requests) == 2
-    assert waits[0] >= 0.3
-    assert waits[1] >= 0.3
-    assert waits[2] < 0.25
-    assert waits[3] < 0.25
+    # Two windows of slow_after waited, then none: the tower is skipped without a wait.
+    assert waits == [pytest.approx(0.3), pytest.approx(0.3), 0.0, 0.0]
     assert "tower;outcome=skipped" in response.headers["x-tierchain-attempts"]
 
 

@@ -134,18 +134,44 @@ def toml_blocks(path: Path) -> list[str]:
     return re.findall(r"```toml\n(.*?)```", path.read_text(), re.S)
 
 
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def routes_files() -> list[tuple[Path, int, str]]:
+    """Every ```toml block of the README and docs/ that holds routes: (page, n, block)."""
+    return [
+        (path, n, block)
+        for path in PAGES
+        for n, block in enumerate(toml_blocks(path))
+        if re.search(r"^\[\[?routes\.", block, re.M)
+    ]
+
+
 @pytest.mark.parametrize(
-    "path", [ROOT / "README.md", *sorted(DOCS.glob("*.md"))], ids=lambda p: p.name
+    ("path", "n", "block"), routes_files(), ids=[f"{p.name}-{n}" for p, n, _ in routes_files()]
 )
-def test_every_routes_file_in_the_docs_loads(path):
+def test_every_routes_file_in_the_docs_loads(path, n, block):
     import tomllib
 
-    for block in toml_blocks(path):
-        data = tomllib.loads(block)
-        if "routes" not in data:
-            continue
-        variables = set(re.findall(r'api_key_env = "(\w+)"', block))
-        config.routes_from_toml(data, environ={v: "sk-docs-example" for v in variables})
+    data = tomllib.loads(block)
+    assert "routes" in data, f"{path.name}: toml block {n} names routes but holds none"
+    variables = set(re.findall(r'api_key_env = "(\w+)"', block))
+    config.routes_from_toml(data, environ={v: "sk-docs-example" for v in variables})
+
+
+def test_the_routes_files_found_are_every_toml_block_that_has_routes():
+    """The parametrisation above misses none: every toml block that parses to a ``routes``
+    table is one of them, and there are as many as the pages show."""
+    import tomllib
+
+    holding = [
+        (path.name, n)
+        for path in PAGES
+        for n, block in enumerate(toml_blocks(path))
+        if "routes" in tomllib.loads(block)
+    ]
+    assert holding == [(path.name, n) for path, n, _ in routes_files()]
+    assert len(holding) >= 10, holding
 
 
 def test_every_key_of_the_routes_file_is_in_the_configuration_page():

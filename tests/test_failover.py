@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tierchain import Backend, Failover, Forwarder, Routes
+from tierchain._disconnect import WATCH_AFTER
 
 from .support import (
     Exchange,
@@ -49,7 +50,7 @@ async def test_a_refused_connection_fails_over_in_well_under_a_second():
             took = now() - t0
         await fwd.aclose()
     assert response.status_code == 200
-    assert took < 1.5
+    assert took == 0.0  # a refused connect waits for no timer at all
     assert b"".join(openai_stream(["from ", "hosted"])) == response.content
     assert response.headers["x-tierchain-attempts"] == (
         "tower;outcome=connect_refused, hosted;outcome=ok"
@@ -292,7 +293,8 @@ async def test_a_caller_that_disconnects_closes_the_upstream_connection():
                 await asyncio.wait_for(started.wait(), 1)
             t0 = now()
             await asyncio.wait_for(tower.connection_closed.wait(), 1)
-            assert now() - t0 < 1.5
+            # Closed at the disconnect watch's first look after the caller left.
+            assert now() - t0 <= WATCH_AFTER + 1e-6
             assert tower.open_connections == 0
         await fwd.aclose()
 

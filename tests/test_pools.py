@@ -10,7 +10,9 @@ over onto, and a second try of the same tier after a transient fault.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -249,15 +251,24 @@ async def test_a_busy_replica_is_not_picked_while_another_is_idle() -> None:
 
 
 async def test_equal_idle_replicas_share_the_requests_at_random() -> None:
+    random.seed(45)  # the picker's tie-break draws from random: the same run every time
+    order: list[str] = []
     async with FakeBackend("a") as a, FakeBackend("b") as b:
         gw = Gateway([tower(a, b)])
         async with serve(gw.app) as url, httpx.AsyncClient() as client:
-            for _ in range(30):
-                assert (await post(client, url)).status_code == 200
+            for _ in range(40):
+                got = await post(client, url)
+                assert got.status_code == 200
+                order.append(got.headers["x-tierchain-backend"])
         await gw.aclose()
-    # One after the other, each idle: both get some (all 30 on one: 2 in 2**30).
-    assert a.requests
-    assert b.requests
+    # One after the other, each idle: a fair coin per request. Binomial(40, 1/2) falls
+    # outside 10..30 with a probability under 1e-3; "the first takes all" is 40/0.
+    assert 10 <= len(a.requests) <= 30, (len(a.requests), len(b.requests))
+    assert len(a.requests) + len(b.requests) == 40
+    # At random, not in turn: a round robin never picks the same replica twice in a row;
+    # 40 fair coins repeat about 20 times in 39 pairs (fewer than 10: under 1e-3).
+    repeats = sum(1 for x, y in itertools.pairwise(order) if x == y)
+    assert repeats >= 10, order
 
 
 async def test_an_open_replica_is_not_picked_while_another_is_closed() -> None:
