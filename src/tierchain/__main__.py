@@ -155,7 +155,7 @@ def check_config(
 ) -> int:
     """Print the effective configuration and its warnings (exit 0), or every problem (exit 2)."""
     from .config import ConfigError, config_warnings, from_env
-    from .stack import build_stack, unrouted
+    from .stack import build_stack, limits_view, unrouted
 
     out = sys.stdout if out is None else out
     env = dict(os.environ) if environ is None else environ
@@ -189,6 +189,7 @@ def check_config(
             "ok": True,
             "warnings": warnings,
             "stack": _stack_rows(settings),
+            "limits": limits_view(settings),
             "routes": fields["routes"],
             "wire_formats": _wire_formats(settings),
             "pools": _pools(settings),
@@ -233,7 +234,16 @@ def check_config(
     return 0
 
 
-_BACKEND_SHOWN = ("regime", "model", "status_url", "stream_end", "stall_after", "max_in_flight")
+_BACKEND_SHOWN = (
+    "regime",
+    "model",
+    "status_url",
+    "stream_end",
+    "stall_after",
+    "max_in_flight",
+    "price_input",
+    "price_output",
+)
 
 
 def _backend_line(b: dict[str, Any], wire_format: str | None) -> str:
@@ -299,6 +309,7 @@ def _stack_rows(settings: Any) -> list[dict[str, Any]]:
                 "sources": dict(settings.layers["CallerKeys"].sources),
             }
         )
+        rows.append({"name": "KeyLimits", "options": _limits_options(settings), "sources": {}})
     for name in settings.stack:
         rows.append(
             {
@@ -323,6 +334,29 @@ def _stack_rows(settings: Any) -> list[dict[str, Any]]:
         }
     )
     return rows
+
+
+def _limits_options(settings: Any) -> dict[str, Any]:
+    """KeyLimits' row: its default, then per key *name* its limits (or "counted")."""
+    from .stack import limits_view
+
+    view = limits_view(settings) or {}
+    options: dict[str, Any] = {"default_max_tokens": view.get("default_output")}
+    for key in view.get("keys", ()):
+        said = []
+        for name, value in key.items():
+            if name == "budget":
+                said.append(f"budget {value} tokens/{key['budget_period']}")
+            elif name == "default_output":
+                said.append(f"default_max_tokens {value}")
+            elif name not in ("name", "budget_period"):
+                said.append(f"{name} {value}")
+        options[f"keys.{key['name']}"] = ", ".join(said) if said else "counted, no limits"
+    for budget in view.get("backend_budgets", ()):
+        options[f"backend.{budget['backend']}"] = (
+            f"{budget['budget']} tokens/{budget['budget_period']}"
+        )
+    return options
 
 
 def _val(value: Any) -> str:

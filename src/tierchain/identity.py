@@ -103,6 +103,9 @@ def _routes(routes: Routes | Mapping[str, Any]) -> dict[str, list[dict[str, Any]
                 entry["stall_after"] = backend.stall_after
             if backend.max_in_flight is not None:
                 entry["max_in_flight"] = backend.max_in_flight
+            for side in ("price_input", "price_output"):
+                if getattr(backend, side) is not None:
+                    entry[side] = getattr(backend, side)
             if backend.headers:
                 entry["headers"] = sorted(backend.headers)  # names only, never values
             if backend.forward_caller_auth:

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ._types import ASGIApp, Message, Receive, Scope, Send
+from .accounts import period_text
 from .config import (
     ConfigError,
     Settings,
@@ -33,6 +34,7 @@ from .endpoints import Endpoints
 from .identity import StartupIdentity
 from .keys import CallerKey, load_keys_file
 from .limits import BackendBudget, BackendBudgets, KeyLimits, load_budgets
+from .usage import DEFAULT_MAX_TOKENS
 
 __all__ = ["CloseOnShutdown", "Mount", "build_stack", "conflicts", "make_store", "unrouted"]
 
@@ -168,7 +170,9 @@ def build_stack(
     if made_store and hasattr(store, "aclose"):
         inner = CloseOnShutdown(inner, close=store.aclose)
     if settings.identity if identity is None else identity:
-        inner = StartupIdentity(inner, settings=settings)
+        view = limits_view(settings)
+        extra = {"limits": view} if view is not None else None
+        inner = StartupIdentity(inner, settings=settings, extra=extra)
     return inner
 
 
@@ -268,3 +272,41 @@ def _backend_names(settings: Settings) -> set[str] | None:
             if backend.pool is not None:
                 names.add(backend.pool)
     return names
+
+
+_LIMIT_FIELDS = (
+    ("rpm", "rpm"),
+    ("tpm", "tpm"),
+    ("budget_tokens", "budget"),
+    ("max_parallel", "max_parallel"),
+    ("default_max_tokens", "default_output"),
+)
+
+
+def limits_view(settings: Settings) -> dict[str, Any] | None:
+    """The limits layer as ``check-config`` and the identity line show it: KeyLimits'
+    default output reservation (``default_output``: ``default_max_tokens``), each key's
+    limits by its *name* (never the key; ``budget`` tokens per ``budget_period``), the
+    backend budgets; None without caller keys (no KeyLimits). (No field name says
+    "token": the identity line masks the values of such names.)"""
+    if not settings.layers["CallerKeys"].options:
+        return None
+    keys, budgets = _keys_and_budgets(settings, [])
+    shown = []
+    for key in keys:
+        entry: dict[str, Any] = {"name": key.name}
+        for field, name in _LIMIT_FIELDS:
+            if getattr(key, field) is not None:
+                entry[name] = getattr(key, field)
+        if key.budget_tokens is not None:
+            entry["budget_period"] = period_text(key.budget_period)
+        shown.append(entry)
+    return {
+        "layer": "KeyLimits",
+        "default_output": DEFAULT_MAX_TOKENS,
+        "keys": shown,
+        "backend_budgets": [
+            {"backend": b.backend, "budget": b.tokens, "budget_period": period_text(b.period)}
+            for b in budgets
+        ],
+    }
