@@ -11,14 +11,32 @@ so every caller of the loader treats it as the invalid JSON it already handles.
 The depth is checked without recursion and, for the usual text, without a walk: a text with
 no more than ``MAX_DEPTH`` opening brackets cannot nest deeper, and is parsed as it is. Only a
 text with more is walked once after parsing (an explicit stack, never the Python stack).
+
+A caller's body is also bounded by its shape before anything parses it (:func:`check_shape`):
+the parser's cost grows with the values it builds (an empty array costs about a microsecond,
+so 30 MB of ``[[],[],...]`` held the event loop for seconds), so a body with more than
+:data:`MAX_CONTAINERS` arrays and objects or :data:`MAX_VALUES` values is refused as
+:class:`TooComplex`, a ``ValueError``, counted outside its strings a slice at a time with the
+event loop free between slices.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from typing import Any
 
-__all__ = ["MAX_DEPTH", "TooDeep", "depth_ok", "loads"]
+__all__ = [
+    "MAX_CONTAINERS",
+    "MAX_DEPTH",
+    "MAX_VALUES",
+    "TooComplex",
+    "TooDeep",
+    "check_shape",
+    "depth_ok",
+    "loads",
+]
 
 MAX_DEPTH = 128
 """The deepest nesting of arrays and objects accepted (serde_json's default limit too)."""
@@ -29,6 +47,77 @@ class TooDeep(ValueError):
 
     def __init__(self) -> None:
         super().__init__(f"JSON nested deeper than {MAX_DEPTH} levels")
+
+
+MAX_CONTAINERS = 50_000
+"""The most arrays and objects a caller's body may hold (:func:`check_shape`)."""
+
+MAX_VALUES = 200_000
+"""The most values (arrays, objects, strings, numbers...) a caller's body may hold."""
+
+_SLICE = 256 * 1024  # bytes looked at between two turns of the event loop
+_STEPS = 1_000  # strings passed between two turns of the event loop, at most
+# The rest of a JSON string from inside it: up to its closing quote (not consumed), escapes
+# passed whole (the unrolled form: a C loop per run of plain bytes, never per byte).
+_IN_STRING = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
+
+
+class TooComplex(ValueError):
+    """A JSON text with more arrays and objects, or values, than a caller's body may hold."""
+
+    def __init__(self, what: str, limit: int) -> None:
+        super().__init__(f"the JSON text holds more than {limit:,} {what}")
+
+
+async def check_shape(text: bytes) -> int | None:
+    """Refuse ``text`` as :class:`TooComplex` when it holds more than
+    :data:`MAX_CONTAINERS` arrays and objects or :data:`MAX_VALUES` values, counted
+    outside its strings, before anything parses it; else the number of arrays and
+    objects it holds (None for a text too short to hold too many: not counted).
+
+    The count runs a slice of ``text`` at a time (C searches within each), and lets
+    the event loop run between slices: a 30 MB body costs the loop a few milliseconds
+    at a time, never the whole count at once. A text that is not JSON is left to the
+    parser to refuse.
+    """
+    end = len(text)
+    if end <= 2 * MAX_CONTAINERS:  # (each array or object takes two bytes at least)
+        return None
+    containers = values = 0
+    pos = 0
+    inside = False  # within a string
+    while pos < end:
+        stop = min(pos + _SLICE, end)
+        steps = 0
+        while pos < stop and steps < _STEPS:
+            steps += 1
+            if inside:
+                matched = _IN_STRING.match(text, pos, stop)
+                pos = matched.end() if matched is not None else pos
+                if pos < stop and text[pos] == 0x22:  # the closing quote
+                    inside = False
+                    pos += 1
+                    values += 1
+                elif pos < stop:  # an escape cut by the slice's end: from it, next turn
+                    if stop == end:
+                        return containers  # a string that never ends: not JSON
+                    break
+            else:
+                quote = text.find(b'"', pos, stop)
+                upto = stop if quote < 0 else quote
+                containers += text.count(b"[", pos, upto) + text.count(b"{", pos, upto)
+                values += text.count(b",", pos, upto)
+                if quote < 0:
+                    pos = stop
+                else:
+                    inside = True
+                    pos = quote + 1
+            if containers > MAX_CONTAINERS:
+                raise TooComplex("arrays and objects", MAX_CONTAINERS)
+            if containers + values > MAX_VALUES:
+                raise TooComplex("values", MAX_VALUES)
+        await asyncio.sleep(0)
+    return containers
 
 
 def depth_ok(text: bytes | str) -> bool:
@@ -50,14 +139,16 @@ def _depth_within(value: Any) -> bool:
     return True
 
 
-def loads(text: bytes | bytearray | str) -> Any:
+def loads(text: bytes | bytearray | str, *, containers: int | None = None) -> Any:
     """``json.loads(text)``, raising :class:`TooDeep` (a ``ValueError``) past the depth limit.
 
     Raises ``ValueError`` (``UnicodeDecodeError`` is one) for anything ``json.loads`` refuses.
+    ``containers``: the text's arrays and objects as :func:`check_shape` counted them, so
+    that they are not counted again.
     """
     if isinstance(text, bytearray):
         text = bytes(text)
-    if depth_ok(text):
+    if depth_ok(text) if containers is None else containers <= MAX_DEPTH:
         return json.loads(text)
     try:
         value = json.loads(text)

@@ -67,6 +67,7 @@ from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN, Status, StatusCode
 
+from .. import _json
 from .._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from .._checks import count, duration
 from .._disconnect import DisconnectGuard, Replay
@@ -108,12 +109,13 @@ from .call import attempt_span, current, own_abort
 from .continuing import continue_stream, continuing
 from .plan import Fault, Tries, again, next_attempt, record, retry_pause, wait_for_room
 from .pools import PoolPlan, gathered, sibling_left
-from .route import Resolver, ScopeCopy, reordered, route_of
+from .route import Resolver, ScopeCopy, reordered, route_of, shape_of
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "DEFAULT_SEND_TIMEOUT", "Failover", "ResolveError", "Resolver"]
 
 DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
 """Statuses that advance the chain before commit (529: Anthropic's "overloaded")."""
+_SHAPED = 2 * _json.MAX_CONTAINERS  # bodies longer than this have their shape checked
 _WAIT_POLL = 0.25  # how often the first in the waiting room looks again unwoken
 
 
@@ -259,7 +261,13 @@ class Failover:
             return  # answered 413 or 408, or the caller left
         req.body = body
         req.send_timeout = self.send_timeout
-        route = route_of(self.resolve, self._chains, self._known, scope, req, body)
+        containers = None
+        if len(body) > _SHAPED:  # (shorter, it cannot hold too many values)
+            shaped = await shape_of(req, body)
+            if isinstance(shaped, Refusal):
+                return await refuse_route(send, shaped, target.path)
+            containers = shaped
+        route = route_of(self.resolve, self._chains, self._known, scope, req, body, containers)
         if isinstance(route, Refusal):
             return await refuse_route(send, route, target.path)
         # The request's route, its chain (reordered, pools gathered) and its wire format.

@@ -26,7 +26,7 @@ from ..telemetry import (
 )
 from .answers import Refusal
 
-__all__ = ["Resolver", "ScopeCopy", "reordered", "route_of"]
+__all__ = ["Resolver", "ScopeCopy", "reordered", "route_of", "shape_of"]
 
 Resolver = Callable[[Scope, bytes], str]
 # The key tuples of the scopes seen (one per shape: server, framework, mounts).
@@ -36,10 +36,25 @@ _SCOPE_SHAPES_MAX = 256
 _scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
-def _loaded(body: bytes) -> dict[str, Any]:
+async def shape_of(req: TierRequest, body: bytes) -> int | Refusal | None:
+    """The body's arrays and objects counted (None: not counted), or the caller's 400 for a
+    body that holds too many values to parse on the event loop (:func:`_json.check_shape`)."""
+    try:
+        return await _json.check_shape(body)
+    except _json.TooComplex as exc:
+        req.streaming = False  # (nothing outside parses it to ask either)
+        return Refusal(
+            400,
+            f"the request body is too complex to route: {exc}",
+            "invalid_request_error",
+            "invalid_body",
+        )
+
+
+def _loaded(body: bytes, containers: int | None = None) -> dict[str, Any]:
     """A body the scanner alone did not read, by the loader (:mod:`tierchain._json`)."""
     try:
-        data = _json.loads(body)
+        data = _json.loads(body, containers=containers)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ResolveError(f"the request body is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
@@ -54,10 +69,12 @@ def route_of(
     scope: Scope,
     req: TierRequest,
     body: bytes,
+    containers: int | None = None,
 ) -> str | Refusal:
     """The request's route, or why it has none (the caller's 400 or 404); ``routes``: the
     routes' names (a Routes, or a mapping keyed by them), ``known``: the same, for the
-    404's message."""
+    404's message; ``containers``: the body's arrays and objects outside its strings, when
+    :func:`shape_of` counted them (else they are counted here, strings and all)."""
     try:
         if resolve is not None:
             route = resolve(scope, body)
@@ -68,7 +85,9 @@ def route_of(
             # wrong) is left to the loader, which bounds the depth and gives the error.
             data: dict[str, Any] | None = None
             # (_json.depth_ok's count, inline: the loader checks a text with many brackets)
-            if body[:1] == b"{" and body.count(b"[") + body.count(b"{") <= _json.MAX_DEPTH:
+            if containers is None and body[:1] == b"{":
+                containers = body.count(b"[") + body.count(b"{")
+            if body[:1] == b"{" and containers is not None and containers <= _json.MAX_DEPTH:
                 try:
                     text = body.decode()
                     scanned, end = _scan(text, 0)
@@ -81,7 +100,7 @@ def route_of(
                     ):
                         data = scanned
             if data is None:
-                data = _loaded(body)
+                data = _loaded(body, containers)
             model = data.get("model")
             if not isinstance(model, str):
                 raise ResolveError("the request body has no string 'model' to route on")
