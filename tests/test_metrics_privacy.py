@@ -72,3 +72,31 @@ async def test_metrics_answer_only_the_metrics_key_when_one_is_set(tmp_path) -> 
 def test_a_metrics_key_too_short_is_refused() -> None:
     with pytest.raises(ValueError, match="metrics_key"):
         Endpoints(metrics_key="short")
+
+
+@pytest.mark.parametrize(
+    ("env", "served"),
+    [
+        ({}, False),  # keys off: anyone may probe the affinity with a guessed prompt
+        ({"TIERCHAIN_METRICS_KEY": METRICS_KEY}, True),  # /metrics is the operator's
+        ({"TIERCHAIN_API_KEYS": KEY_A}, True),  # the affinity is per key
+        ({"TIERCHAIN_API_KEYS": KEY_A, "TIERCHAIN_API_KEYS_OPEN_PATHS": "/api/"}, False),
+    ],
+    ids=["keys_off", "metrics_key", "keys_on", "open_paths"],
+)
+async def test_metrics_serve_the_prefix_affinity_counter_only_where_no_caller_can_probe_it(
+    tmp_path, env, served
+) -> None:
+    from tierchain.telemetry import POOL_AFFINITY
+
+    POOL_AFFINITY.labels("echo", "tower", "hit").inc()  # a hit someone's prompt made
+    routes = tmp_path / "routes.toml"
+    routes.write_text('[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:9"\n')
+    settings = from_env({"TIERCHAIN_ROUTES_FILE": str(routes), "TIERCHAIN_IDENTITY": "off", **env})
+    app = build_stack(None, settings)
+    headers = {"authorization": f"Bearer {METRICS_KEY}"} if env.get("TIERCHAIN_METRICS_KEY") else {}
+    async with serve(app, lifespan="on") as url, httpx.AsyncClient() as client:
+        text = (await client.get(url + "/metrics", headers=headers)).text
+    assert ("tierchain_pool_affinity" in text) is served
+    assert "tierchain_pool_picks" in text  # the rest is served either way
+    assert text.endswith("\n")

@@ -637,7 +637,7 @@ LAYERS: tuple[Layer, ...] = (
         _o("metrics_key", "METRICS_KEY", token, "16 to 512 printable ASCII characters, no spaces",
            secret=True,
            help="When set, /metrics answers only Authorization: Bearer <key> (401 otherwise)."),
-    ), wired=frozenset({"routes", "store"}),
+    ), wired=frozenset({"routes", "store", "prompt_metrics"}),
        code_only=frozenset({"owned_by", "created", "registry", "snapshot_timeout"}),
        help="/v1/models, /api/tags, /api/ps, /healthz, /readyz and /metrics, in front."),
     Layer("RedisStore", "tierchain.redis_store", "component", (

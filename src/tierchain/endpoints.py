@@ -53,10 +53,15 @@ from .masking import hide
 from .store import Store
 from .telemetry import log_event
 
-__all__ = ["PATHS", "Endpoints"]
+__all__ = ["PATHS", "PROMPT_METRICS", "Endpoints"]
 
 PATHS = ("/v1/models", "/api/tags", "/api/ps", "/healthz", "/readyz", "/metrics")
 """The paths answered (``/v1/models`` with its ``/{id}`` below it)."""
+
+PROMPT_METRICS = (b"tierchain_pool_affinity",)
+"""Metrics a caller's prompt can be guessed from: a caller that sends a guess and sees
+``tierchain_pool_affinity_total{result="hit"}`` move learns that another caller sent that
+prompt. ``/metrics`` serves them only with ``prompt_metrics`` (see :class:`Endpoints`)."""
 
 _JSON = b"application/json"
 _NO_STORE = (b"cache-control", b"no-store")
@@ -71,6 +76,9 @@ class Endpoints:
 
     ``app`` receives every other request; without one, those get a 404 JSON error.
     ``routes`` are the models listed, and ``store`` the breakers' store ``/readyz`` reads.
+    ``prompt_metrics``: whether ``/metrics`` serves :data:`PROMPT_METRICS`; None: only
+    when ``metrics_key`` keeps ``/metrics`` to the operator (``build_stack`` also passes
+    True when every caller has a key of its own, which partitions the affinity).
 
     Options: [Endpoints options](endpoints.md#options).
     """
@@ -86,6 +94,7 @@ class Endpoints:
         registry: CollectorRegistry | None = None,
         snapshot_timeout: float | timedelta = 1.0,
         metrics_key: str | None = None,
+        prompt_metrics: bool | None = None,
     ) -> None:
         snapshot_timeout = duration("snapshot_timeout", snapshot_timeout)
         self._metrics_digest: bytes | None = None
@@ -105,6 +114,7 @@ class Endpoints:
         self.created = int(time.time()) if created is None else int(created)
         self.registry = REGISTRY if registry is None else registry
         self.snapshot_timeout = float(snapshot_timeout)
+        self.prompt_metrics = metrics_key is not None if prompt_metrics is None else prompt_metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -322,7 +332,21 @@ class Endpoints:
         return snap.state, retry_in
 
     async def _metrics(self) -> tuple[int, bytes, bytes, Headers]:
-        return 200, CONTENT_TYPE_LATEST.encode(), generate_latest(self.registry), []
+        text = generate_latest(self.registry)
+        if not self.prompt_metrics:
+            text = _without(text, PROMPT_METRICS)
+        return 200, CONTENT_TYPE_LATEST.encode(), text, []
+
+
+def _without(text: bytes, names: tuple[bytes, ...]) -> bytes:
+    """The exposition ``text`` less every line (samples, HELP and TYPE) of the ``names``."""
+    if not any(name in text for name in names):
+        return text
+    heads = tuple(b"# HELP " + n for n in names) + tuple(b"# TYPE " + n for n in names)
+    kept = [
+        line for line in text.split(b"\n") if not (line.startswith(names) or line.startswith(heads))
+    ]
+    return b"\n".join(kept)
 
 
 def _local_path(scope: Scope) -> str:

@@ -155,10 +155,13 @@ def build_stack(
         with_keys = construct("CallerKeys", inner, header=prefer)
         if with_keys is not None:
             inner = with_keys
+    all_keyed = settings.keys_on and not settings.layers["CallerKeys"].options.get("open_paths")
     inner = Endpoints(
         inner,
         routes=settings.routes,
         store=store if "Breaker" in settings.stack else None,
+        # Every caller keyed: the prefix affinity is per key, nobody can probe another's.
+        prompt_metrics=True if all_keyed else None,
         **settings.layers["Endpoints"].options,
     )
     if settings.admin_enabled:
