@@ -43,7 +43,7 @@ from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import BudgetExhausted
 from .observer import Observer, whole_events
-from .request import SCOPE_KEY, TRAIL_HEADER, TierRequest, format_trail
+from .request import TRAIL_HEADER, TierRequest, format_trail
 from .sse import is_event_stream
 from .telemetry import ATTR_OUTCOME, BUDGET_EXHAUSTED, log_event
 from .wire import error_format
@@ -52,7 +52,6 @@ __all__ = ["Budget"]
 
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 _REASON = "budget_exhausted"
-_new = object.__new__
 
 
 class Budget:
@@ -130,32 +129,8 @@ class Budget:
         if seconds is None:
             return await self.app(scope, receive, send)
         # The request under its budget, in this frame (a waiting stream holds one less).
-        # _Spend has no __init__ (a frame less per request): its fields are set here.
-        spend: _Spend = _new(_Spend)
-        spend.budget = self
-        spend.seconds = seconds
-        # (TierRequest.of, inline: an outer layer such as Heartbeats has mostly made it)
-        req: TierRequest | None = scope.get(SCOPE_KEY)
-        if req is None:
-            req = TierRequest.of(scope)
-        spend.req = req
-        spend.started = False
-        spend.finished = False
-        spend._observer = None
-        spend._send = send
-        delay = seconds
-        deadline = clock.now() + delay  # (timed from here)
-        fixed = delay == self.default  # most requests: the same delay, a FIFO
-        if req.deadline is not None and req.deadline < deadline:
-            # An outer budget: the earlier deadline wins.
-            deadline, fixed = req.deadline, False
-            delay = max(0.0, deadline - clock.now())
-        req.deadline = deadline
-        req.budget = delay if req.budget is None else min(req.budget, delay)
-        cut = spend.cut = Interruption()
-        cut.arm()
-        # At the deadline itself (no second clock reading); a fixed delay's FIFO holds it.
-        spend.timer = deadlines.schedule_at(deadline, spend._fire, lane=delay if fixed else None)
+        spend = _Spend(self, seconds, req := TierRequest.of(scope), send)
+        cut = spend.cut
         try:
             await self.app(scope, receive, spend.send)
         except asyncio.CancelledError:
@@ -178,9 +153,8 @@ class _Spend:
 
     Inside a Failover, the events that reach this layer are already whole and
     it only notes the start and the end. Alone in front of an event stream it
-    keeps an observer of its own, so that it too passes on whole events only. It has
-    no ``__init__``: :meth:`Budget.__call__` sets its fields, sets the request's
-    deadline and times it (``timer``).
+    keeps an observer of its own, so that it too passes on whole events only. Made,
+    it has set the request's deadline and timed it (``timer``).
     """
 
     __slots__ = (
@@ -204,6 +178,28 @@ class _Spend:
     _send: Send
     cut: Interruption
     timer: deadlines.Deadline
+
+    def __init__(self, budget: Budget, seconds: float, req: TierRequest, send: Send) -> None:
+        self.budget = budget
+        self.seconds = seconds
+        self.req = req
+        self.started = False
+        self.finished = False
+        self._observer = None
+        self._send = send
+        delay = seconds
+        deadline = clock.now() + delay  # (timed from here)
+        fixed = delay == budget.default  # most requests: the same delay, a FIFO
+        if req.deadline is not None and req.deadline < deadline:
+            # An outer budget: the earlier deadline wins.
+            deadline, fixed = req.deadline, False
+            delay = max(0.0, deadline - clock.now())
+        req.deadline = deadline
+        req.budget = delay if req.budget is None else min(req.budget, delay)
+        cut = self.cut = Interruption()
+        cut.arm()
+        # At the deadline itself (no second clock reading); a fixed delay's FIFO holds it.
+        self.timer = deadlines.schedule_at(deadline, self._fire, lane=delay if fixed else None)
 
     def send(self, message: Message) -> Awaitable[None]:
         """Note what passes and pass it on: the inner send's own awaitable, no frame of ours."""
