@@ -79,7 +79,7 @@ from .errors import (
 )
 from .observer import Observer
 from .probes import auto_reader
-from .request import SCOPE_KEY, UNROUTED_KEY, TierRequest
+from .request import UNROUTED_KEY, TierRequest
 from .status import StatusBoard, board_within, idle
 from .store import (
     BreakerChange,
@@ -108,7 +108,6 @@ _TRANSITION_EVENT = {
 }
 _STORE_WARN_EVERY = 60.0
 _ADMIT = Ticket(True, "closed", clean=True)
-_new = object.__new__
 
 
 class Breaker:
@@ -181,7 +180,7 @@ class Breaker:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or UNROUTED_KEY in scope:
             return await self.app(scope, receive, send)
-        req: TierRequest | None = scope.get(SCOPE_KEY)  # (TierRequest.find, inline)
+        req = TierRequest.find(scope)
         attempt = req.attempt if req is not None and req.in_chain else None
         if req is None or attempt is None:
             return await self._alone(scope, receive, send, req)
@@ -227,16 +226,7 @@ class Breaker:
             )
         # The attempt, in this frame (a waiting stream holds one less): the guard
         # reads Failover's observer and settles the outcome once it ends.
-        guard = _new(_Guard)  # _Guard(self, route, name, ticket, req), inline: no frame
-        guard.breaker = self
-        guard.route = route
-        guard.name = name
-        guard.ticket = ticket
-        guard.req = req
-        shared = req.observer  # (in a chain: Failover's)
-        guard.own = shared is None
-        guard.observer = shared if shared is not None else Observer()
-        guard.downstream = None
+        guard = _Guard(self, route, name, ticket, req)
         try:
             await self.app(scope, receive, send)
         except BaseException as exc:

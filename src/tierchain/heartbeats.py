@@ -237,12 +237,9 @@ class _Stream:
         self.hb = hb
         self._receive = receive
         self._send = send
-        req: TierRequest | None = scope.get(SCOPE_KEY)
-        if req is None:  # (the usual case: Heartbeats is outermost, the request starts here)
-            req = scope[SCOPE_KEY] = TierRequest()  # (TierRequest.of, inline)
-            self.started = req.started  # the same clock reading, read once
-        else:
-            self.started = clock.now()
+        made = SCOPE_KEY not in scope  # (the usual case: outermost, the request starts here)
+        req = TierRequest.of(scope)
+        self.started = req.started if made else clock.now()  # (a clock reading, read once)
         self.req = req
         self.path: str = scope.get("path", "")
         # What the request says of streaming: its Accept header, else its body's

@@ -72,7 +72,7 @@ from .accounts import (
 from .admission import Admission, Lease
 from .budgets import BackendBudget, BackendBudgets, load_budgets
 from .keys import CALLER_KEY, CallerKey
-from .request import SCOPE_KEY, TierRequest
+from .request import TierRequest
 from .sse import data_values
 from .store import USAGE_BOUND, MemoryStore, WindowCheck, WindowHold
 from .telemetry import COST, TOKENS, labelled, log_event, observe_usage
@@ -162,7 +162,7 @@ class _Held:
     @property
     def wire(self) -> str:
         """The request's wire format, for the error that ends a stream."""
-        req: TierRequest | None = self.scope.get(SCOPE_KEY)
+        req = TierRequest.find(self.scope)
         attempt = req.attempt if req is not None else None
         wire = attempt.backend.wire_format if attempt is not None else None
         return (
@@ -361,7 +361,7 @@ class KeyLimits:
         self, scope: Scope, key: CallerKey | None, meter: _Meter, held: _Held | None
     ) -> None:
         name = key.name if key is not None else ANONYMOUS
-        req: TierRequest | None = scope.get(SCOPE_KEY)
+        req = TierRequest.find(scope)
         route = (req.route if req is not None else None) or "-"
         totals: list[tuple[str, int]] = [(total_field(name, route, "-", "requests"), 1)]
         if req is not None:

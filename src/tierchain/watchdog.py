@@ -97,7 +97,7 @@ from .learned import Learned, LearnedGap, PromptRate, SharedNormals
 from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, auto_reader, end_flights
 from .progress import Progress, check_room
-from .request import SCOPE_KEY, UNROUTED_KEY, Attempt, TierRequest
+from .request import UNROUTED_KEY, Attempt, TierRequest
 from .status import Fullness, StatusBoard
 from .store import MemoryStore, NormalStore, Store, Suspect
 from .telemetry import (
@@ -315,7 +315,7 @@ class SaturationWatchdog:
             if scope["type"] == "lifespan":
                 return await self.app(scope, receive, self._lifespan_send(send))
             return await self.app(scope, receive, send)
-        req: TierRequest | None = scope.get(SCOPE_KEY)  # (TierRequest.find, inline)
+        req = TierRequest.find(scope)
         attempt = req.attempt if req is not None else None
         passed: Suspect | None = None  # a suspect mark this attempt goes through (the probe)
         if attempt is not None:

@@ -89,7 +89,6 @@ from ..pick_policy import PolicyOption, resolve_policy
 from ..picker import Picker, PickWeights
 from ..request import (
     DEFAULT_SEND_TIMEOUT,
-    SCOPE_KEY,
     UNROUTED_KEY,
     Attempt,
     TierRequest,
@@ -253,9 +252,7 @@ class Failover:
         if scope["method"] != "POST" or not target.path.startswith(self.paths):
             scope[UNROUTED_KEY] = True
             return await self.app(scope, receive, send)
-        req: TierRequest | None = scope.get(SCOPE_KEY)  # (TierRequest.of, inline)
-        if req is None:
-            req = scope[SCOPE_KEY] = TierRequest()
+        req = TierRequest.of(scope)
         body = await read_or_refuse(scope, receive, send, self.max_body, self.body_timeout)
         if body is None:
             return  # answered 413 or 408, or the caller left
