@@ -564,3 +564,39 @@ def test_every_module_over_600_lines_says_why_in_the_map():
         f"over {LONG} lines with no reason in docs/internals.md: {long - named}"
     )
     assert not named - long, f"no longer over {LONG} lines: remove {named - long} from the table"
+
+
+# -- copies kept for speed ---------------------------------------------------------------
+
+_COPY = re.compile(r"#.*, inline\b")
+
+
+def copies_in_code() -> dict[str, int]:
+    """Module (as the tables write it) -> how many comments mark a copy in it."""
+    counts: dict[str, int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        marks = sum(1 for line in path.read_text().splitlines() if _COPY.search(line))
+        if marks:
+            counts[path.relative_to(PACKAGE).as_posix()] = marks
+    return counts
+
+
+def copies_in_docs() -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for row in table_rows(section(PAGE.read_text(), "Copies kept for speed")):
+        module = row[0].strip("` ")
+        counts[module] = counts.get(module, 0) + 1
+    return counts
+
+
+def test_every_copy_of_a_rule_is_listed_with_its_original_and_every_listed_copy_exists():
+    assert copies_in_code() == copies_in_docs()
+
+
+def test_only_the_per_chunk_path_keeps_a_copy_for_good():
+    kept = section(PAGE.read_text(), "Copies kept for speed").split("### ")[0]
+    rows = table_rows(kept)
+    assert rows, "the table of copies kept for speed is empty"
+    for row in rows:
+        assert "every chunk" in row[3], f"{row[0]}: a copy kept off the per-chunk path"
+        assert re.search(r"\d", row[4]), f"{row[0]}: a copy kept without its measured gain"

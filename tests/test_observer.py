@@ -151,3 +151,64 @@ def test_another_shape_names_its_own_terminator_or_none():
         observer.body(stream)
         observer.end()
         assert observer.verdict() == verdict, (end, stream)
+
+
+# -- Responder.send's copy of the usual case (docs/internals.md, copies kept for speed) --
+
+
+async def test_responders_copy_of_the_usual_chunk_leaves_what_observer_body_leaves():
+    """A committed stream's usual chunks go through Responder.send's inline copy of
+    Observer.body's first case: the observer must end up as Observer.body leaves it."""
+    import httpx
+
+    from tierchain import Backend, Failover
+    from tierchain.request import TierRequest
+
+    chunks = [
+        b'data: {"n":1}\n\n',
+        b'data: {"n":2}\n\n',
+        b'data: {"n":3}\n\ndata: {"n":4}\n\n',
+        b'data: {"n":5}\n\n',
+    ]
+    seen: dict[str, object] = {}
+
+    async def upstream(scope, receive, send):
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        req = TierRequest.find(scope)
+        assert req is not None
+        assert req.observer is not None
+        observer = req.observer
+        seen.update(
+            data_events=observer.data_events,
+            last=observer._last,
+            previous=observer._previous,
+            pending=bytes(observer.pending),
+        )
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    routes = {"echo": [Backend(name="a", url="http://127.0.0.1:1")]}
+    app = Failover(upstream, routes=routes)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        answer = await c.post("/v1/chat/completions", json={"model": "echo", "stream": True})
+    assert answer.content == b"".join(chunks) + b"data: [DONE]\n\n"
+
+    original = Observer()
+    original.start(200, [(b"content-type", b"text/event-stream")])
+    for chunk in chunks:
+        assert original.body(chunk) == chunk
+    assert seen == {
+        "data_events": original.data_events,
+        "last": original._last,
+        "previous": original._previous,
+        "pending": bytes(original.pending),
+    }
+    assert seen["last"] == chunks[-1]
+    assert seen["previous"] == chunks[-2]

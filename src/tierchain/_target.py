@@ -153,12 +153,7 @@ def request_target(scope: Scope) -> Target:
         raw_path = quote(scope["path"], safe=_PCHAR_SAFE).encode("ascii")
     elif b"?" in raw_path:  # some servers leave the query on raw_path; it is in query_string
         raw_path = raw_path.partition(b"?")[0]
-    query = scope.get("query_string", b"")
-    if not query:
-        seen = _PLAIN_SEEN.get(raw_path)  # (check_target's first step, inline)
-        if seen is not None:
-            return seen
-    return check_target(raw_path, query)
+    return check_target(raw_path, scope.get("query_string", b""))
 
 
 def _query_name(pair: bytes) -> str:

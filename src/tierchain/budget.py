@@ -110,13 +110,8 @@ class Budget:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        key = self._key
-        seconds = self.default
         try:
-            for name, value in scope.get("headers", ()):  # self.budget(scope), inline
-                if name.lower() == key:
-                    seconds = self._asked(value)
-                    break
+            seconds = self.budget(scope)
         except ValueError as exc:
             return await send_json_error(
                 send,

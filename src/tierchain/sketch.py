@@ -46,7 +46,7 @@ class LogSketch:
         """Add one sample (seconds, or any positive value)."""
         if not math.isfinite(value) or value < 0:
             return
-        # the bucket index, inline (a sample per successful attempt)
+        # the bucket index (a sample per successful attempt: no method call)
         lo = self._lo
         counts = self._counts
         i = 0 if value <= lo else int(math.log(value / lo) / self._growth_log)

@@ -41,7 +41,6 @@ import asyncio
 import contextvars
 import heapq
 import math
-from asyncio import get_running_loop
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from operator import attrgetter
@@ -249,9 +248,7 @@ def schedule(
     delay's FIFO. Pass False for a one-off delay (from a header, a remainder).
     Must be called from a running event loop; returns the deadline to cancel.
     """
-    timers = _TIMERS.last  # (PerLoop.get's usual path, inline: a frame less per entry)
-    if get_running_loop() is not _TIMERS.last_loop:
-        timers = _TIMERS.get()
+    timers = _TIMERS.get()
     due = clock.now() + delay
     seq = timers.seq = timers.seq + 1
     pending = timers.pending
@@ -284,9 +281,7 @@ def schedule_at(
     entries come in due order; without one (or out of order) it goes into the heap.
     ``slack`` (with a ``lane``; one slack per lane): the lane is loose, and the entry
     may be called up to ``slack`` early at a wake the loop makes for another entry."""
-    timers = _TIMERS.last  # (PerLoop.get's usual path, inline: a frame less per entry)
-    if get_running_loop() is not _TIMERS.last_loop:
-        timers = _TIMERS.get()
+    timers = _TIMERS.get()
     seq = timers.seq = timers.seq + 1
     pending = timers.pending
     entry = _new(Deadline)  # (no __init__: see Deadline)

@@ -28,9 +28,8 @@ class PerLoop(Generic[T]):
         self._factory = factory
         self._by_loop: dict[asyncio.AbstractEventLoop, T] = {}
         self.last_loop: asyncio.AbstractEventLoop | None = None
-        # The last loop asked for and its object: the usual path is one test of identity
-        # (``deadlines`` makes that test inline). ``last`` is read only while ``last_loop``
-        # is a loop, so it is never read as None.
+        # The last loop asked for and its object: the usual path is one test of identity.
+        # ``last`` is read only while ``last_loop`` is a loop, so it is never read as None.
         self.last: T = None  # type: ignore[assignment]
 
     def get(self) -> T:

@@ -476,13 +476,7 @@ class Responder:
         ):
             self.kept = [chunk]
             req.continuable = True
-        if self._failover.send_timeout is not None and self._caller_watch is None:
-            # _watch_caller, inline (a frame less a request)
-            guard = self._guard
-            if guard.young:
-                guard.then = self._arm_caller_watch
-            else:
-                self._arm_caller_watch()
+        self._watch_caller()
         # The start and the first chunk, as two of _to_caller's sends in one block: the
         # caller's marks are the same (out from each send's start, back after the last).
         # (The clock read above: the same step.)

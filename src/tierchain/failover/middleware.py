@@ -358,11 +358,7 @@ class Failover:
                     )
                     if self.waiting is not None and self.waiting.waiting(req.route or ""):
                         self.waiting.notify()  # the room this took is counted now
-                attempt_scope = copies.scope  # (copies.next(), inline)
-                if attempt_scope is None:
-                    attempt_scope = copies()
-                else:
-                    copies.scope = None
+                attempt_scope = copies.next()
                 if self.hedging is not None:  # [hedge] a timer for this attempt
                     self.hedging.arm(self, req, attempt, responder, guard, send, copies)
                 # The attempt's span is current inside, so that the Forwarder (or the

@@ -162,6 +162,6 @@ class ScopeCopy:
         fresh copy after."""
         scope = self.scope
         if scope is None:
-            return dict(zip(self.keys, self.values, strict=True))
+            return self()
         self.scope = None
         return scope
