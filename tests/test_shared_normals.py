@@ -62,7 +62,8 @@ async def serve_gateway(
 
 def timed(script: Script, at: list[float]) -> Script:
     async def wrapped(ex: Exchange) -> None:
-        at.append(now())
+        if ex.request.method == "POST":  # (not a GET asking what server it is)
+            at.append(now())
         await script(ex)
 
     return wrapped

@@ -11,11 +11,10 @@ format or path without a continuation). The seam:
   ``after_chars`` of the ``continuing`` state line);
 - builds the request for the next tier (:meth:`Seam.request`): the original
   messages, then the partial answer as an assistant message. With
-  ``prefill`` (``Backend(prefill=...)``; default per format,
-  :data:`PREFILL_DEFAULTS`) it is the last message, the model's own
-  continuation point (Anthropic's trailing assistant message; Ollama's chat and
-  llama.cpp's server continue one too); without, a short user message after it
-  asks the model to go on (:data:`INSTRUCTION`);
+  ``prefill`` (whether the backend takes one is :mod:`tierchain.prefill`'s to
+  say) it is the last message, the model's own continuation point; without, a
+  short user message after it asks the model to go on (:data:`INSTRUCTION`).
+  Its token limits ask for what the caller's leave (:data:`LIMIT_KEYS`);
 - rewrites the next tier's whole events into the first tier's envelope
   (:meth:`Seam.splice`), per format:
 
@@ -50,13 +49,14 @@ import copy
 import json
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from ._json import loads
 from .restart import Restart
 from .wire import ANTHROPIC, OLLAMA, OPENAI, RESPONSES
 
-__all__ = ["INSTRUCTION", "LIMIT_KEYS", "PREFILL_DEFAULTS", "Seam", "prefill_for", "seam"]
+__all__ = ["INSTRUCTION", "LIMIT_KEYS", "Seam", "seam"]
 
 INSTRUCTION = (
     "Your previous answer was cut off. Continue it exactly where it stopped: do not "
@@ -64,20 +64,8 @@ INSTRUCTION = (
 )
 """The user message that follows the partial answer when the backend takes no prefill."""
 
-PREFILL_DEFAULTS = {ANTHROPIC: True, OLLAMA: True, OPENAI: False, RESPONSES: False}
-"""Whether a backend continues a trailing assistant message, by wire format, unless
-``Backend(prefill=...)`` says: Anthropic's Messages API and Ollama's chat do
-natively; OpenAI's chat and Responses APIs have no prefill."""
-
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 _EOL = re.compile(rb"\r\n|\r|\n")
-
-
-def prefill_for(wire: str | None, prefill: bool | None) -> bool:
-    """Whether to send the partial answer as a prefill (``prefill`` None: the format's default)."""
-    if prefill is not None:
-        return prefill
-    return PREFILL_DEFAULTS.get(wire or OPENAI, False)
 
 
 def _events(buf: bytes) -> list[tuple[str | None, bytes]]:
@@ -166,8 +154,11 @@ class Seam:
 
     # -- the request --------------------------------------------------------------
 
-    def request(self, body: bytes, *, prefill: bool) -> bytes | None:
-        """The next tier's request: ``body`` with the partial answer (None: not JSON)."""
+    def request(
+        self, body: bytes, *, prefill: bool, adds: Mapping[str, Any] | None = None
+    ) -> bytes | None:
+        """The next tier's request: ``body`` with the partial answer (None: not JSON);
+        ``adds``: fields a prefilled request gains (vLLM's ``continue_final_message``)."""
         data = _load(body)
         if not isinstance(data, dict):
             return None
@@ -191,6 +182,8 @@ class Seam:
         out = self._build(data, self._prefill, prefill)
         if out is None:
             return None
+        if prefill and adds:
+            out = {**out, **adds}
         return _dump(self._limited(out))
 
     def _limited(self, data: dict[str, Any]) -> dict[str, Any]:

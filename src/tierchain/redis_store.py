@@ -19,8 +19,10 @@ counter (per-key limits, budgets) is a hash of buckets,
 ``tierchain:window:<name>`` (field: the bucket number, value: its amount), and
 the usage totals one hash, ``tierchain:usage`` (field: key, route, backend and
 kind; value: tokens or attempts); a backend's learned normals are a string,
-``tierchain:normals:<backend>``, and its suspect mark a hash,
-``tierchain:suspect:<backend>`` (until, strikes, why, probe slot).
+``tierchain:normals:<backend>``, its suspect mark a hash,
+``tierchain:suspect:<backend>`` (until, strikes, why, probe slot), and a fact
+found out about it a string, ``tierchain:fact:<name>:<backend>`` (whether it
+continues a trailing assistant message: ``prefill``).
 Every key carries a TTL, so nothing lingers forever.
 
 When Redis cannot be reached, the store logs ONE warning, serves breaker
@@ -925,6 +927,32 @@ class RedisStore:
 
     def _suspect_key(self, backend: str) -> str:
         return f"{self.prefix}suspect:{quote(backend, safe='')}"
+
+    # -- facts found out about a backend ------------------------------------------------
+
+    def _fact_key(self, backend: str, name: str) -> str:
+        return f"{self.prefix}fact:{quote(name, safe='')}:{quote(backend, safe='')}"
+
+    async def fact_get(self, backend: str, name: str) -> str | None:
+        local = self._local()
+        if local is not None:
+            return await local.fact_get(backend, name)
+        key = self._fact_key(backend, name)
+        try:
+            value = await self._call(lambda: self._redis.get(key))
+        except Exception as exc:
+            return await self._went_away(exc).fact_get(backend, name)
+        return None if value is None else _text(value)
+
+    async def fact_put(self, backend: str, name: str, value: str, ttl: float) -> None:
+        local = self._local()
+        if local is not None:
+            return await local.fact_put(backend, name, value, ttl)
+        key = self._fact_key(backend, name)
+        try:
+            await self._shielded(lambda: self._redis.set(key, value, px=max(1, int(ttl * 1000))))
+        except Exception as exc:
+            await self._went_away(exc).fact_put(backend, name, value, ttl)
 
     async def normals_get(self, backend: str) -> str | None:
         local = self._local()

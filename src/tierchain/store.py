@@ -43,6 +43,7 @@ __all__ = [
     "BreakerChange",
     "BreakerPolicy",
     "BreakerSnapshot",
+    "FactStore",
     "LeaseStore",
     "Ledger",
     "MemoryStore",
@@ -541,6 +542,21 @@ class Suspect:
     strikes: int = 1
 
 
+@runtime_checkable
+class FactStore(Protocol):
+    """What Failover remembers of a backend through a store: short facts found out about
+    it (an opaque string per backend and name: whether it continues a trailing assistant
+    message, see :mod:`tierchain.prefill`). Times are seconds."""
+
+    async def fact_get(self, backend: str, name: str) -> str | None:
+        """The fact ``name`` of ``backend`` as last written, or None (never, or expired)."""
+        ...
+
+    async def fact_put(self, backend: str, name: str, value: str, ttl: float) -> None:
+        """Write the fact ``name`` of ``backend``, kept ``ttl`` seconds from now."""
+        ...
+
+
 SUSPECT_KEEP = 600.0
 """Seconds a suspect mark's strikes are remembered after its hold ended, with no verdict."""
 
@@ -627,6 +643,7 @@ class MemoryStore:
         self._windows: dict[str, dict[int, int]] = {}
         self._totals: dict[str, int] = {}
         self._normals: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._facts: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         self._marks: dict[str, _Mark] = {}
         self._clock = clock
 
@@ -857,6 +874,24 @@ class MemoryStore:
         normals.move_to_end(backend)
         while len(normals) > NORMAL_ENTRIES:
             normals.popitem(last=False)
+
+    # -- facts found out about a backend ------------------------------------------------
+
+    async def fact_get(self, backend: str, name: str) -> str | None:
+        entry = self._facts.get((backend, name))
+        if entry is None:
+            return None
+        if entry[1] <= self._now():
+            del self._facts[(backend, name)]
+            return None
+        return entry[0]
+
+    async def fact_put(self, backend: str, name: str, value: str, ttl: float) -> None:
+        facts = self._facts
+        facts[(backend, name)] = (value, self._now() + ttl)
+        facts.move_to_end((backend, name))
+        while len(facts) > NORMAL_ENTRIES:
+            facts.popitem(last=False)
 
     async def suspect_check(self, backend: str, lease: float) -> Suspect | None:
         return self.suspect_check_now(backend, lease)

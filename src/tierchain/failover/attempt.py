@@ -34,6 +34,7 @@ from ..errors import (
 )
 from ..hedging import Race
 from ..observer import Observer, nothing_sent
+from ..prefill import Prefills
 from ..request import (
     TRAIL_HEADER,
     Attempt,
@@ -73,6 +74,7 @@ class Owner(Protocol):
     send_timeout: float | None
     admission: Admission
     continuable: dict[str, int]
+    prefills: Prefills
 
     def _continue(
         self,

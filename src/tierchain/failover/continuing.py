@@ -19,7 +19,7 @@ from .._responses import (
     retry_after,
 )
 from .._types import Message, Send
-from ..continuation import Seam, prefill_for, seam
+from ..continuation import Seam, seam
 from ..errors import (
     AttemptError,
     CallerStalled,
@@ -27,6 +27,7 @@ from ..errors import (
     StreamError,
 )
 from ..observer import Observer, nothing_sent
+from ..prefill import Prefill
 from ..request import (
     Attempt,
     TierRequest,
@@ -149,14 +150,11 @@ def continuing(
     send: Send,
     guard: DisconnectGuard,
 ) -> Continuing:
-    """The responder of an attempt that finishes a broken answer: its request is the
-    original one with the partial answer in it."""
+    """The responder of an attempt that finishes a broken answer: its request, the
+    original one with the partial answer in it, is made by :meth:`Continuing.prepare`."""
     cont = req.continuation
     assert cont is not None
-    backend = attempt.backend
-    wire = backend.wire_format or req.wire
-    cont.seam.writers = [*cont.writers, backend.name]
-    req.body = cont.seam.request(cont.body, prefill=prefill_for(wire, backend.prefill))
+    cont.seam.writers = [*cont.writers, attempt.backend.name]
     span = attempt_span(attempt)
     if span is not INVALID_SPAN:
         span.set_attribute(ATTR_CONTINUES, cont.origin)
@@ -199,7 +197,7 @@ class Continuing(Responder):
     ends the stream with the original break; a 400 is the backend refusing the
     continuation (``prefill_rejected``), never the caller's error."""
 
-    __slots__ = ("continuation",)
+    __slots__ = ("continuation", "prefill")
 
     def __init__(
         self,
@@ -214,6 +212,21 @@ class Continuing(Responder):
     ) -> None:
         super().__init__(failover, req, attempt, observer, send, guard, span)
         self.continuation = continuation
+        self.prefill: Prefill | None = None
+
+    async def prepare(self) -> None:
+        """The request: the caller's, with the partial answer as a prefill where the
+        backend takes one (:class:`~tierchain.prefill.Prefills`), else asked in words."""
+        req, backend = self.req, self.attempt.backend
+        cont = self.continuation
+        left = req.remaining()
+        found = await self._failover.prefills.for_backend(
+            backend,
+            backend.wire_format or req.wire,
+            limit=None if left is None else left / 4,  # (the most of what is left)
+        )
+        self.prefill = found
+        req.body = cont.seam.request(cont.body, prefill=found.takes, adds=found.adds)
 
     def send(self, message: Message) -> Awaitable[None]:
         if self.req.aborted:
@@ -309,8 +322,11 @@ class Continuing(Responder):
                 self._guard.done = True
                 tail = {"type": "http.response.body", "body": b"", "more_body": False}
                 await self._to_caller(tail)
+        prefill = self.prefill
         if error is None:
             req.continuation = None
+            if prefill is not None:
+                await failover.prefills.recorded(attempt.backend, prefill, taken=True)
             record(req, attempt, "ok")
             labelled(CONTINUATIONS, route, cont.origin, target, "ok").inc()
             written_by = cont.seam.writers
@@ -328,6 +344,8 @@ class Continuing(Responder):
             )
             return True
         outcome = self.outcome = error.reason if isinstance(error, AttemptError) else "error"
+        if outcome == "prefill_rejected" and prefill is not None:
+            await failover.prefills.recorded(attempt.backend, prefill, taken=False)
         record(req, attempt, outcome)
         spliced = cont.seam.spliced
         result = "rejected" if outcome == "prefill_rejected" else "broken" if spliced else "failed"

@@ -63,7 +63,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Collection, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry.trace import INVALID_SPAN, Status, StatusCode
 
@@ -87,6 +87,7 @@ from ..keys import caller_name
 from ..observer import Observer
 from ..pick_policy import PolicyOption, resolve_policy
 from ..picker import Picker, PickWeights
+from ..prefill import Prefills
 from ..request import (
     DEFAULT_SEND_TIMEOUT,
     UNROUTED_KEY,
@@ -105,7 +106,7 @@ from ..wire import recognise
 from .answers import Refusal, all_failed, gave_up, refuse_route, turned_away
 from .attempt import Responder
 from .call import attempt_span, current, own_abort
-from .continuing import continue_stream, continuing
+from .continuing import Continuing, continue_stream, continuing
 from .plan import Fault, Tries, again, next_attempt, record, retry_pause, wait_for_room
 from .pools import PoolPlan, gathered, sibling_left
 from .route import Resolver, ScopeCopy, reordered, route_of, shape_of
@@ -182,6 +183,8 @@ class Failover:
             route: wire for route in self.routes if (wire := self.routes.wire_format(route))
         }
         self.admission = Admission(store, lease=lease)
+        # Which backends continue a trailing assistant message (found out, remembered).
+        self.prefills = Prefills(store)
         if pick is not None and not isinstance(pick, PickWeights):
             raise ValueError(f"pick must be a tierchain.picker.PickWeights, got {pick!r}")
         if status_board is not None and not isinstance(status_board, StatusBoard):
@@ -352,6 +355,8 @@ class Failover:
         try:
             error: BaseException | None = None
             try:
+                if req.continuation is not None:  # its request, asked for now
+                    await cast(Continuing, responder).prepare()
                 if attempt.backend.max_in_flight is not None:
                     responder.lease = await self.admission.enter(
                         attempt.backend, last=attempt.is_last
