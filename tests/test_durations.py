@@ -101,6 +101,8 @@ DURATIONS: list[tuple[str, str, str, bool, bool]] = [
     ("Breaker", "saturation_backoff", "policy.saturation_backoff", True, False),
     ("Breaker", "retry_after_cap", "policy.retry_after_cap", True, False),
     ("Breaker", "probe_lease", "policy.probe_lease", False, False),
+    ("Breaker", "rest_check_every", "rest.every", True, False),
+    ("Breaker", "rest_check_timeout", "rest.timeout", False, False),
     ("SaturationWatchdog", "slow_after", "slow_after", True, False),
     ("SaturationWatchdog", "ceiling", "ceiling", False, False),
     ("SaturationWatchdog", "probe_timeout", "probe_timeout", False, False),

@@ -177,7 +177,7 @@ async def test_a_stream_in_flight_finishes_after_sigterm_and_the_process_exits_0
     assert status == 0, "\n".join(served.lines)
     assert body.endswith(b"data: [DONE]\n\n")
     assert chunk_event("two") in body
-    assert started["routes"] == {"echo": [{"name": "tower", "url": tower.url}]}
+    assert started["routes"] == {"echo": [{"name": "tower", "url": tower.url, "may_hedge": True}]}
     assert started["settings"]["stack"][0] == "Heartbeats"
     assert draining["signal"] == "SIGTERM"
     assert draining["in_flight"] == 1
@@ -313,7 +313,9 @@ async def test_the_documented_log_config_shows_the_identity_line_under_plain_uvi
         proc.send_signal(signal.SIGINT)
         await served.exit_status(5.0)
     assert started["logger"] == "tierchain"
-    assert started["routes"] == {"echo": [{"name": "tower", "url": "http://127.0.0.1:9"}]}
+    assert started["routes"] == {
+        "echo": [{"name": "tower", "url": "http://127.0.0.1:9", "may_hedge": True}]
+    }
 
 
 # -- in process: Drain and the served stack's lifespan -------------------------------------

@@ -10,6 +10,7 @@ given. Each replica of a pool knows its pool (``Backend.pool``).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -22,7 +23,7 @@ from ._checks import count, duration
 from .masking import MASK, SECRET_NAME, mask_text, mask_url
 from .wire import check_format
 
-__all__ = ["BACKEND_NAME", "Backend", "Pool", "Routes", "check_url"]
+__all__ = ["BACKEND_NAME", "Backend", "Pool", "Routes", "check_url", "is_local"]
 
 BACKEND_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 """What a backend's (or a pool's) name may be: 1-64 characters from ``A-Z a-z 0-9 . _ -``."""
@@ -154,6 +155,24 @@ def _price(what: str, value: object) -> float | None:
             f"{what} must be a price per million tokens: a number from 0 to 1000000, got {value!r}"
         )
     return float(value)
+
+
+def is_local(backend: Backend) -> bool:
+    """True for a local backend: regime ``local``, or, when no regime was written, a URL
+    host that is ``localhost``, a loopback or a private address. A declared regime wins
+    over the address: a paid API behind a private endpoint (a VPC link, a corporate
+    proxy) declared ``hosted`` is not local. (What hedging and the gateway's own checks
+    of a saturated backend go by.)"""
+    if backend.regime is not None:
+        return backend.regime == "local"
+    host = urlsplit(backend.url).hostname or ""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_private
 
 
 @dataclass(frozen=True, slots=True)

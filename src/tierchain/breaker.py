@@ -14,9 +14,9 @@ clears both counts. A second try of the same backend in one request (Failover's
 A breaker re-opened because its half-open probe saturated cools down for
 ``saturation_backoff`` seconds (30 s), doubling with each further re-open up
 to ``saturation_cooldown``: one slow request after a hiccup never costs the
-whole cooldown. A breaker open for saturation on a backend whose status is
-polled (a SaturationWatchdog with ``status_interval``) half-opens as soon as
-that status reports idle, without waiting out its cooldown.
+whole cooldown. A breaker open for saturation half-opens as soon as the gateway finds the
+backend rested by itself (:mod:`tierchain.rested`: its polled status idle, or a one-token
+check of its own answered in time), without waiting out its cooldown.
 
 Inside a :class:`~tierchain.Failover` the Breaker runs once per attempt. While
 open it raises :class:`~tierchain.errors.BackendSkipped` without calling the
@@ -48,11 +48,6 @@ short or stalled mid-answer) is a *mid-stream death*: it costs the caller a
 whole turn, so it counts as a failure and, on a ledger of its own, opens the
 breaker after ``stream_failure_threshold`` (2) in a row, where refused
 connections (milliseconds each) take ``failure_threshold`` (5).
-
-Recovery after a flapping outage: the first recovery probe goes ``probe_every`` after
-the breaker opened for failures, so a backend down a few seconds is found at once, and
-one that stays down is probed less and less often (never less than every
-``failure_cooldown``). A breaker open for a ``Retry-After`` waits what the backend said.
 """
 
 from __future__ import annotations
@@ -80,6 +75,7 @@ from .errors import (
 from .observer import Observer
 from .probes import auto_reader
 from .request import UNROUTED_KEY, TierRequest
+from .rested import RestChecks
 from .status import StatusBoard, board_within, idle
 from .store import (
     BreakerChange,
@@ -137,6 +133,8 @@ class Breaker:
         when_all_open: Literal["reject", "try_soonest"] = "reject",
         backend: str | Backend = "default",
         status_board: StatusBoard | None = None,
+        rest_check_every: float | timedelta = 5.0,
+        rest_check_timeout: float | timedelta = 2.0,
     ) -> None:
         failure_threshold = count("failure_threshold", failure_threshold)
         stream_failure_threshold = count("stream_failure_threshold", stream_failure_threshold)
@@ -147,6 +145,8 @@ class Breaker:
         saturation_backoff = duration("saturation_backoff", saturation_backoff, allow_zero=True)
         retry_after_cap = duration("retry_after_cap", retry_after_cap, allow_zero=True)
         probe_lease = duration("probe_lease", probe_lease)
+        rest_check_every = duration("rest_check_every", rest_check_every, allow_zero=True)
+        rest_check_timeout = duration("rest_check_timeout", rest_check_timeout)
         if when_all_open not in ("reject", "try_soonest"):
             raise ValueError(
                 f"when_all_open must be 'reject' or 'try_soonest', got {when_all_open!r}"
@@ -168,17 +168,29 @@ class Breaker:
         )
         self.when_all_open = when_all_open
         self.backend = backend.name if isinstance(backend, Backend) else str(backend)
+        self._alone_backend = backend if isinstance(backend, Backend) else None
         if status_board is not None and not isinstance(status_board, StatusBoard):
             raise ValueError(
                 f"status_board must be a tierchain.status.StatusBoard, got {status_board!r}"
             )
         # The board of the watchdog this breaker wraps (found once, here), or the one given.
         self.status_board = status_board if status_board is not None else board_within(app)
+        # The gateway's own re-checks of a backend opened for saturation (rested.py).
+        self.rest = RestChecks(
+            self.store,
+            self.policy,
+            every=rest_check_every,
+            timeout=rest_check_timeout,
+            board=self.status_board,
+            observe=self._observe_ticket,
+        )
         self._gauges: dict[tuple[str, str], tuple[Any, int]] = {}
         self._store_warned = -math.inf
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or UNROUTED_KEY in scope:
+            if scope["type"] == "lifespan":
+                return await self.app(scope, receive, self._lifespan_send(send))
             return await self.app(scope, receive, send)
         req = TierRequest.find(scope)
         attempt = req.attempt if req is not None and req.in_chain else None
@@ -221,6 +233,8 @@ class Breaker:
             _recovery_probe(route, name)
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
+            if ticket.reason == "saturation":  # (a check runs: this starts one if none does)
+                self.rest.watch(route, attempt.backend, req.wire)
             raise BackendSkipped(
                 _skip_message(name, ticket), retry_in=ticket.retry_in, why=ticket.reason
             )
@@ -247,6 +261,8 @@ class Breaker:
             _recovery_probe(route, name)
         if not ticket.admitted:
             BACKEND_SKIPPED.labels(route, name).inc()
+            if ticket.reason == "saturation" and self._alone_backend is not None:
+                self.rest.watch(route, self._alone_backend, req.wire if req else None)
             await self._answer_open(send, req, name, ticket)
             return
         guard = _Guard(self, route, name, ticket, req)
@@ -290,6 +306,22 @@ class Breaker:
             backends=[{"backend": name, "state": ticket.state, "retry_in_s": shown}],
         )
 
+    def _lifespan_send(self, send: Send) -> Send:
+        async def lifespan_send(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.rest.aclose()  # no re-check outlives the gateway
+            await send(message)
+
+        return lifespan_send
+
+    async def aclose(self) -> None:
+        """Stop the re-checks of saturated backends (done on lifespan shutdown; call it
+        yourself where the framework gives middleware no lifespan)."""
+        await self.rest.aclose()
+
+    def _observe_ticket(self, route: str, name: str, ticket: Ticket) -> None:
+        self._observe(route, name, ticket.state, ticket.transitions, None)
+
     # -- the store, guarded -------------------------------------------------
 
     async def _acquire(self, route: str, name: str, force: bool, wake: bool = False) -> Ticket:
@@ -318,8 +350,13 @@ class Breaker:
         ticket: Ticket,
         outcome: Outcome,
         retry_after: float | None = None,
+        backend: Backend | None = None,
+        wire: str | None = None,
     ) -> None:
-        """Apply one attempt's outcome (what :class:`_Guard` calls, exactly once)."""
+        """Apply one attempt's outcome (what :class:`_Guard` calls, exactly once).
+
+        ``backend`` (with the request's ``wire``) is given for a saturation: when it
+        opens the breaker, the gateway starts re-checking the backend itself."""
         if _nothing_to_record(ticket, outcome):
             return
         try:
@@ -336,6 +373,8 @@ class Breaker:
             self._store_failed(exc)
             return
         self._observe(route, name, change.state, change.transitions, change)
+        if backend is not None and change.state == "open" and change.reason == "saturation":
+            self.rest.watch(route, backend, wire)
 
     def _store_failed(self, exc: Exception) -> None:
         now = clock.now()
@@ -494,6 +533,9 @@ class _Guard:
         outcome, retry_after = _classify(cause or exc)
         if outcome == "failure":
             outcome = _mid_stream(req, self.observer, self.ticket)
+        if outcome == "saturation":
+            await self._saturated()
+            return
         await self.breaker.record(self.route, self.name, self.ticket, outcome, retry_after)
 
     def settle(self) -> Awaitable[None] | None:
@@ -518,7 +560,19 @@ class _Guard:
             return None  # (_nothing_to_record's usual case, inline)
         if _nothing_to_record(ticket, outcome):
             return None
+        if outcome == "saturation":
+            return self._saturated()
         return self.breaker.record(self.route, self.name, self.ticket, outcome, retry_after)
+
+    def _saturated(self) -> Awaitable[None]:
+        """Record a saturation, naming the backend (so that an open starts its re-checks)."""
+        req = self.req
+        attempt = req.attempt if req is not None and req.in_chain else None
+        backend = attempt.backend if attempt is not None else self.breaker._alone_backend
+        wire = req.wire if req is not None else None
+        return self.breaker.record(
+            self.route, self.name, self.ticket, "saturation", None, backend, wire
+        )
 
     def send(self, message: Message) -> Awaitable[None]:
         """Alone: note what passes in the observer, and pass it on unchanged."""

@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import ipaddress
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from opentelemetry.trace import INVALID_SPAN, use_span
 
@@ -43,7 +41,7 @@ from ._disconnect import Replay
 from ._runtime import clock, deadlines
 from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Scope, Send
-from .backend import Backend
+from .backend import Backend, is_local
 from .errors import BackendSaturated
 from .request import SCOPE_KEY, Attempt, TierRequest
 from .telemetry import ATTR_HEDGE_FOR, ATTR_HEDGE_WITH, HEDGES, labelled, log_event
@@ -106,20 +104,11 @@ class _Failover(Protocol):
 
 
 def hedged_by_default(backend: Backend) -> bool:
-    """True for a backend whose ``hedge`` is None and that is local: regime ``local``, or,
-    when no regime was written, a URL host that is ``localhost``, a loopback or a private
-    address. A declared regime wins over the address: a paid API behind a private
-    endpoint (a VPC link, a corporate proxy) declared ``hosted`` is not paid twice."""
-    if backend.regime is not None:
-        return backend.regime == "local"
-    host = urlsplit(backend.url).hostname or ""
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return address.is_loopback or address.is_private
+    """True for a backend whose ``hedge`` is None and that is local
+    (:func:`~tierchain.backend.is_local`: regime ``local``, or, when no regime was
+    written, a loopback or private URL host). A declared regime wins over the address:
+    a paid API behind a private endpoint declared ``hosted`` is not paid twice."""
+    return is_local(backend)
 
 
 def may_hedge(backend: Backend) -> bool:

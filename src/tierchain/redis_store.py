@@ -238,18 +238,22 @@ return {st, retry, f, s, table.concat(trans, ','), r}
 """
 )
 
-# KEYS[1] ledger; ARGV: now_ms|'' -> {state, retry_in_ms|'', failures, saturations}
+# KEYS[1] ledger; ARGV: now_ms|'' -> {state, retry_in_ms|'', failures, saturations, reason}
 _SNAPSHOT = (
     _NOW
     + """
-local v = redis.call('HMGET', KEYS[1], 'st', 'f', 's', 'ou')
-if not v[1] then return {'closed', '', 0, 0} end
+local v = redis.call('HMGET', KEYS[1], 'st', 'f', 's', 'ou', 'r')
+if not v[1] then return {'closed', '', 0, 0, ''} end
 local now = now_ms(ARGV[1])
 local st, ou = v[1], num(v[4])
 if st == 'open' and now >= ou then st = 'half_open' end
 local retry = ''
-if st == 'open' then retry = tostring(ou - now) end
-return {st, retry, num(v[2]), num(v[3])}
+local reason = ''
+if st == 'open' then
+  retry = tostring(ou - now)
+  reason = v[5] or ''
+end
+return {st, retry, num(v[2]), num(v[3]), reason}
 """
 )
 
@@ -752,8 +756,11 @@ class RedisStore:
             raw = await self._call(lambda: self._snapshot(keys=[key], args=[self._args()]))
         except Exception as exc:
             return await self._went_away(exc).breaker_snapshot(route, backend)
-        state, retry_ms, failures, saturations = raw
-        return BreakerSnapshot(_text(state), _seconds(retry_ms), int(failures), int(saturations))
+        state, retry_ms, failures, saturations = raw[:4]
+        reason = _text(raw[4]) if len(raw) > 4 else ""
+        return BreakerSnapshot(
+            _text(state), _seconds(retry_ms), int(failures), int(saturations), reason
+        )
 
     # -- in-flight leases -------------------------------------------------------
 

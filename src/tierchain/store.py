@@ -78,13 +78,16 @@ class BreakerSnapshot:
 
     ``state`` is ``"closed"``, ``"open"`` or ``"half_open"``; ``retry_in`` is the
     seconds until a probe may go (only while open, else None); ``failures`` and
-    ``saturations`` are the consecutive counts of each ledger.
+    ``saturations`` are the consecutive counts of each ledger; ``reason`` says what
+    opened it, while open (``failure``, ``stream_failure``, ``saturation``,
+    ``retry_after``; ``""`` otherwise).
     """
 
     state: str
     retry_in: float | None
     failures: int
     saturations: int
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,8 +299,9 @@ def snapshot(led: Ledger | None, now: float) -> BreakerSnapshot:
     state = led.state
     if state == "open" and now >= led.open_until:
         state = "half_open"
-    retry_in = led.open_until - now if state == "open" else None
-    return BreakerSnapshot(state, retry_in, led.failures, led.saturations)
+    if state != "open":
+        return BreakerSnapshot(state, None, led.failures, led.saturations)
+    return BreakerSnapshot(state, led.open_until - now, led.failures, led.saturations, led.reason)
 
 
 @runtime_checkable

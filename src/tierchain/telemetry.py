@@ -259,8 +259,13 @@ BREAKER_TRANSITIONS = Counter(
 )
 BREAKER_RECOVERY_PROBES = Counter(
     "tierchain_breaker_recovery_probes",
-    "Requests an open breaker let through as its recovery probe before the cooldown ended.",
+    "Requests a half-open breaker let through as its recovery probe.",
     ["route", "backend"],
+)
+BREAKER_REST_CHECKS = Counter(
+    "tierchain_breaker_rest_checks",
+    "The gateway's own checks of a backend its breaker opened for saturation, by result.",
+    ["route", "backend", "result"],
 )
 BACKEND_SKIPPED = Counter(
     "tierchain_backend_skipped",
