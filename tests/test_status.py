@@ -376,3 +376,38 @@ async def test_a_status_get_in_flight_ends_with_the_poller_that_sent_it():
         await board.aclose()
         assert out[0].done()
         await asyncio.wait_for(fake.connection_closed.wait(), 30)  # its connection too
+
+
+@on_virtual_time
+async def test_a_burst_of_200_requests_never_multiplies_the_status_gets():
+    """200 requests over half a second, each ending before the next arrives: the status URL
+    is read at most once per status interval (the poller's pace), not once per request."""
+
+    async def chat(ex: Exchange) -> None:
+        await asyncio.sleep(0.002)
+        await streams(["from ", "tower"])(ex)
+
+    tower = Tower(vllm(0, 0), chat)
+    async with (
+        FakeBackend("tower", tower.script) as fake,
+        FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
+    ):
+        status_url = fake.url + "/metrics"
+        chain = [Backend("tower", fake.url, status_url=status_url), Backend("h", hosted.url)]
+        gw = Gateway(chain, status_interval=0.02)
+        async with serve(gw.app) as url, httpx.AsyncClient(timeout=5) as client:
+            started = asyncio.get_running_loop().time()
+
+            async def later(i: int) -> httpx.Response:
+                await asyncio.sleep(i * 0.0025)
+                return await post(client, url)
+
+            answers = await asyncio.gather(*(later(i) for i in range(200)))
+            took = asyncio.get_running_loop().time() - started
+            gets = sum(r.path == "/metrics" for r in fake.requests)
+        await gw.aclose()
+    assert all(a.status_code == 200 for a in answers)
+    assert chats(fake) == 200
+    assert took >= 0.5
+    # One GET per interval at most (the poller's own pace), plus the first ask.
+    assert gets <= took / 0.02 + 2, gets

@@ -432,6 +432,8 @@ async def _flight(
 
 _SENT_AT: PerLoop[dict[str, float]] = PerLoop(lambda loop: {})
 """When the GET in flight for each status URL was sent (:func:`clock.now`'s time)."""
+_LAST_SENT: PerLoop[dict[str, float]] = PerLoop(lambda loop: {})
+"""When the latest GET of each status URL was sent, in flight or landed."""
 
 
 def _landed(flights: dict[str, _Flight], url: str, task: asyncio.Task[Any]) -> None:
@@ -453,6 +455,12 @@ async def end_flights(client: httpx.AsyncClient) -> None:
         task.cancel()
     if tasks:
         await asyncio.wait(tasks)
+
+
+def status_sent_at(url: str) -> float | None:
+    """When the latest GET of ``url`` was sent in this event loop, whether it is still in
+    flight or has landed (None: never)."""
+    return _LAST_SENT.get().get(url)
 
 
 def status_asked_at(url: str) -> float | None:
@@ -483,7 +491,7 @@ async def fetch_status_once(
                 _flight(client, url, left, reader), name="tierchain-status-get"
             )
             flights[url] = (task, client)  # (ended with the client: end_flights)
-            _SENT_AT.get()[url] = clock.now()
+            _SENT_AT.get()[url] = _LAST_SENT.get()[url] = clock.now()
             task.add_done_callback(functools.partial(_landed, flights, url))
         else:
             task = flight[0]

@@ -49,6 +49,8 @@ from .probes import (
     end_flights,
     fetch_status,
     fetch_status_once,
+    status_asked_at,
+    status_sent_at,
     total_slots,
 )
 
@@ -179,9 +181,16 @@ class StatusBoard:
         self, url: str, reader: Reader, client: httpx.AsyncClient, limit: float
     ) -> Status | None:
         """Read ``url`` now, within ``limit`` seconds (a status that was stale or never
-        read, before an attempt is sent); the answer is kept as the latest."""
+        read, before an attempt is sent); the answer is kept as the latest.
+
+        A GET in flight is joined; but within ``interval`` of the latest GET sent (by the
+        poller or another ask), none is sent: the answer is None, unknown, so the attempt
+        goes ahead and the poller's next reading tells. A burst of requests never sends
+        more GETs than the poller's own pace."""
         poller = self._pollers.get(url)
         started = clock.now()
+        if self._too_soon(url, started):
+            return None
         status = await fetch_status_once(client, url, limit=limit, reader=reader)
         if poller is None or started < poller.not_before:
             return status if poller is None else None
@@ -205,6 +214,11 @@ class StatusBoard:
 
         await fetch_status(client, props, limit=limit, reader=read)
         poller.slots = (count[0] if count else None) or 0
+
+    def _too_soon(self, url: str, now: float) -> bool:
+        """Was a GET of ``url`` sent less than ``interval`` ago, and has it landed?"""
+        sent = status_sent_at(url)
+        return sent is not None and now - sent < self.interval and status_asked_at(url) is None
 
     def cut(self, url: str, span: float) -> None:
         """We cut an attempt there before its first chunk: for up to ``span`` seconds
@@ -241,6 +255,11 @@ class StatusBoard:
             try:
                 while clock.now() - poller.asked < self.idle_stop:
                     started = clock.now()
+                    sent = status_sent_at(url)
+                    if self._too_soon(url, started) and sent is not None:
+                        # An ask read it since our last turn: our turn starts from that GET.
+                        await asyncio.sleep(self.interval - (started - sent))
+                        continue
                     status = await fetch_status_once(
                         client, url, limit=self.timeout, reader=poller.reader
                     )
