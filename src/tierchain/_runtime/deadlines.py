@@ -59,22 +59,26 @@ class Deadline:
     """A scheduled deadline, the handle :func:`schedule` and :func:`schedule_at` return:
     give it back to :func:`cancel` or :func:`due`; its fields are the scheduler's.
 
-    It has no ``__init__``: the scheduler makes one with ``object.__new__`` and sets the
-    fields, for about the cost of the list it replaces (a Python ``__init__`` costs a frame
-    per deadline, and every request schedules several).
+    Made, it is numbered and entered in its loop's pending entries; the scheduler then
+    puts its due time in a FIFO or the heap.
     """
 
     __slots__ = ("callback", "context", "due", "pending", "seq")
 
-    due: float
-    seq: int
-    callback: Callable[[], object] | None
-    """None once it fired or was cancelled."""
-    context: contextvars.Context | None
-    pending: dict[int, Deadline]
-
-
-_new = object.__new__
+    def __init__(
+        self,
+        timers: _Timers,
+        due: float,
+        callback: Callable[[], object],
+        context: contextvars.Context | None,
+    ) -> None:
+        self.due = due
+        seq = self.seq = timers.seq = timers.seq + 1
+        self.callback: Callable[[], object] | None = callback
+        """None once it fired or was cancelled."""
+        self.context = context
+        pending = self.pending = timers.pending
+        pending[seq] = self
 
 
 _due_of = attrgetter("due")
@@ -250,19 +254,11 @@ def schedule(
     """
     timers = _TIMERS.get()
     due = clock.now() + delay
-    seq = timers.seq = timers.seq + 1
-    pending = timers.pending
-    entry = _new(Deadline)  # (no __init__: see Deadline)
-    entry.due = due
-    entry.seq = seq
-    entry.callback = callback
-    entry.context = context
-    entry.pending = pending
-    pending[seq] = entry
+    entry = Deadline(timers, due, callback, context)
     fifo = timers.fifos.get(delay) if fixed else None
     if fifo is not None and len(fifo.seqs) < fifo.limit and due >= timers.when:
         fifo.dues.append(due)  # the usual case: a recurring delay, nothing to re-arm
-        fifo.seqs.append(seq)
+        fifo.seqs.append(entry.seq)
     else:
         timers.add(entry, delay if fixed else None)
     return entry
@@ -282,15 +278,7 @@ def schedule_at(
     ``slack`` (with a ``lane``; one slack per lane): the lane is loose, and the entry
     may be called up to ``slack`` early at a wake the loop makes for another entry."""
     timers = _TIMERS.get()
-    seq = timers.seq = timers.seq + 1
-    pending = timers.pending
-    entry = _new(Deadline)  # (no __init__: see Deadline)
-    entry.due = due
-    entry.seq = seq
-    entry.callback = callback
-    entry.context = None
-    entry.pending = pending
-    pending[seq] = entry
+    entry = Deadline(timers, due, callback, None)
     if lane is not None:
         fifo = (timers.loose if slack else timers.fifos).get(lane)
         if fifo is not None:
@@ -299,7 +287,7 @@ def schedule_at(
                 lane = None  # out of order
             elif len(dues) < fifo.limit and due >= timers.when:
                 dues.append(due)  # the usual case, as in schedule()
-                fifo.seqs.append(seq)
+                fifo.seqs.append(entry.seq)
                 return entry
     timers.add(entry, lane, slack if lane is not None else 0.0)
     return entry
