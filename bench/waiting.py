@@ -373,6 +373,7 @@ async def measure(
     counts: Any,
     ports: Any,
     settle: float,
+    fds_wait: float = 30.0,
 ) -> dict[str, Any]:
     tower_port, hosted_port = ports
     tracing = bool(os.environ.get("WAITING_TRACE_MEMORY"))
@@ -469,7 +470,7 @@ async def measure(
         callers.clear()
         left = time.monotonic()
         fds = proc_stats(proc.pid)["fds"]
-        while fds > base["fds"] + 2 and time.monotonic() - left < 30:
+        while fds > base["fds"] + 2 and time.monotonic() - left < fds_wait:
             await asyncio.sleep(0.5)
             fds = proc_stats(proc.pid)["fds"]
         result["fds_after"] = fds
@@ -504,6 +505,12 @@ def main() -> None:
         default=_AUTO_HTTP,
         help="uvicorn's HTTP parser for the gateways other than serve (default: as uvicorn's "
         "auto, httptools when installed)",
+    )
+    parser.add_argument(
+        "--fds-wait",
+        type=float,
+        default=30.0,
+        help="seconds to wait after the callers left for the gateway's fds to come back",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
@@ -544,7 +551,15 @@ def main() -> None:
                 async def one(kind: str = kind, k: int = k) -> dict[str, Any]:
                     await wait_up(ports[0])
                     return await measure(
-                        kind, k, args.batch, args.interval, args.window, counts, ports, args.settle
+                        kind,
+                        k,
+                        args.batch,
+                        args.interval,
+                        args.window,
+                        counts,
+                        ports,
+                        args.settle,
+                        args.fds_wait,
                     )
 
                 result = asyncio.run(one())

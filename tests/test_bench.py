@@ -19,13 +19,13 @@ def run(*args: str) -> str:
 
 
 def test_the_overhead_benchmark_reports_the_added_cost_per_request_and_the_chunk_ratio():
+    # What it prints, not what it measured: a figure of a loaded machine is no test's to bound.
     out = run(str(BENCH / "overhead.py"), "--quick", "--skip-loopback")
-    added = re.search(r"added (\d+\.\d) us", out)
-    ratio = re.search(r"ratio (\d\.\d+)", out)
-    assert added is not None, out
+    assert "layers: Failover, Heartbeats, Budget, PreferBackend, Breaker" in out, out
+    assert re.search(r"per request: bare -?\d+\.\d us, stack -?\d+\.\d us, added -?\d+\.\d us", out)
+    ratio = re.search(r"streamed chunks/s: bare [\d,]+, stack [\d,]+, ratio (\d+\.\d+)", out)
     assert ratio is not None, out
-    assert float(added.group(1)) > 0  # the stack costs something: it really ran the layers
-    assert 0 < float(ratio.group(1)) < 1.5
+    assert float(ratio.group(1)) > 0  # chunks went through the stack
 
 
 def test_the_layer_breakdown_names_every_layer_against_failover_alone():
@@ -65,9 +65,11 @@ def test_the_instruction_count_run_is_on_virtual_time_and_no_timer_falls_due_in_
 
 def waiting(kind: str, k: int) -> tuple[list[int], str]:
     """bench/waiting.py for ``k`` streams of one gateway, quickly: (held, failed, committed,
-    without a line), and the whole output."""
+    without a line), and the whole output. Real seconds (a window of 1 s, keepalives every
+    1 s), as it cannot be otherwise: the benchmark's gateway is another process. No wait for
+    the fds to come back after the callers leave: nothing here asserts them."""
     out = run(str(BENCH / "waiting.py"), str(k), "--only", kind, "--batch", str(k),
-              "--settle", "0", "--window", "1", "--interval", "1")  # fmt: skip
+              "--settle", "0", "--window", "1", "--interval", "1", "--fds-wait", "0")  # fmt: skip
     line = re.search(r"held (\d+) failed (\d+) committed (\d+) without a line (\d+)", out)
     assert line is not None, out
     return [int(n) for n in line.groups()], out
