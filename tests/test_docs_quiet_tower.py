@@ -75,6 +75,7 @@ def test_the_documented_gateways_are_found():
 
 
 @pytest.mark.parametrize("block", GATEWAYS, ids=[b.id for b in GATEWAYS])
+@on_virtual_time
 async def test_a_documented_gateway_reaches_hosted_past_a_quiet_tower(block, monkeypatch):
     async with (
         FakeBackend("tower", quiet) as tower,
@@ -129,6 +130,7 @@ def _routes_file(path: Path, tower: str, hosted: str) -> None:
 
 
 @pytest.mark.parametrize("source", ["docs/index.md export line", "tierchain serve defaults"])
+@on_virtual_time
 async def test_the_environment_quick_start_reaches_hosted_past_a_quiet_tower(source, tmp_path):
     async with (
         FakeBackend("tower", quiet) as tower,

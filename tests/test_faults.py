@@ -39,6 +39,7 @@ from .support import (
     chat_request,
     completion_body,
     fault,
+    on_virtual_time,
     openai_stream,
     serve,
     streams,
@@ -102,6 +103,7 @@ async def post(url: str, *, stream: bool = True, **kw: Any) -> httpx.Response:
     ("kind", "outcome"),
     [("reset", "stream_broken"), ("close", "stream_broken"), ("half_event", "stream_broken")],
 )
+@on_virtual_time
 async def test_a_stream_that_breaks_after_two_events_ends_with_an_error_and_counts(
     kind, outcome, metric
 ):
@@ -124,6 +126,7 @@ async def test_a_stream_that_breaks_after_two_events_ends_with_an_error_and_coun
     assert after == before + 1
 
 
+@on_virtual_time
 async def test_a_tower_that_keeps_breaking_mid_stream_is_skipped_after_the_threshold():
     async with FakeBackend("tower", fault("reset")) as tower, FakeBackend("hosted") as hosted:
         gw = Gateway(
@@ -142,6 +145,7 @@ async def test_a_tower_that_keeps_breaking_mid_stream_is_skipped_after_the_thres
     assert without_state_lines(third.content) == b"".join(openai_stream(["Hel", "lo"]))
 
 
+@on_virtual_time
 async def test_a_stream_that_ends_without_its_terminator_is_truncated_not_complete(metric):
     events = openai_stream(["one", "two", "three"])
     async with FakeBackend("tower", fault("no_done")) as tower:
@@ -156,6 +160,7 @@ async def test_a_stream_that_ends_without_its_terminator_is_truncated_not_comple
     assert snapshot.failures == 1
 
 
+@on_virtual_time
 async def test_a_stream_that_stalls_after_commit_ends_stalled_and_closes_the_upstream():
     events = openai_stream(["one", "two", "three"])
     async with FakeBackend("tower", fault("stall")) as tower:
@@ -172,6 +177,7 @@ async def test_a_stream_that_stalls_after_commit_ends_stalled_and_closes_the_ups
     assert snapshot.failures == 1
 
 
+@on_virtual_time
 async def test_a_backend_may_stall_for_longer_than_the_default():
     async def slow_gaps(ex: Exchange) -> None:
         events = openai_stream(["one", "two"])
@@ -193,6 +199,7 @@ async def test_a_backend_may_stall_for_longer_than_the_default():
 
 
 @pytest.mark.parametrize(("kind", "outcome"), [("garbage", "no_data"), ("comments", "no_data")])
+@on_virtual_time
 async def test_an_event_stream_without_a_data_event_fails_over(kind, outcome):
     async with (
         FakeBackend("tower", fault(kind)) as tower,
@@ -208,6 +215,7 @@ async def test_an_event_stream_without_a_data_event_fails_over(kind, outcome):
     )
 
 
+@on_virtual_time
 async def test_a_stream_that_is_truncated_before_anything_was_sent_fails_over():
     # A handler of its own that answers one event and the end in one message: nothing
     # had gone to the caller when the stream turned out truncated, so the chain moves on.
@@ -228,6 +236,7 @@ async def test_a_stream_that_is_truncated_before_anything_was_sent_fails_over():
     )
 
 
+@on_virtual_time
 async def test_a_trickling_stream_reaches_the_caller_byte_for_byte():
     events = openai_stream(["one", "two"])
     async with FakeBackend("tower", fault("trickle", ["one", "two"])) as tower:
@@ -239,6 +248,7 @@ async def test_a_trickling_stream_reaches_the_caller_byte_for_byte():
 
 
 @pytest.mark.parametrize("pieces", [["one", "two"], ["x" * 1000] * 4000])
+@on_virtual_time
 async def test_an_event_stream_framed_by_content_length_arrives_whole(pieces):
     events = openai_stream(pieces)
     async with FakeBackend("tower", fault("content_length", pieces)) as tower:
@@ -280,6 +290,7 @@ def cut_short(kind: str) -> Any:
     ("kind", "outcome"),
     [("reset", "stream_broken"), ("close", "stream_broken"), ("stall", "saturated")],
 )
+@on_virtual_time
 async def test_a_non_stream_answer_cut_short_fails_over_unnoticed(kind, outcome):
     """A held answer's window covers the whole answer (issue 20): one that stops mid-body is
     not whole when slow_after ends, so it is a saturation, whatever stall_after says."""
@@ -300,6 +311,7 @@ async def test_a_non_stream_answer_cut_short_fails_over_unnoticed(kind, outcome)
     )
 
 
+@on_virtual_time
 async def test_a_whole_json_answer_keeps_an_exact_content_length():
     body = completion_body("from tower")
     async with FakeBackend("tower", answers(200, body)) as tower:
@@ -314,6 +326,7 @@ async def test_a_whole_json_answer_keeps_an_exact_content_length():
 # -- every tier refused -----------------------------------------------------------------
 
 
+@on_virtual_time
 async def test_when_every_tier_says_429_the_caller_gets_429_with_the_soonest_retry_after():
     async with (
         FakeBackend(
@@ -349,6 +362,7 @@ async def test_when_every_tier_says_429_the_caller_gets_429_with_the_soonest_ret
     ]
 
 
+@on_virtual_time
 async def test_when_any_tier_says_503_the_caller_gets_503():
     async with (
         FakeBackend("tower", answers(503, b"overloaded", **{"Retry-After": "2"})) as tower,
@@ -364,6 +378,7 @@ async def test_when_any_tier_says_503_the_caller_gets_503():
     assert [a["message"] for a in response.json()["error"]["attempts"]] == ["overloaded", "x"]
 
 
+@on_virtual_time
 async def test_a_tier_skipped_as_busy_then_a_429_is_503_not_429():
     async with (
         FakeBackend("tower", streams(["never"])) as tower,
@@ -397,6 +412,7 @@ async def test_a_tier_skipped_as_busy_then_a_429_is_503_not_429():
 
 
 @pytest.mark.parametrize("kind", ["no_done", "stall", "reset"])
+@on_virtual_time
 async def test_the_openai_sdk_raises_on_a_truncated_stalled_or_broken_stream(kind):
     async with FakeBackend("tower", fault(kind)) as tower:
         gw = Gateway([Backend("tower", tower.url)], stall_after=0.2)

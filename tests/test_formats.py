@@ -45,6 +45,7 @@ from .support import (
     answers,
     chat_request,
     completion_body,
+    on_virtual_time,
     refused_url,
     serve,
 )
@@ -225,6 +226,7 @@ def test_each_format_is_complete_only_at_its_own_end():
 # -- Anthropic Messages through the README stack ----------------------------------------
 
 
+@on_virtual_time
 async def test_a_healthy_anthropic_stream_and_message_pass_clean_through_the_readme_stack(
     metric,
 ):
@@ -256,6 +258,7 @@ async def test_a_healthy_anthropic_stream_and_message_pass_clean_through_the_rea
     assert after - before == 4
 
 
+@on_virtual_time
 async def test_an_anthropic_stream_that_dies_mid_way_makes_the_sdk_raise():
     tower = sends(anthropic_stream(PIECES), upto=4, then="reset")
     async with gateway(tower) as gw:
@@ -272,6 +275,7 @@ async def test_an_anthropic_stream_that_dies_mid_way_makes_the_sdk_raise():
     )
 
 
+@on_virtual_time
 async def test_an_anthropic_stream_cut_short_without_message_stop_makes_the_sdk_raise():
     tower = sends(anthropic_stream(PIECES), upto=5)  # a clean end, no message_stop
     async with gateway(tower) as gw:
@@ -280,6 +284,7 @@ async def test_an_anthropic_stream_cut_short_without_message_stop_makes_the_sdk_
         assert await gw.failures() == 1
 
 
+@on_virtual_time
 async def test_every_tier_failing_after_an_early_commit_makes_the_anthropic_sdk_raise():
     release = asyncio.Event()
 
@@ -301,6 +306,7 @@ async def test_every_tier_failing_after_an_early_commit_makes_the_anthropic_sdk_
 # -- OpenAI Responses and the Agents SDK --------------------------------------------------
 
 
+@on_virtual_time
 async def test_a_healthy_responses_stream_passes_clean_through_the_readme_stack():
     events = responses_stream(PIECES)
     async with gateway(sends(events)) as gw:
@@ -325,6 +331,7 @@ async def test_a_healthy_responses_stream_passes_clean_through_the_readme_stack(
         assert await gw.failures() == 0
 
 
+@on_virtual_time
 async def test_a_responses_stream_cut_short_makes_the_sdk_raise():
     # Cut after its first text delta: committed, then ended without response.completed.
     async with gateway(sends(responses_stream(PIECES), upto=5)) as gw:
@@ -362,6 +369,7 @@ async def run_agent(base_url: str) -> str:
         await client.close()
 
 
+@on_virtual_time
 async def test_the_agents_sdk_streams_through_the_readme_stack_and_raises_on_a_broken_stream(
     monkeypatch,
 ):
@@ -380,6 +388,7 @@ async def test_the_agents_sdk_streams_through_the_readme_stack_and_raises_on_a_b
 # -- Ollama's native API ------------------------------------------------------------------
 
 
+@on_virtual_time
 async def test_an_ollama_stream_is_relayed_line_by_line_with_no_heartbeat_and_no_own_commit():
     lines = ollama_chat_lines(PIECES)
     release = asyncio.Event()
@@ -421,6 +430,7 @@ async def test_an_ollama_stream_is_relayed_line_by_line_with_no_heartbeat_and_no
     assert first + rest == b"".join(lines)  # no comment line, nothing appended
 
 
+@on_virtual_time
 async def test_the_ollama_client_streams_and_raises_on_a_stream_without_its_done_line():
     lines = ollama_chat_lines(PIECES)
     async with gateway(sends(lines, headers=NDJSON)) as gw:
@@ -450,6 +460,7 @@ async def test_the_ollama_client_streams_and_raises_on_a_stream_without_its_done
     ],
     ids=["llama.cpp", "openai", "ollama"],
 )
+@on_virtual_time
 async def test_a_context_window_400_from_the_tower_is_answered_by_hosted(refusal, metric):
     before = metric(
         "tierchain_attempts_total", route="echo", backend="tower", outcome="context_exceeded"
@@ -469,6 +480,7 @@ async def test_a_context_window_400_from_the_tower_is_answered_by_hosted(refusal
     assert after - before == 1
 
 
+@on_virtual_time
 async def test_an_anthropic_prompt_too_long_fails_over_and_any_other_400_passes_through():
     async with gateway(
         answers(400, ANTHROPIC_TOO_LONG), answers(200, anthropic_message("hi"))
@@ -484,6 +496,7 @@ async def test_an_anthropic_prompt_too_long_fails_over_and_any_other_400_passes_
         assert len(gw.hosted.requests) == 1  # only the context refusal went on
 
 
+@on_virtual_time
 async def test_an_anthropic_529_overload_fails_over_to_hosted():
     async with gateway(
         answers(529, ANTHROPIC_OVERLOADED), answers(200, anthropic_message("hi"))
@@ -508,6 +521,7 @@ def by_path(ex: Exchange) -> Script:
     return sends(ollama_chat_lines(PIECES), headers=NDJSON)
 
 
+# Real time: tierchain serve runs in a process of its own, which no virtual clock reaches.
 async def test_every_format_passes_clean_through_tierchain_serve_and_a_broken_one_raises(
     tmp_path: Path, monkeypatch
 ):
@@ -607,6 +621,7 @@ async def test_every_format_passes_clean_through_tierchain_serve_and_a_broken_on
 
 
 @pytest.mark.parametrize("example", ["fastapi", "litestar"])
+@on_virtual_time
 async def test_every_format_passes_clean_through_the_examples(example, monkeypatch):
     from asgi_lifespan import LifespanManager
 
@@ -685,6 +700,7 @@ def test_the_routes_file_takes_a_wire_format_per_backend_and_per_route():
 # -- pieces alone, and the format named in code ------------------------------------------
 
 
+@on_virtual_time
 async def test_a_breaker_alone_counts_five_healthy_anthropic_streams_as_successes():
     store = MemoryStore()
     async with FakeBackend("tower", sends(anthropic_stream(PIECES))) as t:
@@ -705,6 +721,7 @@ async def test_a_breaker_alone_counts_five_healthy_anthropic_streams_as_successe
     assert (snapshot.state, snapshot.failures) == ("closed", 0)
 
 
+@on_virtual_time
 async def test_a_route_or_backend_named_anthropic_in_code_is_judged_so_on_any_path():
     events = anthropic_stream(PIECES)
     async with FakeBackend("tower", sends(events)) as t, FakeBackend("other", sends(events)) as o:
@@ -734,6 +751,7 @@ async def test_a_route_or_backend_named_anthropic_in_code_is_judged_so_on_any_pa
     assert guessed.content.endswith(b'"code":"truncated"}}\n\n')
 
 
+@on_virtual_time
 async def test_every_tier_failing_after_an_early_commit_makes_the_responses_sdk_raise():
     release = asyncio.Event()
 
@@ -750,6 +768,7 @@ async def test_every_tier_failing_after_an_early_commit_makes_the_responses_sdk_
                 pass
 
 
+@on_virtual_time
 async def test_an_ollama_request_every_tier_fails_gets_its_real_502_after_a_long_wait():
     release = asyncio.Event()
 
@@ -808,6 +827,7 @@ def test_opening_events_and_pings_are_not_progress():
     assert responses.first_data_at is not None
 
 
+@on_virtual_time
 async def test_a_tower_that_opens_an_anthropic_answer_then_hangs_fails_over_unseen():
     opening = anthropic_stream(PIECES)[:3]
     hosted_events = anthropic_stream(["from ", "hosted"])

@@ -14,10 +14,11 @@ from collections import Counter
 
 import pytest
 
-from .support import answering, one_request, whole_stack
+from .support import answering, on_virtual_time, one_request, whole_stack
 
 
 @pytest.mark.parametrize("tower", ["answers", "raises", "503"])
+@on_virtual_time  # the 503's same-tier retries wait their random pause on the virtual clock
 async def test_a_request_through_the_whole_stack_leaves_no_reference_cycle(tower):
     app = whole_stack(answering(tower))
     await one_request(app)  # warm: first-use caches are not per-request garbage
