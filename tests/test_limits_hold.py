@@ -437,3 +437,87 @@ def test_check_config_and_the_identity_line_show_each_keys_limits_never_the_key(
     for shown in (text, json.dumps(limits), json.dumps(line)):
         assert KEY_A not in shown
         assert KEY_B not in shown
+
+
+async def test_a_hundred_thousand_deep_answer_is_estimated_and_logged_never_a_crash(caplog):
+    keys = [CallerKey("team-a", KEY_A, tpm=100_000)]
+    store = MemoryStore()
+    deep = b'{"usage": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    async with FakeBackend("deep", answers(200, deep)) as backend:
+        app, fwd = limited_gateway({"echo": [Backend("deep", backend.url)]}, keys, store=store)
+        async with serve(app) as url:
+            with caplog.at_level(logging.INFO, logger="tierchain"):
+                answer = await call(url, KEY_A, asking(5))
+        await fwd.aclose()
+    assert answer.status_code == 200
+    assert len(answer.content) == len(deep)
+    got = totals(await usage_report(store, keys), "team-a")
+    assert got[("deep", "output_estimated")] == len(deep) // 4
+    assert any("usage.unreadable" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_ollama_stream_past_its_keys_budget_ends_with_an_ndjson_error_line():
+    from .wire_fakes import ollama_chat_lines
+
+    lines = ollama_chat_lines(["x"] * 300)
+    keys = [CallerKey("team-a", KEY_A, budget_tokens=100)]
+    store = MemoryStore()
+
+    async def script(ex: Exchange) -> None:
+        await ex.head(headers={"content-type": "application/x-ndjson"})
+        for line in lines:
+            await ex.write(line)
+        await ex.end()
+
+    body = json.dumps(
+        {
+            "model": "echo",
+            "messages": [{"role": "user", "content": "hi"}],
+            "options": {"num_predict": 40},
+        }
+    ).encode()
+    async with FakeBackend("tower", script) as tower:
+        app, fwd = limited_gateway({"echo": [Backend("tower", tower.url)]}, keys, store=store)
+        async with serve(app) as url:
+            answer = await call(url, KEY_A, body, path="/api/chat")
+        await fwd.aclose()
+    got = answer.text.splitlines()
+    assert answer.status_code == 200
+    assert json.loads(got[-1]) == {
+        "error": "the key's budget ran out mid-stream: the answer ends here"
+    }
+    assert all(json.loads(line)["done"] is False for line in got[:-1])
+    assert 60 < len(got) - 1 < 110  # about its budget of 100, less its prompt's estimate
+    report = await usage_report(store, keys)
+    assert report["limits"][0]["budget_used"] <= 100 + len(got)
+
+
+async def test_spans_carry_opentelemetry_genai_attributes(monkeypatch):
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tierchain import telemetry
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", provider)
+    monkeypatch.setattr(telemetry, "tracer", provider.get_tracer("tierchain"))
+    keys = [CallerKey("team-a", KEY_A)]
+    try:
+        async with FakeBackend("tower", answers(200, openai_body(12, 34))) as tower:
+            app, fwd = limited_gateway({"echo": [Backend("tower", tower.url)]}, keys)
+            async with serve(app) as url:
+                assert (await call(url, KEY_A, asking(5))).status_code == 200
+            await fwd.aclose()
+    finally:
+        provider.shutdown()
+    spans = {s.name: s.attributes for s in exporter.get_finished_spans()}
+    assert spans["tierchain.request"]["gen_ai.request.model"] == "echo"
+    genai = spans["chat echo"]
+    assert genai["gen_ai.operation.name"] == "chat"
+    assert genai["gen_ai.request.model"] == "echo"
+    assert genai["gen_ai.usage.input_tokens"] == 12
+    assert genai["gen_ai.usage.output_tokens"] == 34

@@ -163,3 +163,17 @@ async def read_or_refuse(
     except CallerGone:
         pass
     return None
+
+
+def replayed(body: bytes, receive: Receive) -> Receive:
+    """The request's ``receive`` once its body was read here: the body, then ``receive``."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -14,12 +14,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 from .keys import CallerKey
 from .request import TierRequest
-from .store import WindowCheck
+from .store import WindowCheck, WindowHold
 from .usage import bounded
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "key_checks",
     "period_text",
     "price_of",
+    "rate_headers",
     "total_field",
     "usage_report",
     "window_name",
@@ -99,6 +101,39 @@ def cost_nanos(amount: int, price: tuple[float, float] | None, kind: str) -> int
         return 0
     per_million = price[1] if kind.endswith(("output", "output_estimated")) else price[0]
     return bounded(round(amount * per_million * 1000), "cost", "price")
+
+
+def _reset_text(seconds: float) -> str:
+    """A reset time as OpenAI writes it: ``12ms``, ``1s``, ``6m0s``, ``1h2m3s``."""
+    if seconds < 1:
+        return f"{max(1, round(seconds * 1000))}ms"
+    whole = math.ceil(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+_RATE_HEADERS = {"rpm": b"requests", "tpm": b"tokens"}
+
+
+def rate_headers(
+    checks: list[tuple[WindowCheck, str]], hold: WindowHold | None
+) -> list[tuple[bytes, bytes]]:
+    """The ``x-ratelimit-*`` headers for a key's rpm and tpm (LiteLLM's and OpenAI's names),
+    from what its windows hold at admission (``hold``)."""
+    if hold is None or len(hold.used) != len(checks):
+        return []
+    out = []
+    for (check, which), used, reset in zip(checks, hold.used, hold.reset, strict=True):
+        unit = _RATE_HEADERS.get(which)
+        if unit is not None:
+            out.append((b"x-ratelimit-limit-" + unit, str(check.limit).encode()))
+            left = max(0, check.limit - used)
+            out.append((b"x-ratelimit-remaining-" + unit, str(left).encode()))
+            out.append((b"x-ratelimit-reset-" + unit, _reset_text(reset).encode()))
+    return out
 
 
 def period_text(seconds: float) -> str:

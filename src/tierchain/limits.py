@@ -50,7 +50,7 @@ import time
 from collections.abc import Awaitable, Iterable
 from typing import Any
 
-from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse
+from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, replayed
 from ._checks import count
 from ._head import refuse_request
 from ._runtime import clock
@@ -65,6 +65,7 @@ from .accounts import (
     key_checks,
     period_text,
     price_of,
+    rate_headers,
     total_field,
     usage_report,
     window_name,
@@ -73,7 +74,7 @@ from .admission import Admission, Lease
 from .budgets import BackendBudget, BackendBudgets, load_budgets
 from .keys import CALLER_KEY, CallerKey
 from .request import TierRequest
-from .sse import data_values
+from .sse import data_values, first_events
 from .store import USAGE_BOUND, MemoryStore, WindowCheck, WindowHold
 from .telemetry import COST, TOKENS, labelled, log_event, observe_usage
 from .usage import DEFAULT_MAX_TOKENS, body_units, bounded, estimate, read_usage, reservation
@@ -103,43 +104,22 @@ _REFUSALS = {
 }
 
 
-def _reset_text(seconds: float) -> str:
-    """A reset time as OpenAI writes it: ``12ms``, ``1s``, ``6m0s``, ``1h2m3s``."""
-    if seconds < 1:
-        return f"{max(1, round(seconds * 1000))}ms"
-    whole = math.ceil(seconds)
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes}m{secs}s"
-    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
-
-
-_RATE_HEADERS = {"rpm": b"requests", "tpm": b"tokens"}
-
-
-def _rate_headers(
-    checks: list[tuple[WindowCheck, str]], hold: WindowHold | None
-) -> list[tuple[bytes, bytes]]:
-    """The ``x-ratelimit-*`` headers for the key's rpm and tpm (LiteLLM's and OpenAI's names)."""
-    if hold is None or len(hold.used) != len(checks):
-        return []
-    out = []
-    for (check, which), used, reset in zip(checks, hold.used, hold.reset, strict=True):
-        unit = _RATE_HEADERS.get(which)
-        if unit is not None:
-            out.append((b"x-ratelimit-limit-" + unit, str(check.limit).encode()))
-            left = max(0, check.limit - used)
-            out.append((b"x-ratelimit-remaining-" + unit, str(left).encode()))
-            out.append((b"x-ratelimit-reset-" + unit, _reset_text(reset).encode()))
-    return out
-
-
 class _Held:
     """One request's reservation in its key's token windows, grown while its stream runs
     past it, released when it ends (:meth:`KeyLimits._account`)."""
 
-    __slots__ = ("crossed", "cut", "held", "holds", "scope", "spent", "step", "store", "windows")
+    __slots__ = (
+        "crossed",
+        "cut",
+        "held",
+        "holds",
+        "last",
+        "scope",
+        "spent",
+        "step",
+        "store",
+        "windows",
+    )
 
     def __init__(
         self,
@@ -157,6 +137,7 @@ class _Held:
         self.spent = prompt  # the prompt estimate, then a token per data event
         self.step = max(_STEP, total - prompt)
         self.crossed: str | None = None
+        self.last: str | None = None  # the window a step took to its limit: no more steps
         self.cut = Interruption()
 
     @property
@@ -177,6 +158,9 @@ class _Held:
 
     async def extend(self) -> bool:
         """Hold another step, if the key's token windows still have room (False: crossed)."""
+        if self.last is not None:
+            self.crossed = self.last
+            return False
         checks = [
             WindowCheck(c.name, c.window, c.limit, self.step, fits=False) for c, _ in self.windows
         ]
@@ -190,6 +174,14 @@ class _Held:
             self.crossed = self.windows[hold.refused[1]][1]
             return False
         self.took(hold.at, self.step)
+        # A step goes in while a window has room, and may take it past its limit: this
+        # stream may then use only the room there was, and ends past it without asking.
+        over, which = max(
+            (used - c.limit, w) for used, (c, w) in zip(hold.used, self.windows, strict=True)
+        )
+        if over > 0:
+            self.held -= min(over, self.step)
+            self.last = which
         return True
 
     def released(self) -> list[tuple[str, float, int, float]]:
@@ -198,20 +190,6 @@ class _Held:
 
 
 _STEP = 256  # the least a stream past its reservation holds more by
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """The request's ``receive`` once its body was read here: the body, then ``receive``."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 class KeyLimits:
@@ -276,7 +254,7 @@ class KeyLimits:
             body = await read_or_refuse(scope, receive, send, self.max_body, DEFAULT_BODY_TIMEOUT)
             if body is None:
                 return  # answered 413 or 408, or the caller left
-            receive = _replay(body, receive)
+            receive = replayed(body, receive)
             default = key.default_max_tokens
             prompt, reserve = reservation(
                 body, self.default_max_tokens if default is None else default
@@ -293,7 +271,7 @@ class KeyLimits:
         except Exception as exc:  # a store error never refuses a request
             log_event("usage.not_checked", logging.WARNING, key_name=key.name, error=repr(exc))
             hold = None
-        headers = _rate_headers(checks, hold)
+        headers = rate_headers(checks, hold)
         if hold is not None and hold.refused is not None:
             await self._parallel.leave(lease)
             which = checks[hold.refused[1]][1]
@@ -527,7 +505,7 @@ class _Meter:
                         self.events += events
                         held.spent += events
                         if held.spent > held.held:
-                            return self._grow(message, held)
+                            return self._grow(message, held, events)
         elif kind == "http.response.start":
             self.status = int(message["status"])
             for name, value in message.get("headers", ()):
@@ -547,15 +525,23 @@ class _Meter:
                 message = {**message, "headers": [*kept, *self.headers]}
         return self._send(message)
 
-    async def _grow(self, message: Message, held: _Held) -> None:
-        """A stream past what it holds: hold more, or pass this event on and end it."""
+    async def _grow(self, message: Message, held: _Held, events: int) -> None:
+        """A stream past what it holds: hold more; or pass on its events up to the one that
+        crosses the key's limit, and end it there."""
         if self.ended:
             return
         room = await held.extend()
-        await self._send(message)
         if room or not message.get("more_body", False):
-            return
+            return await self._send(message)
         self.ended = True
+        keep = max(1, min(events, held.held - (held.spent - events) + 1))  # (the crossing one)
+        if keep < events:
+            chunk = message["body"]
+            first = b"".join(chunk.splitlines(True)[:keep]) if self.ndjson else None
+            message = {**message, "body": first or first_events(chunk, keep)}
+            self.events -= events - keep
+            held.spent -= events - keep
+        await self._send(message)
         code = _REFUSALS[held.crossed or "tpm"][0]
         error = error_bytes(
             held.wire,

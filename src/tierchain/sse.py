@@ -30,6 +30,7 @@ __all__ = [
     "data_values",
     "error_event",
     "error_json",
+    "first_events",
     "framing",
     "has_data",
     "has_finish_reason",
@@ -212,3 +213,16 @@ def error_json(message: str, type: str, code: str | None = None, **extra: Any) -
 def error_event(message: str, type: str, code: str | None = None, **extra: Any) -> bytes:
     """``data: {"error": {...}}`` and a blank line: an error OpenAI clients raise."""
     return b"data: " + _one_line_json(error_json(message, type, code, **extra)) + b"\n\n"
+
+
+def first_events(chunk: bytes, n: int) -> bytes:
+    """The first ``n`` data events of a chunk of whole events (with the comment lines
+    before them); the whole chunk when it holds fewer."""
+    end = 0
+    for _ in range(n):
+        start = chunk.find(b"data:", end)
+        found = chunk.find(b"\n\n", start) if start >= 0 else -1
+        if found < 0:
+            return chunk
+        end = found + 2
+    return chunk[:end]
