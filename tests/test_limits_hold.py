@@ -521,3 +521,16 @@ async def test_spans_carry_opentelemetry_genai_attributes(monkeypatch):
     assert genai["gen_ai.request.model"] == "echo"
     assert genai["gen_ai.usage.input_tokens"] == 12
     assert genai["gen_ai.usage.output_tokens"] == 34
+
+
+async def test_a_body_too_complex_to_parse_is_never_parsed_for_its_max_tokens():
+    from tierchain import _json
+    from tierchain.usage import DEFAULT_MAX_TOKENS, asked_output, reservation
+
+    many = b"[" + b",".join([b"[]"] * (_json.MAX_CONTAINERS + 10)) + b"]"
+    body = b'{"model": "echo", "max_tokens": 7, "junk": ' + many + b"}"
+    assert await asked_output(body) is None  # refused by its shape, before any parse
+    assert (await reservation(body, DEFAULT_MAX_TOKENS))[1] > DEFAULT_MAX_TOKENS
+    assert await asked_output(asking(7)) == 7
+    assert await asked_output(b'{"options": {"num_predict": -1}}') is None
+    assert await asked_output(b'{"options": {"num_predict": 33}}') == 33

@@ -256,7 +256,7 @@ class KeyLimits:
                 return  # answered 413 or 408, or the caller left
             receive = replayed(body, receive)
             default = key.default_max_tokens
-            prompt, reserve = reservation(
+            prompt, reserve = await reservation(
                 body, self.default_max_tokens if default is None else default
             )
         lease: Lease | None = None

@@ -175,16 +175,19 @@ _CLAMPED: set[tuple[str, str]] = set()
 _ASKED_MARKS = (b'"max_', b'"num_predict"')
 
 
-def asked_output(body: bytes) -> int | None:
+async def asked_output(body: bytes) -> int | None:
     """The most output tokens a request asks for: ``max_completion_tokens``,
     ``max_tokens`` (OpenAI chat and completions, Anthropic), ``max_output_tokens``
     (Responses) or ``options.num_predict`` (Ollama; its -1 and -2 mean no limit);
-    None when it names none. A body that names none is not parsed."""
+    None when it names none. A body that names none is not parsed; a long one is
+    bounded by its shape first (:func:`tierchain._json.check_shape`, the event loop free
+    between slices), and one too complex to parse is None (Failover refuses it)."""
     if not any(mark in body for mark in _ASKED_MARKS):
         return None
     try:
-        data = _json.loads(body)
-    except ValueError:
+        containers = await _json.check_shape(body)
+        data = _json.loads(body, containers=containers)
+    except ValueError:  # (TooComplex, TooDeep and UnicodeDecodeError are ValueErrors)
         return None
     if not isinstance(data, dict):
         return None
@@ -198,11 +201,11 @@ def asked_output(body: bytes) -> int | None:
     return None
 
 
-def reservation(body: bytes, default: int) -> tuple[int, int]:
+async def reservation(body: bytes, default: int) -> tuple[int, int]:
     """(the prompt's estimated tokens, the tokens a request reserves): the prompt estimate
     the watchdog uses (:func:`tierchain.learned.prompt_tokens`) plus the output it asks
     for at most (``default`` when it names none), each bounded."""
     prompt = bounded(math.ceil(prompt_tokens(body)), "prompt_estimate", "request")
-    asked = asked_output(body)
+    asked = await asked_output(body)
     output = default if asked is None else bounded(asked, "max_tokens", "request")
     return prompt, min(USAGE_BOUND, prompt + output)
