@@ -222,6 +222,21 @@ def _fmt(seconds: float | None) -> str:
 
 def verdict(result: ProbeResult) -> Verdict:
     """What the run shows, and no more."""
+    table = _table(result)
+    findings = _failures(result)
+    measured = [lv for lv in result.levels if result.p50(lv) is not None]
+    if len(measured) < 2:
+        findings.append(
+            "Too few calls succeeded at two or more concurrency levels to compare latency: "
+            "this run says nothing about admission control."
+        )
+        return Verdict("no_evidence", tuple(findings), tuple(table))
+    kind = _latency(result, measured[0], measured[-1], findings)
+    return Verdict(kind, tuple(findings), tuple(table))
+
+
+def _table(result: ProbeResult) -> list[str]:
+    """The run as a table: one row a concurrency level."""
     table = [f"{'concurrency':>11}  {'calls':>5}  {'ok':>4}  {'p50':>9}  {'slowest':>9}  other"]
     for level in result.levels:
         calls = result.at(level)
@@ -232,7 +247,11 @@ def verdict(result: ProbeResult) -> Verdict:
             f"{_fmt(max(ok) if ok else None):>9}  "
             + (", ".join(f"{n}x {label}" for label, n in sorted(other.items())) or "-")
         )
+    return table
 
+
+def _failures(result: ProbeResult) -> list[str]:
+    """What the calls that did not succeed say (and do not say)."""
     findings: list[str] = []
     total = len(result.calls)
     failed = [c for c in result.calls if c.status is None]
@@ -263,16 +282,12 @@ def verdict(result: ProbeResult) -> Verdict:
             + "). Something refused or failed under the burst; from the client side it cannot "
             "be told whether the backend, a proxy or a limiter answered."
         )
+    return findings
 
-    measured = [lv for lv in result.levels if result.p50(lv) is not None]
-    if len(measured) < 2:
-        findings.append(
-            "Too few calls succeeded at two or more concurrency levels to compare latency: "
-            "this run says nothing about admission control."
-        )
-        return Verdict("no_evidence", tuple(findings), tuple(table))
 
-    low, high = measured[0], measured[-1]
+def _latency(result: ProbeResult, low: int, high: int, findings: list[str]) -> str:
+    """The verdict's kind from the p50 at the lowest and highest level measured; its
+    finding appended to ``findings``."""
     base, top = result.p50(low), result.p50(high)
     assert base is not None
     assert top is not None
@@ -307,4 +322,4 @@ def verdict(result: ProbeResult) -> Verdict:
         )
         if kind == "growth":
             kind = "inconclusive"
-    return Verdict(kind, tuple(findings), tuple(table))
+    return kind

@@ -143,22 +143,9 @@ class WaitingRoom:
         for queue in self._queues.values():
             queue[0].event.set()
 
-    async def wait(
-        self,
-        req: TierRequest,
-        route: str,
-        full: Callable[[], Awaitable[bool]],
-        band: int,
-        key: str | None = None,
-    ) -> bool:
-        """Wait while ``full()`` says every backend is full (or others are ahead).
-
-        Returns True when the request waited, False when it went straight on;
-        raises :class:`WaitRefused` when the room (or ``key``'s share of it) is
-        full, or when ``max_wait`` ran out with every backend still full."""
-        queue = self._queues.get(route)
-        if not queue and not await full():
-            return False
+    def _enter(self, route: str, band: int, key: str | None) -> tuple[list[_Waiter], _Waiter]:
+        """A place in ``route``'s queue, in band order; WaitRefused when the room (or
+        ``key``'s share of it) is full."""
         if self._total >= self.max_waiting:
             raise self._refuse(
                 route, 503, "full", "every backend is full and the waiting room is full"
@@ -176,6 +163,45 @@ class WaitingRoom:
         queue = self._queues.setdefault(route, [])
         waiter = _Waiter(band, next(self._seq))
         bisect.insort(queue, waiter, key=lambda w: w.key)
+        return queue, waiter
+
+    def _leave(
+        self, route: str, queue: list[_Waiter], waiter: _Waiter, key: str | None, *, released: bool
+    ) -> None:
+        """``waiter`` leaves its queue, however its wait ended."""
+        queue.remove(waiter)
+        self._total -= 1
+        if key is not None:
+            left_for_key = self._by_key[key] - 1
+            if left_for_key:
+                self._by_key[key] = left_for_key
+            else:
+                del self._by_key[key]
+        if queue:
+            if not released:
+                queue[0].event.set()  # the next in line looks at once
+            # (one released takes the room it found: the next looks when a lease is
+            # given back, or at its next look, never in the same breath)
+        elif self._queues.get(route) is queue:
+            del self._queues[route]
+
+    async def wait(
+        self,
+        req: TierRequest,
+        route: str,
+        full: Callable[[], Awaitable[bool]],
+        band: int,
+        key: str | None = None,
+    ) -> bool:
+        """Wait while ``full()`` says every backend is full (or others are ahead).
+
+        Returns True when the request waited, False when it went straight on;
+        raises :class:`WaitRefused` when the room (or ``key``'s share of it) is
+        full, or when ``max_wait`` ran out with every backend still full."""
+        queue = self._queues.get(route)
+        if not queue and not await full():
+            return False
+        queue, waiter = self._enter(route, band, key)
         gauge = labelled(WAITING_ROOM_REQUESTS, route)
         gauge.set(len(queue))
         started = clock.now()
@@ -211,21 +237,7 @@ class WaitingRoom:
                 timer = None
         finally:
             deadlines.cancel(timer)
-            queue.remove(waiter)
-            self._total -= 1
-            if key is not None:
-                left_for_key = self._by_key[key] - 1
-                if left_for_key:
-                    self._by_key[key] = left_for_key
-                else:
-                    del self._by_key[key]
-            if queue:
-                if outcome != "released":
-                    queue[0].event.set()  # the next in line looks at once
-                # (one released takes the room it found: the next looks when a lease is
-                # given back, or at its next look, never in the same breath)
-            elif self._queues.get(route) is queue:
-                del self._queues[route]
+            self._leave(route, queue, waiter, key, released=outcome == "released")
             gauge.set(len(queue))
             labelled(WAITING_ROOM_WAIT, route, outcome).observe(clock.now() - started)
         if outcome == "max_wait":
