@@ -259,18 +259,23 @@ async def test_a_refused_redis_script_fails_that_write_and_never_turns_redis_off
         await store.aclose()
 
 
-async def test_max_parallel_refuses_the_one_too_many_and_every_ending_gives_its_place_back():
+async def test_max_parallel_refuses_the_one_too_many_and_every_ending_gives_its_place_back(
+    stores,
+):
     gate = Gate()
     keys = [CallerKey("team-a", KEY_A, max_parallel=2)]
-    store = MemoryStore()
+    store = stores[0]
     async with (
         FakeBackend("tower", gate.answering(openai_body(1, 1))) as tower,
         FakeBackend("broken", answers(500)) as broken,
     ):
         routes = {"echo": [Backend("tower", tower.url)], "bad": [Backend("broken", broken.url)]}
         app, fwd = limited_gateway(routes, keys, store=store)
-        async with serve(app) as url:
-            tasks = [asyncio.create_task(call(url, KEY_A, asking(5))) for _ in range(5)]
+        two, fwd2 = limited_gateway(routes, keys, store=stores[1])
+        async with serve(app) as url, serve(two) as url2:
+            tasks = [
+                asyncio.create_task(call((url, url2)[i % 2], KEY_A, asking(5))) for i in range(5)
+            ]
             await gate.overlap(tasks)
             first = await asyncio.gather(*tasks)
             # A failed answer and a caller who leaves give their places back too.
@@ -291,6 +296,7 @@ async def test_max_parallel_refuses_the_one_too_many_and_every_ending_gives_its_
             gate.open.set()
             after = [await call(url, KEY_A, asking(5)) for _ in range(3)]
         await fwd.aclose()
+        await fwd2.aclose()
     codes = sorted(a.status_code for a in first)
     assert codes == [200, 200, 429, 429, 429]
     refused = next(a for a in first if a.status_code == 429)
@@ -534,3 +540,20 @@ async def test_a_body_too_complex_to_parse_is_never_parsed_for_its_max_tokens():
     assert await asked_output(asking(7)) == 7
     assert await asked_output(b'{"options": {"num_predict": -1}}') is None
     assert await asked_output(b'{"options": {"num_predict": 33}}') == 33
+
+
+async def test_a_request_on_an_open_path_without_a_key_is_counted_as_anonymous():
+    from tierchain.keys import CallerKeys
+
+    store = MemoryStore()
+    async with FakeBackend("tower", answers(200, openai_body(4, 6))) as tower:
+        keys = [CallerKey("team-a", KEY_A)]
+        inner, fwd = limited_gateway({"echo": [Backend("tower", tower.url)]}, keys, store=store)
+        app = CallerKeys(inner.app, keys=keys, open_paths=["/v1/"])
+        async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+            answer = await client.post(url + "/v1/chat/completions", content=asking(5))
+        await fwd.aclose()
+    assert answer.status_code == 200
+    got = totals(await usage_report(store), "(anonymous)")
+    assert got[("tower", "input")] == 4
+    assert got[("tower", "output")] == 6

@@ -895,7 +895,9 @@ class RedisStore:
         keys += [self._window_key(n) for n, _, _ in windows] + [f"{self.prefix}usage"]
         args = [self._args(), _ms(self.ttl), str(len(released)), str(len(windows))]
         for _, window, amount, at in released:
-            args += [_ms(window), str(_bounded(amount)), _ms(at)]
+            # (the script's own time, back to the ms it was: a float's last bit must not
+            # move a hold into the bucket before its own)
+            args += [_ms(window), str(_bounded(amount)), repr(round(at * 1000.0, 3))]
         for _, window, amount in windows:
             args += [_ms(window), str(_bounded(amount))]
         for field_name, amount in totals:
