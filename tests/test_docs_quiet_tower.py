@@ -212,8 +212,12 @@ async def test_a_documented_gateway_reaches_hosted_within_15s_on_its_own_budget(
         exec(compile(code, block.id, "exec"), module.__dict__)  # the block, as written
         async with serve(module.__dict__["app"], lifespan="auto") as url:
             response, took = await ask_as_documented(url)
-    assert_too_slow_first(response)
+    # The documented compositions hedge a quiet local tower after 5 s, as serve does.
+    assert_hedged_or_too_slow_first(response)
     assert took < FIRST_CALLER_BOUND
+    if block.id.startswith(("README.md", "docs/index.md")):  # the README's stack: hedged
+        assert b'"state":"hedging"' in response.content
+        assert took < 6.0
 
 
 @pytest.mark.parametrize("source", ["docs/index.md export line", "tierchain serve defaults"])

@@ -148,6 +148,7 @@ def create_app(
     commit_after: float = 1.0,
     slow_after: float = 0.0,
     budget: float | None = None,
+    hedge_after: float | None = 5.0,
     store: MemoryStore | RedisStore | None = None,
     admin_token: str | None = None,
 ) -> FastAPI:
@@ -156,8 +157,10 @@ def create_app(
     The whole tierchain stack, in its fixed order. ``heartbeat_interval`` and
     ``commit_after`` are Heartbeats' options (docs/heartbeats.md), ``slow_after``
     the SaturationWatchdog's window (0: off), ``budget`` Budget's default in
-    seconds. One ``store`` (in memory unless given) holds the breakers and the
-    operator pins; with ``admin_token`` the operator page is at ``/admin/tierchain``.
+    seconds, ``hedge_after`` Failover's hedging of a quiet local tier (5 s, as
+    ``tierchain serve``; None: off). One ``store`` (in memory unless given) holds
+    the breakers and the operator pins; with ``admin_token`` the operator page is at
+    ``/admin/tierchain``.
     """
     forwarder = Forwarder(connect_timeout=connect_timeout)
     store = store if store is not None else MemoryStore()
@@ -184,7 +187,7 @@ def create_app(
     # Innermost first (FastAPI: the last one added is the outermost).
     app.add_middleware(SaturationWatchdog, slow_after=slow_after)
     app.add_middleware(Breaker, store=store)
-    app.add_middleware(Failover, routes=routes, paths=("/v1/", "/api/"))
+    app.add_middleware(Failover, routes=routes, paths=("/v1/", "/api/"), hedge_after=hedge_after)
     app.add_middleware(StreamQuery)  # GET /v1/stream -> streaming POST, for EventSource
     app.add_middleware(PreferBackend, store=store)
     app.add_middleware(Budget, default=budget)

@@ -46,6 +46,7 @@ def create_app(
     commit_after: float = 1.0,
     slow_after: float = 0.0,
     budget: float | None = None,
+    hedge_after: float | None = 5.0,
     store: MemoryStore | RedisStore | None = None,
 ) -> Endpoints:
     """Build the gateway: ``/v1/*`` and ``/api/*`` POSTs go down each model's chain.
@@ -74,7 +75,9 @@ def create_app(
             DefineMiddleware(Heartbeats, interval=heartbeat_interval, commit_after=commit_after),
             DefineMiddleware(Budget, default=budget),
             DefineMiddleware(PreferBackend, store=store),
-            DefineMiddleware(Failover, routes=routes, paths=("/v1/", "/api/")),
+            DefineMiddleware(
+                Failover, routes=routes, paths=("/v1/", "/api/"), hedge_after=hedge_after
+            ),
             DefineMiddleware(Breaker, store=store),
             DefineMiddleware(SaturationWatchdog, slow_after=slow_after, client=probe_client),
         ],
