@@ -185,6 +185,26 @@ def test_uvicorn_httptools_protocol_appends_each_field_to_the_scopes_header_list
         assert name in vars(HttpToolsWithoutTrailers)
 
 
+def test_uvicorn_httptools_runs_each_request_as_its_cycles_run_asgi_with_more_body():
+    """What _runtime/server.py reads: the request task's coroutine is the httptools cycle's
+    ``run_asgi`` (its frame's ``self`` the cycle), which keeps ``transport`` and
+    ``more_body``."""
+    pytest.importorskip("httptools")
+    from uvicorn.protocols.http import httptools_impl
+
+    from tierchain._runtime import server
+
+    cycle = httptools_impl.RequestResponseCycle
+    assert cycle.__module__ == server._CYCLE_MODULE
+    assert cycle.run_asgi.__qualname__ == "RequestResponseCycle.run_asgi"
+    assert "cycle.run_asgi(app)" in inspect.getsource(httptools_impl.HttpToolsProtocol)
+    init = inspect.getsource(cycle.__init__)
+    assert "self.transport = transport" in init
+    assert "self.more_body = True" in init
+    complete = inspect.getsource(httptools_impl.HttpToolsProtocol.on_message_complete)
+    assert "self.cycle.more_body = False" in complete
+
+
 # -- asyncio (3.11): tasks._current_tasks ----------------------------------------------------
 
 

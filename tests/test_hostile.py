@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tierchain import Backend, Failover, Forwarder, Heartbeats, Routes, Shed
+from tierchain import Backend, Failover, Forwarder, Heartbeats, Routes, Shed, _head
 from tierchain.endpoints import Endpoints
 from tierchain.httptools_protocol import HttpToolsWithoutTrailers
 from tierchain.probes import auto_reader, fetch_status
@@ -366,6 +366,52 @@ async def test_request_trailers_never_reach_the_backend_as_headers(http: Any) ->
         answer = await exchange(url, raw)
     assert answer.status == 200
     _assert_no_trailer_forwarded(tower, body)
+
+
+_AUTH_TRAILERS = b"0\r\nX-Trailer: evil\r\nAuthorization: Bearer sk-evil-0123456789abcdef\r\n\r\n"
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["failover", "forwarder_alone"])
+async def test_a_chunked_request_read_whole_under_plain_httptools_is_refused_not_forwarded(
+    alone: bool,
+) -> None:
+    """uvicorn's own httptools protocol, the whole request in one write (undeclared trailers,
+    X-Trailer and Authorization): the app cannot tell them from headers, so nothing is
+    forwarded; the operator is told once how to run the gateway instead."""
+    body = chat_request("echo", stream=False)
+    raw = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n" % (len(body), body)
+        + _AUTH_TRAILERS
+    )
+    async with FakeBackend() as tower, gateway(tower, http="httptools", alone=alone) as url:
+        tower.script = _answer_json
+        refused = await exchange(url, raw)
+        plain = await exchange(url, post(body))  # a Content-Length request goes on
+    assert refused.status == 400
+    assert refused.json()["error"]["code"] == "trailers_unknowable"
+    assert plain.status == 200
+    [seen] = tower.requests
+    assert b"evil" not in seen.head
+    assert _head._WARNED  # (the server.trailers_merged WARNING, once per process)
+
+
+@pytest.mark.parametrize("http", ["h11", HttpToolsWithoutTrailers], ids=["h11", "httptools"])
+async def test_undeclared_authorization_trailers_never_reach_the_backend(http: Any) -> None:
+    body = chat_request("echo", stream=False)
+    raw = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n" % (len(body), body)
+        + _AUTH_TRAILERS
+    )
+    async with FakeBackend() as tower, gateway(tower, http=http) as url:
+        tower.script = _answer_json
+        answer = await exchange(url, raw)
+    assert answer.status == 200
+    [seen] = tower.requests
+    assert b"evil" not in seen.head
 
 
 async def test_trailers_after_the_app_started_are_not_headers_under_plain_httptools() -> None:

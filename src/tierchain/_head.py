@@ -24,7 +24,12 @@ the number of headers, and it runs before anything whose cost does not):
   after the app started: a trailer such as ``X-Forwarded-For`` would then look
   like a request header to anything that reads the headers after the body
   (the Forwarder does). The scope gets its own copy of the list here, so the
-  headers are the ones that came before the body, and nothing after.
+  headers are the ones that came before the body, and nothing after. When the
+  whole chunked request came in one read under uvicorn's own httptools protocol,
+  the trailers were appended before the app ran and cannot be told apart
+  (:mod:`tierchain._runtime.server`): it is refused with a 400
+  (``trailers_unknowable``) and a ``server.trailers_merged`` WARNING, once, tells
+  the operator how to run the gateway without that.
 
 Each refusal is counted in ``tierchain_requests_refused_total`` and logged as
 ``request.refused``.
@@ -37,6 +42,7 @@ from collections.abc import Sequence
 
 from ._checks import count
 from ._responses import send_json_error
+from ._runtime.server import trailers_merged
 from ._types import Scope, Send
 from .telemetry import REQUESTS_REFUSED, labelled, log_event
 from .wire import error_format
@@ -87,9 +93,34 @@ class HeadLimits:
                 "the request has both Content-Length and Transfer-Encoding; send one of them",
                 "ambiguous_framing",
             )
+        if chunked and trailers_merged():
+            _warn_once()
+            return (
+                400,
+                "a chunked request read whole before the gateway ran cannot have its trailer "
+                "fields told from its headers under this server; send Content-Length",
+                "trailers_unknowable",
+            )
         # The server's own list may still grow (httptools appends trailers to it).
         scope["headers"] = list(headers)
         return None
+
+
+_WARNED: list[bool] = []
+
+
+def _warn_once() -> None:
+    """The operator's side of a ``trailers_unknowable`` refusal, once per process."""
+    if not _WARNED:
+        _WARNED.append(True)
+        log_event(
+            "server.trailers_merged",
+            logging.WARNING,
+            hint="uvicorn's httptools protocol puts a chunked request's trailers among its "
+            "headers: run tierchain serve, or uvicorn with --http h11, or "
+            "uvicorn.run(app, http=tierchain.httptools_protocol.HttpToolsWithoutTrailers); "
+            "until then a chunked request read in one piece is refused (400)",
+        )
 
 
 async def refuse_request(

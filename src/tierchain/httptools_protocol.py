@@ -26,6 +26,10 @@ __all__ = ["HttpToolsWithoutTrailers"]
 class HttpToolsWithoutTrailers(HttpToolsProtocol):
     """:class:`HttpToolsProtocol` that keeps the head's fields only, never the trailers."""
 
+    drops_trailers = True
+    """Read by the gateway (``tierchain._runtime.server``): this protocol needs no refusal of
+    a chunked request read whole before the app ran."""
+
     _past_head = False
 
     def on_message_begin(self) -> None:

@@ -8,5 +8,6 @@ one loop timer per event loop for everything the package times, with its one tol
 ``EARLY``; :mod:`.interrupt`, the one owner of cancelling a task with a reason (layers hold
 one, never subclass it); :mod:`.eager`,
 the eager start of a coroutine; :mod:`.lag`, how late the loop runs; :mod:`.loops`, one object
-per event loop.
+per event loop; :mod:`.server`, whether uvicorn's httptools protocol put a request's trailers
+among its headers before the app ran.
 """
