@@ -127,8 +127,14 @@ class CallerKey:
             )
         if self.backend is not None and not _NAME.fullmatch(self.backend):
             raise ValueError(f"key {self.name!r}: backend must be a backend name")
-        for limit in ("rpm", "tpm", "budget_tokens", "max_parallel", "default_max_tokens"):
+        for limit in ("rpm", "tpm", "budget_tokens", "max_parallel"):
             count(f"key {self.name!r}: {limit}", getattr(self, limit), allow_none=True)
+        count(
+            f"key {self.name!r}: default_max_tokens",
+            self.default_max_tokens,
+            minimum=0,
+            allow_none=True,
+        )
         period = duration(f"key {self.name!r}: budget_period", self.budget_period, at_least=60.0)
         object.__setattr__(self, "budget_period", period)  # a timedelta, as seconds
 

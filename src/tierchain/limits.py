@@ -48,9 +48,10 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Iterable
+from datetime import timedelta
 from typing import Any
 
-from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, replayed
+from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, replayed, timeout_option
 from ._checks import count
 from ._head import refuse_request
 from ._runtime import clock
@@ -202,8 +203,8 @@ class KeyLimits:
     whose windows this layer fills (the :class:`BackendBudgets` inside Failover
     reads them). ``default_max_tokens``: the output a request that names no
     ``max_tokens`` reserves (a key's own ``default_max_tokens`` wins).
-    ``max_body``: the most body bytes read to reserve a request's tokens (413
-    beyond, as Failover's own ``max_body``).
+    ``max_body``, ``body_timeout``: the most body bytes read to reserve a request's
+    tokens, and the time the body may take (413 and 408 beyond, as Failover's own).
     """
 
     limits_per_key = True
@@ -218,12 +219,14 @@ class KeyLimits:
         budgets: Iterable[BackendBudget] = (),
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         max_body: int = 32 * 2**20,
+        body_timeout: float | timedelta | None = DEFAULT_BODY_TIMEOUT,
     ) -> None:
         self.app = app
         self.store = store if store is not None else MemoryStore()
         self.budgets = {b.backend: b for b in budgets}
         self.default_max_tokens = count("default_max_tokens", default_max_tokens, minimum=0)
         self.max_body = count("max_body", max_body, minimum=0)
+        self.body_timeout = timeout_option("body_timeout", body_timeout)
         self._parallel = Admission(self.store)
 
     def __repr__(self) -> str:
@@ -251,7 +254,7 @@ class KeyLimits:
     async def _limited(self, scope: Scope, receive: Receive, send: Send, key: CallerKey) -> None:
         prompt = reserve = 0
         if key.tpm is not None or key.budget_tokens is not None:
-            body = await read_or_refuse(scope, receive, send, self.max_body, DEFAULT_BODY_TIMEOUT)
+            body = await read_or_refuse(scope, receive, send, self.max_body, self.body_timeout)
             if body is None:
                 return  # answered 413 or 408, or the caller left
             receive = replayed(body, receive)

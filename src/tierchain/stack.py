@@ -150,8 +150,9 @@ def build_stack(
         # Keys before anything else routed (Shed included); the endpoints stay open. Every
         # key's usage is counted (and limited, where it has limits) right behind them.
         prefer = settings.layers["PreferBackend"].options.get("header", "X-Prefer-Backend")
-        max_body = settings.layers["Failover"].options.get("max_body", 32 * 2**20)
-        inner = KeyLimits(inner, store=store, budgets=budgets, max_body=max_body)
+        failover = settings.layers["Failover"].options  # (the body as Failover reads it)
+        body = {k: failover[k] for k in ("max_body", "body_timeout") if k in failover}
+        inner = KeyLimits(inner, store=store, budgets=budgets, **body)
         with_keys = construct("CallerKeys", inner, header=prefer)
         if with_keys is not None:
             inner = with_keys
