@@ -35,7 +35,7 @@ from typing import Any
 
 from . import _json
 from .continuation import LIMIT_KEYS
-from .learned import prompt_tokens
+from .learned import BYTES_PER_TOKEN, prompt_tokens
 from .store import USAGE_BOUND
 from .telemetry import log_event
 from .wire import ANTHROPIC, OLLAMA, RESPONSES
@@ -55,7 +55,7 @@ DEFAULT_MAX_TOKENS = 4096
 """The output tokens a request that names no ``max_tokens`` reserves (KeyLimits' default)."""
 
 _MARKERS = (b"usage", b"eval_count")
-_BYTES_PER_TOKEN = 4  # a rough, common rule for English text and JSON
+_BYTES_PER_TOKEN = int(BYTES_PER_TOKEN)  # the package's one rule (tierchain.learned), whole
 
 
 @dataclass(frozen=True, slots=True)
