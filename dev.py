@@ -4,12 +4,20 @@
 Both create `.venv/` on first use (only Python 3.11+ is needed) and install
 tierchain with its `dev` extra into it, then run inside it. Any further
 arguments go to the command: `python3 dev.py test -k failover -x`.
+
+`python3 dev.py mutate TARGET` runs mutmut over one decision module (see MUTATE)
+against the tests that cover it, in a scratch copy under `.mutants/TARGET/`, and
+prints its score and every surviving mutant.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import venv
@@ -38,13 +46,125 @@ def _ensure_venv() -> None:
     STAMP.write_text(wanted)
 
 
+# The decision modules and the tests that cover them: target -> (file, the functions
+# mutated as mutmut names them, the test files). mutmut names a function x_NAME and a
+# method xǁCLASSǁNAME; docs/contributing.md quotes each target's score.
+MUTATE: dict[str, tuple[str, list[str], list[str]]] = {
+    "retry-after": (
+        "src/tierchain/_responses.py",
+        ["tierchain._responses.x_retry_after*"],
+        ["tests/test_retry_after_date.py"],
+    ),
+    "windows": (
+        "src/tierchain/store.py",
+        [
+            "tierchain.store.x__bucket_of*",
+            "tierchain.store.x_window_sum*",
+            "tierchain.store.x_room_in*",
+            "tierchain.store.xǁMemoryStoreǁwindow_admit*",
+            "tierchain.store.xǁMemoryStoreǁusage_record*",
+        ],
+        ["tests/test_limits_windows.py", "tests/test_limits.py"],
+    ),
+    "limits": (
+        "src/tierchain/limits.py",
+        ["tierchain.limits.x*"],
+        ["tests/test_limits_windows.py", "tests/test_limits.py"],
+    ),
+    "breaker-ledgers": (
+        "src/tierchain/store.py",
+        [
+            "tierchain.store.x_reopen_cooldown*",
+            "tierchain.store.x__settle_time*",
+            "tierchain.store.x_acquire*",
+            "tierchain.store.x_record*",
+        ],
+        ["tests/test_breaker_model.py", "tests/test_breaker.py", "tests/test_stores.py"],
+    ),
+    "hedging": (
+        "src/tierchain/hedging.py",
+        ["tierchain.hedging.x*"],
+        ["tests/test_hedging_never.py", "tests/test_hedging.py"],
+    ),
+    "plan": (
+        "src/tierchain/failover/plan.py",
+        ["tierchain.failover.plan.x*"],
+        ["tests/test_retries.py", "tests/test_failover.py", "tests/test_hedging_never.py"],
+    ),
+    "watchdog": (
+        "src/tierchain/watchdog.py",
+        ["tierchain.watchdog.x*"],
+        ["tests/test_watchdog.py"],
+    ),
+    "continuation-seam": (
+        "src/tierchain/continuation.py",
+        ["tierchain.continuation.x*"],
+        ["tests/test_continuation.py", "tests/test_continuation_never.py"],
+    ),
+}
+
+
+def mutate(target: str, python: str) -> int:
+    """mutmut over MUTATE[target] in a scratch copy: the score and the survivors."""
+    if target not in MUTATE:
+        print(f"targets: {' | '.join(MUTATE)}")
+        return 2
+    path, names, tests = MUTATE[target]
+    scratch = ROOT / ".mutants" / target
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    for part in ("src", "tests", "docs", "examples", "bench"):
+        shutil.copytree(ROOT / part, scratch / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "README.md", scratch / "README.md")
+    # The [tool.mutmut] table of pyproject.toml, with this target's file and tests.
+    config = (ROOT / "pyproject.toml").read_text()
+    config = re.sub(r"(?m)^only_mutate = \[\]$", f"only_mutate = {json.dumps([path])}", config)
+    config = re.sub(
+        r"(?m)^pytest_add_cli_args_test_selection = \[\]$",
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
+        config,
+    )
+    (scratch / "pyproject.toml").write_text(config)
+    run = [python, "-m", "mutmut"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    code = subprocess.call([*run, "run", "--max-children", "1", *names], cwd=scratch, env=env)
+    if code:
+        return code
+    out = subprocess.run(
+        [*run, "results", "--all", "true"], cwd=scratch, env=env, capture_output=True, text=True
+    ).stdout
+    status: dict[str, str] = {}
+    for line in out.splitlines():
+        name, _, state = line.strip().rpartition(": ")
+        if any(fnmatch.fnmatchcase(name, n) for n in names):
+            status[name] = state
+    tested = [n for n, s in status.items() if s not in ("no tests", "skipped", "not checked")]
+    killed = [n for n in tested if status[n] in ("killed", "timeout")]
+    survived = sorted(n for n in tested if n not in killed)
+    for name in survived:
+        subprocess.call([*run, "show", name], cwd=scratch, env=env)
+    score = 100.0 * len(killed) / len(tested) if tested else 0.0
+    untested = len(status) - len(tested)
+    print(
+        f"\n{target}: {len(killed)} of {len(tested)} mutants killed ({score:.1f} %), "
+        f"{len(survived)} survived, {untested} in code no selected test runs"
+    )
+    return 0
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"demo", "test", "bench", "soak", "lint", "docs"}:
+    commands = {"demo", "test", "bench", "soak", "lint", "docs", "mutate"}
+    if not argv or argv[0] not in commands:
         print(__doc__)
-        print("commands: demo | test | bench | soak | lint | docs")
+        print("commands: demo | test | bench | soak | lint | docs | mutate")
         return 2
     cmd, rest = argv[0], argv[1:]
     _ensure_venv()
+    if cmd == "mutate":
+        if len(rest) != 1:
+            print(f"python3 dev.py mutate TARGET, one of: {' | '.join(MUTATE)}")
+            return 2
+        return mutate(rest[0], str(PY))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if cmd == "demo":
         return subprocess.call([str(PY), "-m", "tierchain", "demo", *rest], env=env)

@@ -55,3 +55,26 @@ def test_the_fixtures_and_helpers_the_page_points_to_exist():
     assert {"serve", "FakeBackend", "parse_sse"} <= helpers
     absent = sorted(h for h in helpers if not hasattr(support, h))
     assert not absent, f"tests/support.py has no {absent}"
+
+
+def test_every_mutation_target_names_a_module_and_tests_that_exist_and_the_page_gives_them():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dev", ROOT / "dev.py")
+    assert spec is not None
+    assert spec.loader is not None
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    for target, (path, names, tests) in dev.MUTATE.items():
+        assert (ROOT / path).is_file(), (target, path)
+        module = path.removeprefix("src/").removesuffix(".py").replace("/", ".")
+        assert all(n.startswith(module + ".x") for n in names), (target, names)
+        missing = [t for t in tests if not (ROOT / t).is_file()]
+        assert not missing, (target, missing)
+    quoted = set(re.findall(r"python3 dev\.py mutate ([\w-]+)", PAGE.read_text()))
+    assert quoted, "docs/contributing.md quotes no mutation score"
+    assert quoted <= set(dev.MUTATE), quoted - set(dev.MUTATE)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    # dev.py fills these two lines in its scratch copy: they must stay as they are.
+    assert "\nonly_mutate = []\n" in pyproject
+    assert "\npytest_add_cli_args_test_selection = []\n" in pyproject
