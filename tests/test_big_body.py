@@ -21,7 +21,7 @@ from tierchain._runtime import clock, lag
 from tierchain.config import from_env
 from tierchain.stack import build_stack
 
-from .support import serve
+from .support import on_virtual_time, serve
 from .test_hostile import exchange, post
 
 MB30 = 30 * 2**20
@@ -116,3 +116,39 @@ async def test_a_30_mb_nested_body_is_a_400_and_healthz_is_answered_meanwhile(tm
     error = answer.json()["error"]
     assert error["code"] == "invalid_body"
     assert "more than 50,000 arrays and objects" in error["message"]
+
+
+@on_virtual_time
+async def test_heartbeats_never_parse_a_long_body_on_the_loop_to_learn_stream(monkeypatch):
+    """A 2 MiB body that says nothing in its Accept header: Heartbeats does not parse it
+    (the layer inside says "stream" once it has bounded the body); a short one it does."""
+    from tierchain import Heartbeats, TierRequest
+    from tierchain import heartbeats as module
+
+    parsed: list[int] = []
+    real = module.says_stream
+
+    def counting(parts: list[bytes]) -> bool:
+        parsed.append(sum(map(len, parts)))
+        return real(parts)
+
+    monkeypatch.setattr(module, "says_stream", counting)
+
+    async def inner(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        await asyncio.sleep(0.3)  # past commit_after, before the inner layer says anything
+        TierRequest.of(scope).streaming = True
+        await asyncio.sleep(0.3)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n"})
+
+    app = Heartbeats(inner, commit_after=0.1, interval=0)
+    long_ = b'{"model":"m","stream":true,"x":"' + b"a" * 2**21 + b'"}'
+    short = b'{"model":"m","stream":true}'
+    async with serve(app) as url, httpx.AsyncClient() as client:
+        for body in (long_, short):
+            r = await client.post(url + "/v1/chat/completions", content=body)
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+    assert parsed == [len(short)]

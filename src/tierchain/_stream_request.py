@@ -4,6 +4,8 @@ Yes when it accepts ``text/event-stream``; otherwise its JSON body says so with
 ``"stream": true``. The body is only watched as the inner app reads it (never
 read on the app's behalf), up to ``SNIFF_LIMIT`` bytes, and parsed once, when it
 is complete (Heartbeats' ``_Stream`` keeps what it saw: an object less a request).
+A body longer than ``SNIFF_PARSE`` is not parsed for it: the layer inside that reads
+it anyway (Failover) says, once it has bounded the body's shape.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from typing import Any
 
 from . import _json
 
-__all__ = ["SNIFF_LIMIT", "accepts_event_stream", "says_stream"]
+__all__ = ["SNIFF_LIMIT", "SNIFF_PARSE", "accepts_event_stream", "says_stream"]
 
 SNIFF_LIMIT = 32 * 2**20  # request bytes kept to read "stream" when nothing inside did
+SNIFF_PARSE = 2**20  # longer, the body is not parsed here (on the event loop) to find out
 
 
 def accepts_event_stream(headers: Any) -> bool:

@@ -42,7 +42,7 @@ from ._runtime import clock, deadlines
 from ._runtime.deadlines import EARLY
 from ._runtime.eager import finished, start_eagerly
 from ._state_lines import state_line, state_lines
-from ._stream_request import SNIFF_LIMIT, accepts_event_stream, says_stream
+from ._stream_request import SNIFF_LIMIT, SNIFF_PARSE, accepts_event_stream, says_stream
 from ._types import ASGIApp, Headers, Message, Receive, Scope, Send
 from .errors import CallerStalled
 from .observer import Observer, nothing_sent, whole_events
@@ -78,6 +78,7 @@ _COROUTINE = types.CoroutineType  # what a server's ``async def send`` returns
 
 _LOOK_AGAIN = 0.002  # a line held beside a relayed send that is out: look again this soon
 _HELD_LOOK = 0.5  # a commit held while every tier so far said 429: look again this soon
+_ASK_AGAIN = 0.05  # a long body, too long to parse here: is "stream" known yet? ask this soon
 
 MIN_INTERVAL = 0.02
 """The shortest keepalive interval: at most 50 keepalive lines a second per stream."""
@@ -309,6 +310,11 @@ class _Stream:
         if self.req.streaming is not None:
             return self.req.streaming
         if self.sniffed is None and self.body_done:  # parsed once, when complete
+            if self.body_size > SNIFF_PARSE:
+                # Too long to parse on the event loop here: the layer inside that reads it
+                # anyway (Failover, once it has checked its shape) says; until then, unknown.
+                self.parts = None
+                return None
             parts, self.parts = self.parts, None
             self.sniffed = parts is not None and says_stream(parts)
         return self.sniffed
@@ -537,6 +543,8 @@ class _Stream:
                     ) != OLLAMA
                 else:
                     streams = self.streaming()
+                    if streams is None:  # (a body too long to parse here: the answer says)
+                        streams = True
             if streams:
                 self.phase = _RELAY
                 # State lines change the body's length: the server frames it.
@@ -642,6 +650,8 @@ class _Stream:
             commit_at = self._commit_at(now)
             if now < commit_at:
                 self.entry = deadlines.schedule_at(commit_at, self.due)
+            elif streaming is None and self.body_done:  # a long body: asked again shortly
+                self.entry = deadlines.schedule(_ASK_AGAIN, self.due)
             elif streaming is None:
                 self.awaiting = True  # receive() starts the commit
             else:
