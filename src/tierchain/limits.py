@@ -269,8 +269,10 @@ class KeyLimits:
                 return await self._refuse(scope, send, key, "parallel", 1.0, [])
         checks = key_checks(key, reserve)
         held = _Held(scope, self.store, checks, prompt, reserve)
+        hold: WindowHold | None = None
         try:
-            hold: WindowHold | None = await self.store.window_hold([c for c, _ in checks])
+            if checks:  # (a key with max_parallel alone has no window)
+                hold = await self.store.window_hold([c for c, _ in checks])
         except Exception as exc:  # a store error never refuses a request
             log_event("usage.not_checked", logging.WARNING, key_name=key.name, error=repr(exc))
             hold = None

@@ -209,13 +209,15 @@ def _usage(usage: Mapping[str, Any]) -> str:
     if limits:
         out.append(
             '<table id="limits"><thead><tr><th>key</th><th>requests this minute</th>'
-            "<th>tokens this minute</th><th>budget used</th></tr></thead><tbody>"
+            "<th>tokens this minute</th><th>budget used</th><th>in flight at most</th>"
+            "</tr></thead><tbody>"
         )
         for row in limits:
             cells = [
                 _of(row["rpm_used"], row["rpm"]),
                 _of(row["tpm_used"], row["tpm"]),
                 _of(row["budget_used"], row["budget_tokens"]),
+                "no limit" if row.get("max_parallel") is None else str(row["max_parallel"]),
             ]
             out.append(
                 f'<tr data-key="{esc(row["key_name"], quote=True)}">'
