@@ -152,7 +152,10 @@ def build_stack(
         prefer = settings.layers["PreferBackend"].options.get("header", "X-Prefer-Backend")
         failover = settings.layers["Failover"].options  # (the body as Failover reads it)
         body = {k: failover[k] for k in ("max_body", "body_timeout") if k in failover}
-        inner = KeyLimits(inner, store=store, budgets=budgets, **body)
+        limited = any(k.limited for k in keys) or bool(budgets)
+        if not (limited and settings.layers["CallerKeys"].options.get("open_paths")):
+            # (with open paths, conflicts() has refused the limits already: said once)
+            inner = KeyLimits(inner, store=store, budgets=budgets, **body)
         with_keys = construct("CallerKeys", inner, header=prefer)
         if with_keys is not None:
             inner = with_keys
