@@ -152,3 +152,55 @@ async def test_heartbeats_never_parse_a_long_body_on_the_loop_to_learn_stream(mo
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
     assert parsed == [len(short)]
+
+
+PROSE = b'The quick [brown] {fox}, \\"jumps\\" over the lazy dog. ' * (MB30 // 56)
+
+
+@pytest.mark.parametrize(
+    ("body", "found"),
+    [
+        (
+            b'{"stream": true, "messages": [{"role": "user", "content": "'
+            + PROSE
+            + b'", "model": "inner"}], "model": "echo"}',
+            {"model": "echo", "stream": True},
+        ),
+        (b' {"model":"a","x":{"model":"b"},"model":"c"}', {"model": "c"}),  # the last, top only
+        (b'{"m\\"odel":"a","model" : "b"}', {"model": "b"}),
+        (b'{"x": [1, {"stream": true}]}', {}),
+        (b'["model", "echo"]', None),
+        (b'{"model": "echo", "x": "never closed', None),
+    ],
+    ids=["prose_30mb", "nested_and_twice", "escaped_name", "none_on_top", "array", "unclosed"],
+)
+async def test_a_long_bodys_routing_members_are_read_without_parsing_the_rest(body, found):
+    got, turns = await _turns_during(_json.members(body, frozenset({"model", "stream"})))
+    assert got == found
+    if len(body) > MB30 // 2:
+        assert turns > 50  # the walk let the loop run between its slices
+
+
+async def test_a_long_chat_body_is_routed_and_forwarded_whole(tmp_path: Path):
+    from .support import FakeBackend, completion_body
+
+    body = (
+        b'{"model": "echo", "messages": [{"role": "user", "content": "'
+        + PROSE[: 3 * 2**20]
+        + b'"}], "stream": false}'
+    )
+
+    async def answer(ex):
+        await ex.respond(200, completion_body("ok"))
+
+    async with FakeBackend("tower", answer) as tower:
+        routes = tmp_path / "routes.toml"
+        routes.write_text(f'[[routes.echo.backends]]\nname = "tower"\nurl = "{tower.url}"\n')
+        app = build_stack(
+            None, from_env({"TIERCHAIN_ROUTES_FILE": str(routes), "TIERCHAIN_IDENTITY": "off"})
+        )
+        async with serve(app, lifespan="on") as url, httpx.AsyncClient(timeout=60) as client:
+            r = await client.post(url + "/v1/chat/completions", content=body)
+    assert r.status_code == 200
+    [seen] = tower.requests
+    assert seen.body == body

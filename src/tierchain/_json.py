@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "check_shape",
     "depth_ok",
     "loads",
+    "members",
 ]
 
 MAX_DEPTH = 128
@@ -118,6 +120,105 @@ async def check_shape(text: bytes) -> int | None:
                 raise TooComplex("values", MAX_VALUES)
         await asyncio.sleep(0)
     return containers
+
+
+_TOKEN = re.compile(rb'["\[\]{}]')  # what changes a walk's place: a string, a bracket
+_BLANK = b" \t\r\n"
+_WINDOW = 64 * 1024  # the most bytes of a member's value decoded to read it
+_SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+async def members(text: bytes, names: frozenset[str]) -> dict[str, Any] | None:
+    """The values of the top-level members ``names`` of the JSON object ``text``, found
+    without parsing the rest (the event loop free between slices, as :func:`check_shape`);
+    None when ``text`` is not an object this walk can read (the caller parses it whole,
+    and the parser says what is wrong).
+
+    For a long body whose route is all that is wanted now (its ``model`` and ``stream``):
+    the messages' megabytes are passed over, never built into objects. A member named
+    twice counts as the parser would count it: the last. ``text`` is not otherwise checked
+    to be JSON; call :func:`check_shape` first.
+    """
+    end = len(text)
+    pos = 0
+    while pos < end and text[pos] in _BLANK:
+        pos += 1
+    if pos >= end or text[pos] != 0x7B:  # "{"
+        return None
+    pos += 1
+    depth = 1
+    found: dict[str, Any] = {}
+    wanted = {name.encode(): name for name in names}
+    turn = pos + _SLICE
+    steps = 0
+    while True:
+        steps += 1
+        if pos >= turn or steps >= _STEPS:
+            await asyncio.sleep(0)
+            turn = pos + _SLICE
+            steps = 0
+        hit = _TOKEN.search(text, pos, min(pos + _SLICE, end))
+        if hit is None:
+            if pos + _SLICE >= end:
+                return None  # the object never closes
+            pos += _SLICE
+            continue
+        at = hit.start()
+        mark = text[at]
+        if mark == 0x22:  # a string: to its closing quote, a slice at a time
+            closed = await _string_end(text, at + 1)
+            if closed is None:
+                return None
+            pos = closed + 1
+            if depth == 1:
+                after = pos
+                while after < end and text[after] in _BLANK:
+                    after += 1
+                if after < end and text[after] == 0x3A:  # ":": it was a member's name
+                    name = wanted.get(text[at + 1 : closed])
+                    if name is not None:
+                        value = _value_at(text, after + 1)
+                        if value is _UNREAD:
+                            return None
+                        found[name] = value
+        elif mark in (0x5B, 0x7B):  # "[" "{"
+            depth += 1
+            pos = at + 1
+        else:  # "]" "}"
+            depth -= 1
+            pos = at + 1
+            if depth == 0:
+                return found
+
+
+_UNREAD = object()
+
+
+def _value_at(text: bytes, pos: int) -> Any:
+    """The JSON value that starts at ``pos`` (blanks first), read from a window of at most
+    ``_WINDOW`` bytes; ``_UNREAD`` when it is not whole there."""
+    window = text[pos : pos + _WINDOW].decode("utf-8", "ignore")
+    start = len(window) - len(window.lstrip(" \t\r\n"))
+    try:
+        value, _ = _SCAN(window, start)
+    except (StopIteration, ValueError):
+        return _UNREAD
+    return value
+
+
+async def _string_end(text: bytes, pos: int) -> int | None:
+    """Where the string whose content starts at ``pos`` has its closing quote (None: none)."""
+    end = len(text)
+    while pos < end:
+        stop = min(pos + _SLICE, end)
+        matched = _IN_STRING.match(text, pos, stop)
+        pos = matched.end() if matched is not None else pos
+        if pos < stop and text[pos] == 0x22:
+            return pos
+        if stop == end:
+            return None  # never closed (or an escape cut by the text's end)
+        await asyncio.sleep(0)
+    return None
 
 
 def depth_ok(text: bytes | str) -> bool:

@@ -109,7 +109,7 @@ from .call import attempt_span, current, own_abort
 from .continuing import Continuing, continue_stream, continuing
 from .plan import Fault, Tries, again, next_attempt, record, retry_pause, wait_for_room
 from .pools import PoolPlan, gathered, sibling_left
-from .route import Resolver, ScopeCopy, reordered, route_of, shape_of
+from .route import Resolver, ScopeCopy, Shape, reordered, route_of, shape_of
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "DEFAULT_SEND_TIMEOUT", "Failover", "ResolveError", "Resolver"]
 
@@ -261,13 +261,13 @@ class Failover:
             return  # answered 413 or 408, or the caller left
         req.body = body
         req.send_timeout = self.send_timeout
-        containers = None
+        shape: Shape | None = None
         if len(body) > _SHAPED:  # (shorter, it cannot hold too many values)
-            shaped = await shape_of(req, body)
+            shaped = await shape_of(req, body, read_top=self.resolve is None)
             if isinstance(shaped, Refusal):
                 return await refuse_route(send, shaped, target.path)
-            containers = shaped
-        route = route_of(self.resolve, self._chains, self._known, scope, req, body, containers)
+            shape = shaped
+        route = route_of(self.resolve, self._chains, self._known, scope, req, body, shape)
         if isinstance(route, Refusal):
             return await refuse_route(send, route, target.path)
         # The request's route, its chain (reordered, pools gathered) and its wire format.

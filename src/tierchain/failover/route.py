@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Container
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _json
 from .._types import Scope
@@ -26,7 +26,7 @@ from ..telemetry import (
 )
 from .answers import Refusal
 
-__all__ = ["Resolver", "ScopeCopy", "reordered", "route_of", "shape_of"]
+__all__ = ["Resolver", "ScopeCopy", "Shape", "reordered", "route_of", "shape_of"]
 
 Resolver = Callable[[Scope, bytes], str]
 # The key tuples of the scopes seen (one per shape: server, framework, mounts).
@@ -36,11 +36,27 @@ _SCOPE_SHAPES_MAX = 256
 _scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
-async def shape_of(req: TierRequest, body: bytes) -> int | Refusal | None:
-    """The body's arrays and objects counted (None: not counted), or the caller's 400 for a
-    body that holds too many values to parse on the event loop (:func:`_json.check_shape`)."""
+_ROUTING = frozenset({"model", "stream"})  # what routing reads of a body
+_PASSED_OVER = 2**20  # a body longer than this is not parsed to route it: its members are read
+
+
+class Shape(NamedTuple):
+    """What :func:`shape_of` learned of a long body before anything parsed it."""
+
+    containers: int | None
+    """Its arrays and objects outside strings (None: not counted)."""
+    top: dict[str, Any] | None
+    """Its ``model`` and ``stream`` members, read without parsing the rest (None: not read,
+    so routing parses the body)."""
+
+
+async def shape_of(req: TierRequest, body: bytes, *, read_top: bool) -> Shape | Refusal:
+    """The body's shape (:class:`Shape`), or the caller's 400 for a body that holds too many
+    values to parse on the event loop (:func:`_json.check_shape`). With ``read_top`` (no
+    resolver of the host's) a body over 1 MiB has its routing members read on their own
+    (:func:`_json.members`): its megabytes of messages are never parsed on the loop here."""
     try:
-        return await _json.check_shape(body)
+        containers = await _json.check_shape(body)
     except _json.TooComplex as exc:
         req.streaming = False  # (nothing outside parses it to ask either)
         return Refusal(
@@ -49,6 +65,10 @@ async def shape_of(req: TierRequest, body: bytes) -> int | Refusal | None:
             "invalid_request_error",
             "invalid_body",
         )
+    top = None
+    if read_top and len(body) > _PASSED_OVER:
+        top = await _json.members(body, _ROUTING)
+    return Shape(containers, top)
 
 
 def _loaded(body: bytes, containers: int | None = None) -> dict[str, Any]:
@@ -69,12 +89,13 @@ def route_of(
     scope: Scope,
     req: TierRequest,
     body: bytes,
-    containers: int | None = None,
+    shape: Shape | None = None,
 ) -> str | Refusal:
     """The request's route, or why it has none (the caller's 400 or 404); ``routes``: the
     routes' names (a Routes, or a mapping keyed by them), ``known``: the same, for the
-    404's message; ``containers``: the body's arrays and objects outside its strings, when
-    :func:`shape_of` counted them (else they are counted here, strings and all)."""
+    404's message; ``shape``: what :func:`shape_of` learned of a long body (its arrays and
+    objects outside strings, else counted here, strings and all; its routing members, else
+    the body is parsed here)."""
     try:
         if resolve is not None:
             route = resolve(scope, body)
@@ -84,10 +105,18 @@ def route_of(
             # not in a function of its own: a frame less a request). Anything unusual (or
             # wrong) is left to the loader, which bounds the depth and gives the error.
             data: dict[str, Any] | None = None
+            containers = None
+            if shape is not None:
+                data, containers = shape.top, shape.containers
             # (_json.depth_ok's count, inline: the loader checks a text with many brackets)
-            if containers is None and body[:1] == b"{":
+            if data is None and containers is None and body[:1] == b"{":
                 containers = body.count(b"[") + body.count(b"{")
-            if body[:1] == b"{" and containers is not None and containers <= _json.MAX_DEPTH:
+            if (
+                data is None
+                and body[:1] == b"{"
+                and containers is not None
+                and containers <= _json.MAX_DEPTH
+            ):
                 try:
                     text = body.decode()
                     scanned, end = _scan(text, 0)
