@@ -557,3 +557,20 @@ async def test_a_request_on_an_open_path_without_a_key_is_counted_as_anonymous()
     got = totals(await usage_report(store), "(anonymous)")
     assert got[("tower", "input")] == 4
     assert got[("tower", "output")] == 6
+
+
+async def test_a_backends_own_ratelimit_headers_never_pass_for_a_limited_keys():
+    keys = [CallerKey("team-a", KEY_A, rpm=5), CallerKey("team-b", KEY_B)]
+    body = openai_body(1, 1)
+
+    async def script(ex: Exchange) -> None:
+        await ex.respond(200, body, {"x-ratelimit-remaining-requests": "9999"})
+
+    async with FakeBackend("hosted", script) as hosted:
+        app, fwd = limited_gateway({"echo": [Backend("hosted", hosted.url)]}, keys)
+        async with serve(app) as url:
+            limited = await call(url, KEY_A, asking(5))
+            unlimited = await call(url, KEY_B, asking(5))
+        await fwd.aclose()
+    assert limited.headers.get_list("x-ratelimit-remaining-requests") == ["4"]
+    assert unlimited.headers.get_list("x-ratelimit-remaining-requests") == ["9999"]
