@@ -196,3 +196,24 @@ def test_the_options_of_a_layer_left_out_of_the_stack_are_not_refused(files):
         "TIERCHAIN_BUDGET_DEFAULT": "30",
     }
     assert build_stack(None, from_env(env), identity=False) is not None
+
+
+@pytest.mark.parametrize(
+    ("variable", "what"),
+    [
+        ("TIERCHAIN_ADMIN_TOKEN", "administer the gateway"),
+        ("TIERCHAIN_METRICS_KEY", "read /metrics"),
+    ],
+)
+def test_an_operator_secret_equal_to_a_caller_key_is_refused(files, variable, what):
+    env = {
+        "TIERCHAIN_ROUTES_FILE": files["TIERCHAIN_ROUTES_FILE"],
+        "TIERCHAIN_API_KEYS": f"{KEY},sk-gw-other-0123456789abc",
+        variable: KEY,
+    }
+    (problem,) = problems(env)
+    assert problem == (
+        f"{variable} is the same as caller key 'key-1': that caller could {what}; "
+        "give it a value of its own"
+    )
+    assert KEY not in problem

@@ -232,6 +232,18 @@ def conflicts(
         )
     if own_forwarder:
         found.extend(unrouted(settings))
+    secrets = {
+        "TIERCHAIN_ADMIN_TOKEN": settings.layers["Admin"].options.get("token"),
+        "TIERCHAIN_METRICS_KEY": settings.layers["Endpoints"].options.get("metrics_key"),
+    }
+    for variable, secret in secrets.items():
+        shared = [k.name for k in keys if secret is not None and k.key == secret]
+        if shared:
+            found.append(
+                f"{variable} is the same as caller key {shared[0]!r}: that caller could "
+                f"{'administer the gateway' if 'ADMIN' in variable else 'read /metrics'}; "
+                "give it a value of its own"
+            )
     steering = [k.name for k in keys if k.backend is not None or k.prefer]
     if steering and "PreferBackend" not in settings.stack:
         found.append(
