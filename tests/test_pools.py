@@ -44,6 +44,7 @@ from .support import (
     FakeBackend,
     answers,
     chat_request,
+    on_virtual_time,
     parse_sse,
     refused_url,
     serve,
@@ -415,6 +416,7 @@ def test_every_problem_of_a_pool_entry_is_listed() -> None:
 # -- shared hardware ---------------------------------------------------------------------
 
 
+@on_virtual_time
 async def test_a_saturated_local_model_never_hands_its_request_to_another_on_the_same_gpu() -> None:
     async with (
         FakeBackend("w2") as w2,
@@ -599,6 +601,7 @@ async def test_a_backend_that_read_the_request_and_reset_sees_it_once_in_one_cou
     assert after - before == 1
 
 
+@on_virtual_time
 async def test_a_request_the_backend_reset_before_it_was_written_whole_is_tried_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -636,6 +639,7 @@ async def test_a_request_the_backend_reset_before_it_was_written_whole_is_tried_
     assert [s["reason"] for s in gw.states("retrying")] == ["not_sent"]
 
 
+@on_virtual_time
 async def test_a_saturation_is_never_tried_again_on_the_same_tier() -> None:
     async with FakeBackend("local") as local, FakeBackend("hosted") as hosted:
         local.script = once_then(quiet)
@@ -666,6 +670,7 @@ def test_no_second_try_once_only_the_reserve_is_left() -> None:
     assert not _may_retry(req, attempt)
 
 
+@on_virtual_time
 async def test_when_every_backend_left_shares_the_taken_gpu_none_of_them_is_tried() -> None:
     async with FakeBackend("w2") as w2, FakeBackend("small") as small:
         w2.script = quiet
