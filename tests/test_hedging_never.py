@@ -148,3 +148,36 @@ async def test_the_same_chain_on_other_hardware_is_hedged_at_hedge_after() -> No
     assert hedged(recorder) == [
         {"state": "hedging", "backend": "big", "with": "small", "after_s": 5.0}
     ]
+
+
+@on_virtual_time
+async def test_a_continuation_is_never_hedged() -> None:
+    """A broken stream finished on the next tier (docs/continuation.md) is not hedged by the
+    tier after it, however long the finishing tier is quiet."""
+    from .test_continuation import finisher, tower
+
+    finish = finisher("chat")
+
+    async def quiet_then_finish(ex: Exchange) -> None:
+        if ex.request.method == "POST":
+            await asyncio.sleep(8.0)
+        await finish(ex)  # (it answers the gateway's GET of what server it is with a 404)
+
+    async with (
+        FakeBackend("tower", tower("chat")) as first,
+        FakeBackend("mid", quiet_then_finish) as mid,
+        FakeBackend("hosted", quiet_for(0.0)) as hosted,
+    ):
+        got, recorder, _ = await through(
+            [
+                Backend("tower", first.url),
+                Backend("mid", mid.url),
+                Backend("hosted", hosted.url, hedge=True),
+            ]
+        )
+    assert got.status_code == 200
+    assert got.content.endswith(b"data: [DONE]\n\n")
+    assert [r.method for r in mid.requests].count("POST") == 1  # the continuation
+    assert hosted.requests == []
+    assert hedged(recorder) == []
+    assert [e for e in recorder.events if e["state"] == "continuing"]
