@@ -227,3 +227,15 @@ async def test_a_backend_whose_budget_is_spent_says_backend_busy_with_reason_bud
         {"state": "backend_busy", "backend": "hosted", "reason": "budget", "failing_over": True}
     ]
     assert len(hosted.requests) == 1
+
+
+async def test_usage_in_one_bucket_adds_up_on_the_stores_own_clock(manual_clock):
+    """MemoryStore(clock=...) counts on the clock it was given, and two amounts in one bucket
+    add up (the mutants of ``usage_record`` that dropped either survived the layer's tests)."""
+    store = MemoryStore(clock=manual_clock)
+    await store.usage_record([("w", 60.0, 5)], [])
+    manual_clock.advance(0.5)
+    await store.usage_record([("w", 60.0, 7)], [])
+    assert await store.window_sums([("w", 60.0)]) == [12]
+    manual_clock.advance(59.5)  # the bucket of both leaves the window
+    assert await store.window_sums([("w", 60.0)]) == [0]
