@@ -112,3 +112,23 @@ async def test_no_caller_is_told_a_retry_after_above_the_cap(said: str) -> None:
     assert first.headers["retry-after"] == "900"
     assert int(second.headers["retry-after"]) <= 900
     assert first.json()["error"]["attempts"][0]["retry_after_s"] == 900.0
+
+
+@pytest.mark.parametrize(("said", "told"), [("999999", "900"), ("1e308", "900"), ("7", "7")])
+async def test_an_upstream_answer_passed_on_whole_tells_no_retry_after_above_the_cap(
+    said: str, told: str
+) -> None:
+    """The Forwarder alone passes a backend's 429 on as it came, but for a Retry-After past
+    the cap, which it tells as the cap."""
+    from tierchain import Forwarder
+
+    async with FakeBackend("only") as only:
+        only.script = answers(429, RATE_LIMITED, **{"retry-after": said})
+        forwarder = Forwarder(backend=Backend(name="only", url=only.url))
+        async with serve(forwarder) as url, httpx.AsyncClient() as client:
+            body = chat_request(stream=False, content="q")
+            r = await client.post(url + "/v1/chat/completions", content=body)
+        await forwarder.aclose()
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == told
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"

@@ -50,7 +50,7 @@ from ._checks import count, duration
 from ._connections import FlatTransport, NotSent
 from ._disconnect import DisconnectGuard
 from ._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
-from ._responses import send_json_error
+from ._responses import RETRY_AFTER_MAX, retry_after, send_json_error
 from ._runtime import clock, deadlines
 from ._runtime import lag as loop_lag
 from ._runtime.deadlines import EARLY
@@ -533,11 +533,16 @@ def _response_headers(response: httpx.Response) -> Headers:
     raw = response.headers.raw
     dropped = _NOT_RETURNED | _connection_tokens(list(raw))
     # (an upstream's x-tierchain-* never passes for the gateway's own)
-    return [
+    headers = [
         (k.lower(), v)
         for k, v in raw
         if not _dropped(k, dropped) and not k.lower().startswith(b"x-tierchain-")
     ]
+    for i, (key, value) in enumerate(headers):
+        if key == b"retry-after" and retry_after([(key, value)]) == RETRY_AFTER_MAX:
+            # No caller is told more than the cap, not even by an answer passed on whole.
+            headers[i] = (key, b"%d" % RETRY_AFTER_MAX)
+    return headers
 
 
 def _rewrite_model(body: bytes, model: str) -> bytes:
