@@ -171,14 +171,16 @@ def refuses_prefill(ex: Exchange) -> Any:
 # -- the gateways ------------------------------------------------------------------------
 
 
-def readme_stack(routes: Routes, store: MemoryStore, forwarder: Forwarder) -> Any:
+def readme_stack(
+    routes: Routes, store: MemoryStore, forwarder: Forwarder, *, decode_rate: float | str = "auto"
+) -> Any:
     """The README's FastAPI stack, carrying ``/v1/*`` and ``/api/*``."""
     from fastapi import FastAPI
 
     app = FastAPI()
     app.mount("/v1", forwarder)
     app.mount("/api", forwarder)
-    app.add_middleware(SaturationWatchdog, slow_after=45.0)
+    app.add_middleware(SaturationWatchdog, slow_after=45.0, decode_rate=decode_rate)
     app.add_middleware(Breaker, store=store)
     app.add_middleware(Failover, routes=routes, paths=("/v1/", "/api/"))
     app.add_middleware(PreferBackend, store=store)
@@ -196,8 +198,10 @@ async def gateway(
     stack: str = "readme",
     tmp_path: Path | None = None,
     stall_after: float | None = 2.0,
+    decode_rate: float | str = "auto",
 ) -> AsyncIterator[tuple[str, FakeBackend, FakeBackend]]:
-    """``stall_after`` None: the tower's own learned gap (the default ``"auto"``)."""
+    """``stall_after`` None: the tower's own learned gap (the default ``"auto"``);
+    ``decode_rate`` 0: a slow stream is not starved (the README's stack)."""
     async with FakeBackend("tower", first) as t, FakeBackend("hosted", second) as h:
         if stack == "readme":
             routes = Routes(
@@ -210,7 +214,8 @@ async def gateway(
             )
             forwarder = Forwarder(connect_timeout=2.0)
             try:
-                async with serve(readme_stack(routes, MemoryStore(), forwarder)) as url:
+                app = readme_stack(routes, MemoryStore(), forwarder, decode_rate=decode_rate)
+                async with serve(app) as url:
                     yield url, t, h
             finally:
                 await forwarder.aclose()
@@ -683,7 +688,11 @@ async def test_a_stream_too_slow_for_the_budget_is_cut_at_the_reserve_and_finish
     cut = {"route": "echo", "backend": "tower", "outcome": "reserve"}
     before = metric("tierchain_attempts_total", **cut)
     saturated = metric("tierchain_backend_saturated_total", route="echo", backend="tower")
-    async with gateway(slow_tower(fmt, every=1.0), finisher(fmt), stall_after=10.0) as (
+    # (A token a second is starved too, under the local tower's cold 2 tokens/s: off here,
+    # so that the reserve is what cuts it; tests/test_decode.py has the starved stream.)
+    async with gateway(
+        slow_tower(fmt, every=1.0), finisher(fmt), stall_after=10.0, decode_rate=0
+    ) as (
         url,
         _,
         hosted,

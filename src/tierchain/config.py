@@ -598,6 +598,14 @@ LAYERS: tuple[Layer, ...] = (
         _o("suspect_for", "WATCHDOG_SUSPECT_FOR", seconds(), f"{_SECS} (0: off)",
            help="After a verdict on a backend, the callers after skip it this long "
            "(doubling while verdicts repeat), then one probes it."),
+        _o("decode_rate", "WATCHDOG_DECODE_RATE", prompt_rate,
+           "auto, a number of tokens per second, or 0 (off)",
+           help="A committed stream with a later tier whose decode rate stays under "
+           "slow_decode times this normal is starved and continued on the next tier."),
+        _o("slow_decode", "WATCHDOG_SLOW_DECODE", fraction, "a fraction such as 0.25",
+           help="The share of the normal decode rate under which a stream is starved."),
+        _o("decode_span", "WATCHDOG_DECODE_SPAN", seconds(), _SECS,
+           help="Seconds over which the decode rate is judged (two spans in a row)."),
     ), wired=frozenset({"store"}), code_only=frozenset({"readers", "client", "status_board"})),
     Layer("Allowance", "tierchain.allowance", "component", (
         _o("cold_start", "ALLOWANCE_COLD_START", seconds(), _SECS_NONNEG),

@@ -46,6 +46,7 @@ from ._runtime import clock, deadlines
 from .sketch import LogSketch
 from .telemetry import (
     LEARNED_BYTES_PER_TOKEN,
+    LEARNED_DECODE_RATE,
     LEARNED_PROMPT_RATE,
     LEARNED_SLOW_AFTER,
     LEARNED_STALL_AFTER,
@@ -58,6 +59,7 @@ __all__ = [
     "BYTES_PER_TOKEN",
     "COLD",
     "Cold",
+    "DecodeRate",
     "Learned",
     "LearnedGap",
     "PromptRate",
@@ -87,19 +89,24 @@ class Cold:
     ``prompt_rate`` (prompt tokens per second) and ``first_token`` (the least wait for
     a first token) bound the first token (:class:`PromptRate`); ``stall`` bounds a gap
     between data events on a tier with a later tier (:class:`LearnedGap`; the last tier
-    waits ``stall_ceiling``).
+    waits ``stall_ceiling``); ``decode`` is the least decode rate (tokens a second once
+    generating) a committed stream with a later tier keeps (:class:`DecodeRate`).
     """
 
     prompt_rate: float
     first_token: float
     stall: float
+    decode: float = 1.0
 
 
-COLD: Mapping[str, Cold] = {"local": Cold(prompt_rate=100.0, first_token=10.0, stall=8.0)}
+COLD: Mapping[str, Cold] = {
+    "local": Cold(prompt_rate=100.0, first_token=10.0, stall=8.0, decode=2.0)
+}
 """Per regime, before anything is learned. A local server streams a token every few
 tens of milliseconds and pauses for seconds at most (another slot's prompt batch):
-8 s of silence is an outage, and the next tier finishes the answer within 10 s."""
-COLD_OTHER = Cold(prompt_rate=500.0, first_token=30.0, stall=30.0)
+8 s of silence is an outage, and the next tier finishes the answer within 10 s. Under
+2 tokens a second (a GPU taken by a game writes one every 0.2 to 0.9 s) it is starved."""
+COLD_OTHER = Cold(prompt_rate=500.0, first_token=30.0, stall=30.0, decode=1.0)
 """Any other regime (``hosted``, none, ...): a provider's queue is not ours to know."""
 
 
@@ -501,6 +508,94 @@ class PromptRate:
         self._rates[backend] = known
         if known.rate.n >= self.min_samples:
             labelled(LEARNED_PROMPT_RATE, backend).set(known.rate.low())
+
+
+# -- the decode rate -----------------------------------------------------------
+
+
+@dataclass
+class DecodeRate:
+    """Each backend's normal decode rate: tokens a second once it is generating.
+
+    Learned like the first-token time, from the gateway's own healthy streams (one
+    sample a stream of at least ``min_events`` data events: events after the first over
+    the seconds from the first to the last, an event being about a token on llama.cpp,
+    vLLM and Ollama), as a running mean and variance of its logarithm. A committed
+    stream on a tier with a later tier whose rate stays, over two ``span`` seconds in a
+    row, below
+
+        limit = fraction x (the slow end of the learned rate: its mean less two
+                standard deviations)
+
+    is starved (:mod:`tierchain.decode`). Until a backend has ``min_samples`` streams,
+    its regime's cold default (:attr:`Cold.decode`: ``local`` 2 tokens/s, any other
+    regime 1) is the limit. ``rate`` fixes the normal for every backend (nothing is
+    learned). Exported as ``tierchain_learned_decode_rate{backend}``.
+    """
+
+    fraction: float = 0.25
+    span: float = 2.0
+    min_samples: int = 5
+    min_events: int = 8
+    rate: float | None = None
+    _rates: dict[str, _Running] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (
+            isinstance(self.fraction, int | float)
+            and not isinstance(self.fraction, bool)
+            and 0 < self.fraction < 1
+        ):
+            raise ValueError(f"slow_decode must be a fraction in (0, 1), got {self.fraction!r}")
+        self.span = duration("decode_span", self.span)
+        if self.rate is not None and not (
+            isinstance(self.rate, int | float) and math.isfinite(self.rate) and self.rate > 0
+        ):
+            raise ValueError(f"rate must be a number of tokens per second > 0, got {self.rate!r}")
+        self.min_samples = count("min_samples", self.min_samples)
+        self.min_events = count("min_events", self.min_events, minimum=2)
+
+    def observe(self, backend: str, events: int, seconds: float) -> bool:
+        """One healthy stream: ``events`` data events over ``seconds`` from its first to
+        its last. True when it taught something."""
+        if self.rate is not None or events < self.min_events or not seconds > 0:
+            return False
+        known = self._rates.get(backend)
+        if known is None:
+            known = self._rates[backend] = _Running()
+        known.add((events - 1) / seconds)
+        if known.n >= self.min_samples and (known.n - self.min_samples) % _GAUGE_EVERY == 0:
+            labelled(LEARNED_DECODE_RATE, backend).set(known.low())
+        return True
+
+    def normal(self, backend: str) -> float | None:
+        """The normal decode rate in tokens a second (its slow end), or None until learned."""
+        if self.rate is not None:
+            return self.rate
+        known = self._rates.get(backend)
+        if known is None or known.n < self.min_samples:
+            return None
+        return known.low()
+
+    def limit(self, backend: str, regime: str | None) -> tuple[float, bool]:
+        """The least rate a committed stream at ``backend`` keeps, and whether learned."""
+        normal = self.normal(backend)
+        if normal is None:
+            return cold(regime).decode, False
+        return self.fraction * normal, True
+
+    def export(self, backend: str) -> dict[str, Any]:
+        """``backend``'s learned rate as JSON values (see :class:`SharedNormals`)."""
+        known = self._rates.get(backend)
+        return {} if known is None else {"d": known.state()}
+
+    def adopt(self, backend: str, state: Mapping[str, Any]) -> None:
+        """Take ``backend``'s learned rate from ``state`` (another process's :meth:`export`)."""
+        if not state:
+            return
+        known = _Running()
+        known.load(state["d"])
+        self._rates[backend] = known
 
 
 # -- shared through the store ------------------------------------------------------

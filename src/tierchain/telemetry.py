@@ -293,6 +293,12 @@ LEARNED_PROMPT_RATE = Gauge(
     "The learned normal prompt rate in tokens per second (the slow end), by backend.",
     ["backend"],
 )
+LEARNED_DECODE_RATE = Gauge(
+    "tierchain_learned_decode_rate",
+    "The learned normal decode rate in tokens per second once generating (the slow end), "
+    "by backend.",
+    ["backend"],
+)
 LEARNED_BYTES_PER_TOKEN = Gauge(
     "tierchain_learned_bytes_per_token",
     "Request body bytes per prompt token, learned from the usage the answers reported.",

@@ -92,8 +92,9 @@ from ._runtime.deadlines import EARLY, Deadline
 from ._runtime.interrupt import Interruption
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance
+from .decode import SPANS, DecodeWatch
 from .errors import BackendBusy, BackendSaturated, BackendUnavailable, StreamError
-from .learned import Learned, LearnedGap, PromptRate, SharedNormals
+from .learned import DecodeRate, Learned, LearnedGap, PromptRate, SharedNormals
 from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, auto_reader, end_flights
 from .progress import Progress, check_room
@@ -127,6 +128,22 @@ def _prompt_rate(value: float | str | PromptRate, margin: float) -> PromptRate |
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ValueError(f"prompt_rate must be 'auto', tokens per second or 0, got {value!r}")
     return PromptRate(margin=margin, rate=float(value)) if value > 0 else None
+
+
+def _decode_rate(
+    value: float | str | DecodeRate, fraction: float, span: float | timedelta
+) -> DecodeRate | None:
+    """``decode_rate``: ``"auto"`` (learned), a fixed normal in tokens/s, 0 (off), or one built."""
+    if isinstance(value, DecodeRate):
+        return value
+    seconds = duration("decode_span", span)
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"decode_rate must be 'auto', tokens per second or 0, got {value!r}")
+        return DecodeRate(fraction=fraction, span=seconds)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"decode_rate must be 'auto', tokens per second or 0, got {value!r}")
+    return DecodeRate(fraction=fraction, span=seconds, rate=float(value)) if value > 0 else None
 
 
 _new = object.__new__
@@ -179,8 +196,12 @@ class SaturationWatchdog:
         status_board: StatusBoard | None = None,
         store: NormalStore | Store | None = None,
         suspect_for: float | timedelta = 0.0,
+        decode_rate: float | str | DecodeRate = "auto",
+        slow_decode: float = 0.25,
+        decode_span: float | timedelta = 2.0,
     ) -> None:
         self.app = app
+        self.decode = _decode_rate(decode_rate, slow_decode, decode_span)
         self.suspect_for = duration("suspect_for", suspect_for, allow_zero=True)
         # A store without normals (a Breaker's Store only): they are kept in this process.
         self.store: NormalStore = store if isinstance(store, NormalStore) else MemoryStore()
@@ -263,6 +284,8 @@ class SaturationWatchdog:
             parts["first"] = self.learned
         if self.learned_gap is not None:
             parts["gap"] = self.learned_gap
+        if self.decode is not None and self.decode.rate is None:
+            parts["decode"] = self.decode
         if self.prompt_rate is not None and self.prompt_rate.rate is None:
             parts["rate"] = self.prompt_rate
         self.normals = SharedNormals(self.store, parts) if parts else None
@@ -371,6 +394,8 @@ class SaturationWatchdog:
                 if watch._handle is not None:
                     deadlines.cancel(watch._handle)
                     watch._handle = None
+                if watch._decode is not None:
+                    watch._decode.cancel()
                 prober = watch._prober
                 if prober is not None:
                     prober.cancel()
@@ -528,6 +553,7 @@ class SaturationWatchdog:
         watch._cut_passed = False
         watch._progress = None
         watch._slow_logged = False
+        watch._decode = None
         watch._handle = None
         watch._prober = None
         if reserve > 0 and tracing_enabled():
@@ -595,6 +621,7 @@ class _Watch:
         "_ceiling_at",
         "_cut",
         "_cut_passed",
+        "_decode",
         "_handle",
         "_prefill_end",
         "_prober",
@@ -642,6 +669,7 @@ class _Watch:
     _cut_passed: bool  # a committed stream's reserve point passed (or cut it)
     _progress: Progress | None  # the status conversation, once asked
     _slow_logged: bool
+    _decode: DecodeWatch | None  # a committed stream's decode rate, judged (with a later tier)
     _send: Send
     cut: Interruption
     _handle: Deadline | None
@@ -694,6 +722,9 @@ class _Watch:
         if gaps is not None and events > 2 and (observer.sse or observer.ndjson):
             last = observer.last_event_at or first_at
             gaps.observe(name, None, (last - first_at) / (events - 1))
+        decode = watchdog.decode
+        if decode is not None and (observer.sse or observer.ndjson):
+            decode.observe(name, events, (observer.last_event_at or first_at) - first_at)
         if watchdog.normals is not None:
             watchdog.normals.taught(name)
 
@@ -769,9 +800,15 @@ class _Watch:
         return self._send(message)
 
     def _first_data(self) -> None:
-        """The first chunk arrived: the window is over; time the gaps from here."""
+        """The first chunk arrived: the window is over; time the gaps (and, with a later
+        tier, the decode rate) from here."""
         if not self.own and not self.observer.framed:
             return  # a held answer's first bytes: its window runs on until it is whole
+        decode = self.watchdog.decode
+        if decode is not None and not self.last and self.attempt is not None:
+            backend = self.attempt.backend
+            limit, learned = decode.limit(backend.name, backend.regime)
+            self._decode = DecodeWatch(self, limit, learned, decode.span)
         handle = self._handle
         cut = self._cut
         stall = self.stall
@@ -1029,6 +1066,10 @@ class _Watch:
             return
         self._fire("probe_unknown" if verdict == "unknown" else verdict)
 
+    def starved(self, decode: DecodeWatch) -> None:
+        """A committed stream's decode rate fell below its limit (:mod:`tierchain.decode`)."""
+        self._fire("slow_decode")
+
     def _fire(self, reason: str) -> None:
         self.fired = reason
         self.cut.interrupt(f"tierchain: backend saturated ({reason})")
@@ -1073,6 +1114,8 @@ class _Watch:
                 )
                 return
             raise StreamError(message, reason="stalled")
+        if self.fired == "slow_decode" and self._decode is not None:
+            self._starved(self._decode)  # raises
         if self.fired == "reserve" and self.answered() and self.attempt is not None:
             # A committed stream cut at the reserve's point for the next tier to finish:
             # the budget's doing, not the backend's (no breaker counts it).
@@ -1084,6 +1127,45 @@ class _Watch:
             )
         if not self.answered():
             await self._saturated(send)
+
+    def _starved(self, decode: DecodeWatch) -> None:
+        """Say that a committed stream was starved, and raise for Failover to continue it
+        on the next tier (a saturation: the Breaker counts it as one)."""
+        backend = self.backend or ""
+        rate, limit = round(decode.rate, 2), round(decode.limit, 2)
+        labelled(BACKEND_SATURATED, self.route, backend).inc()
+        log_event(
+            "dispatch.backend_starved",
+            level=logging.WARNING,
+            route=self.route,
+            backend=backend,
+            tokens_per_s=rate,
+            limit_tokens_per_s=limit,
+            learned=decode.learned,
+            span_s=decode.span,
+        )
+        trace.get_current_span().add_event(
+            "tierchain.backend_starved", {ATTR_BACKEND: backend, "tokens_per_s": rate}
+        )
+        if self.req is not None and self.attempt is not None:
+            named: dict[str, Any] = {"backend": backend}
+            if self.attempt.backend.pool is not None:
+                named["pool"] = self.attempt.backend.pool
+            self.req.emit(
+                "backend_starved",
+                **named,
+                reason="slow_decode",
+                tokens_per_s=rate,
+                limit_tokens_per_s=limit,
+                failing_over=True,
+            )
+        self.suspect("slow_decode")
+        raise BackendSaturated(
+            f"backend {backend!r} wrote {rate:g} tokens/s over {SPANS} spans of "
+            f"{decode.span:g}s, under its limit of {limit:g} (starved)",
+            waited=clock.now() - self.start,
+            why="slow_decode",
+        )
 
     async def _saturated(self, send: Send) -> None:
         waited = clock.now() - self.start
