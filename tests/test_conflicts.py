@@ -217,3 +217,18 @@ def test_an_operator_secret_equal_to_a_caller_key_is_refused(files, variable, wh
         "give it a value of its own"
     )
     assert KEY not in problem
+
+
+def test_a_waiting_room_no_request_could_ever_wait_in_is_refused(files):
+    env = {
+        "TIERCHAIN_ROUTES_FILE": files["TIERCHAIN_ROUTES_FILE"],
+        "TIERCHAIN_FAILOVER_WAITING_ROOM": "on",
+    }
+    (problem,) = problems(env)
+    assert problem.startswith("TIERCHAIN_FAILOVER_WAITING_ROOM=on, but no route has every")
+    routes = Path(files["dir"]) / "limited.toml"
+    routes.write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:9"\nmax_in_flight = 2\n'
+    )
+    env["TIERCHAIN_ROUTES_FILE"] = str(routes)
+    assert build_stack(None, from_env(env), identity=False) is not None

@@ -232,6 +232,7 @@ def conflicts(
         )
     if own_forwarder:
         found.extend(unrouted(settings))
+    found.extend(_room_never_used(settings))
     secrets = {
         "TIERCHAIN_ADMIN_TOKEN": settings.layers["Admin"].options.get("token"),
         "TIERCHAIN_METRICS_KEY": settings.layers["Endpoints"].options.get("metrics_key"),
@@ -277,6 +278,27 @@ def unrouted(settings: Settings) -> list[str]:
         f"TIERCHAIN_STACK={','.join(settings.stack) or '(empty)'} leaves Failover out, so "
         "the gateway's Forwarder has no backend to send a request to and every routed "
         "request would be a 404; add Failover to TIERCHAIN_STACK"
+    ]
+
+
+def _room_never_used(settings: Settings) -> list[str]:
+    """The waiting room on, but no route whose every backend can say it is full: no request
+    would ever wait in it."""
+    failover = settings.layers["Failover"]
+    if not failover.options.get("waiting_room") or settings.routes is None:
+        return []
+    routes = settings.routes
+    if any(
+        all(b.max_in_flight is not None or b.status_url is not None for b in routes[r])
+        for r in routes
+    ):
+        return []
+    variable = failover.sources.get("waiting_room", "TIERCHAIN_FAILOVER_WAITING_ROOM")
+    return [
+        f"{variable}=on, but no route has every backend with max_in_flight or status_url, "
+        "so no request would ever wait (a request waits only while every backend of its "
+        "chain says it is full); give the backends max_in_flight or status_url, or turn the "
+        "waiting room off"
     ]
 
 
