@@ -21,7 +21,7 @@ weak evidence: a tower starved but still quick on a tiny prompt looks rested).
 
 Single flight across replicas: each check takes a lease in the store (a
 :class:`~tierchain.store.LeaseStore`, limit 1, key ``rest-check:<route>:<backend>``) for
-``rest_check_every`` seconds and lets it run out, so replicas sharing a RedisStore send one
+most of ``rest_check_every`` and lets it run out, so replicas sharing a RedisStore send one
 check between them every ``rest_check_every``, not one each.
 
 Tasks have owners: one task per (route, backend) (``tierchain-rest-check``), owned by this
@@ -189,9 +189,12 @@ class RestChecks:
         by_status = backend.status_url is not None and self.board is not None
         step = min(self.every, _STATUS_EVERY) if by_status else self.every
         client: httpx.AsyncClient | None = None
+        next_at = clock.now() + step
         try:
             while clock.now() < until:
-                await asyncio.sleep(step)
+                # Every ``step`` from the last round's start (a check's own wait included).
+                await asyncio.sleep(max(0.0, next_at - clock.now()))
+                next_at = clock.now() + step
                 try:
                     snap = await self.store.breaker_snapshot(route, name)
                 except Exception:
@@ -241,10 +244,10 @@ class RestChecks:
         key = f"rest-check:{route}:{backend.name}"
         token = uuid.uuid4().hex
         if leases is not None:
-            # Held for a whole round and left to run out: one check per round between
-            # every replica sharing the store.
+            # Held for most of a round and left to run out: one check per round between
+            # every replica sharing the store (this one's next round finds it gone).
             try:
-                taken, _ = await leases.lease_acquire(key, token, 1, self.every)
+                taken, _ = await leases.lease_acquire(key, token, 1, self.every * 0.9)
             except Exception:
                 taken = True  # a store that fails: this process checks on its own
             if not taken:
