@@ -165,3 +165,21 @@ def test_a_bad_keys_file_is_a_configuration_error(
     with pytest.raises(ConfigError, match="CallerKeys rejected") as info:
         build_stack(None, settings)
     assert problem in str(info.value)
+
+
+def test_the_one_pattern_of_every_key_finds_each_key_and_nothing_else():
+    import re
+
+    from tierchain.keys import _trie
+
+    keys = [
+        b"sk-gw-0123456789abcdef",
+        b"sk-gw-0123456789abcdefXYZ",  # another key's prefix
+        b"sk-gw-9999999999999999",
+        b"a.b*c+d?e(f)g[h]i{j}k|l^m$n\\o",  # every regex metacharacter, as itself
+    ]
+    find = re.compile(_trie(set(keys))).search
+    for key in keys:
+        assert find(b"x: " + key + b" y") is not None
+    assert find(b"sk-gw-0123456789abcde") is None  # one byte short
+    assert find(b"aXb*c+d?e(f)g[h]i{j}k|l^m$n\\o") is None

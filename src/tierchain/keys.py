@@ -53,6 +53,7 @@ import re
 import tomllib
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from ._checks import count, duration, parse_duration
@@ -352,8 +353,7 @@ class _Strip:
     """
 
     def __init__(self, keys: Iterable[str]) -> None:
-        ordered = sorted({k.encode() for k in keys}, key=len, reverse=True)
-        self._find = re.compile(b"|".join(re.escape(k) for k in ordered)).search
+        self._find = re.compile(_trie({k.encode() for k in keys})).search
 
     def _holds(self, name: bytes, value: bytes) -> bool:
         if self._find(value):
@@ -372,8 +372,8 @@ class _Strip:
         blob = b"\n".join([v for _, v in headers])
         if (
             find(blob) is None
+            and b"asic " not in blob  # (no Basic credentials to decode)
             and not (query and (find(query) or find(_unquoted(query))))
-            and b"basic" not in blob.lower()
         ):
             return
         scope["headers"] = [(k, v) for k, v in headers if not self._holds(k.lower(), v)]
@@ -385,6 +385,28 @@ class _Strip:
                 raw_path = scope.get("raw_path")
                 if raw_path is not None and b"?" in raw_path:
                     scope["raw_path"] = raw_path.partition(b"?")[0]
+
+
+def _trie(keys: Collection[bytes]) -> bytes:
+    """One pattern matching any of ``keys``, as a trie (``ab(?:c|d)``): the regex engine
+    tries the keys that share a first byte together, not every key at every position."""
+    root: dict[int, Any] = {}
+    for key in keys:
+        node = root
+        for byte in key:
+            node = node.setdefault(byte, {})
+        node[-1] = {}  # a key ends here
+
+    def emit(node: dict[int, Any]) -> bytes:
+        alternatives = [re.escape(bytes([b])) + emit(node[b]) for b in sorted(node) if b >= 0]
+        if not alternatives:
+            return b""
+        if len(alternatives) == 1 and -1 not in node:
+            return alternatives[0]
+        group = b"(?:" + b"|".join(alternatives) + b")"
+        return group + b"?" if -1 in node else group
+
+    return emit(root)
 
 
 def _unquoted(text: bytes) -> bytes:
