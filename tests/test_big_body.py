@@ -204,3 +204,18 @@ async def test_a_long_chat_body_is_routed_and_forwarded_whole(tmp_path: Path):
     assert r.status_code == 200
     [seen] = tower.requests
     assert seen.body == body
+
+
+async def test_a_long_bodys_max_tokens_is_read_without_parsing_its_messages(monkeypatch):
+    from tierchain.usage import asked_output
+
+    def no_parse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the whole body was parsed")
+
+    body = (
+        b'{"model": "echo", "messages": [{"role": "user", "content": "'
+        + PROSE[: 3 * 2**20]
+        + b'"}], "options": {"num_predict": 9}, "max_tokens": 77}'
+    )
+    monkeypatch.setattr(_json, "loads", no_parse)
+    assert await asked_output(body) == 77

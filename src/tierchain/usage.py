@@ -173,6 +173,8 @@ def bounded(value: int, what: str, source: str) -> int:
 
 _CLAMPED: set[tuple[str, str]] = set()
 _ASKED_MARKS = (b'"max_', b'"num_predict"')
+_ASKED_NAMES = frozenset({*LIMIT_KEYS, "options"})
+_READ_WHOLE = 2**20  # a longer body has only its top-level members above read
 
 
 async def asked_output(body: bytes) -> int | None:
@@ -186,7 +188,11 @@ async def asked_output(body: bytes) -> int | None:
         return None
     try:
         containers = await _json.check_shape(body)
-        data = _json.loads(body, containers=containers)
+        data: Any = (
+            await _json.members(body, _ASKED_NAMES)  # (a long body's messages left unparsed)
+            if len(body) > _READ_WHOLE
+            else _json.loads(body, containers=containers)
+        )
     except ValueError:  # (TooComplex, TooDeep and UnicodeDecodeError are ValueErrors)
         return None
     if not isinstance(data, dict):
