@@ -390,6 +390,8 @@ async def test_a_stream_that_dies_after_40_of_60_tokens_is_finished_by_hosted(fm
 async def test_a_stream_that_stalls_after_20_tokens_is_finished_by_hosted(fmt):
     async with gateway(tower(fmt, upto=20, then="stall"), finisher(fmt)) as (url, _, hosted):
         assert await read_with_sdk(fmt, url) == FULL
+        assert partial_of(fmt, json.loads(hosted.requests[-1].body)).startswith("w0 w1")
+        await asyncio.sleep(10.0)  # the tower is suspect for 10 s; then a caller probes it
         one_end(fmt, await raw(fmt, url))
         assert partial_of(fmt, json.loads(hosted.requests[-1].body)).startswith("w0 w1")
 

@@ -846,4 +846,5 @@ async def test_a_tower_that_opens_an_anthropic_answer_then_hangs_fails_over_unse
             got = await raw.post(gw.url + "/v1/messages", json=body)
         assert await gw.failures("hosted") == 0
     assert without_comments(got.content) == b"".join(hosted_events)  # nothing of the tower's
-    assert b'"state":"backend_saturated","backend":"tower"' in got.content
+    # (the second caller: the tower is suspect since the first one's verdict, and skipped)
+    assert b'"state":"backend_busy","backend":"tower"' in got.content

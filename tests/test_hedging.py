@@ -147,7 +147,10 @@ async def gateway(
         )
         store = MemoryStore()
         forwarder = Forwarder(connect_timeout=2.0)
-        inner: Any = SaturationWatchdog(forwarder, slow_after=60.0) if watchdog else forwarder
+        inner: Any = (
+            # Every caller hedged on its own: no suspect mark skips the tower for the next.
+            SaturationWatchdog(forwarder, slow_after=60.0, suspect_for=0) if watchdog else forwarder
+        )
         inner = Breaker(
             inner,
             store=store,

@@ -70,7 +70,7 @@ def replica(routes: Routes, store: RedisStore) -> tuple[Failover, Forwarder]:
     forwarder = Forwarder()
     watchdog = getattr(tierchain, "SaturationWatchdog", None)
     inner = (
-        watchdog(forwarder, slow_after=0.3)
+        watchdog(forwarder, slow_after=0.3, suspect_for=0)  # (the breaker shared, alone)
         if watchdog is not None
         else _SaturateAfter(forwarder, 0.3)
     )

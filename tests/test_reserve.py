@@ -67,6 +67,9 @@ class Gateway:
     ) -> None:
         self.forwarder = Forwarder()
         watchdog.setdefault("status_interval", 0)
+        # Each caller is judged on its own here: no suspect mark spares the next one
+        # (tests/test_shared_normals.py is where one verdict spares the next caller).
+        watchdog.setdefault("suspect_for", 0)
         self.watchdog = SaturationWatchdog(self.forwarder, **watchdog)
         self.store = MemoryStore()
         breaker = Breaker(self.watchdog, store=self.store, failure_threshold=2)

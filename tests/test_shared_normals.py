@@ -60,6 +60,28 @@ async def serve_gateway(
             yield url, t, h
 
 
+def hosted_chat() -> Script:
+    """Hosted: finishes a continued answer (tests/test_continuation.py's finisher), and
+    answers a fresh request with a whole short stream."""
+    from tierchain.continuation import INSTRUCTION
+
+    from .test_continuation import chat_events
+
+    finish = finisher("chat")
+
+    async def script(ex: Exchange) -> None:
+        messages = json.loads(ex.request.body)["messages"]
+        if messages[-1] == {"role": "user", "content": INSTRUCTION}:
+            await finish(ex)
+            return
+        await ex.head(200)
+        for event in chat_events(["from ", "hosted"], model="m", id="h"):
+            await ex.write(event)
+        await ex.end()
+
+    return script
+
+
 def timed(script: Script, at: list[float]) -> Script:
     async def wrapped(ex: Exchange) -> None:
         if ex.request.method == "POST":  # (not a GET asking what server it is)
@@ -287,3 +309,255 @@ async def test_the_bytes_per_token_are_learned_from_the_usage_an_answer_reports(
             assert rate is not None
             size = len(raw)
             assert rate.tokens("tower", b"x" * size) == pytest.approx(size / 5.7, rel=0.02)
+
+
+# -- one verdict spares the next caller ------------------------------------------------
+
+
+async def first_data(url: str, content: str = "hi") -> tuple[float, str, str]:
+    """One streamed chat request: seconds to its first data event, the backend that
+    answered (by its text, "from " "hosted" or "from " "tower": a committed stream's headers
+    went out before any backend answered) and its attempt trail (or "")."""
+    import httpx
+
+    body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": content}]}
+    started = now()
+    async with (
+        httpx.AsyncClient(timeout=300) as client,
+        client.stream("POST", url + "/v1/chat/completions", json=body) as got,
+    ):
+        lines = got.aiter_lines()
+        text = ""
+        async for line in lines:
+            if line.startswith("data:"):
+                took = now() - started
+                text += line
+                break
+        else:
+            raise AssertionError("no data event")
+        async for line in lines:
+            text += line
+    backend = "hosted" if '"content": "hosted"' in text else "tower"
+    return took, backend, got.headers.get("x-tierchain-attempts", "")
+
+
+@on_virtual_time
+async def test_after_a_stall_the_next_caller_reaches_hosted_within_1s(tmp_path, metric):
+    """The tower stalls mid-stream, connection open: the first caller's stream goes on on
+    hosted within 10 s of the silence; the second caller is not sent to the tower at all
+    (it is suspect) and hosted's first data reaches it within 1 s."""
+    started: list[float] = []
+    asked: list[float] = []
+    before = metric("tierchain_backend_suspect_total", route="echo", backend="tower", why="stalled")
+    async with serve_gateway(
+        tmp_path,
+        timed(tower("chat", upto=20, then="stall"), started),
+        timed(hosted_chat(), asked),
+    ) as (url, t, _h):
+        assert await read_with_sdk("chat", url) == FULL
+        took, backend, trail = await first_data(url)
+    assert asked[0] - started[0] < 10.0
+    assert (backend, trail) == ("hosted", "tower;outcome=busy, hosted;outcome=ok")
+    assert took < 1.0
+    assert len(t.requests) == 1
+    assert (
+        metric("tierchain_backend_suspect_total", route="echo", backend="tower", why="stalled")
+        == before + 1
+    )
+
+
+@on_virtual_time
+async def test_after_the_hold_one_caller_probes_and_a_healthy_answer_clears_the_mark(tmp_path):
+    healthy = False
+
+    async def flaky(ex: Exchange) -> None:
+        if healthy:
+            await finisher_free(ex)
+        else:
+            await tower("chat", upto=5, then="stall")(ex)
+
+    async def finisher_free(ex: Exchange) -> None:
+        from .test_continuation import chat_events
+
+        await ex.head(200)
+        for event in chat_events(["from ", "tower"], model="m", id="c"):
+            await ex.write(event)
+        await ex.end()
+
+    async with serve_gateway(tmp_path, flaky, hosted_chat()) as (url, t, _h):
+        await read_with_sdk("chat", url)  # stalled: the tower is suspect
+        assert (await first_data(url))[1] == "hosted"
+        healthy = True
+        await asyncio.sleep(10.0)  # the hold (suspect_for) is over
+        _, backend, trail = await first_data(url)  # the one probe
+        assert (backend, trail) == ("tower", "tower;outcome=ok")
+        assert (await first_data(url))[1] == "tower"  # the mark is gone
+    assert len(t.requests) == 3
+
+
+def metrics_of_a_starved_tower() -> Any:
+    """llama.cpp's /metrics while a game starves its GPU: one request processing (ours),
+    none deferred, llama_decode() calls creeping up."""
+    from .test_reserve import llamacpp_metrics
+
+    decode = iter(range(100, 10**6, 3))
+
+    async def script(ex: Exchange) -> None:
+        if ex.request.method == "GET":
+            body = llamacpp_metrics(1, 0, next(decode)) if ex.request.path == "/metrics" else b"{}"
+            await ex.respond(200, body, {"content-type": "text/plain"})
+            return
+        await ex.head(200)  # accepted, and no token comes
+        await ex.wait_closed_by_peer()
+        ex.finished = True
+
+    return script
+
+
+@pytest.mark.parametrize("stack", ["serve", "readme"])
+@on_virtual_time
+async def test_after_one_verdict_on_a_starved_tower_every_caller_reaches_hosted_within_1s(
+    stack, tmp_path
+):
+    from tierchain import Backend, Forwarder, Routes
+
+    from .test_continuation import readme_stack
+
+    starved = metrics_of_a_starved_tower()
+    hosted = hosted_chat()
+    async with FakeBackend("tower", starved) as t, FakeBackend("hosted", hosted) as h:
+        if stack == "serve":
+            file = tmp_path / "routes.toml"
+            file.write_text(
+                f'[[routes.echo.backends]]\nname = "tower"\nurl = "{t.url}"\n'
+                f'regime = "local"\nstatus_url = "{t.url}/metrics"\n'
+                f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{h.url}"\n'
+                'regime = "hosted"\n'
+            )
+            settings = from_env({"TIERCHAIN_ROUTES_FILE": str(file)})
+            app: Any = build_stack(None, settings, identity=False)
+            forwarder = None
+        else:
+            routes = Routes(
+                {
+                    "echo": [
+                        Backend("tower", t.url, regime="local", status_url=t.url + "/metrics"),
+                        Backend("hosted", h.url, regime="hosted"),
+                    ]
+                }
+            )
+            forwarder = Forwarder()
+            app = readme_stack(routes, MemoryStore(), forwarder)
+        async with serve(app, lifespan="on") as url:
+            first, backend, _ = await first_data(url)
+            assert backend == "hosted"
+            later = [await first_data(url) for _ in range(5)]
+        if forwarder is not None:
+            await forwarder.aclose()
+    posts = [r for r in t.requests if r.method == "POST"]
+    assert len(posts) == 1  # the one caller who paid the wait
+    assert first >= 5.0  # hedged at 5 s (serve), too slow at 10 s (the README's stack)
+    for took, backend, trail in later:
+        assert (backend, trail) == ("hosted", "tower;outcome=busy, hosted;outcome=ok")
+        assert took < 1.0
+
+
+async def test_a_second_replica_and_a_restarted_gateway_skip_a_tower_that_stalled(
+    redis_server, tmp_path
+):
+    """Two `tierchain serve` replicas share a real redis-server. The tower stalls mid-stream
+    under replica A (its caller's stream goes on on hosted); replica B's next caller, then
+    the caller of A restarted, are not sent to the tower: the mark is in Redis."""
+    async with (
+        FakeBackend("tower", tower("chat", upto=20, then="stall")) as t,
+        FakeBackend("hosted", hosted_chat()) as h,
+    ):
+        file = routes_file(tmp_path, t.url, h.url)
+        env = {"TIERCHAIN_ROUTES_FILE": str(file), "TIERCHAIN_STORE_URL": redis_server.url}
+
+        def replica() -> Any:
+            return build_stack(None, from_env(env), identity=False)
+
+        async with serve(replica(), lifespan="on") as a_url:
+            assert await read_with_sdk("chat", a_url) == FULL  # stalled, finished by hosted
+        async with serve(replica(), lifespan="on") as b_url:
+            _, backend, trail = await first_data(b_url)
+            assert (backend, trail) == ("hosted", "tower;outcome=busy, hosted;outcome=ok")
+        async with serve(replica(), lifespan="on") as a_again:
+            _, backend, trail = await first_data(a_again)
+            assert (backend, trail) == ("hosted", "tower;outcome=busy, hosted;outcome=ok")
+    assert len(t.requests) == 1
+
+
+# -- a first-token limit per backend -------------------------------------------------
+
+
+def test_a_backend_takes_a_first_token_limit_as_seconds_or_a_timedelta():
+    from datetime import timedelta
+
+    from tierchain import Backend
+
+    assert Backend("t", "http://127.0.0.1:1", first_token=timedelta(seconds=3)).first_token == 3.0
+    assert Backend("t", "http://127.0.0.1:1").first_token is None
+    with pytest.raises(ValueError, match="first_token must be a finite number of seconds"):
+        Backend("t", "http://127.0.0.1:1", first_token=0)
+
+
+@pytest.mark.parametrize(
+    ("limit", "cut_at", "reason"), [(3.0, 3.0, "first_token"), (60.0, 10.0, "too_slow")]
+)
+@on_virtual_time
+async def test_a_first_token_limit_on_a_backend_cuts_a_quiet_tower_at_the_smaller_limit(
+    tmp_path, limit, cut_at, reason
+):
+    """`first_token = 3` in the routes file: a tower that accepts and says nothing is cut
+    at 3 s (the cold prompt-rate limit would be 10 s); 60 s is above the learned (here:
+    cold) limit, and the smaller wins."""
+    import logging
+
+    async def quiet(ex: Exchange) -> None:
+        await ex.head(200)
+        await ex.wait_closed_by_peer()
+        ex.finished = True
+
+    async with FakeBackend("tower", quiet) as t, FakeBackend("hosted", hosted_chat()) as h:
+        file = tmp_path / "routes.toml"
+        file.write_text(
+            f'[[routes.echo.backends]]\nname = "tower"\nurl = "{t.url}"\nregime = "local"\n'
+            f'first_token = "{limit:g}s"\n'
+            f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{h.url}"\nregime = "hosted"\n'
+        )
+        settings = from_env(
+            {"TIERCHAIN_ROUTES_FILE": str(file), "TIERCHAIN_FAILOVER_HEDGE_AFTER": "0"}
+        )
+        assert settings.routes is not None
+        assert settings.routes["echo"][0].first_token == limit
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        logging.getLogger("tierchain").addHandler(handler)
+        try:
+            async with serve(build_stack(None, settings, identity=False), lifespan="on") as url:
+                took, backend, _ = await first_data(url)
+        finally:
+            logging.getLogger("tierchain").removeHandler(handler)
+    assert backend == "hosted"
+    assert cut_at <= took < cut_at + 0.5
+    saturated = [r.getMessage() for r in records if "dispatch.backend_saturated" in r.getMessage()]
+    assert len(saturated) == 1
+    assert f'reason="{reason}"' in saturated[0]
+
+
+def test_check_config_shows_a_backends_first_token(tmp_path, capsys):
+    from tierchain.__main__ import main
+
+    file = tmp_path / "routes.toml"
+    file.write_text(
+        '[[routes.echo.backends]]\nname = "tower"\nurl = "http://127.0.0.1:8080"\n'
+        'regime = "local"\nfirst_token = "20s"\n'
+        '[[routes.echo.backends]]\nname = "hosted"\nurl = "https://api.example.com"\n'
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TIERCHAIN_ROUTES_FILE", str(file))
+        main(["check-config"])
+    assert "first_token=20" in capsys.readouterr().out

@@ -281,6 +281,7 @@ async def test_a_breaker_open_for_saturation_half_opens_as_soon_as_the_status_sa
             slow_after=0.1,
             status_interval=0.02,
             status_stale=5.0,
+            suspect_for=0,  # (the breaker's own wake; no suspect mark in its way)
         )
         async with serve(gw.app) as url, httpx.AsyncClient(timeout=5) as client:
             first = await post(client, url)  # saturated: the breaker opens for 900 s

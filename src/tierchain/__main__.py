@@ -240,6 +240,7 @@ _BACKEND_SHOWN = (
     "status_url",
     "stream_end",
     "stall_after",
+    "first_token",
     "max_in_flight",
     "price_input",
     "price_output",

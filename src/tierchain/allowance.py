@@ -33,6 +33,7 @@ from typing import Any
 
 from . import _json
 from ._checks import duration
+from .learned import BYTES_PER_TOKEN
 
 __all__ = ["Allowance", "estimate_tokens", "prompt_text"]
 
@@ -82,9 +83,10 @@ def prompt_text(body: bytes) -> list[str]:
 
 
 def estimate_tokens(body: bytes) -> int:
-    """Estimated prompt tokens of a JSON request body: UTF-8 bytes of its text / 4."""
+    """Estimated prompt tokens of a JSON request body: UTF-8 bytes of its text over
+    :data:`~tierchain.learned.BYTES_PER_TOKEN`."""
     size = sum(len(piece.encode("utf-8", "replace")) for piece in prompt_text(body))
-    return math.ceil(size / 4)
+    return math.ceil(size / BYTES_PER_TOKEN)
 
 
 @dataclass(frozen=True, slots=True)

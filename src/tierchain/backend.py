@@ -76,6 +76,7 @@ class Backend:
     """What a million input tokens cost here (None: not priced; 0: free, as a local tier)."""
     price_output: float | None = None
     """What a million output tokens cost here (None: not priced)."""
+    first_token: float | timedelta | None = None  # a float (or None) once built
     pool: str | None = field(default=None, init=False, compare=False)
 
     def __repr__(self) -> str:
@@ -134,6 +135,8 @@ class Backend:
         object.__setattr__(self, "max_in_flight", limit)
         stall = duration(f"{who} stall_after", self.stall_after, allow_none=True)
         object.__setattr__(self, "stall_after", stall)
+        first = duration(f"{who} first_token", self.first_token, allow_none=True)
+        object.__setattr__(self, "first_token", first)
         again = count(f"{who} retries", self.retries, minimum=0, allow_none=True)
         object.__setattr__(self, "retries", again)
         for side in ("price_input", "price_output"):

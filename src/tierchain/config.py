@@ -596,8 +596,8 @@ LAYERS: tuple[Layer, ...] = (
         _o("status_late", "WATCHDOG_STATUS_LATE", seconds(), f"{_SECS} (0: off)",
            help="A status answer slower than this counts as full, never as room."),
         _o("suspect_for", "WATCHDOG_SUSPECT_FOR", seconds(), f"{_SECS} (0: off)",
-           help="After a verdict on a backend, the callers after skip it this long "
-           "(doubling while verdicts repeat), then one probes it."),
+           help="After a verdict on a backend, the callers after skip it this long, "
+           "then one probes it."),
         _o("decode_rate", "WATCHDOG_DECODE_RATE", prompt_rate,
            "auto, a number of tokens per second, or 0 (off)",
            help="A committed stream with a later tier whose decode rate stays under "

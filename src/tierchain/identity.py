@@ -101,6 +101,8 @@ def _routes(routes: Routes | Mapping[str, Any]) -> dict[str, list[dict[str, Any]
                 entry["stream_end"] = backend.stream_end
             if backend.stall_after is not None:
                 entry["stall_after"] = backend.stall_after
+            if backend.first_token is not None:
+                entry["first_token"] = backend.first_token
             if backend.max_in_flight is not None:
                 entry["max_in_flight"] = backend.max_in_flight
             for side in ("price_input", "price_output"):

@@ -434,17 +434,17 @@ return {v[3], '0', 1, s}
 """
 )
 
-# KEYS[1] mark; ARGV: now_ms|'' why hold_ms most_ms keep_ms -> the hold set (ms)
+# KEYS[1] mark; ARGV: now_ms|'' why hold_ms keep_ms
 _SUSPECT_MARK = (
     _NOW
     + """
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
+local hold = tonumber(ARGV[3])
 local s = num(redis.call('HGET', key, 's')) + 1
-local hold = math.min(tonumber(ARGV[4]), tonumber(ARGV[3]) * 2 ^ math.min(s - 1, 30))
 redis.call('HSET', key, 'u', tostring(now + hold), 's', s, 'w', ARGV[2], 'p', '0')
-redis.call('PEXPIRE', key, math.ceil(hold + tonumber(ARGV[5])))
-return tostring(hold)
+redis.call('PEXPIRE', key, math.ceil(hold + tonumber(ARGV[4])))
+return 1
 """
 )
 
@@ -1004,17 +1004,16 @@ class RedisStore:
         why, retry_ms, probe, strikes = raw
         return Suspect(_text(why), _seconds(retry_ms) or 0.0, bool(int(probe)), int(strikes))
 
-    async def suspect_mark(self, backend: str, why: str, hold: float, most: float) -> float:
+    async def suspect_mark(self, backend: str, why: str, hold: float) -> None:
         local = self._local()
         if local is not None:
-            return await local.suspect_mark(backend, why, hold, most)
+            return await local.suspect_mark(backend, why, hold)
         key = self._suspect_key(backend)
-        args = [self._args(), why, _ms(hold), _ms(most), _ms(SUSPECT_KEEP)]
+        args = [self._args(), why, _ms(hold), _ms(SUSPECT_KEEP)]
         try:
-            raw = await self._shielded(lambda: self._suspect_mark(keys=[key], args=args))
+            await self._shielded(lambda: self._suspect_mark(keys=[key], args=args))
         except Exception as exc:
-            return await self._went_away(exc).suspect_mark(backend, why, hold, most)
-        return _seconds(raw) or hold
+            await self._went_away(exc).suspect_mark(backend, why, hold)
 
     async def suspect_end(self, backend: str, *, healthy: bool) -> None:
         local = self._local()

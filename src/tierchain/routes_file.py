@@ -56,6 +56,7 @@ def load_routes(
         status_url = "http://127.0.0.1:11434/_gate/status"
         max_in_flight = 1                 # more at once: skipped as busy (never the last tier)
         stall_after = "5m"                # this backend's own gap between data events
+        first_token = "20s"               # the most a first token may take here
 
         [[routes.echo.backends]]
         name = "hosted"
@@ -196,6 +197,7 @@ BACKEND_KEYS: tuple[BackendKey, ...] = (
     BackendKey("stream_end", _toml_stream_end,
                'a non-empty string such as "openai", or false (any clean end is complete)'),
     BackendKey("stall_after", _toml_seconds(zero_ok=False), f"{_TOML_SECS}, > 0"),
+    BackendKey("first_token", _toml_seconds(zero_ok=False), f"{_TOML_SECS}, > 0"),
     BackendKey("forward_caller_auth", _toml_bool, "true or false (no quotes)"),
     BackendKey("max_in_flight", _toml_count, "a whole number >= 1"),
     BackendKey("wire_format", _toml_wire_format,

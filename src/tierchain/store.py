@@ -537,7 +537,7 @@ class Suspect:
 
     ``why`` is the verdict; ``retry_in`` the seconds until one caller may try it again
     (0 for that caller: ``probe`` is True, and only it goes until its verdict); ``strikes``
-    counts the verdicts in a row, each holding the mark twice as long.
+    counts the verdicts in a row (the Breaker's ledgers, not the mark, grow the wait).
     """
 
     why: str
@@ -586,9 +586,8 @@ class NormalStore(Protocol):
         the first caller to ask takes the probe slot (for ``lease`` seconds at most)."""
         ...
 
-    async def suspect_mark(self, backend: str, why: str, hold: float, most: float) -> float:
-        """A verdict on ``backend``: mark it suspect for ``hold`` seconds, doubled for each
-        strike in a row, at most ``most``. Returns the hold set."""
+    async def suspect_mark(self, backend: str, why: str, hold: float) -> None:
+        """A verdict on ``backend``: mark it suspect for ``hold`` seconds (a strike more)."""
         ...
 
     async def suspect_end(self, backend: str, *, healthy: bool) -> None:
@@ -906,21 +905,19 @@ class MemoryStore:
             return None  # the usual case: nothing marked, nothing read
         return check_mark(self._marks, backend, self._now(), lease)
 
-    async def suspect_mark(self, backend: str, why: str, hold: float, most: float) -> float:
-        return self.suspect_mark_now(backend, why, hold, most)
+    async def suspect_mark(self, backend: str, why: str, hold: float) -> None:
+        self.suspect_mark_now(backend, why, hold)
 
-    def suspect_mark_now(self, backend: str, why: str, hold: float, most: float) -> float:
+    def suspect_mark_now(self, backend: str, why: str, hold: float) -> None:
         """:meth:`suspect_mark` without a coroutine."""
         now = self._now()
         marks = self._marks
         mark = marks.get(backend)
         strikes = 1 if mark is None or now >= mark.until + SUSPECT_KEEP else mark.strikes + 1
-        held = min(most, hold * 2.0 ** min(strikes - 1, 30))
-        marks[backend] = _Mark(now + held, why, strikes)
+        marks[backend] = _Mark(now + hold, why, strikes)
         if len(marks) > NORMAL_ENTRIES:
             oldest = min(marks, key=lambda name: marks[name].until)
             del marks[oldest]
-        return held
 
     async def suspect_end(self, backend: str, *, healthy: bool) -> None:
         self.suspect_end_now(backend, healthy=healthy)

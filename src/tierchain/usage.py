@@ -134,8 +134,9 @@ def read_usage(wire: str | None, values: Iterable[bytes]) -> tuple[int | None, i
 
 def estimate(found: tuple[int | None, int | None], request_bytes: int, output_units: int) -> Usage:
     """The usage, with each side the backend did not report estimated: the input from the
-    request body's size (a token per 4 bytes), the output as ``output_units`` (the data
-    events of a stream: about a token each; for a whole body, its size over 4)."""
+    request body's size (``BYTES_PER_TOKEN`` bytes a token), the output as ``output_units``
+    (the data events of a stream: about a token each; for a whole body, its size in tokens
+    by the same rule)."""
     got_in, got_out = found
     return Usage(
         got_in if got_in is not None else max(1, request_bytes // _BYTES_PER_TOKEN),

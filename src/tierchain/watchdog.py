@@ -148,7 +148,6 @@ def _decode_rate(
 
 _new = object.__new__
 _BACKGROUND: set[asyncio.Task[None]] = set()  # store writes in flight (kept from the collector)
-_SUSPECT_MOST = 600.0  # a suspect mark's hold doubles per verdict in a row, up to this
 _SUSPECT_LEASE = 120.0  # the most one probe of a suspect backend holds its slot
 _RESERVE_SHARE = 0.5  # a reserve never takes more than this share of the whole budget
 _SILENT = 5.0  # a committed stream silent this long (or its stall window) when the budget ends it
@@ -195,7 +194,7 @@ class SaturationWatchdog:
         status_late: float | timedelta = 0.25,
         status_board: StatusBoard | None = None,
         store: NormalStore | Store | None = None,
-        suspect_for: float | timedelta = 0.0,
+        suspect_for: float | timedelta = 10.0,
         decode_rate: float | str | DecodeRate = "auto",
         slow_decode: float = 0.25,
         decode_span: float | timedelta = 2.0,
@@ -435,17 +434,17 @@ class SaturationWatchdog:
 
     def mark_suspect(self, route: str, backend: str, why: str) -> None:
         """A verdict on ``backend`` (too slow, stalled, broke mid-stream): the callers after
-        skip it for ``suspect_for`` seconds (doubling while the verdicts repeat), then one
-        probes it. Written to the store now, in the background for a remote one."""
+        skip it for ``suspect_for`` seconds, then one probes it. Written to the store now,
+        in the background for a remote one."""
         if self.suspect_for <= 0:
             return
         labelled(SUSPECT_MARKS, route, backend, why).inc()
         log_event("watchdog.backend_suspect", route=route, backend=backend, why=why)
         memory = self._memory
         if memory is not None:
-            memory.suspect_mark_now(backend, why, self.suspect_for, _SUSPECT_MOST)
+            memory.suspect_mark_now(backend, why, self.suspect_for)
             return
-        self._background(self.store.suspect_mark(backend, why, self.suspect_for, _SUSPECT_MOST))
+        self._background(self.store.suspect_mark(backend, why, self.suspect_for))
 
     def _passed(self, backend: str, watch: _Watch | None) -> None:
         if watch is not None and watch.marked:
@@ -491,6 +490,7 @@ class SaturationWatchdog:
             window = self.window(body)
         stall = self.stall_after
         prefill = math.inf
+        first_token = False  # the backend's own first_token limit is the prefill's end
         reserve = 0.0
         last = True
         deadline = req.deadline if req is not None else None
@@ -523,11 +523,17 @@ class SaturationWatchdog:
                     attempt.reserve = reserve
                 rate = self.prompt_rate
                 # The first token's time at the backend's normal prompt rate (with the
-                # margin); not judged for an answer that does not stream (its first bytes
-                # are the whole answer) from a backend with no status URL to tell a prompt
-                # still read from an answer written.
-                if rate is not None and (req.streaming is not False or backend.status_url):
-                    prefill = rate.limit(backend.name, backend.regime, body)[0]
+                # margin), or the backend's own first_token limit, the smaller; not judged
+                # for an answer that does not stream (its first bytes are the whole
+                # answer) from a backend with no status URL to tell a prompt still read
+                # from an answer written.
+                if req.streaming is not False or backend.status_url:
+                    if rate is not None:
+                        prefill = rate.limit(backend.name, backend.regime, body)[0]
+                    own = backend.first_token
+                    if own is not None and own < prefill:  # type: ignore[operator]
+                        prefill = own  # type: ignore[assignment]  # seconds once built
+                        first_token = True
         if window <= 0 and stall <= 0 and reserve <= 0 and prefill == math.inf:
             return None
         watch = _new(_Watch)  # (no __init__: a frame less per attempt; its fields are set here)
@@ -549,6 +555,7 @@ class SaturationWatchdog:
         window_end = watch._window_end = start + window if window > 0 else math.inf
         prefill_end = watch._prefill_end = start + prefill
         watch._prompt_due = False
+        watch._first_token = first_token
         cut = watch._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
         watch._cut_passed = False
         watch._progress = None
@@ -582,9 +589,9 @@ class SaturationWatchdog:
             fixed = not callable(slow_after)
         elif due == ceiling_at:
             delay, fixed = ceiling, True
-        elif due == prefill_end and self.prompt_rate is not None:
+        elif due == prefill_end and (first_token or self.prompt_rate is not None):
             delay = due - start  # (the watch starts as it is armed)
-            fixed = self.prompt_rate.recurs(delay)
+            fixed = first_token or (self.prompt_rate is not None and self.prompt_rate.recurs(delay))
         else:
             delay, fixed = max(0.0, due - clock.now()), False
         watch._handle = deadlines.schedule(  # watch._arm, inline
@@ -622,6 +629,7 @@ class _Watch:
         "_cut",
         "_cut_passed",
         "_decode",
+        "_first_token",
         "_handle",
         "_prefill_end",
         "_prober",
@@ -665,6 +673,7 @@ class _Watch:
     _window_end: float
     _prefill_end: float
     _prompt_due: bool
+    _first_token: bool  # the prefill's end is the backend's own first_token limit
     _cut: float
     _cut_passed: bool  # a committed stream's reserve point passed (or cut it)
     _progress: Progress | None  # the status conversation, once asked
@@ -946,11 +955,12 @@ class _Watch:
             return
         if now >= self._prefill_end - EARLY:
             if self.req is None or self.req.streaming is not False:
-                # The expected prefill at the backend's normal prompt rate is over, with
-                # no first token: too slow, whatever a status says.
+                # The expected prefill at the backend's normal prompt rate (or its own
+                # first_token limit) is over, with no first token: too slow, whatever a
+                # status says.
                 if self.attempt is not None:
                     self.attempt.verdict = "too_slow"
-                self._fire("too_slow")
+                self._fire("first_token" if self._first_token else "too_slow")
                 return
             # A held answer has no first token to wait for: its status says whether a
             # slot still reads a prompt (too slow) or the answer is being written.

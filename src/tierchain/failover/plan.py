@@ -63,7 +63,7 @@ __all__ = [
 
 # Saturations whose reason the backend_saturated state line carries (the words this
 # layer's callers may not know from the plain stopwatch).
-_SHOWN_WHY = frozenset({"reserve", "too_slow", "incomplete"})
+_SHOWN_WHY = frozenset({"reserve", "too_slow", "incomplete", "first_token"})
 # Faults worth a second try of the same backend before commit, after a short random
 # pause: a 500, a 502, a 503 or Anthropic's 529 without a Retry-After, and a reset before
 # any write of the request went through (not_sent: the backend never had it).
