@@ -432,7 +432,10 @@ async def test_a_committed_stream_silent_when_the_budget_ends_it_is_a_stalled_fa
         responses[2].headers["x-tierchain-attempts"] == "tower;outcome=skipped, hosted;outcome=ok"
     )
     snapshot = await gw.store.breaker_snapshot("echo", "tower")
-    assert snapshot.state == "open"
+    # Opened by the two stalls (half-open once its first recovery probe is due, 2 s on: the
+    # virtual clock moves on while the loaded machine's sockets are read).
+    assert snapshot.state in ("open", "half_open")
+    assert snapshot.failures == 2
 
 
 @on_virtual_time

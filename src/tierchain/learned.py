@@ -33,7 +33,6 @@ gauge (per backend and bucket).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import math
 import os
@@ -42,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from ._checks import count, duration
-from ._runtime import clock, deadlines
+from ._runtime import clock
 from .sketch import LogSketch
 from .telemetry import (
     LEARNED_BYTES_PER_TOKEN,
@@ -629,7 +628,8 @@ class SharedNormals:
       warm one would. After that, a copy older than ``refresh`` seconds is read again in
       the background, at the start of the next attempt: no attempt waits for it.
     - **Written after an attempt taught something** (:meth:`taught`), in the background,
-      at most once every ``flush`` seconds for all the backends taught meanwhile, and on
+      at most once every ``flush`` seconds for all the backends taught meanwhile (what an
+      attempt taught within ``flush`` of the last write goes with the next one), and on
       :meth:`aclose`. Entries live ``ttl`` seconds from their last write.
     - A streamed chunk costs nothing here: one sample per attempt, as before.
 
@@ -658,7 +658,7 @@ class SharedNormals:
         self._loading: dict[str, asyncio.Task[None]] = {}
         self._dirty: set[str] = set()
         self._seen: dict[str, str] = {}  # per backend: the value last written or adopted
-        self._timer: deadlines.Deadline | None = None
+        self._written_at = -math.inf
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned = -math.inf
         self._writer = os.urandom(6).hex()  # (two replicas never write the same value)
@@ -686,18 +686,18 @@ class SharedNormals:
         return asyncio.shield(loading) if read_at is None else None
 
     def taught(self, backend: str) -> None:
-        """An attempt at ``backend`` taught a learned value: write it within ``flush``."""
+        """An attempt at ``backend`` taught a learned value: written now in the background
+        if nothing was written for ``flush`` seconds, else with the next such write (at
+        the end of a later attempt, or on :meth:`aclose`). No timer: an idle gateway
+        wakes for nothing."""
         self._dirty.add(backend)
-        if self._timer is None:
-            self._timer = deadlines.schedule(
-                self.flush, self._flush_due, context=contextvars.Context()
-            )
+        now = clock.now()
+        if now - self._written_at >= self.flush:
+            self._written_at = now
+            self._spawn(self._write())
 
     async def aclose(self) -> None:
         """Write what was taught and not yet written; wait for every read and write."""
-        if self._timer is not None:
-            deadlines.cancel(self._timer)
-            self._timer = None
         await self._write()
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -738,10 +738,6 @@ class SharedNormals:
             self._failed("adopt", exc)
             return
         self._seen[backend] = value
-
-    def _flush_due(self) -> None:
-        self._timer = None
-        self._spawn(self._write())
 
     async def _write(self) -> None:
         dirty, self._dirty = self._dirty, set()
