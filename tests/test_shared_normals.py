@@ -119,6 +119,7 @@ async def test_a_cold_gateway_finishes_a_stalled_local_stream_on_hosted_within_1
     ) as (url, _, _h):
         assert await read_with_sdk("chat", url) == FULL
     assert len(asked) == 1
+    print(f"figure: a cold gateway asks hosted {asked[0] - started[0]:.2f}s into the stall")
     assert COLD["local"].stall - 1e-6 <= asked[0] - started[0] < 10.0
 
 
@@ -366,6 +367,10 @@ async def test_after_a_stall_the_next_caller_reaches_hosted_within_1s(tmp_path, 
     ) as (url, t, _h):
         assert await read_with_sdk("chat", url) == FULL
         took, backend, trail = await first_data(url)
+    print(
+        f"figure: stalled tower: first caller continued by hosted {asked[0] - started[0]:.2f}s "
+        f"into the silence; the second caller's first data from hosted in {took:.3f}s"
+    )
     assert asked[0] - started[0] < 10.0
     assert (backend, trail) == ("hosted", "tower;outcome=busy, hosted;outcome=ok")
     assert took < 1.0
@@ -465,6 +470,10 @@ async def test_after_one_verdict_on_a_starved_tower_every_caller_reaches_hosted_
         if forwarder is not None:
             await forwarder.aclose()
     posts = [r for r in t.requests if r.method == "POST"]
+    print(
+        f"figure: starved tower ({stack}): first caller's first data from hosted in "
+        f"{first:.2f}s; the next five in at most {max(took for took, _, _ in later):.3f}s"
+    )
     assert len(posts) == 1  # the one caller who paid the wait
     assert first >= 5.0  # hedged at 5 s (serve), too slow at 10 s (the README's stack)
     for took, backend, trail in later:
@@ -489,13 +498,20 @@ async def test_a_second_replica_and_a_restarted_gateway_skip_a_tower_that_stalle
             return build_stack(None, from_env(env), identity=False)
 
         async with serve(replica(), lifespan="on") as a_url:
+            began = now()
             assert await read_with_sdk("chat", a_url) == FULL  # stalled, finished by hosted
+            first = now() - began
         async with serve(replica(), lifespan="on") as b_url:
-            _, backend, trail = await first_data(b_url)
+            on_b, backend, trail = await first_data(b_url)
             assert (backend, trail) == ("hosted", "tower;outcome=busy, hosted;outcome=ok")
         async with serve(replica(), lifespan="on") as a_again:
-            _, backend, trail = await first_data(a_again)
+            on_a, backend, trail = await first_data(a_again)
             assert (backend, trail) == ("hosted", "tower;outcome=busy, hosted;outcome=ok")
+    print(
+        f"figure: redis: the first caller's whole answer in {first:.2f}s (tower stalled, "
+        f"hosted finished it); replica B's next caller's first data in {on_b:.3f}s, "
+        f"replica A restarted: {on_a:.3f}s"
+    )
     assert len(t.requests) == 1
 
 
