@@ -302,6 +302,17 @@ async def test_one_good_attempt_clears_the_mid_stream_count(store):
     assert (await store.breaker_snapshot(R, B)).state == "closed"
 
 
+async def test_a_snapshot_says_what_opened_the_breaker_while_open(store, clock):
+    await fail(store, "saturation", times=2)
+    snap = await store.breaker_snapshot(R, B)
+    assert (snap.state, snap.reason) == ("open", "saturation")
+    ticket = await store.breaker_acquire("other", B, POLICY)
+    await store.breaker_record("other", B, POLICY, "failure", gen=ticket.gen, retry_after=5.0)
+    assert (await store.breaker_snapshot("other", B)).reason == "retry_after"
+    clock.advance(5.0)  # its cooldown is over: half-open, no reason shown
+    assert await store.breaker_snapshot("other", B) == BreakerSnapshot("half_open", None, 1, 0)
+
+
 async def test_a_failing_breaker_is_probed_after_probe_every_then_less_often(store, clock):
     """Envoy's ejection backoff: open probe_every (2 s) after the threshold, then one
     probe_every longer after each failed probe (4, 6 ... s), capped at failure_cooldown."""
