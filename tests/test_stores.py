@@ -311,6 +311,11 @@ async def test_a_snapshot_says_what_opened_the_breaker_while_open(store, clock):
     assert (await store.breaker_snapshot("other", B)).reason == "retry_after"
     clock.advance(5.0)  # its cooldown is over: half-open, no reason shown
     assert await store.breaker_snapshot("other", B) == BreakerSnapshot("half_open", None, 1, 0)
+    probe = await store.breaker_acquire("other", B, POLICY)
+    assert probe.probe
+    # Skipped while that probe is out: still the backend's own Retry-After (a 429 to callers).
+    busy = await store.breaker_acquire("other", B, POLICY)
+    assert (busy.admitted, busy.state, busy.reason) == (False, "half_open", "retry_after")
 
 
 async def test_a_failing_breaker_is_probed_after_probe_every_then_less_often(store, clock):

@@ -118,7 +118,7 @@ if st == 'half_open' then
     keep(key, now, ou, pu, ttl)
     return {1, st, g, pt, '', trans, 0}
   end
-  return {0, st, g, 0, ARGV[5], trans, 0}
+  return {0, st, g, 0, ARGV[5], trans, 0, v[8] or ''}
 end
 return {0, st, g, 0, tostring(ou - now), trans, 0, v[8] or ''}
 """

@@ -122,8 +122,9 @@ class Ticket:
     ``transitions`` lists the states this call moved the breaker into.
     ``clean`` says the breaker was closed with both counts at zero, so a
     success has nothing to clear and need not be recorded. ``reason`` says,
-    for a breaker that turned the attempt away while open, what opened it
-    (``failure``, ``saturation``, ``retry_after``; ``""`` otherwise).
+    for a breaker that turned the attempt away (open, or half-open with its probe
+    out), what last opened it (``failure``, ``saturation``, ``retry_after``; ``""``
+    otherwise).
     """
 
     admitted: bool
@@ -206,7 +207,9 @@ def acquire(
             led.probe_token += 1
             led.probe_until = now + policy.probe_lease
             return Ticket(True, "half_open", led.gen, led.probe_token, None, done)
-        return Ticket(False, "half_open", led.gen, 0, PROBE_BUSY_RETRY, done)
+        # (The reason it last opened: callers skipped while a probe after a backend's
+        # own Retry-After is out still hear 429, as while it cooled down.)
+        return Ticket(False, "half_open", led.gen, 0, PROBE_BUSY_RETRY, done, reason=led.reason)
     return Ticket(False, "open", led.gen, 0, led.open_until - now, done, reason=led.reason)
 
 
