@@ -214,9 +214,9 @@ async def test_a_continuation_asks_for_what_the_callers_limit_leaves(fmt):
 
     async with gateway(tower(fmt, WORDS[:10]), obeys(fmt)) as (url, _, _h):
         content = await ask(fmt, url, **LIMITS[fmt])
-    # Ten events, 53 characters: 14 tokens at 4 a token, the more of the two: 6 left.
-    assert limit_in(fmt, seen[0]) == 6
-    assert text_of(fmt, content) == "".join(WORDS[:10]) + " w" * 6
+    # Ten events of a token each (none longer than a token is): 10 left.
+    assert limit_in(fmt, seen[0]) == 10
+    assert text_of(fmt, content) == "".join(WORDS[:10]) + " w" * 10
 
 
 @on_virtual_time
@@ -224,10 +224,22 @@ async def test_max_completion_tokens_is_asked_for_what_is_left_too():
     seen: list[dict[str, Any]] = []
     async with gateway(tower("chat", WORDS[:2]), hosted("chat", [" x"], seen)) as (url, _, _h):
         await ask("chat", url, max_completion_tokens=40, max_tokens=50)
-    assert (seen[0]["max_completion_tokens"], seen[0]["max_tokens"]) == (
-        38,
-        48,
-    )  # two events, 6 characters: 2 tokens
+    # Two events, a token each.
+    assert (seen[0]["max_completion_tokens"], seen[0]["max_tokens"]) == (38, 48)
+
+
+@on_virtual_time
+async def test_an_event_longer_than_a_token_counts_at_four_characters_a_token():
+    # As Anthropic's API streams: several tokens an event.
+    pieces = ["In the year 1850, there was", " a lighthouse keeper"]  # 27 and 20 characters
+    seen: list[dict[str, Any]] = []
+    async with gateway(tower("anthropic", pieces), hosted("anthropic", [" x"], seen)) as (
+        url,
+        _,
+        _h,
+    ):
+        await ask("anthropic", url, max_tokens=40)
+    assert seen[0]["max_tokens"] == 40 - 7 - 5
 
 
 ENDINGS = {

@@ -96,6 +96,19 @@ LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 a continuation asks for what the caller's limit leaves."""
 
 _BYTES_PER_TOKEN = 4  # (the usage estimate's rule, tierchain.usage)
+_ONE_TOKEN = 12  # characters: an event longer than this carries several tokens
+
+
+def _tokens(pieces: list[str]) -> int:
+    """The tokens the caller has, from the text of each event that carried some: one an
+    event (llama.cpp, vLLM and Ollama stream one token an event), or, for an event longer
+    than a token ever is (``_ONE_TOKEN`` characters: a server that sends several tokens an
+    event, as Anthropic's API does), its length at 4 characters a token."""
+    return sum(
+        1 if len(piece) <= _ONE_TOKEN else math.ceil(len(piece) / _BYTES_PER_TOKEN)
+        for piece in pieces
+        if piece
+    )
 
 
 def _load(data: bytes) -> Any:
@@ -141,16 +154,14 @@ class Seam:
         self.sent_text = ""  # text the next tier added, as it reached the caller
         self.spliced = False  # something of the next tier's reached the caller
         self.ended = False  # its terminator passed
-        self.units = 0  # the events that carried the caller's text (about a token each)
+        self.units = 0  # the tokens of the caller's text (see _tokens)
         self.left: int | None = None  # tokens the caller's limit leaves (None: no limit)
         self.writers: list[str] = [origin]  # the backends that wrote the answer, in order
 
     @property
     def used(self) -> int:
-        """The tokens the caller has: its text's events (one a token on llama.cpp, Ollama,
-        vLLM), or its text's length at 4 characters a token when that is more (a server
-        that sends several tokens an event): never less than it has."""
-        return max(self.units, math.ceil(len(self.text) / _BYTES_PER_TOKEN))
+        """The tokens the caller has (:func:`_tokens`)."""
+        return self.units
 
     # -- the request --------------------------------------------------------------
 
@@ -405,7 +416,7 @@ class _Chat(Seam):
                 if isinstance(content, str):
                     text.append(content)
         self.text = "".join(text)
-        self.units = sum(1 for piece in text if piece)
+        self.units = _tokens(text)
 
     def _ending(self) -> list[tuple[str | None, Any]]:
         # (In the order OpenAI writes a chunk's fields.)
@@ -495,7 +506,7 @@ class _Anthropic(Seam):
             elif kind == "content_block_stop":
                 self.open = False
         self.text = "".join(text)
-        self.units = sum(1 for piece in text if piece)
+        self.units = _tokens(text)
         self._offset = 0
         self._first_block = True
 
@@ -619,7 +630,7 @@ class _Responses(Seam):
             elif kind.startswith("response.function_call") or kind.startswith("response.reasoning"):
                 self._refuse(kind)
         self.text = "".join(text)
-        self.units = sum(1 for piece in text if piece)
+        self.units = _tokens(text)
         self._item_map: dict[str, str] = {}
         self._index_map: dict[int, int] = {}
         self._part_map: dict[int, int] = {}
@@ -831,7 +842,7 @@ class _Ollama(Seam):
             if isinstance(obj.get("created_at"), str):
                 self.created_at = obj["created_at"]
         self.text = "".join(text)
-        self.units = sum(1 for piece in text if piece)
+        self.units = _tokens(text)
 
     def _ending(self) -> list[tuple[str | None, Any]]:
         last = {
