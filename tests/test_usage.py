@@ -147,16 +147,16 @@ def test_a_number_past_the_bound_is_recorded_at_the_bound_and_logged_once(caplog
     ids=["max_tokens", "max_completion_tokens", "max_output_tokens", "num_predict",
          "num_predict -1", "none named", "not json"],
 )  # fmt: skip
-def test_the_output_a_request_asks_for_is_read_from_each_formats_key(body, asked):
-    assert asked_output(body) == asked
+async def test_the_output_a_request_asks_for_is_read_from_each_formats_key(body, asked):
+    assert await asked_output(body) == asked
 
 
-def test_a_reservation_is_the_prompt_estimate_plus_what_the_request_may_write():
+async def test_a_reservation_is_the_prompt_estimate_plus_what_the_request_may_write():
     body = _j({"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "x"}]})
-    prompt, reserved = reservation(body, default=4096)
+    prompt, reserved = await reservation(body, default=4096)
     assert prompt >= 1
     assert reserved == prompt + 100
-    _, by_default = reservation(_j({"model": "m"}), default=4096)
+    _, by_default = await reservation(_j({"model": "m"}), default=4096)
     assert by_default > 4096
-    _, huge = reservation(_j({"model": "m", "max_tokens": 10**30}), default=4096)
+    _, huge = await reservation(_j({"model": "m", "max_tokens": 10**30}), default=4096)
     assert huge == USAGE_BOUND
