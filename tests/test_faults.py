@@ -77,6 +77,9 @@ class Gateway:
             self.forwarder,
             slow_after=opts.pop("slow_after", 2.0),
             stall_after=opts.pop("stall_after", 2.0),
+            # Each caller meets the fault itself: the breaker's thresholds are tested here
+            # (one verdict sparing the next caller: tests/test_shared_normals.py).
+            suspect_for=opts.pop("suspect_for", 0),
         )
         breaker = Breaker(
             self.watchdog, store=self.store, failure_threshold=opts.pop("failure_threshold", 5)

@@ -587,3 +587,19 @@ def test_check_config_shows_a_backends_first_token(tmp_path, capsys):
         patch.setenv("TIERCHAIN_ROUTES_FILE", str(file))
         main(["check-config"])
     assert "first_token=20" in capsys.readouterr().out
+
+
+@on_virtual_time
+async def test_a_stream_that_broke_mid_answer_makes_its_backend_suspect(tmp_path, metric):
+    labels = {"route": "echo", "backend": "tower", "why": "broke_mid_stream"}
+    before = metric("tierchain_backend_suspect_total", **labels)
+    async with serve_gateway(tmp_path, tower("chat", upto=40, then="reset"), hosted_chat()) as (
+        url,
+        t,
+        _h,
+    ):
+        assert await read_with_sdk("chat", url) == FULL  # reset after 40 tokens: continued
+        _, backend, trail = await first_data(url)
+    assert (backend, trail) == ("hosted", "tower;outcome=busy, hosted;outcome=ok")
+    assert len(t.requests) == 1
+    assert metric("tierchain_backend_suspect_total", **labels) == before + 1

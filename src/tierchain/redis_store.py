@@ -738,6 +738,8 @@ class RedisStore:
                 route, backend, policy, outcome, gen=gen, probe=probe, retry_after=retry_after
             )
         state, retry_ms, failures, saturations, transitions, reason = raw
+        if outcome == "success":  # it served again: no longer suspect (MemoryStore's rule)
+            self._spawn(self.suspect_end(backend, healthy=True))
         return BreakerChange(
             _text(state),
             _seconds(retry_ms),

@@ -733,6 +733,8 @@ class MemoryStore:
             if outcome == "success" or outcome == "neutral":
                 return _NOTHING
             led = self._ledgers[key] = Ledger()
+        if outcome == "success" and self._marks:
+            self._marks.pop(backend, None)  # it served again (a probe closed its breaker)
         # A ledger is never dropped: its gen must keep counting up.
         return record(
             led,

@@ -383,6 +383,8 @@ class SaturationWatchdog:
                     await watch.verdict(send)
                 else:
                     watch.learn()
+                    if not watch.healthy and watch.fired is None:
+                        watch.broke(None)  # (a break the handler left on the request)
             finally:
                 # Over: stop timing. Our callback out of the observer, which outlives the
                 # attempt (and a cycle between the two would wait for the garbage collector).
