@@ -189,8 +189,10 @@ class StatusBoard:
         more GETs than the poller's own pace."""
         poller = self._pollers.get(url)
         started = clock.now()
-        if self._too_soon(url, started):
-            return None
+        if self._too_soon(url, started, poller):
+            # That GET's reading (kept as the latest when it landed) answers; None
+            # (unknown) while it is not there.
+            return poller.latest if poller is not None else None
         status = await fetch_status_once(client, url, limit=limit, reader=reader)
         if poller is None or started < poller.not_before:
             return status if poller is None else None
@@ -215,10 +217,17 @@ class StatusBoard:
         await fetch_status(client, props, limit=limit, reader=read)
         poller.slots = (count[0] if count else None) or 0
 
-    def _too_soon(self, url: str, now: float) -> bool:
-        """Was a GET of ``url`` sent less than ``interval`` ago, and has it landed?"""
+    def _too_soon(self, url: str, now: float, poller: _Poller | None) -> bool:
+        """Was a GET of ``url`` sent less than ``interval`` ago, and has it landed? Never
+        while a request we cut there may still be running (:meth:`cut`): then the
+        backend's own word decides between busy and saturated, and is asked."""
         sent = status_sent_at(url)
-        return sent is not None and now - sent < self.interval and status_asked_at(url) is None
+        return (
+            sent is not None
+            and now - sent < self.interval
+            and status_asked_at(url) is None
+            and (poller is None or now >= poller.cut_until)
+        )
 
     def cut(self, url: str, span: float) -> None:
         """We cut an attempt there before its first chunk: for up to ``span`` seconds
@@ -256,7 +265,7 @@ class StatusBoard:
                 while clock.now() - poller.asked < self.idle_stop:
                     started = clock.now()
                     sent = status_sent_at(url)
-                    if self._too_soon(url, started) and sent is not None:
+                    if self._too_soon(url, started, poller) and sent is not None:
                         # An ask read it since our last turn: our turn starts from that GET.
                         await asyncio.sleep(self.interval - (started - sent))
                         continue
