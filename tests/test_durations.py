@@ -116,12 +116,15 @@ DURATIONS: list[tuple[str, str, str, bool, bool]] = [
     ("SaturationWatchdog", "status_late", "status_late", True, False),
     ("SaturationWatchdog", "status_interval", "board.interval", True, False),
     ("SaturationWatchdog", "status_stale", "board.stale_after", False, False),
+    ("SaturationWatchdog", "suspect_for", "suspect_for", True, False),
+    ("SaturationWatchdog", "decode_span", "decode.span", False, False),
     ("Forwarder", "connect_timeout", "connect_timeout", False, False),
     ("Forwarder", "body_timeout", "body_timeout", False, True),
     ("Endpoints", "snapshot_timeout", "snapshot_timeout", False, False),
     ("Admin", "max_ttl", "max_ttl", False, False),
     ("Admin", "session_ttl", "session_ttl", False, False),
     ("Backend", "stall_after", "stall_after", False, True),
+    ("Backend", "first_token", "first_token", False, True),
     ("Allowance", "cold_start", "cold_start", True, False),
     ("Allowance", "base", "base", True, False),
     ("Allowance", "per_1k_tokens", "per_1k_tokens", True, False),
@@ -145,6 +148,7 @@ NOT_DURATIONS = {
     ("SaturationWatchdog", "normal_multiple"),  # a multiple of a learned batch wait
     ("SaturationWatchdog", "prompt_margin"),  # a multiple of the expected prefill
     ("SaturationWatchdog", "busy_kv_cache"),  # a fraction
+    ("SaturationWatchdog", "slow_decode"),  # a fraction of the normal decode rate
     ("Failover", "waiting_key_share"),  # a fraction of the waiting room
     ("Learned", "quantile"),
     ("Learned", "margin"),
