@@ -94,7 +94,7 @@ from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance
 from .decode import SPANS, DecodeWatch
 from .errors import BackendBusy, BackendSaturated, BackendUnavailable, StreamError
-from .learned import DecodeRate, Learned, LearnedGap, PromptRate, SharedNormals
+from .learned import DecodeRate, Learned, LearnedGap, PromptRate, SharedNormals, cold
 from .observer import Observer, nothing_sent, whole_events
 from .probes import Reader, auto_reader, end_flights
 from .progress import Progress, check_room
@@ -1277,10 +1277,12 @@ def window_warnings(
         )
         if unmarked:
             least = rate.limit("", None, b"")[0]
+            stall = cold(None).stall, cold("local").stall
             warnings.append(
                 f"first tier(s) {', '.join(map(repr, unmarked))} have no regime: a quiet one is "
                 f"waited on for {least:g}s at least before anything is learned (local: "
-                f'{rate.limit("", "local", b"")[0]:g}s); set regime = "local" on a local '
+                f'{rate.limit("", "local", b"")[0]:g}s), and a stream that goes quiet for '
+                f"{stall[0]:g}s (local: {stall[1]:g}s); set regime = \"local\" on a local "
                 "server's backend"
             )
     if budget is not None:
