@@ -1281,8 +1281,8 @@ def window_warnings(
             warnings.append(
                 f"first tier(s) {', '.join(map(repr, unmarked))} have no regime: a quiet one is "
                 f"waited on for {least:g}s at least before anything is learned (local: "
-                f'{rate.limit("", "local", b"")[0]:g}s), and a stream that goes quiet for '
-                f"{stall[0]:g}s (local: {stall[1]:g}s); set regime = \"local\" on a local "
+                f"{rate.limit('', 'local', b'')[0]:g}s), and a stream that goes quiet for "
+                f'{stall[0]:g}s (local: {stall[1]:g}s); set regime = "local" on a local '
                 "server's backend"
             )
     if budget is not None:
