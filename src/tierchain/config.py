@@ -567,7 +567,7 @@ LAYERS: tuple[Layer, ...] = (
         _o("stall_floor", "WATCHDOG_STALL_FLOOR", seconds(zero_ok=False), _SECS_POS,
            help="The least learned stall window (stall_after=auto)."),
         _o("stall_ceiling", "WATCHDOG_STALL_CEILING", seconds(zero_ok=False), _SECS_POS,
-           help="The stall window until learned, on the last tier, and at most (auto)."),
+           help="The stall window on the last tier, and the most any may be (auto)."),
         _o("reserve", "WATCHDOG_RESERVE", slow_after_or_auto, f"{_SECS}, or auto",
            help="Time kept for the later tiers while nothing is committed."),
         _o("reserve_floor", "WATCHDOG_RESERVE_FLOOR", seconds(), _SECS_NONNEG),

@@ -15,10 +15,10 @@ host handler, and bounds two waits, reading the attempt's
 - the gap between data events once the stream has started, ``stall_after``
   (default ``"auto"``: on a tier with a later tier, each backend's own learned
   normal gap, at least ``stall_floor`` (2 s) and at most ``stall_ceiling``
-  (120 s), which is also the window until enough streams were seen and on the
-  last tier; seconds: a fixed window; 0: off; a backend's own ``stall_after``
-  overrides it). A stream that is long is never cut; one that goes quiet for
-  that long is
+  (120 s); until enough streams were seen, its regime's cold default (8 s for
+  a local backend, 30 s otherwise); on the last tier ``stall_ceiling``;
+  seconds: a fixed window; 0: off; a backend's own ``stall_after`` overrides it).
+  A stream that is long is never cut; one that goes quiet for that long is
   ``stalled``: the attempt is cancelled (closing the upstream connection),
   the caller gets an error event, and the backend is charged a failure.
   Time spent waiting for the caller to take a chunk
