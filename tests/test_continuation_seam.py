@@ -38,6 +38,9 @@ def tower(fmt: str, pieces: list[str], *, finish: bool = False) -> Script:
     events, opening = stream_of(fmt, pieces, tier="tower")
 
     async def script(ex: Exchange) -> None:
+        if ex.request.method == "GET":  # asked what server it is: not one that says
+            await ex.respond(404, b"{}")
+            return
         await ex.head(200, HEADERS.get(fmt))
         for event in events[: opening + len(pieces)]:
             await ex.write(event)
@@ -51,6 +54,9 @@ def hosted(fmt: str, pieces: list[str], seen: list[dict[str, Any]]) -> Script:
     """Writes ``pieces`` whatever it is asked (its request kept in ``seen``)."""
 
     async def script(ex: Exchange) -> None:
+        if ex.request.method == "GET":
+            await ex.respond(404, b"{}")
+            return
         seen.append(json.loads(ex.request.body))
         events, _ = stream_of(fmt, pieces, tier="hosted")
         await ex.head(200, HEADERS.get(fmt))
@@ -126,16 +132,43 @@ async def test_a_next_tier_that_restarts_the_sentence_in_its_own_words_is_cut_at
     async with gateway(tower(fmt, WORDS[:CUT]), hosted(fmt, pieces, seen)) as (url, _, _h):
         content = await ask(fmt, url)
     assert text_of(fmt, content) == STORY  # no sentence twice, no glued word
-    if fmt == "chat":
-        # Byte for byte, the first event after the seam: the restart's piece that holds the
-        # break, cut to what goes on from the caller's text.
-        seam_event = (
-            b'data: {"id":"chatcmpl-tower","object":"chat.completion.chunk",'
-            b'"created":1700000000,"model":"tower-model","system_fingerprint":null,'
-            b'"choices":[{"index":0,"delta":{"content":" Ca"},"logprobs":null,'
-            b'"finish_reason":null}]}\n\n'
-        )
-        assert seam_event in content
+    # Byte for byte, the events at the seam: the restart's piece that holds the break, cut
+    # to what goes on from the caller's text, then the next as it came, in the envelope.
+    assert SEAM_EVENTS[fmt] in content
+
+
+SEAM_EVENTS = {
+    "chat": (
+        b'data: {"id":"chatcmpl-tower","object":"chat.completion.chunk",'
+        b'"created":1700000000,"model":"tower-model","system_fingerprint":null,'
+        b'"choices":[{"index":0,"delta":{"content":" Ca"},"logprobs":null,'
+        b'"finish_reason":null}]}\n\n'
+        b'data: {"id":"chatcmpl-tower","object":"chat.completion.chunk",'
+        b'"created":1700000000,"model":"tower-model","system_fingerprint":null,'
+        b'"choices":[{"index":0,"delta":{"content":"ribbean."},"logprobs":null,'
+        b'"finish_reason":null}]}\n\n'
+    ),
+    "anthropic": (
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":" Ca"}}\n\n'
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"ribbean."}}\n\n'
+    ),
+    "responses": (
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+        b'"item_id":"msg_01","output_index":0,"content_index":0,"delta":" Ca","logprobs":[],'
+        b'"sequence_number":23}\n\n'
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+        b'"item_id":"msg_01","output_index":0,"content_index":0,"delta":"ribbean.",'
+        b'"logprobs":[],"sequence_number":24}\n\n'
+    ),
+    "ollama": (
+        b'{"model":"tower-model","created_at":"2023-08-04T08:52:19.385406455-07:00",'
+        b'"message":{"role":"assistant","content":" Ca"},"done":false}\n'
+        b'{"model":"tower-model","created_at":"2023-08-04T08:52:19.385406455-07:00",'
+        b'"message":{"role":"assistant","content":"ribbean."},"done":false}\n'
+    ),
+}
 
 
 @pytest.mark.parametrize("fmt", NO_PREFILL)
@@ -311,6 +344,10 @@ async def test_a_continued_answers_last_event_says_which_tiers_wrote_it(fmt):
         "after_chars": len("".join(WORDS[:CUT])),
         "written_by": ["tower", "hosted"],
     }
+    mark = (
+        b'"tierchain":{"continued_from":"tower","after_chars":96,"written_by":["tower","hosted"]}'
+    )
+    assert content.count(mark) == 1  # in the one event that ends the answer
 
 
 @on_virtual_time
