@@ -69,13 +69,15 @@ PIECES = ["Hel", "lo"]
 def readme_gateway(
     routes: Routes, store: MemoryStore, forwarder: Forwarder, slow_after: float = 45.0
 ) -> Any:
-    """The README's FastAPI stack, carrying ``/v1/*`` and ``/api/*`` at once."""
+    """The README's FastAPI stack, carrying ``/v1/*`` and ``/api/*`` at once. Each request
+    meets the tower's fault itself (``suspect_for=0``; a verdict sparing the next caller is
+    tests/test_shared_normals.py's)."""
     from fastapi import FastAPI
 
     app = FastAPI()
     app.mount("/v1", forwarder)
     app.mount("/api", forwarder)
-    app.add_middleware(SaturationWatchdog, slow_after=slow_after)
+    app.add_middleware(SaturationWatchdog, slow_after=slow_after, suspect_for=0)
     app.add_middleware(Breaker, store=store)
     app.add_middleware(Failover, routes=routes, paths=("/v1/", "/api/"))
     app.add_middleware(PreferBackend, store=store)
@@ -558,6 +560,8 @@ async def test_every_format_passes_clean_through_tierchain_serve_and_a_broken_on
             # Three streams break on purpose here; by default two mid-stream deaths in a
             # row open the tower's breaker (tests/test_recovery.py), sparing the third.
             "TIERCHAIN_BREAKER_STREAM_FAILURE_THRESHOLD": "5",
+            # (and a death marks the tower suspect for the callers after: not here)
+            "TIERCHAIN_WATCHDOG_SUSPECT_FOR": "0",
         }
         async with tierchain_serve(env) as served:
             await served.event("tierchain.started", START_TIMEOUT)
@@ -846,5 +850,4 @@ async def test_a_tower_that_opens_an_anthropic_answer_then_hangs_fails_over_unse
             got = await raw.post(gw.url + "/v1/messages", json=body)
         assert await gw.failures("hosted") == 0
     assert without_comments(got.content) == b"".join(hosted_events)  # nothing of the tower's
-    # (the second caller: the tower is suspect since the first one's verdict, and skipped)
-    assert b'"state":"backend_busy","backend":"tower"' in got.content
+    assert b'"state":"backend_saturated","backend":"tower"' in got.content
