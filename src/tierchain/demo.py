@@ -221,7 +221,11 @@ def build_gateway(routes: Routes, forwarder: Forwarder, timing: Timing) -> Any:
     store = MemoryStore()
     # A status answer late by a second (not the default quarter) before it counts as a
     # starved tower: the demo's fake tower shares one busy machine with everything else.
-    app: Any = SaturationWatchdog(forwarder, slow_after=timing.slow_after, status_late=1.0)
+    # The story is the Breaker's (two saturations open it): no suspect mark spares the
+    # second caller here (docs/watchdog.md, "One verdict spares the next caller").
+    app: Any = SaturationWatchdog(
+        forwarder, slow_after=timing.slow_after, status_late=1.0, suspect_for=0
+    )
     app = Breaker(app, store=store, saturation_cooldown=timing.saturation_cooldown)
     app = Failover(app, routes=routes)
     app = PreferBackend(app, store=store)
