@@ -92,15 +92,7 @@ def _serve_stack(
         f"{status}\n"
         f'[[routes.echo.backends]]\nname = "hosted"\nurl = "{hosted}"\nregime = "hosted"\n'
     )
-    # Two callers' saturations open the breaker here: no suspect mark spares the second
-    # (tests/test_shared_normals.py is where one verdict spares the next caller).
-    settings = from_env(
-        {
-            "TIERCHAIN_ROUTES_FILE": str(routes),
-            "TIERCHAIN_IDENTITY": "0",
-            "TIERCHAIN_WATCHDOG_SUSPECT_FOR": "0",
-        }
-    )
+    settings = from_env({"TIERCHAIN_ROUTES_FILE": str(routes), "TIERCHAIN_IDENTITY": "0"})
     return build_stack(None, settings, store=store)
 
 
@@ -125,7 +117,7 @@ def _readme_stack(tower: str, hosted: str, store: MemoryStore, slots: bool = Fal
     app = FastAPI(lifespan=lifespan)
     app.mount("/v1", forwarder)
     board = StatusBoard(timeout=0.2)
-    app.add_middleware(SaturationWatchdog, slow_after=45.0, status_board=board, suspect_for=0)
+    app.add_middleware(SaturationWatchdog, slow_after=45.0, status_board=board)
     app.add_middleware(Breaker, store=store, status_board=board)
     app.add_middleware(
         Failover, routes=routes, paths=("/v1/",), status_board=board, hedge_after=5.0
