@@ -257,7 +257,9 @@ def continued(body: bytes) -> bool:
         if not chunks or chunks[-1]["choices"][0]["finish_reason"] != "stop":
             continue
         text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
-        if text == "".join(HOSTED_PIECES):
+        # (Asked in words, hosted starts a fresh message: the gateway puts a space between
+        # the tower's last word and its first, docs/continuation.md#the-seam.)
+        if text.removeprefix(" ") == "".join(HOSTED_PIECES):
             return True
     return False
 
