@@ -86,17 +86,6 @@ def continue_stream(
         return error
     target = req.chain[attempt.n]
     to = target.pool or target.name  # (a pool's replica is picked when it starts)
-    left = req.remaining()
-    why = ""
-    # At least a second of budget left (or half the reserve the watchdog kept, when
-    # that is shorter: a stream it cut at the reserve's point has about the reserve).
-    least = _CONTINUE_MIN_LEFT
-    if attempt.reserve:
-        least = min(least, attempt.reserve / 2)
-    if left is not None and left < least:
-        why = "no_time"
-    elif (target.wire_format or req.wire) != wire:
-        why = "unsupported"  # another wire format: the envelope could not be kept
     body = previous.body if previous is not None else req.body
     try:
         found = seam(wire, origin, b"".join(sent), ndjson=ndjson)
@@ -104,15 +93,10 @@ def continue_stream(
         found = Seam(origin)
         found.ok, found.why = False, f"unparsed: {exc!r}"
     found.writers = writers
-    if not why and not found.ok:
-        unsupported = found.why in _NO_SEAM or found.why.startswith("unparsed")
-        why = "unsupported" if unsupported else "tool_calls"
-    if not why and found.request(body, prefill=False) is None:
-        why = "unsupported"  # not a JSON body with messages
-    if not why and found.left == 0:
+    why = _why_not(req, attempt, (target.wire_format or req.wire) != wire, found, body)
+    if why == "length":
         # The caller's token limit is reached: the answer ends as the backend would have
         # ended it there, in its own format, never with the break's error.
-        why = "length"
         error = found.ending()
     if why:
         req.continuation = None
@@ -140,6 +124,30 @@ def continue_stream(
         backend=to,
     )
     return None
+
+
+def _why_not(
+    req: TierRequest, attempt: Attempt, other_format: bool, found: Seam, body: bytes
+) -> str:
+    """Why the answer ``found`` cannot be continued on the next tier ("": it can)."""
+    left = req.remaining()
+    # At least a second of budget left (or half the reserve the watchdog kept, when
+    # that is shorter: a stream it cut at the reserve's point has about the reserve).
+    least = _CONTINUE_MIN_LEFT
+    if attempt.reserve:
+        least = min(least, attempt.reserve / 2)
+    if left is not None and left < least:
+        return "no_time"
+    if other_format:
+        return "unsupported"  # another wire format: the envelope could not be kept
+    if not found.ok:
+        unsupported = found.why in _NO_SEAM or found.why.startswith("unparsed")
+        return "unsupported" if unsupported else "tool_calls"
+    if found.request(body, prefill=False) is None:
+        return "unsupported"  # not a JSON body with messages
+    if found.left == 0:
+        return "length"
+    return ""
 
 
 def continuing(
