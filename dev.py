@@ -70,8 +70,12 @@ MUTATE: dict[str, tuple[str, list[str], list[str]]] = {
     ),
     "limits": (
         "src/tierchain/limits.py",
-        ["tierchain.limits.x*"],
-        ["tests/test_limits_windows.py", "tests/test_limits.py"],
+        [
+            "tierchain.limits.xǁKeyLimitsǁ_limited*",
+            "tierchain.limits.xǁKeyLimitsǁ_refuse*",
+            "tierchain.limits.xǁKeyLimitsǁ_tokens*",
+        ],
+        ["tests/test_limits_windows.py", "tests/test_limits.py", "tests/test_limits_hold.py"],
     ),
     "breaker-ledgers": (
         "src/tierchain/store.py",

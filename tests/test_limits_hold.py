@@ -357,6 +357,8 @@ async def test_a_spent_budget_says_when_it_renews_and_the_openai_sdk_does_not_re
 async def test_every_key_is_counted_with_what_its_answers_cost(metric, caplog):
     keys = [CallerKey("team-cost", KEY_A)]  # no limit at all: counted all the same
     store = MemoryStore()
+    cost_labels = {"key_name": "team-cost", "route": "echo", "backend": "paid"}
+    cost_before = metric("tierchain_cost_total", **cost_labels)  # (a run before this one)
     async with (
         FakeBackend("paid", answers(200, openai_body(1000, 500))) as paid,
         FakeBackend("local", answers(200, openai_body(10, 10))) as local,
@@ -381,7 +383,7 @@ async def test_every_key_is_counted_with_what_its_answers_cost(metric, caplog):
     assert rows[("local", "input")] == 0.0  # free, which is not unpriced
     assert rows[("unpriced", "input")] is None
     assert report["keys"][0]["cost"] == pytest.approx(0.00045)
-    paid_cost = metric("tierchain_cost_total", key_name="team-cost", route="echo", backend="paid")
+    paid_cost = metric("tierchain_cost_total", **cost_labels) - cost_before
     assert paid_cost == pytest.approx(0.00045)
     lines = [r.getMessage() for r in caplog.records if "usage.recorded" in r.getMessage()]
     assert len(lines) == 3
