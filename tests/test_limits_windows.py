@@ -239,3 +239,41 @@ async def test_usage_in_one_bucket_adds_up_on_the_stores_own_clock(manual_clock)
     assert await store.window_sums([("w", 60.0)]) == [12]
     manual_clock.advance(59.5)  # the bucket of both leaves the window
     assert await store.window_sums([("w", 60.0)]) == [0]
+
+
+@on_virtual_time
+async def test_a_refusal_is_logged_as_usage_limited_with_its_key_limit_and_retry_after(caplog):
+    app = limited(CallerKey("team-a", KEY, rpm=1), answering(1, 1))
+    with caplog.at_level(logging.INFO, logger="tierchain"):
+        async with client_of(app) as client:
+            t0 = now()
+            assert (await post(client)).status_code == 200
+            await until(t0, 17)
+            assert (await post(client)).status_code == 429
+    (record,) = [r for r in caplog.records if getattr(r, "event", None) == "usage.limited"]
+    assert record.levelno == logging.INFO
+    assert record.tierchain == {"key_name": "team-a", "limit": "rpm", "retry_after_s": 43}
+    assert KEY not in record.getMessage()
+
+
+class _Unchecked(MemoryStore):
+    """A store that cannot check limits (Redis went away) but takes usage."""
+
+    async def window_hold(self, checks: Any) -> Any:
+        raise ConnectionError("store unreachable")
+
+    async def window_admit(self, checks: Any) -> Any:
+        raise ConnectionError("store unreachable")
+
+
+async def test_limits_that_cannot_be_checked_are_a_warning_and_the_request_goes_on(caplog):
+    app = limited(CallerKey("team-a", KEY, rpm=1), answering(3, 2), store=_Unchecked())
+    with caplog.at_level(logging.WARNING, logger="tierchain"):
+        async with client_of(app) as client:
+            answers = [await post(client) for _ in range(2)]  # rpm 1: both go on unchecked
+    assert [a.status_code for a in answers] == [200, 200]
+    records = [r for r in caplog.records if getattr(r, "event", None) == "usage.not_checked"]
+    assert len(records) == 2
+    assert all(r.levelno == logging.WARNING for r in records)
+    assert records[0].tierchain["key_name"] == "team-a"
+    assert "store unreachable" in records[0].tierchain["error"]
