@@ -277,3 +277,31 @@ async def test_limits_that_cannot_be_checked_are_a_warning_and_the_request_goes_
     assert all(r.levelno == logging.WARNING for r in records)
     assert records[0].tierchain["key_name"] == "team-a"
     assert "store unreachable" in records[0].tierchain["error"]
+
+
+async def test_a_store_holds_on_its_own_clock_and_a_refusal_names_the_longest_wait(manual_clock):
+    """MemoryStore.window_hold: costs in one bucket add up in ``used``, and when several
+    checks refuse, the wait is the longest and the index is that check's, wherever it
+    stands (mutants of each survived the layer's tests)."""
+    from tierchain.store import WindowCheck
+
+    store = MemoryStore(clock=manual_clock)  # starts on a whole second, 1,000,000
+
+    def one(name: str, window: float) -> WindowCheck:
+        return WindowCheck(name, window, 1, 1)
+
+    a = await store.window_hold([WindowCheck("a", 60.0, 2, 1)])
+    manual_clock.advance(0.5)
+    b = await store.window_hold([WindowCheck("a", 60.0, 2, 1)])
+    assert (a.refused, a.used, b.refused, b.used) == (None, (1,), None, (2,))
+    assert await store.window_sums([("a", 60.0)]) == [2]
+    manual_clock.advance(29.5)  # 1,000,030
+    for name, window in (("x", 60.0), ("h", 3600.0)):
+        assert (await store.window_hold([one(name, window)])).refused is None
+    # Waits now: "a" 30 s (its bucket of 1,000,000), "x" 60 s, "h" 3,590 s (its 60 s
+    # bucket began at 1,000,020 and leaves the hour at 1,003,620).
+    many = await store.window_hold([one("x", 60.0), WindowCheck("a", 60.0, 2, 1), one("h", 3600)])
+    assert many.refused == (pytest.approx(3590.0), 2)
+    assert many.reset == (pytest.approx(60.0), pytest.approx(30.0), pytest.approx(3590.0))
+    first = await store.window_hold([one("h", 3600.0), WindowCheck("a", 60.0, 2, 1)])
+    assert first.refused == (pytest.approx(3590.0), 0)
