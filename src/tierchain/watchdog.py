@@ -397,6 +397,7 @@ class SaturationWatchdog:
                     watch._handle = None
                 if watch._decode is not None:
                     watch._decode.cancel()
+                    watch._decode = None  # (it holds the watch: no cycle outlives the attempt)
                 prober = watch._prober
                 if prober is not None:
                     prober.cancel()
