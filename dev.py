@@ -46,25 +46,25 @@ def _ensure_venv() -> None:
     STAMP.write_text(wanted)
 
 
-# The decision modules and the tests that cover them: target -> (file, the functions
+# The decision modules and the tests that cover them: target -> (file or files, the functions
 # mutated as mutmut names them, the test files). mutmut names a function x_NAME and a
 # method xǁCLASSǁNAME; docs/contributing.md quotes each target's score.
-MUTATE: dict[str, tuple[str, list[str], list[str]]] = {
+MUTATE: dict[str, tuple[str | list[str], list[str], list[str]]] = {
     "retry-after": (
         "src/tierchain/_responses.py",
         ["tierchain._responses.x_retry_after*"],
         ["tests/test_retry_after_date.py"],
     ),
     "windows": (
-        "src/tierchain/store.py",
+        ["src/tierchain/windows.py", "src/tierchain/memory_store.py"],
         [
-            "tierchain.store.x__bucket_of*",
-            "tierchain.store.x_window_sum*",
-            "tierchain.store.x_room_in*",
-            "tierchain.store.x_refuses*",
-            "tierchain.store.xǁMemoryStoreǁwindow_admit*",
-            "tierchain.store.xǁMemoryStoreǁwindow_hold*",
-            "tierchain.store.xǁMemoryStoreǁusage_record*",
+            "tierchain.windows.x__bucket_of*",
+            "tierchain.windows.x_window_sum*",
+            "tierchain.windows.x_room_in*",
+            "tierchain.windows.x_refuses*",
+            "tierchain.memory_store.xǁMemoryStoreǁwindow_admit*",
+            "tierchain.memory_store.xǁMemoryStoreǁwindow_hold*",
+            "tierchain.memory_store.xǁMemoryStoreǁusage_record*",
         ],
         ["tests/test_limits_windows.py", "tests/test_limits.py"],
     ),
@@ -80,12 +80,12 @@ MUTATE: dict[str, tuple[str, list[str], list[str]]] = {
         ["tests/test_limits_windows.py", "tests/test_limits.py"],
     ),
     "breaker-ledgers": (
-        "src/tierchain/store.py",
+        "src/tierchain/breaker_state.py",
         [
-            "tierchain.store.x_reopen_cooldown*",
-            "tierchain.store.x__settle_time*",
-            "tierchain.store.x_acquire*",
-            "tierchain.store.x_record*",
+            "tierchain.breaker_state.x_reopen_cooldown*",
+            "tierchain.breaker_state.x__settle_time*",
+            "tierchain.breaker_state.x_acquire*",
+            "tierchain.breaker_state.x_record*",
         ],
         ["tests/test_breaker_model.py", "tests/test_breaker.py", "tests/test_stores.py"],
     ),
@@ -126,7 +126,8 @@ def mutate(target: str, python: str) -> int:
     shutil.copy(ROOT / "README.md", scratch / "README.md")
     # The [tool.mutmut] table of pyproject.toml, with this target's file and tests.
     config = (ROOT / "pyproject.toml").read_text()
-    config = re.sub(r"(?m)^only_mutate = \[\]$", f"only_mutate = {json.dumps([path])}", config)
+    paths = [path] if isinstance(path, str) else path
+    config = re.sub(r"(?m)^only_mutate = \[\]$", f"only_mutate = {json.dumps(paths)}", config)
     config = re.sub(
         r"(?m)^pytest_add_cli_args_test_selection = \[\]$",
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",

@@ -810,7 +810,7 @@ def test_prefix_keys_hash_the_leading_blocks_of_every_prompt_shape() -> None:
 
 
 async def test_the_memory_index_of_prefixes_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierchain import store as store_module
+    from tierchain import memory_store as store_module
 
     monkeypatch.setattr(store_module, "AFFINITY_ENTRIES", 4)
     store = MemoryStore()
@@ -826,7 +826,7 @@ def test_the_pools_page_states_the_weights_and_limits_the_code_has() -> None:
     import re
     from pathlib import Path
 
-    from tierchain import store as store_module
+    from tierchain import memory_store as store_module
     from tierchain.picker import AFFINITY_TTL
 
     docs = Path(__file__).resolve().parent.parent / "docs"

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-import tierchain.store
+import tierchain.memory_store
 from tierchain import Backend, Failover, Forwarder, PreferBackend, Routes
 from tierchain.request import SCOPE_KEY, TierRequest
 from tierchain.store import MemoryStore
@@ -138,7 +138,7 @@ async def test_pins_apply_to_every_caller_until_expiry_and_then_stop(monkeypatch
             pinned = await asyncio.gather(post(url), post(url), post(url))
             # A minute later (the store's wall clock moved on): the pin has expired.
             later = SimpleNamespace(time=lambda: time.time() + 61, monotonic=time.monotonic)
-            monkeypatch.setattr(tierchain.store, "time", later)
+            monkeypatch.setattr(tierchain.memory_store, "time", later)
             after = await post(url)
         await fwd.aclose()
     assert [r.headers["x-tierchain-backend"] for r in pinned] == ["hosted"] * 3
