@@ -77,7 +77,12 @@ MUTATE: dict[str, tuple[str | list[str], list[str], list[str]]] = {
         ],
         # (not test_limits_hold.py: a warning it checks is logged once a process, and
         # mutmut runs the tests twice in one process before it mutates)
-        ["tests/test_limits_windows.py", "tests/test_limits.py"],
+        [
+            "tests/test_limits_admission.py",
+            "tests/test_limits_counting.py",
+            "tests/test_limits_windows.py",
+            "tests/test_limits.py",
+        ],
     ),
     "breaker-ledgers": (
         "src/tierchain/breaker_state.py",
