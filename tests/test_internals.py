@@ -120,8 +120,8 @@ def imports_of(path: Path, tree: ast.AST | None = None) -> set[str]:
 
 def test_the_import_resolver_sees_relative_absolute_and_package_imports():
     assert "config.py" in imports_of(PACKAGE / "stack.py")  # from .config import ...
-    assert "watchdog.py" in imports_of(PACKAGE / "config.py")  # inside a function
-    assert "watchdog.py" not in module_level_imports_of(PACKAGE / "config.py")
+    assert "watchdog.py" in imports_of(PACKAGE / "misconfig.py")  # inside a function
+    assert "watchdog.py" not in module_level_imports_of(PACKAGE / "misconfig.py")
     assert "_types.py" in imports_of(PACKAGE / "admin" / "page.py")  # from .._types import ...
     assert "admin/session.py" in imports_of(PACKAGE / "admin" / "app.py")
 
