@@ -95,8 +95,8 @@ MUTATE: dict[str, tuple[str | list[str], list[str], list[str]]] = {
         ["tests/test_breaker_model.py", "tests/test_breaker.py", "tests/test_stores.py"],
     ),
     "hedging": (
-        "src/tierchain/hedging.py",
-        ["tierchain.hedging.x*"],
+        "src/tierchain/failover/hedging.py",
+        ["tierchain.failover.hedging.x*"],
         ["tests/test_hedging_never.py", "tests/test_hedging.py"],
     ),
     "plan": (

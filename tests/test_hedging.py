@@ -35,7 +35,7 @@ from tierchain import (
     current_attempt,
 )
 from tierchain.config import from_env
-from tierchain.hedging import hedged_by_default
+from tierchain.failover.hedging import hedged_by_default
 from tierchain.stack import build_stack
 from tierchain.telemetry import HEDGES
 

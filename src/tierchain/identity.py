@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backend import Routes
-from .hedging import may_hedge
+from .failover.hedging import may_hedge
 from .masking import MASK, mask_url
 from .telemetry import VERSION, log_event
 

@@ -8,7 +8,9 @@ The package's modules, each one job:
 - :mod:`~tierchain.failover.plan`: what to try after an attempt that did not answer
   (a typed :class:`~tierchain.failover.plan.Fault`), retries, the waiting room's wait;
 - :mod:`~tierchain.failover.pools`: a chain with a pool or shared hardware;
-- :mod:`~tierchain.failover.attempt`: one attempt's ``send`` and ``receive``;
+- :mod:`~tierchain.failover.attempt`: one attempt's call of the inner app
+  (``call_inner``) and its ``send`` (``Responder``);
+- :mod:`~tierchain.failover.hedging`: a quiet attempt joined by the next tier (a race);
 - :mod:`~tierchain.failover.continuing`: a broken stream finished on the next tier;
 - :mod:`~tierchain.failover.answers`: the refusals and the final 503, 429 or 502.
 

@@ -1,4 +1,5 @@
-"""One attempt of Failover: its ``send`` (:class:`Responder`).
+"""One attempt of Failover: its call of the inner app (:func:`call_inner`, a hedge's
+too) and its ``send`` (:class:`Responder`).
 
 The responder feeds the attempt's observer, holds ``http.response.start`` until the
 answer is worth sending (a first data event, a whole answer), commits it to the caller,
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from .._disconnect import DisconnectGuard
+from .._disconnect import DisconnectGuard, Replay
 from .._responses import (
     caller_cut,
     error_detail,
@@ -23,7 +24,7 @@ from .._responses import (
 )
 from .._runtime import clock, deadlines
 from .._runtime.deadlines import EARLY
-from .._types import Headers, Message, Send
+from .._types import ASGIApp, Headers, Message, Send
 from ..admission import Admission
 from ..errors import (
     AttemptError,
@@ -32,10 +33,10 @@ from ..errors import (
     RetryableStatus,
     StreamError,
 )
-from ..hedging import Race
 from ..observer import Observer, nothing_sent
 from ..prefill import Prefills
 from ..request import (
+    SCOPE_KEY,
     TRAIL_HEADER,
     Attempt,
     TierRequest,
@@ -49,14 +50,18 @@ from ..telemetry import (
     labelled,
     log_event,
 )
+from ..waiting import WaitingRoom
 from ..wire import context_exceeded
-from .call import own_abort
+from .call import current, own_abort
 from .plan import Fault, failed, record
+from .route import ScopeCopy
 
 __all__ = [
     "BACKEND_HEADER",
+    "Claim",
     "Owner",
     "Responder",
+    "call_inner",
 ]
 
 _NOT_FOUND = 404  # a routed path the backend does not serve: its fault, the chain advances
@@ -67,14 +72,22 @@ REFUSAL_LIMIT = 64 * 1024  # bytes of a retryable answer's body kept for its mes
 
 
 class Owner(Protocol):
-    """What an attempt needs of the Failover that runs it."""
+    """What an attempt (and a hedge's) needs of the Failover that runs it."""
 
+    app: ASGIApp
     retry_statuses: frozenset[int]
     hold_limit: int
     send_timeout: float | None
     admission: Admission
+    waiting: WaitingRoom | None
     continuable: dict[str, int]
     prefills: Prefills
+
+    def _begin(
+        self, req: TierRequest, guard: DisconnectGuard, send: Send, attempt: Attempt
+    ) -> Responder: ...
+
+    async def _give_back(self, lease: Any) -> None: ...
 
     def _continue(
         self,
@@ -85,6 +98,57 @@ class Owner(Protocol):
         sent: list[bytes],
         error: bytes,
     ) -> bytes | None: ...
+
+
+class Claim(Protocol):
+    """What a responder needs of the race its attempt is in (``hedging.Race``, which
+    runs its hedge with this module's :func:`call_inner`)."""
+
+    def claim(self, responder: Responder) -> bool: ...
+
+
+async def call_inner(
+    owner: Owner,
+    req: TierRequest,
+    responder: Responder,
+    guard: DisconnectGuard,
+    copies: ScopeCopy,
+) -> BaseException | None:
+    """One call of the inner app for ``responder``'s attempt, Failover's or a hedge's: a
+    continuation's request asked for, the backend's in-flight lease taken, the app called
+    in the scope (a copy after the first attempt) with the body replayed and the attempt's
+    span current. Returns what the attempt ended with (None: nothing against it); a
+    cancellation that is not the attempt's own abort goes on."""
+    attempt = responder.attempt
+    try:
+        if req.continuation is not None:
+            await responder.prepare()  # its request, asked for now
+        backend = attempt.backend
+        if backend.max_in_flight is not None:
+            responder.lease = await owner.admission.enter(backend, last=attempt.is_last)
+            waiting = owner.waiting
+            if waiting is not None and waiting.waiting(req.route or ""):
+                waiting.notify()  # the room this took is counted now
+        scope = copies.next()
+        scope[SCOPE_KEY] = req  # (a hedge's own request; Failover's is there already)
+        # The attempt's span is current inside, so that the Forwarder (or the host's own
+        # client instrumentation) sends its trace context upstream.
+        inner = owner.app(scope, Replay(req.body or b"", guard), responder.send)
+        span = responder.span
+        if span is INVALID_SPAN:
+            await inner
+        else:
+            with current(span):
+                await inner
+    except asyncio.CancelledError:
+        if not own_abort(req):
+            raise
+        return req.attempt_error
+    except Exception as exc:
+        return exc
+    if req.aborted:
+        own_abort(req)  # the app swallowed our cancellation and returned
+    return req.attempt_error or responder.failure()
 
 
 class Responder:
@@ -148,7 +212,21 @@ class Responder:
         # The committed events, by reference, while a continuation could follow a break
         # (see continuing.continue_stream): parsed only then.
         self.kept: list[bytes] | None = None
-        self.race: Race | None = None  # [hedge] the race this attempt is in, if any
+        self.race: Claim | None = None  # [hedge] the race this attempt is in, if any
+
+    @property
+    def guard(self) -> DisconnectGuard:
+        """The request's disconnect guard (a hedge's attempt is called with the same)."""
+        return self._guard
+
+    @property
+    def caller_send(self) -> Send:
+        """The caller's ``send`` (a hedge's responder writes to the same caller)."""
+        return self._send
+
+    async def prepare(self) -> None:
+        """Before the inner app is called: nothing to ask (a continuation asks for its
+        request here: :meth:`~tierchain.failover.continuing.Continuing.prepare`)."""
 
     def send(self, message: Message) -> Awaitable[None]:
         """The inner app's send. A committed stream's events go straight on."""

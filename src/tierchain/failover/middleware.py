@@ -63,14 +63,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Collection, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN, Status, StatusCode
 
 from .. import _json
 from .._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
 from .._checks import count, duration
-from .._disconnect import DisconnectGuard, Replay
+from .._disconnect import DisconnectGuard
 from .._head import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, HeadLimits, refuse_request
 from .._runtime import clock
 from .._runtime.interrupt import Interruption
@@ -82,7 +82,6 @@ from ..errors import (
     BudgetExhausted,
     ResolveError,
 )
-from ..hedging import Hedging
 from ..keys import caller_name
 from ..observer import Observer
 from ..pick_policy import PolicyOption, resolve_policy
@@ -104,9 +103,10 @@ from ..telemetry import (
 from ..waiting import WaitingRoom
 from ..wire import recognise
 from .answers import Refusal, all_failed, gave_up, refuse_route, turned_away
-from .attempt import Responder
-from .call import attempt_span, current, own_abort
-from .continuing import Continuing, continue_stream, continuing
+from .attempt import Responder, call_inner
+from .call import attempt_span
+from .continuing import continue_stream, continuing
+from .hedging import Hedging, Race
 from .plan import Fault, Tries, again, next_attempt, record, retry_pause, wait_for_room
 from .pools import PoolPlan, gathered, sibling_left
 from .route import Resolver, ScopeCopy, Shape, reordered, route_of, shape_of
@@ -352,53 +352,17 @@ class Failover:
         recorded = len(req.attempts)
         if plan is not None and attempt.backend.pool is not None:
             self.picker.started(req.route or "", attempt.backend)
+        race: Race | None = None
         try:
-            error: BaseException | None = None
-            try:
-                if req.continuation is not None:  # its request, asked for now
-                    await cast(Continuing, responder).prepare()
-                if attempt.backend.max_in_flight is not None:
-                    responder.lease = await self.admission.enter(
-                        attempt.backend, last=attempt.is_last
-                    )
-                    if self.waiting is not None and self.waiting.waiting(req.route or ""):
-                        self.waiting.notify()  # the room this took is counted now
-                attempt_scope = copies.next()
-                if self.hedging is not None:  # [hedge] a timer for this attempt
-                    self.hedging.arm(self, req, attempt, responder, guard, send, copies)
-                # The attempt's span is current inside, so that the Forwarder (or the
-                # host's own client instrumentation) sends its trace context upstream.
-                inner = self.app(attempt_scope, Replay(req.body or b"", guard), responder.send)
-                if responder.span is INVALID_SPAN:
-                    await inner
-                else:
-                    with current(responder.span):
-                        await inner
-            except asyncio.CancelledError:
-                if not own_abort(req):
-                    raise
-                error = req.attempt_error
-            except Exception as exc:
-                error = exc
-            else:
-                if req.aborted:
-                    own_abort(req)  # the app swallowed our cancellation and returned
-                error = req.attempt_error
-                if (
-                    error is None
-                    and responder.committed
-                    and responder.observer.complete
-                    and responder.refusal is None
-                    and responder.race is None
-                    and type(responder) is Responder
-                ):
-                    # The usual end, a whole answer committed: what failure() and
-                    # conclude() would find, without their frame and coroutine.
+            if self.hedging is not None:  # [hedge] a timer for this attempt
+                race = self.hedging.arm(self, responder, copies)
+            error = await call_inner(self, req, responder, guard, copies)
+            if race is None:
+                if error is None and responder.committed and type(responder) is Responder:
+                    # The usual end, a whole answer committed: what conclude() would do,
+                    # without its coroutine.
                     record(req, attempt, responder.outcome)
                     return True, attempt, None
-                error = error or responder.failure()
-            race = responder.race
-            if race is None:
                 return await responder.conclude(error), attempt, responder.fault
             # [hedge] settle the race: the chain goes on after its last attempt
             answered, attempt = await race.conclude(responder, error)
@@ -406,24 +370,28 @@ class Failover:
         except BaseException:
             # Cancelled from outside: the caller left, or a layer such as Budget ended
             # the request and said why in req.cancel_reason.
-            self._cancelled(req, attempt, responder, recorded)
+            self._cancelled(req, attempt, responder, recorded, race)
             raise
         finally:
-            # The exception's traceback holds this frame: let go of it, or the two would
-            # wait for the garbage collector together.
+            # The exception's traceback holds call_inner's frame: let go of it, or the
+            # two would wait for the garbage collector together.
             error = None
-            if responder.race is None and plan is None:  # (no hedge, no pool: the usual)
+            if race is None and plan is None:  # (no hedge, no pool: the usual)
                 lease = responder.end()
                 if lease is not None:
                     await self._give_back(lease)
             else:
-                await self._ended(req, attempt, responder, recorded, plan)
+                await self._ended(req, attempt, responder, recorded, plan, race)
 
     def _cancelled(
-        self, req: TierRequest, attempt: Attempt, responder: Responder, recorded: int
+        self,
+        req: TierRequest,
+        attempt: Attempt,
+        responder: Responder,
+        recorded: int,
+        race: Race | None,
     ) -> None:
         """The attempt was cancelled from outside: record it, unless it already is."""
-        race = responder.race
         if race is None:
             unrecorded = len(req.attempts) == recorded
         else:  # [hedge] the hedge's records are in the same trail
@@ -439,10 +407,10 @@ class Failover:
         responder: Responder,
         recorded: int,
         plan: PoolPlan | None,
+        race: Race | None,
     ) -> None:
         """The attempt is over: its hedge stopped, its span ended, the picker told, its
         in-flight lease given back (and the first in the waiting room told)."""
-        race = responder.race
         if race is not None:  # [hedge] the hedge's task, cancelled and awaited
             await race.close()
         lease = responder.end()
@@ -531,14 +499,3 @@ class Failover:
         """After a committed stream broke: its continuation set up on the next tier
         (None), or what the caller gets instead. See :func:`continue_stream`."""
         return continue_stream(self.continuable, req, attempt, wire, ndjson, sent, error)
-
-    def _record(
-        self,
-        req: TierRequest,
-        attempt: Attempt,
-        outcome: str,
-        retry_after: float | None = None,
-        detail: str | None = None,
-    ) -> None:
-        """One attempt's record in the trail (the hedge's hook)."""
-        record(req, attempt, outcome, retry_after, detail)

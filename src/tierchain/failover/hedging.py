@@ -20,31 +20,33 @@ next tier what it needs, the next tier is started beside it (a :class:`Race`):
 - a failure of one side before data is an ordinary failure of that backend; the
   request fails over only when both are out, and then past the hedged tier.
 
-Failover's hooks (marked ``# [hedge]`` there): :meth:`Hedging.arm` before an attempt's
-inner call, :meth:`Race.conclude` in place of the responder's ``conclude``,
-:meth:`Race.close` in the attempt's ``finally``, and :meth:`Race.claim` at the top of
-the responder's ``commit`` and ``commit_held``.
+The hedge runs as every attempt does: its responder is Failover's (``_begin``), and its
+call of the inner app is the one of :mod:`~tierchain.failover.attempt`
+(:func:`~tierchain.failover.attempt.call_inner`). Failover's hooks (marked ``# [hedge]``
+there): :meth:`Hedging.arm` before an attempt's inner call, :meth:`Race.conclude` in
+place of the responder's ``conclude``, :meth:`Race.close` in the attempt's ``finally``,
+and :meth:`Race.claim` at the top of the responder's ``commit`` and ``commit_held``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
-from opentelemetry.trace import INVALID_SPAN, use_span
+from opentelemetry.trace import INVALID_SPAN
 
-from ._checks import duration
-from ._disconnect import Replay
-from ._runtime import clock, deadlines
-from ._runtime.interrupt import Interruption
-from ._types import ASGIApp, Message, Scope, Send
-from .backend import Backend, is_local
-from .errors import BackendSaturated
-from .request import SCOPE_KEY, Attempt, TierRequest
-from .telemetry import ATTR_HEDGE_FOR, ATTR_HEDGE_WITH, HEDGES, labelled, log_event
+from .._checks import duration
+from .._runtime import clock, deadlines
+from .._runtime.interrupt import Interruption
+from ..backend import Backend, is_local
+from ..errors import BackendSaturated
+from ..request import Attempt, TierRequest
+from ..telemetry import ATTR_HEDGE_FOR, ATTR_HEDGE_WITH, HEDGES, labelled, log_event
+from .attempt import Owner, Responder, call_inner
+from .plan import record
+from .route import ScopeCopy
 
 __all__ = ["HEDGE_LOST", "UNCERTAIN", "Hedging", "Race", "hedged_by_default", "may_hedge"]
 
@@ -58,49 +60,6 @@ verdict (``too_slow``, ``no_progress``, ``saturated``, a busy status) already fa
 
 MIN_LEFT = 1.0
 """Budget seconds below which no hedge starts (besides the reserve the watchdog keeps)."""
-
-
-class _Fault(Protocol):
-    """What the race needs of a failed attempt's fault (``tierchain.failover.plan.Fault``)."""
-
-    @property
-    def again(self) -> bool: ...
-
-
-class _Responder(Protocol):
-    """What the race needs of Failover's per-attempt responder."""
-
-    race: Race | None
-    committed: bool
-    outcome: str
-
-    @property
-    def fault(self) -> _Fault | None: ...
-
-    @fault.setter
-    def fault(self, value: None) -> None: ...
-
-    lease: Any
-    span: Any
-
-    def conclude(self, error: BaseException | None) -> Awaitable[bool]: ...
-
-    def failure(self) -> BaseException | None: ...
-
-    def end(self) -> Any: ...
-
-    def send(self, message: Message) -> Awaitable[None]: ...
-
-
-class _Failover(Protocol):
-    """What the race needs of the Failover it runs in."""
-
-    app: ASGIApp
-    admission: Any
-
-    def _begin(self, req: TierRequest, guard: Any, send: Send, attempt: Attempt) -> Any: ...
-
-    def _record(self, req: TierRequest, attempt: Attempt, outcome: str) -> None: ...
 
 
 def hedged_by_default(backend: Backend) -> bool:
@@ -146,19 +105,11 @@ class Hedging:
             may = self._may[backend] = may_hedge(backend)
         return may
 
-    def arm(
-        self,
-        failover: _Failover,
-        req: TierRequest,
-        attempt: Attempt,
-        responder: _Responder,
-        guard: Any,
-        send: Send,
-        scope: Callable[[], Scope],
-    ) -> Race | None:
-        """The race for ``attempt`` with its timer running, or None: not hedged (the last
-        tier, a second try, a continuation, a pool, the next tier on the same hardware,
-        a backend not marked for it)."""
+    def arm(self, failover: Owner, responder: Responder, scope: ScopeCopy) -> Race | None:
+        """The race for ``responder``'s attempt with its timer running, or None: not hedged
+        (the last tier, a second try, a continuation, a pool, the next tier on the same
+        hardware, a backend not marked for it)."""
+        req, attempt = responder.req, responder.attempt
         backend = attempt.backend
         if (
             attempt.is_last
@@ -176,9 +127,7 @@ class Hedging:
             return None
         if backend.shares is not None and nxt.shares == backend.shares:
             return None
-        race = Race(self, failover, req, attempt, responder, nxt, guard, send, scope)
-        race.timer = deadlines.schedule(self.after, race._due, context=contextvars.copy_context())
-        return race
+        return Race(self.after, failover, responder, nxt, scope)
 
 
 class Race:
@@ -197,7 +146,6 @@ class Race:
         "hreq",
         "lost",
         "next",
-        "policy",
         "req",
         "scope",
         "second",
@@ -209,32 +157,26 @@ class Race:
     )
 
     def __init__(
-        self,
-        policy: Hedging,
-        failover: _Failover,
-        req: TierRequest,
-        attempt: Attempt,
-        responder: _Responder,
-        nxt: Backend,
-        guard: Any,
-        send: Send,
-        scope: Callable[[], Scope],
+        self, after: float, failover: Owner, responder: Responder, nxt: Backend, scope: ScopeCopy
     ) -> None:
-        self.policy = policy
         self.failover = failover
-        self.req = req
-        self.attempt = attempt
+        self.req = responder.req
+        self.attempt = responder.attempt
         self.first = responder
         responder.race = self
         self.next = nxt
-        self.guard = guard
-        self.send = send
+        # The hedge's attempt is called as the first one was: the same disconnect guard,
+        # the same caller's send, a copy of the same scope.
+        self.guard = responder.guard
+        self.send = responder.caller_send
         self.scope = scope
-        self.timer: deadlines.Deadline | None = None
+        self.timer: deadlines.Deadline | None = deadlines.schedule(
+            after, self._due, context=contextvars.copy_context()
+        )
         self.task: asyncio.Task[bool] | None = None
         self.hreq: TierRequest | None = None
         self.hedge: Attempt | None = None
-        self.second: _Responder | None = None
+        self.second: Responder | None = None
         self.winner: str | None = None  # "first" or "hedge", once one committed
         self.first_over = False  # the first attempt's app has returned
         self.hedge_failed = False  # the hedge ended before data, on its own
@@ -299,37 +241,14 @@ class Race:
         failover, hreq, attempt = self.failover, self.hreq, self.hedge
         assert hreq is not None
         assert attempt is not None
-        responder: _Responder = failover._begin(hreq, self.guard, self.send, attempt)
+        responder = failover._begin(hreq, self.guard, self.send, attempt)
         responder.race = self
         self.second = responder
         span = responder.span
         if span is not INVALID_SPAN:
             span.set_attribute(ATTR_HEDGE_FOR, self.attempt.backend.name)
         try:
-            error: BaseException | None = None
-            try:
-                if attempt.backend.max_in_flight is not None:
-                    responder.lease = await failover.admission.enter(
-                        attempt.backend, last=attempt.is_last
-                    )
-                scope = self.scope()
-                scope[SCOPE_KEY] = hreq
-                inner = failover.app(scope, Replay(hreq.body or b"", self.guard), responder.send)
-                if span is INVALID_SPAN or not span.is_recording():
-                    await inner
-                else:
-                    with use_span(span, record_exception=False, set_status_on_exception=False):
-                        await inner
-            except asyncio.CancelledError:
-                if not _own(hreq):
-                    raise
-                error = hreq.attempt_error
-            except Exception as exc:
-                error = exc
-            else:
-                if hreq.aborted:
-                    _own(hreq)  # the app swallowed our cancellation and returned
-                error = hreq.attempt_error or responder.failure()
+            error = await call_inner(failover, hreq, responder, self.guard, self.scope)
             if self.lost:
                 responder.outcome = HEDGE_LOST
                 return False  # cancelled by the race: recorded there, nothing to count
@@ -342,17 +261,17 @@ class Race:
             if not self.hedge_settled:
                 self.hedge_settled = True
                 responder.outcome = self.req.cancel_reason or "cancelled"
-                failover._record(hreq, attempt, responder.outcome)
+                record(hreq, attempt, responder.outcome)
             raise
         finally:
             error = None
             lease = responder.end()
             if lease is not None:
-                await failover.admission.leave(lease)
+                await failover._give_back(lease)
 
     # -- Failover's hooks --------------------------------------------------------
 
-    def claim(self, responder: Any) -> bool:
+    def claim(self, responder: Responder) -> bool:
         """A side is about to commit: True when it may (the first to ask wins and the
         other is cancelled), False for the side that lost (nothing of it is sent)."""
         if self.winner is not None:
@@ -378,7 +297,7 @@ class Race:
             # that keeps losing opens its breaker for saturation and the callers after
             # are skipped past it before sending. Failover's hook settles the record.
             self.first.outcome = HEDGE_LOST
-            self.failover._record(req, self.attempt, HEDGE_LOST)
+            record(req, self.attempt, HEDGE_LOST)
             waited = clock.now() - self.started
             req.attempt_error = BackendSaturated(
                 f"backend {self.attempt.backend.name!r} gave no first chunk in "
@@ -397,7 +316,7 @@ class Race:
         return True
 
     async def conclude(
-        self, responder: _Responder, error: BaseException | None
+        self, responder: Responder, error: BaseException | None
     ) -> tuple[bool, Attempt]:
         """In place of the first attempt's ``conclude``: True when the caller has its
         answer, and the attempt the chain goes on after (the hedge's, once one ran)."""
@@ -464,7 +383,7 @@ class Race:
         self.hedge_settled = True
         if self.second is not None:
             self.second.outcome = outcome
-        self.failover._record(hreq, hedge, outcome)
+        record(hreq, hedge, outcome)
         hreq.attempt_error = None
         if not hreq.aborted:
             hreq.aborted = True
@@ -486,7 +405,7 @@ class Race:
         )
 
 
-def _no_second_try(responder: _Responder) -> None:
+def _no_second_try(responder: Responder) -> None:
     """After a race, the first attempt's backend is not tried again (``retries``): the
     chain goes on past the hedge. A fault that says its hardware is taken is kept."""
     fault = responder.fault
@@ -517,11 +436,3 @@ def _relay(req: TierRequest, event: dict[str, Any]) -> None:
     """The hedge's state events, on the request's own channel (Heartbeats listens there)."""
     fields = {k: v for k, v in event.items() if k != "state"}
     req.emit(event["state"], **fields)
-
-
-def _own(req: TierRequest) -> bool:
-    """True when the running task's cancellation was the hedge's own (now undone)."""
-    if not req.aborted:
-        return False
-    req.aborted = False
-    return req.interruption is not None and req.interruption.ours()
