@@ -109,6 +109,16 @@ MUTATE: dict[str, tuple[str | list[str], list[str], list[str]]] = {
         ["tierchain.watchdog.x*"],
         ["tests/test_watchdog.py"],
     ),
+    "watch": (  # one attempt's timer: the windows, the stall gap, the reserve, the ceiling
+        "src/tierchain/watch.py",
+        ["tierchain.watch.x*"],
+        ["tests/test_watchdog.py", "tests/test_reserve.py"],
+    ),
+    "verdicts": (
+        "src/tierchain/verdicts.py",
+        ["tierchain.verdicts.x*"],
+        ["tests/test_watchdog.py", "tests/test_decode.py"],
+    ),
     "continuation-seam": (
         "src/tierchain/continuation.py",
         ["tierchain.continuation.x*"],

@@ -478,7 +478,8 @@ LAYER_MODULES = {
     "PreferBackend": "prefer.py",
     "Failover": "failover/",  # a package: what its modules read and write, together
     "Breaker": "breaker.py",
-    "SaturationWatchdog": "watchdog.py",
+    # the middleware and the modules of its own (one attempt's watch, its verdicts said)
+    "SaturationWatchdog": "watchdog.py watch.py verdicts.py",
     "Forwarder": "forwarder.py",
 }
 
@@ -491,8 +492,12 @@ def request_fields() -> set[str]:
 
 def uses_of_the_request(module: str) -> tuple[set[str], set[str], bool]:
     """(fields read, fields written or appended to, whether it emits) by ``module`` (a
-    package: ``name/``, all its modules), on expressions named ``req`` or ``<something>.req``."""
-    files = sorted((PACKAGE / module).glob("*.py")) if module.endswith("/") else [PACKAGE / module]
+    package: ``name/``, all its modules; or several modules, separated by spaces), on
+    expressions named ``req`` or ``<something>.req``."""
+    if module.endswith("/"):
+        files = sorted((PACKAGE / module).glob("*.py"))
+    else:
+        files = [PACKAGE / name for name in module.split()]
     tree = ast.Module(body=[ast.parse(f.read_text()) for f in files], type_ignores=[])
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     fields = request_fields()

@@ -322,6 +322,86 @@ async def test_the_bytes_per_token_are_learned_from_the_usage_an_answer_reports(
             assert rate.tokens("tower", b"x" * size) == pytest.approx(size / 5.7, rel=0.02)
 
 
+def test_every_answer_is_read_until_the_bytes_per_token_are_calibrated_then_one_in_16():
+    """The usage read at an attempt's end costs a parse of the last events: it is done
+    while a backend's ratio is being learned, then for one answer in 16."""
+    rate = PromptRate()
+    read = []
+    for answer in range(1, 50):
+        if rate.calibrating("tower"):
+            read.append(answer)
+            rate.calibrate("tower", b"x" * 3540, 621)
+    assert read == [1, 2, 3, 16, 32, 48]
+
+
+def test_a_backend_whose_answers_report_no_usage_is_read_16_times_then_one_in_16():
+    """A stream asked without stream_options.include_usage reports nothing: after 16
+    answers read in vain, one in 16 is still read (the caller may start asking)."""
+    rate = PromptRate()
+    read = [answer for answer in range(1, 50) if rate.calibrating("tower")]
+    assert read == [*range(1, 17), 32, 48]
+    assert rate.calibrating("other")  # per backend
+
+
+def test_a_fixed_prompt_rate_reads_no_usage():
+    assert not PromptRate(rate=100.0).calibrating("tower")
+
+
+@on_virtual_time
+async def test_once_calibrated_the_usage_of_most_answers_is_not_read(tmp_path):
+    """Three answers at 5.7 bytes a token calibrate the tower; then it reports 2 bytes a
+    token: answers 4 to 15 are not read (the ratio stays), the 16th is (it moves)."""
+    import httpx
+
+    answers = 0
+
+    async def tower_with_usage(ex: Exchange) -> None:
+        nonlocal answers
+        answers += 1
+        ratio = 5.7 if answers <= 3 else 2.0
+        await ex.head(200)
+        for event in usage_stream(["a", "b"], round(len(ex.request.body) / ratio)):
+            await ex.write(event)
+        await ex.end()
+
+    async def hosted(ex: Exchange) -> None:
+        raise AssertionError("not asked")
+
+    watchdogs: list[SaturationWatchdog] = []
+    real_init = SaturationWatchdog.__init__
+
+    def spy(self: SaturationWatchdog, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        watchdogs.append(self)
+
+    body = {
+        "model": "echo",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "count to three " * 40}],
+    }
+    raw = json.dumps(body).encode()
+    seen = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SaturationWatchdog, "__init__", spy)
+        async with (
+            serve_gateway(tmp_path, tower_with_usage, hosted) as (url, _, _h),
+            httpx.AsyncClient() as client,
+        ):
+            for _ in range(16):
+                got = await client.post(
+                    url + "/v1/chat/completions",
+                    content=raw,
+                    headers={"content-type": "application/json"},
+                )
+                assert got.status_code == 200
+                rate = watchdogs[0].prompt_rate
+                assert rate is not None
+                seen.append(len(raw) / rate.tokens("tower", raw))
+    assert seen[2:15] == pytest.approx([5.7] * 13, rel=0.02)  # calibrated, then not read
+    assert seen[15] < 5.0  # the 16th answer's usage was read
+
+
 # -- one verdict spares the next caller ------------------------------------------------
 
 

@@ -408,6 +408,7 @@ class Breaker:
 
 
 def _nothing_to_record(ticket: Ticket, outcome: Outcome) -> bool:
+    """True when the store need not hear of ``outcome`` (most successes)."""
     if ticket.probe:
         return False  # a probe slot to give back
     if outcome == "neutral":
@@ -484,12 +485,12 @@ def _judge(observer: Observer) -> tuple[Outcome, float | None]:
     status = observer.status
     if status is None:
         return "failure", None  # returned without answering
+    if status < 400:  # (most attempts)
+        return ("success" if observer.verdict() == "ok" else "failure"), None
     if status >= 500 or status == 429:
         hint = retry_after(observer.headers) if status in (429, 503) else None
         return "failure", hint
-    if status >= 400:
-        return "neutral", None
-    return ("success" if observer.verdict() == "ok" else "failure"), None
+    return "neutral", None
 
 
 class _Guard:
@@ -546,19 +547,13 @@ class _Guard:
             left = None  # the terminator arrived: a transport glitch after it is no failure
             self.observer.end()
         observer = self.observer
-        status = observer.status
         if left is not None:
             outcome, retry_after = _classify(left)
-        elif status is not None and status < 400:  # _judge's usual case, inline
-            outcome, retry_after = ("success" if observer.verdict() == "ok" else "failure"), None
         else:
             outcome, retry_after = _judge(observer)
         if outcome == "failure":
             outcome = _mid_stream(self.req, self.observer, self.ticket)
-        ticket = self.ticket
-        if outcome == "success" and ticket.clean and not ticket.probe:
-            return None  # (_nothing_to_record's usual case, inline)
-        if _nothing_to_record(ticket, outcome):
+        if _nothing_to_record(self.ticket, outcome):
             return None
         if outcome == "saturation":
             return self._saturated()

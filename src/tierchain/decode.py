@@ -34,7 +34,7 @@ SPANS = 2
 
 
 class _Watched(Protocol):
-    """What a decode watch needs of the attempt's watch (``watchdog._Watch``)."""
+    """What a decode watch needs of the attempt's watch (``watch.Watch``)."""
 
     observer: Observer
     req: TierRequest | None

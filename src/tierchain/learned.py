@@ -122,6 +122,8 @@ _FORGET_AFTER = 2  # saturations in a row under a learned window
 
 def bucket_of(body: bytes | None) -> str:
     """The prompt-size bucket of a request body (:func:`prompt_tokens`, estimated)."""
+    if len(body or b"") < _SMALL:  # (most prompts: no division, no loop)
+        return BUCKETS[0]
     tokens = prompt_tokens(body)
     for limit, name in zip(_LIMITS, BUCKETS, strict=False):
         if tokens < limit:
@@ -192,8 +194,7 @@ class Learned:
 
     def window(self, backend: str, body: bytes | None) -> tuple[float, bool]:
         """The window for an attempt of ``backend`` with ``body``, and whether it was learned."""
-        # bucket_of(body), inline (every attempt asks, and most prompts are under 1k tokens)
-        bucket = BUCKETS[0] if len(body or b"") < _SMALL else bucket_of(body)
+        bucket = bucket_of(body)
         normal = self._normals.get((backend, bucket))
         if normal is None or normal.sketch.count < self.min_samples:
             return self.maximum, False
@@ -215,11 +216,7 @@ class Learned:
 
     def observe(self, backend: str, body: bytes | None, first_data_s: float) -> None:
         """One successful attempt's time to its first data event."""
-        # bucket_of(body) and self._normal, inline as in window() (every success teaches)
-        bucket = BUCKETS[0] if len(body or b"") < _SMALL else bucket_of(body)
-        normal = self._normals.get((backend, bucket))
-        if normal is None:
-            normal = self._normal(backend, bucket)
+        normal = self._normal(backend, bucket_of(body))
         normal.sketch.add(first_data_s)
         normal.saturated = 0
         normal.fresh += 1
@@ -304,7 +301,7 @@ _LEASTS = frozenset(c.first_token for c in (*COLD.values(), COLD_OTHER))
 _EW = 0.2  # the weight of a new sample in the running mean and variance of its log
 _GAUGE_EVERY = 16  # rates learned between two updates of the exported gauge
 _SPREAD = 2.0  # standard deviations below the mean rate (above the mean overhead)
-_CALIBRATE_EVERY = 16  # once calibrated, one answer's usage in this many is read
+_CALIBRATE_EVERY = 16  # answers whose usage is read in a row at most; then one in this many
 
 
 @dataclass(slots=True)
@@ -382,6 +379,9 @@ class PromptRate:
     """Prompts smaller than this teach the fixed cost, not the rate."""
     rate: float | None = None
     _rates: dict[str, _Rate] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _answers: dict[str, int] = field(  # per backend: healthy answers seen (calibrating)
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         for name in ("margin", "floor"):
@@ -406,14 +406,12 @@ class PromptRate:
 
     def limit(self, backend: str, regime: str | None, body: bytes | None) -> tuple[float, bool]:
         """Seconds a first token may take for ``body`` at ``backend``, and whether learned."""
-        known = self._rates.get(backend)
-        # self.tokens(backend, body), inline: every attempt asks
-        size = len(body or b"")
-        tokens = size / (known.bytes_per_token if known is not None else BYTES_PER_TOKEN)
+        tokens = self.tokens(backend, body)
         if self.rate is not None:
             return max(self.floor, self.margin * tokens / self.rate), False
+        known = self._rates.get(backend)
         if known is None or known.rate.n < self.min_samples:
-            defaults = COLD.get(regime or "", COLD_OTHER)
+            defaults = cold(regime)
             least = defaults.first_token
             overhead = 0.0
             if known is not None and known.overhead.n >= self.min_samples:
@@ -443,14 +441,21 @@ class PromptRate:
         labelled(LEARNED_BYTES_PER_TOKEN, backend).set(known.bytes_per_token)
 
     def calibrating(self, backend: str) -> bool:
-        """Whether the next answer's usage should be read: always until a few were,
-        then one answer in ``_CALIBRATE_EVERY`` (the ratio drifts only with the prompts)."""
+        """Whether this healthy answer's usage is to be read (the answer is counted).
+
+        Every answer's, until ``backend``'s bytes per token is calibrated (``min_samples``
+        answers reported their usage), for its first ``_CALIBRATE_EVERY`` answers at
+        most; after that one answer's in ``_CALIBRATE_EVERY``: the ratio drifts only
+        with the prompts, and a backend whose answers report no usage (a stream asked
+        without ``stream_options.include_usage``) would otherwise be read in vain at
+        the end of every attempt."""
         if self.rate is not None:
             return False
+        answers = self._answers[backend] = self._answers.get(backend, 0) + 1
         known = self._rates.get(backend)
-        if known is None or known.size.n < self.min_samples:
+        if answers <= _CALIBRATE_EVERY and (known is None or known.size.n < self.min_samples):
             return True
-        return (known.rate.n + known.overhead.n) % _CALIBRATE_EVERY == 0
+        return answers % _CALIBRATE_EVERY == 0
 
     def observe(self, backend: str, body: bytes | None, first_data_s: float) -> None:
         """One healthy attempt's time to its first data event."""

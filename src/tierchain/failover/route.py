@@ -108,14 +108,11 @@ def route_of(
             containers = None
             if shape is not None:
                 data, containers = shape.top, shape.containers
-            # (_json.depth_ok's count, inline: the loader checks a text with many brackets)
-            if data is None and containers is None and body[:1] == b"{":
-                containers = body.count(b"[") + body.count(b"{")
+            # (a text with many brackets is left to the loader, which checks its depth)
             if (
                 data is None
                 and body[:1] == b"{"
-                and containers is not None
-                and containers <= _json.MAX_DEPTH
+                and (_json.depth_ok(body) if containers is None else containers <= _json.MAX_DEPTH)
             ):
                 try:
                     text = body.decode()
