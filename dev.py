@@ -88,11 +88,13 @@ MUTATE: dict[str, tuple[str | list[str], list[str], list[str]]] = {
         "src/tierchain/breaker_state.py",
         [
             "tierchain.breaker_state.x_reopen_cooldown*",
+            "tierchain.breaker_state.x_failure_wait*",
             "tierchain.breaker_state.x__settle_time*",
             "tierchain.breaker_state.x_acquire*",
             "tierchain.breaker_state.x_record*",
+            "tierchain.breaker_state.x_snapshot*",
         ],
-        ["tests/test_breaker_model.py", "tests/test_breaker.py", "tests/test_stores.py"],
+        ["tests/test_breaker_ledger.py", "tests/test_breaker_model.py"],
     ),
     "hedging": (
         "src/tierchain/failover/hedging.py",
