@@ -78,7 +78,8 @@ def test_the_forced_try_goes_to_the_backend_back_soonest():
         record(req, attempt, "skipped", retry_in)
     req.try_soonest = True
     forced = next_attempt(req, first(req, 3))
-    assert forced is not None and forced.backend == HOSTED
+    assert forced is not None
+    assert forced.backend == HOSTED
 
 
 def test_no_forced_try_while_a_tier_was_not_skipped():
