@@ -154,50 +154,72 @@ def check_config(
     out: TextIO | None = None,
 ) -> int:
     """Print the effective configuration and its warnings (exit 0), or every problem (exit 2)."""
-    from .config import ConfigError, config_warnings, from_env
-    from .stack import build_stack, limits_view, unrouted
+    from .config import ConfigError, config_warnings
 
     out = sys.stdout if out is None else out
     env = dict(os.environ) if environ is None else environ
     try:
-        settings = from_env(env)
-
-        async def dummy(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover
-            return None
-
-        # Build once to let every constructor check its options too (around a stand-in
-        # handler, so with the one check of serve's own Forwarder added by hand).
-        build_stack(dummy, settings, identity=False)
-        if unrouted(settings):
-            raise ConfigError(unrouted(settings))
+        settings = _checked_settings(env)
     except (ConfigError, ImportError) as exc:
         problems = exc.problems if isinstance(exc, ConfigError) else (str(exc),)
-        if as_json:
-            print(json.dumps({"ok": False, "problems": list(problems)}, indent=2), file=out)
-        else:
-            print(f"tierchain {VERSION}: {len(problems)} configuration problem(s):", file=out)
-            for problem in problems:
-                print(f"  - {problem}", file=out)
+        _print_problems(problems, as_json=as_json, out=out)
         return 2
+    warnings = config_warnings(settings)
+    if as_json:
+        _print_json(settings, warnings, out)
+    else:
+        _print_text(settings, warnings, out)
+    return 0
 
+
+def _checked_settings(env: dict[str, str]) -> Any:
+    """The settings, checked by every constructor too (a stack built once around a stand-in
+    handler, so with the one check of serve's own Forwarder added by hand)."""
+    from .config import ConfigError, from_env
+    from .stack import build_stack, unrouted
+
+    settings = from_env(env)
+
+    async def dummy(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover
+        return None
+
+    build_stack(dummy, settings, identity=False)
+    if unrouted(settings):
+        raise ConfigError(unrouted(settings))
+    return settings
+
+
+def _print_problems(problems: Sequence[str], *, as_json: bool, out: TextIO) -> None:
+    if as_json:
+        print(json.dumps({"ok": False, "problems": list(problems)}, indent=2), file=out)
+        return
+    print(f"tierchain {VERSION}: {len(problems)} configuration problem(s):", file=out)
+    for problem in problems:
+        print(f"  - {problem}", file=out)
+
+
+def _print_json(settings: Any, warnings: list[str], out: TextIO) -> None:
+    from .identity import identity_fields
+    from .stack import limits_view
+
+    fields = identity_fields(settings=settings)
+    doc = {
+        "ok": True,
+        "warnings": warnings,
+        "stack": _stack_rows(settings),
+        "limits": limits_view(settings),
+        "routes": fields["routes"],
+        "wire_formats": _wire_formats(settings),
+        "pools": _pools(settings),
+        "settings": fields["settings"],
+    }
+    print(json.dumps(doc, indent=2), file=out)
+
+
+def _print_text(settings: Any, warnings: list[str], out: TextIO) -> None:
     from .identity import identity_fields
 
     fields = identity_fields(settings=settings)
-    warnings = config_warnings(settings)
-    if as_json:
-        doc = {
-            "ok": True,
-            "warnings": warnings,
-            "stack": _stack_rows(settings),
-            "limits": limits_view(settings),
-            "routes": fields["routes"],
-            "wire_formats": _wire_formats(settings),
-            "pools": _pools(settings),
-            "settings": fields["settings"],
-        }
-        print(json.dumps(doc, indent=2), file=out)
-        return 0
-
     noted = f", with {len(warnings)} warning(s) listed at the end" if warnings else ""
     print(f"tierchain {VERSION}: configuration OK{noted}", file=out)
     print("\nstack, outermost first:", file=out)
@@ -205,9 +227,23 @@ def check_config(
         opts = "  ".join(f"{k}={_val(v)}{_src(row, k)}" for k, v in row["options"].items())
         print(f"  {i}. {row['name']:<19} {opts}".rstrip(), file=out)
     print(f"\nroutes ({settings.routes_file or 'none'}):", file=out)
+    _print_routes(settings, fields["routes"] or {}, out)
+    store_opts = "".join(
+        f"  {k}={_val(v)}" for k, v in fields["settings"]["options"].get("RedisStore", {}).items()
+    )
+    print(f"\nstore: {fields['settings']['store_url']}{store_opts}", file=out)
+    if warnings:
+        print(f"\n{len(warnings)} warning(s):", file=out)
+        for warning in warnings:
+            print(f"  - {warning}", file=out)
+
+
+def _print_routes(settings: Any, shown_routes: dict[str, Any], out: TextIO) -> None:
+    """Each route's wire format and tiers (a pool with its replicas), as the identity line
+    shows its backends."""
     wires = _wire_formats(settings)
     routes = settings.routes
-    for route, chain in (fields["routes"] or {}).items():
+    for route, chain in shown_routes.items():
         print(f"  {route}:  wire format {wires[route]}", file=out)
         shown = {b["name"]: b for b in chain}
         for n, tier in enumerate(routes.tiers(route) if routes is not None else (), 1):
@@ -223,15 +259,6 @@ def check_config(
                     print(f"       - {line}", file=out)
             else:
                 print(f"    {n}. {_backend_line(shown[tier.name], tier.wire_format)}", file=out)
-    store_opts = "".join(
-        f"  {k}={_val(v)}" for k, v in fields["settings"]["options"].get("RedisStore", {}).items()
-    )
-    print(f"\nstore: {fields['settings']['store_url']}{store_opts}", file=out)
-    if warnings:
-        print(f"\n{len(warnings)} warning(s):", file=out)
-        for warning in warnings:
-            print(f"  - {warning}", file=out)
-    return 0
 
 
 _BACKEND_SHOWN = (

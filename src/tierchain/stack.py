@@ -17,7 +17,7 @@ enabled), then the handler.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from ._types import ASGIApp, Message, Receive, Scope, Send
@@ -110,32 +110,67 @@ def build_stack(
     keys, budgets = _keys_and_budgets(settings, problems)
     problems.extend(conflicts(settings, keys, budgets, own_forwarder=app is None))
     keyed = bool(settings.layers["CallerKeys"].options)
-    needs_store = (
-        settings.admin_enabled
-        or keyed
-        or bool(budgets)
-        or any("store" in find_layer(n).wired for n in settings.stack)
-    )
-    made_store = store is None and needs_store
+    made_store = store is None and _needs_store(settings, keyed, budgets)
     if made_store:
         store = make_store(settings)
+    construct = _Construct(settings, store, problems)
+    inner = app if app is not None else construct("Forwarder")
+    if budgets and inner is not None:
+        inner = BackendBudgets(inner, store=store, budgets=budgets)  # per attempt, innermost
+    inner = _middlewares(construct, settings, inner)
+    if keyed:
+        inner = _keyed(construct, settings, inner, keys, budgets)
+    inner = _front(construct, settings, inner, keys)
+    if problems:
+        raise ConfigError(problems)
+    if made_store and hasattr(store, "aclose"):
+        inner = CloseOnShutdown(inner, close=store.aclose)
+    if settings.identity if identity is None else identity:
+        view = limits_view(settings)
+        extra = {"limits": view} if view is not None else None
+        inner = StartupIdentity(inner, settings=settings, extra=extra)
+    return inner
 
-    def construct(name: str, *args: Any, **wired: Any) -> Any:
+
+class _Construct:
+    """One configured piece built by name, with the shared store; a constructor that rejects
+    its options adds a problem naming the variables it was given, and builds nothing."""
+
+    def __init__(self, settings: Settings, store: Any, problems: list[str]) -> None:
+        self.settings = settings
+        self.store = store
+        self.problems = problems
+
+    def __call__(self, name: str, *args: Any, **wired: Any) -> Any:
+        settings = self.settings
         try:
-            kwargs = settings.middleware_kwargs(name, store=store)
+            kwargs = settings.middleware_kwargs(name, store=self.store)
             return layer_class(name)(*args, **kwargs, **wired)
         except (TypeError, ValueError) as exc:
             given = ", ".join(
                 f"{env}={display_value(name, opt, settings.layers[name].options[opt])!r}"
                 for opt, env in settings.layers[name].sources.items()
             )
-            problems.append(f"{name} rejected its options ({given or 'defaults'}): {exc}")
+            self.problems.append(f"{name} rejected its options ({given or 'defaults'}): {exc}")
             return None
 
-    inner = app if app is not None else construct("Forwarder")
-    if budgets and inner is not None:
-        inner = BackendBudgets(inner, store=store, budgets=budgets)  # per attempt, innermost
-    board: Any = None  # the watchdog's status board, given to the layers that wrap it
+
+def _needs_store(settings: Settings, keyed: bool, budgets: Sequence[BackendBudget]) -> bool:
+    """Does any piece of the stack take the store (the Admin, the keys' limits, budgets, a
+    middleware wired to it)?"""
+    return (
+        settings.admin_enabled
+        or keyed
+        or bool(budgets)
+        or any("store" in find_layer(n).wired for n in settings.stack)
+    )
+
+
+def _middlewares(construct: _Construct, settings: Settings, inner: Any) -> Any:
+    """The enabled middlewares around ``inner``, innermost first, then Shed outermost (when
+    ``TIERCHAIN_SHED_MAX_CONCURRENT`` is set); the watchdog's status board is given to the
+    layers that wrap it."""
+    board: Any = None
     for name in reversed(settings.stack):
         wired = {"status_board": board} if "status_board" in find_layer(name).wired else {}
         built = construct(name, inner, **wired)
@@ -146,24 +181,36 @@ def build_stack(
         shed = construct("Shed", inner)  # outermost of the middlewares
         if shed is not None:
             inner = shed
-    if keyed:
-        # Keys before anything else routed (Shed included); the endpoints stay open. Every
-        # key's usage is counted (and limited, where it has limits) right behind them.
-        prefer = settings.layers["PreferBackend"].options.get("header", "X-Prefer-Backend")
-        failover = settings.layers["Failover"].options  # (the body as Failover reads it)
-        body = {k: failover[k] for k in ("max_body", "body_timeout") if k in failover}
-        limited = any(k.limited for k in keys) or bool(budgets)
-        if not (limited and settings.layers["CallerKeys"].options.get("open_paths")):
-            # (with open paths, conflicts() has refused the limits already: said once)
-            inner = KeyLimits(inner, store=store, budgets=budgets, **body)
-        with_keys = construct("CallerKeys", inner, header=prefer)
-        if with_keys is not None:
-            inner = with_keys
+    return inner
+
+
+def _keyed(
+    construct: _Construct,
+    settings: Settings,
+    inner: Any,
+    keys: Sequence[CallerKey],
+    budgets: Sequence[BackendBudget],
+) -> Any:
+    """Keys before anything else routed (Shed included); the endpoints stay open. Every key's
+    usage is counted (and limited, where it has limits) right behind them."""
+    prefer = settings.layers["PreferBackend"].options.get("header", "X-Prefer-Backend")
+    failover = settings.layers["Failover"].options  # (the body as Failover reads it)
+    body = {k: failover[k] for k in ("max_body", "body_timeout") if k in failover}
+    limited = any(k.limited for k in keys) or bool(budgets)
+    if not (limited and settings.layers["CallerKeys"].options.get("open_paths")):
+        # (with open paths, conflicts() has refused the limits already: said once)
+        inner = KeyLimits(inner, store=construct.store, budgets=budgets, **body)
+    with_keys = construct("CallerKeys", inner, header=prefer)
+    return inner if with_keys is None else with_keys
+
+
+def _front(construct: _Construct, settings: Settings, inner: Any, keys: Sequence[CallerKey]) -> Any:
+    """The gateway's own endpoints in front, and the Admin mounted when a token is set."""
     all_keyed = settings.keys_on and not settings.layers["CallerKeys"].options.get("open_paths")
     inner = Endpoints(
         inner,
         routes=settings.routes,
-        store=store if "Breaker" in settings.stack else None,
+        store=construct.store if "Breaker" in settings.stack else None,
         # Every caller keyed: the prefix affinity is per key, nobody can probe another's.
         prompt_metrics=True if all_keyed else None,
         **settings.layers["Endpoints"].options,
@@ -172,14 +219,6 @@ def build_stack(
         admin = construct("Admin", keys=keys)
         if admin is not None:
             inner = Mount(inner, path=settings.admin_path, mounted=admin)
-    if problems:
-        raise ConfigError(problems)
-    if made_store and hasattr(store, "aclose"):
-        inner = CloseOnShutdown(inner, close=store.aclose)
-    if settings.identity if identity is None else identity:
-        view = limits_view(settings)
-        extra = {"limits": view} if view is not None else None
-        inner = StartupIdentity(inner, settings=settings, extra=extra)
     return inner
 
 
