@@ -103,8 +103,15 @@ MUTATE: dict[str, tuple[str | list[str], list[str], list[str]]] = {
     ),
     "plan": (
         "src/tierchain/failover/plan.py",
-        ["tierchain.failover.plan.x*"],
-        ["tests/test_retries.py", "tests/test_failover.py", "tests/test_hedging_never.py"],
+        [
+            "tierchain.failover.plan.x_next_attempt*",
+            "tierchain.failover.plan.x_retry_pause*",
+            "tierchain.failover.plan.x_may_retry*",
+            "tierchain.failover.plan.x_record*",
+            "tierchain.failover.plan.x_failed*",
+            "tierchain.failover.plan.x__holds*",
+        ],
+        ["tests/test_failover_plan.py"],
     ),
     "watchdog": (
         "src/tierchain/watchdog.py",
