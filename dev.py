@@ -98,8 +98,16 @@ MUTATE: dict[str, tuple[str | list[str], list[str], list[str]]] = {
     ),
     "hedging": (
         "src/tierchain/failover/hedging.py",
-        ["tierchain.failover.hedging.x*"],
-        ["tests/test_hedging_never.py", "tests/test_hedging.py"],
+        [
+            "tierchain.failover.hedging.x_hedged_by_default*",
+            "tierchain.failover.hedging.x_may_hedge*",
+            "tierchain.failover.hedging.xǁHedgingǁchecked*",
+            "tierchain.failover.hedging.xǁHedgingǁbuild*",
+            "tierchain.failover.hedging.xǁHedgingǁmay_hedge*",
+            "tierchain.failover.hedging.xǁHedgingǁarm*",
+            "tierchain.failover.hedging.xǁRaceǁ_due*",
+        ],
+        ["tests/test_hedging_rules.py"],
     ),
     "plan": (
         "src/tierchain/failover/plan.py",
