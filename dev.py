@@ -128,8 +128,18 @@ MUTATE: dict[str, tuple[str | list[str], list[str], list[str]]] = {
     ),
     "watch": (  # one attempt's timer: the windows, the stall gap, the reserve, the ceiling
         "src/tierchain/watch.py",
-        ["tierchain.watch.x*"],
-        ["tests/test_watchdog.py", "tests/test_reserve.py"],
+        [
+            "tierchain.watch.xǁWatchǁbegin*",
+            "tierchain.watch.xǁWatchǁfirst_data*",
+            "tierchain.watch.xǁWatchǁanswered*",
+            "tierchain.watch.xǁWatchǁ_deadline*",
+            "tierchain.watch.xǁWatchǁ_due*",
+            "tierchain.watch.xǁWatchǁ_end*",
+            "tierchain.watch.xǁWatchǁ_schedule*",
+            "tierchain.watch.xǁWatchǁ_quiet_since*",
+            "tierchain.watch.xǁWatchǁ_expired*",
+        ],
+        ["tests/test_watch_windows.py", "tests/test_watchdog.py"],
     ),
     "verdicts": (
         "src/tierchain/verdicts.py",

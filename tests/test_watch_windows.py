@@ -1,0 +1,191 @@
+"""One attempt's watch, point by point, on the virtual clock (docs/watchdog.md): which of the
+four points that bound the wait for a first chunk comes first (the window's end, the
+expected prefill, the reserve's point, the ceiling) and what the watch says there, that the
+request's own deadline is no saturation, the last tier's slow line instead of a cut, and a
+committed stream's stall window.
+
+Each watch times a task of its own (a watch cuts the task it was begun in); the keeper is a
+real SaturationWatchdog, the request and attempt are Failover's types, and every time below
+is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Any
+
+import pytest
+
+from tierchain import Backend, SaturationWatchdog
+from tierchain.errors import BackendBusy
+from tierchain.request import Attempt, TierRequest
+from tierchain.watch import Watch
+
+from .support import now, on_virtual_time
+
+TOWER = Backend("tower", "http://127.0.0.1:9")
+HOSTED = Backend("hosted", "https://api.example.com")
+
+
+async def _nothing(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("not called")
+
+
+def keeper(ceiling: float = 600.0) -> SaturationWatchdog:
+    return SaturationWatchdog(
+        _nothing, slow_after=10.0, ceiling=ceiling, prompt_rate=0, decode_rate=0
+    )
+
+
+def watch_of(
+    *,
+    last: bool = False,
+    deadline: float | None = None,
+    ceiling: float = 600.0,
+    lines: list[dict[str, Any]] | None = None,
+    **options: Any,
+) -> Watch:
+    req = TierRequest()
+    req.route = "echo"
+    req.chain = (TOWER, HOSTED)
+    req.in_chain = True
+    req.deadline = deadline
+    req.listen(lambda event: (lines if lines is not None else []).append(dict(event)))
+    from tierchain.observer import Observer
+
+    req.observer = Observer()
+    n = 2 if last else 1
+    attempt = Attempt(n, 2, req.chain[n - 1], "echo", deadline=deadline)
+    req.attempt = attempt
+    options.setdefault("window", 10.0)
+    options.setdefault("stall", 0.0)
+    return Watch(keeper(ceiling), req, attempt, **options)
+
+
+async def cut_at(watch: Watch, *, within: float = 3600.0) -> tuple[str | None, float]:
+    """Begin the watch in a task of its own: (why it fired, seconds after the start), or
+    (None, ``within``) when nothing fired in that time."""
+    t0 = now()
+
+    async def attempt() -> None:
+        watch.begin()
+        await asyncio.sleep(within)
+
+    task = asyncio.create_task(attempt())
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    watch.end()
+    return watch.fired, now() - t0
+
+
+@on_virtual_time
+async def test_a_quiet_attempt_without_a_status_url_is_cut_at_its_windows_end():
+    assert await cut_at(watch_of()) == ("no_first_chunk", 10.0)
+
+
+@on_virtual_time
+async def test_no_window_leaves_the_ceiling():
+    assert await cut_at(watch_of(window=0.0, ceiling=45.0)) == ("ceiling", 45.0)
+
+
+@on_virtual_time
+async def test_the_expected_prefill_ending_first_is_too_slow_and_the_attempts_verdict():
+    watch = watch_of(prefill=4.0)
+    assert await cut_at(watch) == ("too_slow", 4.0)
+    assert watch.attempt is not None
+    assert watch.attempt.verdict == "too_slow"
+    assert await cut_at(watch_of(prefill=4.0, first_token=True)) == ("first_token", 4.0)
+
+
+@on_virtual_time
+async def test_the_ceiling_ending_first_is_the_ceiling():
+    assert await cut_at(watch_of(ceiling=6.0, prefill=8.0)) == ("ceiling", 6.0)
+
+
+@on_virtual_time
+async def test_the_reserves_point_ending_first_cuts_there_for_the_next_tier():
+    watch = watch_of(deadline=now() + 30.0, reserve=25.0, prefill=8.0)
+    assert await cut_at(watch) == ("reserve", 5.0)
+
+
+@on_virtual_time
+async def test_the_requests_deadline_before_every_point_is_no_saturation():
+    watch = watch_of(deadline=now() + 10.0)  # the window ends at the deadline itself
+    assert await cut_at(watch, within=100.0) == (None, 100.0)
+    watch = watch_of(deadline=now() + 10.5)
+    assert await cut_at(watch) == ("no_first_chunk", 10.0)
+
+
+@on_virtual_time
+async def test_an_attempt_whose_reserves_point_has_passed_is_busy_before_it_goes():
+    watch = watch_of(deadline=now() + 5.0, reserve=5.0)
+    with pytest.raises(BackendBusy) as busy:
+        watch.begin()
+    assert busy.value.why == "reserve"
+    watch = watch_of(deadline=now() + 5.001, reserve=5.0)
+    assert await cut_at(watch) == ("reserve", pytest.approx(0.001))
+
+
+@on_virtual_time
+async def test_the_last_tier_is_never_cut_at_its_window_only_said_slow_then_the_ceiling(caplog):
+    lines: list[dict[str, Any]] = []
+    watch = watch_of(last=True, ceiling=40.0, lines=lines)
+    with caplog.at_level(logging.WARNING, logger="tierchain"):
+        assert await cut_at(watch) == ("ceiling", 40.0)
+    assert lines == [
+        {"state": "backend_slow", "backend": "hosted", "waited_s": 10.0, "failing_over": False}
+    ]
+    (slow,) = [r for r in caplog.records if getattr(r, "event", None) == "dispatch.backend_slow"]
+    assert slow.tierchain == {
+        "route": "echo",
+        "backend": "hosted",
+        "waited_s": 10.0,
+        "window_s": 10.0,
+        "last_tier": True,
+    }
+
+
+@on_virtual_time
+async def test_the_watch_points_in_order():
+    t0 = now()
+    watch = watch_of(deadline=t0 + 100.0, reserve=20.0, prefill=30.0, ceiling=50.0)
+    assert watch._due() == t0 + 10.0
+    assert watch._due(window=False) == t0 + 30.0
+    assert watch._end() == t0 + 50.0
+    watch = watch_of(deadline=t0 + 100.0, reserve=60.0, prefill=math.inf, window=0.0)
+    assert watch._due() == t0 + 40.0
+    assert watch._end() == t0 + 40.0
+    watch = watch_of(deadline=t0 + 30.0)
+    assert watch._end() == t0 + 30.0
+    assert watch._due(window=False) == math.inf  # the ceiling comes after the deadline
+    assert watch_of()._end() == t0 + 600.0
+
+
+@on_virtual_time
+async def test_a_committed_stream_silent_for_its_stall_window_is_stalled():
+    watch = watch_of(stall=3.0)
+    req, observer = watch.req, watch.observer
+    assert req is not None
+
+    async def attempt() -> None:
+        watch.begin()
+        await asyncio.sleep(1.0)
+        observer.start(200, [(b"content-type", b"text/event-stream")])
+        observer.body(b'data: {"a": 1}\n\n')
+        req.committed = True
+        watch.first_data()
+        await asyncio.sleep(2.5)
+        observer.body(b'data: {"a": 2}\n\n')  # 3.5 s: the gap starts again
+        await asyncio.sleep(3600)
+
+    t0 = now()
+    task = asyncio.create_task(attempt())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    watch.end()
+    assert watch.fired == "stalled"
+    assert now() - t0 == pytest.approx(6.5)
