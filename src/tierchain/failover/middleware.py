@@ -65,7 +65,7 @@ from collections.abc import Collection, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from opentelemetry.trace import INVALID_SPAN, Status, StatusCode
+from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
 from .. import _json
 from .._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, timeout_option
@@ -77,7 +77,7 @@ from .._runtime.interrupt import Interruption
 from .._target import BadTarget, refuse, request_target
 from .._types import ASGIApp, Message, Receive, Scope, Send
 from ..admission import Admission
-from ..backend import Routes
+from ..backend import Backend, Routes
 from ..errors import (
     BudgetExhausted,
     ResolveError,
@@ -117,6 +117,14 @@ DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
 """Statuses that advance the chain before commit (529: Anthropic's "overloaded")."""
 _SHAPED = 2 * _json.MAX_CONTAINERS  # bodies longer than this have their shape checked
 _WAIT_POLL = 0.25  # how often the first in the waiting room looks again unwoken
+
+
+def _request_span(route: str) -> Span:
+    """The request's span (no SDK, the usual case: neither start_span's frame nor its
+    attributes)."""
+    if not tracing_enabled():
+        return INVALID_SPAN
+    return start_span("tierchain.request", {ATTR_ROUTE: route, "gen_ai.request.model": route})
 
 
 class Failover:
@@ -185,22 +193,7 @@ class Failover:
         self.admission = Admission(store, lease=lease)
         # Which backends continue a trailing assistant message (found out, remembered).
         self.prefills = Prefills(store)
-        if pick is not None and not isinstance(pick, PickWeights):
-            raise ValueError(f"pick must be a tierchain.picker.PickWeights, got {pick!r}")
-        if status_board is not None and not isinstance(status_board, StatusBoard):
-            raise ValueError(
-                f"status_board must be a tierchain.status.StatusBoard, got {status_board!r}"
-            )
-        # The board of the watchdog this Failover wraps (found once, here), or the one given.
-        self.status_board = status_board if status_board is not None else board_within(app)
-        weights = pick or PickWeights()
-        self.picker = Picker(
-            weights,
-            admission=self.admission,
-            store=store,
-            board=self.status_board,
-            policy=resolve_policy(pick_policy, weights),
-        )
+        self.status_board, self.picker = self._picker(app, store, pick, pick_policy, status_board)
         self.retries = count("retries", retries, minimum=0)
         self.max_retry_wait = duration("max_retry_wait", max_retry_wait, allow_zero=True)
         self.max_wait = duration("max_wait", max_wait)
@@ -216,28 +209,59 @@ class Failover:
         # Routes whose chain holds a pool or a backend that shares hardware: only
         # their requests take the slower path (a chain of single backends does not).
         self._special = self.routes.pooled | self.routes.shared
-        self.waiting = (
-            WaitingRoom(
-                bands=priority_bands,
-                max_wait=self.max_wait,
-                poll=_WAIT_POLL,
-                max_waiting=max_waiting,
-                key_share=waiting_key_share,
+        self.waiting: WaitingRoom | None = None
+        self._waitable: frozenset[str] = frozenset()  # the routes that wait in it
+        if waiting_room:
+            self.waiting, self._waitable = self._waiting_room(
+                priority_bands, max_waiting, waiting_key_share
             )
-            if waiting_room
-            else None
-        )
         self._priority = priority_header.lower().encode() if priority_header else None
-        # The routes whose every backend can say it is full: the only ones that wait.
-        self._waitable = (
-            frozenset(
-                r
-                for r, chain in self.routes.items()
-                if all(b.max_in_flight is not None or b.status_url is not None for b in chain)
+
+    def _picker(
+        self,
+        app: ASGIApp,
+        store: Any,
+        pick: PickWeights | None,
+        pick_policy: PolicyOption | None,
+        status_board: StatusBoard | None,
+    ) -> tuple[StatusBoard | None, Picker]:
+        """The status board (the one given, else that of the watchdog this Failover wraps,
+        found once, here) and the Picker of a pool's replicas, with its policy."""
+        if pick is not None and not isinstance(pick, PickWeights):
+            raise ValueError(f"pick must be a tierchain.picker.PickWeights, got {pick!r}")
+        if status_board is not None and not isinstance(status_board, StatusBoard):
+            raise ValueError(
+                f"status_board must be a tierchain.status.StatusBoard, got {status_board!r}"
             )
-            if waiting_room
-            else frozenset()
+        board = status_board if status_board is not None else board_within(app)
+        weights = pick or PickWeights()
+        picker = Picker(
+            weights,
+            admission=self.admission,
+            store=store,
+            board=board,
+            policy=resolve_policy(pick_policy, weights),
         )
+        return board, picker
+
+    def _waiting_room(
+        self, bands: Sequence[str], max_waiting: int, key_share: float
+    ) -> tuple[WaitingRoom, frozenset[str]]:
+        """The waiting room, and the routes that wait in it: those whose every backend can
+        say it is full."""
+        room = WaitingRoom(
+            bands=bands,
+            max_wait=self.max_wait,
+            poll=_WAIT_POLL,
+            max_waiting=max_waiting,
+            key_share=key_share,
+        )
+        waitable = frozenset(
+            r
+            for r, chain in self.routes.items()
+            if all(b.max_in_flight is not None or b.status_url is not None for b in chain)
+        )
+        return room, waitable
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -274,23 +298,10 @@ class Failover:
         chain = self._chains[route]
         for reorder in req.reorderers:
             chain = await reordered(route, chain, reorder)
-        req.route = route
-        plan: PoolPlan | None = None
-        if self._special and route in self._special:  # (a pool or shared hardware)
-            chain = gathered(chain)
-            plan = PoolPlan(req, self.picker, (caller_name(scope) or "").encode())
-        req.chain = chain
-        req.in_chain = True
-        req.wire = self._formats.get(route) or recognise(target.path)
+        plan = self._place(scope, req, route, chain, target.path)
         # The waiting room, then the chain attempt by attempt, then the final answer; the
-        # caller watched for leaving and the request's span around it all. (Here, not in
-        # a method of its own: a coroutine less a request.)
-        # (No SDK, the usual case: neither start_span's frame nor its attributes.)
-        span = (
-            start_span("tierchain.request", {ATTR_ROUTE: route, "gen_ai.request.model": route})
-            if tracing_enabled()
-            else INVALID_SPAN
-        )
+        # caller watched for leaving and the request's span around it all.
+        span = _request_span(route)
         guard = DisconnectGuard(receive)
         guard.enter()  # (as ``async with guard``, without its two coroutines)
         req.interruption = Interruption.beside(guard.cut)  # the same task, the same baseline
@@ -303,31 +314,12 @@ class Failover:
                 if waited is not None:
                     guard.done = True
                     return await turned_away(send, req, waited)
-            copies = ScopeCopy(scope)  # the scope itself for the first attempt, copies after
-            chain = req.chain
-            attempt: Attempt | None = Attempt(1, len(chain), chain[0], route, started=clock.now())
-            if plan is not None and chain[0].pool is not None:  # the pool's best replica
-                attempt = await plan.picked(req, Attempt(1, len(chain), chain[0], route))
-            tries: Tries | None = None  # made at the first attempt that did not answer
-            while attempt is not None:
-                answered, attempt, fault = await self._attempt(
-                    req, guard, send, attempt, copies, plan
-                )
-                if answered:
-                    if span is not INVALID_SPAN:
-                        span.set_attribute(ATTR_OUTCOME, "ok")
-                    return
-                if tries is None:
-                    tries = Tries()
-                attempt = await self._after(req, plan, attempt, fault, tries)
+            if await self._chain(req, guard, send, scope, route, plan):
+                if span is not INVALID_SPAN:
+                    span.set_attribute(ATTR_OUTCOME, "ok")
+                return
             guard.done = True
-            if req.continuation is not None:
-                # A continuation found no tier to run on: the break is the caller's answer.
-                return await gave_up(req, send)
-            if span is not INVALID_SPAN:
-                span.set_attribute(ATTR_OUTCOME, "all_failed")
-                span.set_status(Status(StatusCode.ERROR, "every backend failed"))
-            await all_failed(req, send, len(req.chain))
+            await self._unanswered(req, send, span)
         except asyncio.CancelledError:
             guard.close()
             if not guard.caused_cancellation():
@@ -336,6 +328,56 @@ class Failover:
             guard.close()
             if span is not INVALID_SPAN:
                 span.end()
+
+    def _place(
+        self, scope: Scope, req: TierRequest, route: str, chain: tuple[Backend, ...], path: bytes
+    ) -> PoolPlan | None:
+        """The request's route, its chain (pools gathered) and its wire format set on it;
+        its pool plan when the chain holds a pool or shared hardware (else None)."""
+        req.route = route
+        plan: PoolPlan | None = None
+        if self._special and route in self._special:  # (a pool or shared hardware)
+            chain = gathered(chain)
+            plan = PoolPlan(req, self.picker, (caller_name(scope) or "").encode())
+        req.chain = chain
+        req.in_chain = True
+        req.wire = self._formats.get(route) or recognise(path)
+        return plan
+
+    async def _chain(
+        self,
+        req: TierRequest,
+        guard: DisconnectGuard,
+        send: Send,
+        scope: Scope,
+        route: str,
+        plan: PoolPlan | None,
+    ) -> bool:
+        """The chain, attempt by attempt: True once one answered, False when none is left."""
+        copies = ScopeCopy(scope)  # the scope itself for the first attempt, copies after
+        chain = req.chain
+        attempt: Attempt | None = Attempt(1, len(chain), chain[0], route, started=clock.now())
+        if plan is not None and chain[0].pool is not None:  # the pool's best replica
+            attempt = await plan.picked(req, Attempt(1, len(chain), chain[0], route))
+        tries: Tries | None = None  # made at the first attempt that did not answer
+        while attempt is not None:
+            answered, attempt, fault = await self._attempt(req, guard, send, attempt, copies, plan)
+            if answered:
+                return True
+            if tries is None:
+                tries = Tries()
+            attempt = await self._after(req, plan, attempt, fault, tries)
+        return False
+
+    async def _unanswered(self, req: TierRequest, send: Send, span: Span) -> None:
+        """No attempt answered: the caller gets a continuation's break (no tier was left to
+        finish it), else every tier's failure (503, 429 or 502)."""
+        if req.continuation is not None:
+            return await gave_up(req, send)
+        if span is not INVALID_SPAN:
+            span.set_attribute(ATTR_OUTCOME, "all_failed")
+            span.set_status(Status(StatusCode.ERROR, "every backend failed"))
+        await all_failed(req, send, len(req.chain))
 
     async def _attempt(
         self,
