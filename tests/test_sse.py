@@ -7,7 +7,8 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tierchain.sse import comment_line, error_event, has_finish_reason
+from tierchain import formats
+from tierchain.sse import comment_line, events, has_finish_reason, last_event
 
 
 def test_finish_reason_counts_only_with_a_string_value():
@@ -28,10 +29,19 @@ def test_a_comment_line_is_one_line_whatever_a_backend_name_contains(name):
 
 
 def test_an_error_event_is_an_openai_style_error():
-    raw = error_event("boom\nline", "upstream_error", "stream_broken")
+    raw = formats.of(None).error_bytes(formats.SSE, "boom\nline", "upstream_error", "stream_broken")
     assert raw.startswith(b"data: ")
     assert raw.endswith(b"\n\n")
     assert raw.count(b"\n") == 2
     assert json.loads(raw[6:]) == {
         "error": {"message": "boom\nline", "type": "upstream_error", "code": "stream_broken"}
     }
+
+
+def test_the_one_event_parser_reads_names_joined_data_and_an_unended_event():
+    buf = b"event: a\ndata: 1\ndata: 2\n\n: ping\n\ndata:3\r\n\r\nevent: b\ndata: 4"
+    assert events(buf) == [("a", b"1\n2"), (None, b"3"), ("b", b"4")]
+    assert events(buf, unended=False) == [("a", b"1\n2"), (None, b"3")]
+    assert events(buf, ignore={"a"}) == [(None, b"3"), ("b", b"4")]
+    assert last_event(buf) == (None, b"3")
+    assert last_event(buf, skip_last=True) == ("a", b"1\n2")

@@ -10,13 +10,11 @@ import math
 import time
 from typing import Any
 
-from . import _json
+from . import _json, formats
 from ._types import Headers, Message, Send
 from .errors import CallerStalled
 from .request import TierRequest
-from .sse import error_json
 from .telemetry import CALLERS_CUT, labelled, log_event
-from .wire import error_object
 
 
 async def send_json_error(
@@ -31,12 +29,8 @@ async def send_json_error(
     **extra: Any,
 ) -> None:
     """Answer ``status`` with a JSON error body: OpenAI's shape, or ``wire``'s own
-    (:func:`tierchain.wire.error_object`; Ollama's ``{"error": "..."}`` on ``/api/*``)."""
-    error = (
-        error_json(message, type, code, **extra)
-        if wire is None
-        else error_object(wire, message, type, code, **extra)
-    )
+    (``WireFormat.error_object``; Ollama's ``{"error": "..."}`` on ``/api/*``)."""
+    error = formats.of(wire).error_object(message, type, code, **extra)
     body = json.dumps(error, ensure_ascii=False).encode()
     all_headers: Headers = [
         (b"content-type", b"application/json"),

@@ -16,12 +16,12 @@ The commit rule: an answer within ``commit_after`` seconds keeps its real status
 and headers; only a streaming request that had nothing to read for that long is
 committed by Heartbeats itself (``200 text/event-stream``), after which a late
 error becomes one error event in the request's wire format
-(:func:`tierchain.wire.error_bytes`). Lines go in only at event boundaries, never
+(``WireFormat.error_bytes``, :mod:`tierchain.formats`). Lines go in only at event boundaries, never
 after a CR an LF may complete, never as a blank line of their own.
 
 No stream has a task or a timer of its own while it waits: its next commit or
-keepalive is an entry on the package's scheduler, which writes the line at once
-in the request's context; a write that has to wait becomes a short task
+keepalive is an entry on the package's scheduler, which writes the line at once in
+the request's context; a write that has to wait becomes a short task
 (``tierchain-heartbeats``) the request owns. Its writes go through one lock (as
 sse-starlette's ``_ping``). docs/heartbeats.md has the whole contract.
 """
@@ -36,6 +36,7 @@ from collections.abc import Awaitable
 from datetime import timedelta
 from typing import Any
 
+from . import formats
 from ._checks import count, duration
 from ._responses import FinalWrites
 from ._runtime import clock, deadlines
@@ -49,7 +50,7 @@ from .observer import Observer, nothing_sent, whole_events
 from .request import SCOPE_KEY, StateEvent, TierRequest
 from .sse import is_event_stream
 from .telemetry import current_span, log_event
-from .wire import OLLAMA, SSE, LateAnswer, allows_comments, error_bytes, recognise
+from .wire import LateAnswer, recognise
 
 __all__ = ["TASK_NAME", "Heartbeats"]
 
@@ -78,6 +79,8 @@ _COROUTINE = types.CoroutineType  # what a server's ``async def send`` returns
 
 _LOOK_AGAIN = 0.002  # a line held beside a relayed send that is out: look again this soon
 _HELD_LOOK = 0.5  # a commit held while every tier so far said 429: look again this soon
+_FAILED = ("the gateway failed while answering", "internal_error", "internal_error")
+_NO_ANSWER = ("the gateway ended without an answer", "upstream_error", "no_response")
 _ASK_AGAIN = 0.05  # a long body, too long to parse here: is "stream" known yet? ask this soon
 
 MIN_INTERVAL = 0.02
@@ -166,32 +169,22 @@ _AT_ONCE: Any = object()
 
 
 class _Stream:
-    """One streaming request, as Heartbeats sees it. Its facts:
+    """One streaming request, as Heartbeats sees it (each field's comment in ``__init__``):
 
     - the response: ``phase`` (waiting, relaying the app's event stream, our own,
-      passing through, done), ``inner_started``, ``observer`` (our own, used alone),
-      ``late`` (a non-stream answer after our own commit);
-    - what is owed: ``queue`` (state lines), ``keepalive_due`` (a keepalive held back
-      for a boundary), ``rearm_after`` (time the next one once it is out); whether a
-      line is owed at a given time is :meth:`_owed`, whether it can go in :meth:`_can_write`;
-    - the output's tail: ``last`` (the last relayed chunk: a CR an LF may complete; empty
-      when our own lines were last, a boundary), ``last_output`` (when: read only while
-      keepalives can follow, so not set by the final chunk);
-    - what the request says of streaming: ``accept`` (its Accept header), else its
-      body's ``"stream": true`` (``parts`` kept up to ``SNIFF_LIMIT`` bytes while the
-      body arrives, ``body_done``, parsed once into ``sniffed``); ``awaiting``: a
-      commit waits for the body to say;
-    - ``entry``, its next commit or keepalive on the scheduler (from ``started``), ``gone``
-      (the request is over or the caller left);
-    - its own writes to the caller, shaped as sse-starlette's ``_ping``: ``lock``, which
-      every write of ours and every relayed chunk that needs one takes (made when the
-      stream goes ``live``, its first due time: until then no one else writes), and
-      ``active``, False for good once a write of ours failed. ``relaying``: a relayed
-      chunk's send is out, sent by :meth:`_relay`; ``flight``: the server's own send
-      coroutine for the last chunk passed on as is (the hot path adds no coroutine of its
-      own). While either is out (:meth:`sending`) no line of ours may go in. ``writing``:
-      our own lines are being sent under the lock (a relayed chunk then takes the lock
-      too); ``task``: the write the timer started (at most one), owned by the request.
+      passing through, done), ``inner_started``, ``observer`` (ours, used alone), ``late``;
+    - what is owed: ``queue``, ``keepalive_due``, ``rearm_after``; whether a line is owed
+      at a given time is :meth:`_owed`, whether it can go in :meth:`_can_write`;
+    - the output's tail: ``last`` (a CR an LF may complete), ``last_output`` (when);
+    - what the request says of streaming (:meth:`streaming`): ``accept``, else its body's
+      ``"stream": true`` (``parts``, ``body_done``, ``sniffed``; ``awaiting`` a commit);
+    - ``entry``, its next commit or keepalive on the scheduler; ``gone``;
+    - its own writes, shaped as sse-starlette's ``_ping``: ``lock`` (made when the stream
+      goes ``live``, its first due time: until then no one else writes), ``active`` (False
+      for good once a write of ours failed); ``relaying`` and ``flight``, a relayed chunk's
+      send still out (:meth:`sending`: no line of ours goes in meanwhile; the hot path
+      adds no coroutine of its own); ``writing``, our lines being sent under the lock;
+      ``task``, the write the timer started (at most one), owned by the request.
     """
 
     # Thousands of these may wait at once: slots keep each one small (the writer's
@@ -298,12 +291,10 @@ class _Stream:
         return self.req.wire or recognise(self.path)
 
     def streaming(self) -> bool | None:
-        """True/False once known; None while the body that says so is still arriving.
-
-        A request whose wire format has no comments (Ollama's NDJSON) is never
-        ours to commit or to put lines into: False.
-        """
-        if not allows_comments(self.req.wire or recognise(self.path)):  # (self.wire())
+        """True/False once known; None while the body that says so is still arriving. A
+        request whose wire format has no comments (``WireFormat.comments``: Ollama's
+        NDJSON) is never ours to commit or to put lines into: False."""
+        if not formats.of(self.wire()).comments:
             return False
         if self.accept:
             return True
@@ -395,9 +386,7 @@ class _Stream:
         if not more:
             self.phase = _DONE
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
-        self.last_output = clock.now()
-        if self.rearm_after:
-            self._rearm()
+        self._after_send()
 
     async def _commit_own(self) -> None:
         """Commit 200 text/event-stream ourselves and show every queued state line."""
@@ -485,26 +474,19 @@ class _Stream:
                 self._after_send()
         finally:
             self.relaying = False
-            if self.live and (self.keepalive_due or self.queue):
+            if self.live and self._pending:
                 self._kick()  # a line was held back while this send was out
 
     async def _send_slow(self, message: Message) -> None:
-        phase = self.phase
-        if phase == _PASS:
+        if self.phase == _PASS:
             await self._send(message)
             return
         kind = message["type"]
         if kind == "http.response.start":
-            if self.live:
-                async with self.lock:
-                    out = self._started(message)
-                    if out is not None:
-                        await self._relay(self._send(out))
-                return
-            # Not live: no one else writes yet, no lock to take.
-            out = self._started(message)
-            if out is not None:
-                await self._relay(self._send(out))
+            async with self.lock:  # (not live: no one else writes yet, _NO_LOCK)
+                out = self._started(message)
+                if out is not None:
+                    await self._relay(self._send(out))
         elif kind == "http.response.body":
             if self.phase == _RELAY and not self.writing:
                 # As in the hot path, with state lines or detection to do.
@@ -535,16 +517,9 @@ class _Stream:
         if phase == _WAITING:
             streams: bool | None = False
             if sse:
-                streams = req.streaming
-                if self.accept or streams is not None:
-                    # streaming()'s usual answer, inline (allows_comments: not Ollama's)
-                    streams = (self.accept or streams) and (
-                        req.wire or recognise(self.path)
-                    ) != OLLAMA
-                else:
-                    streams = self.streaming()
-                    if streams is None:  # (a body too long to parse here: the answer says)
-                        streams = True
+                streams = self.streaming()
+                if streams is None:  # (a body too long to parse here: the answer says)
+                    streams = True
             if streams:
                 self.phase = _RELAY
                 # State lines change the body's length: the server frames it.
@@ -587,6 +562,7 @@ class _Stream:
                 self._after_send()
 
     def _after_send(self) -> None:
+        """An output of ours went: time the next keepalive from it."""
         self.last_output = clock.now()
         if self.rearm_after:
             self._rearm()
@@ -608,7 +584,7 @@ class _Stream:
         more = bool(message.get("more_body", False))
         if not chunk and more:
             return None
-        if not (self.queue or self.keepalive_due):
+        if not self._pending:
             if chunk:
                 self.last = chunk
             if not more:
@@ -618,14 +594,10 @@ class _Stream:
         if chunk:
             # After a CR, an LF would complete that line ending: not a boundary then.
             if not (chunk[:1] == b"\n" and self.last[-1:] == b"\r"):
-                if self.keepalive_due or not self.queue:
-                    out = self._lines()
-                else:  # state lines only (most requests' first chunk): _lines, inline
-                    events, self.queue = self.queue, []
-                    out = state_lines(events, self.span)
+                out = self._lines()
             self.last = chunk
         out += chunk
-        if more and (self.queue or self.keepalive_due) and self._at_boundary():  # (_pending)
+        if more and self._pending and self._at_boundary():
             out += self._lines()  # a state line or keepalive that waited for this boundary
         if not more:
             self.phase = _DONE
@@ -815,16 +787,12 @@ class _Stream:
         async with FinalWrites(self.req), self.lock:
             if self.phase != _OWN or self.gone:
                 return
-            wire = self.wire()
+            fmt = formats.of(self.wire())
             if failed is not None:
                 log_event("stream.app_error", level=40, error=repr(failed))
-                why = ("the gateway failed while answering", "internal_error", "internal_error")
-                event = error_bytes(wire, SSE, *why)
+                event = fmt.error_bytes(formats.SSE, *_FAILED)
             elif self.late is not None:
-                event = self.late.event(wire)
-            elif not self.inner_started:
-                why = ("the gateway ended without an answer", "upstream_error", "no_response")
-                event = error_bytes(wire, SSE, *why)
+                event = self.late.event(fmt.name)
             else:
-                event = b""
+                event = b"" if self.inner_started else fmt.error_bytes(formats.SSE, *_NO_ANSWER)
             await self._finish_own(event)

@@ -51,6 +51,7 @@ from collections.abc import Awaitable, Iterable
 from datetime import timedelta
 from typing import Any
 
+from . import formats
 from ._body import DEFAULT_BODY_TIMEOUT, read_or_refuse, replayed, timeout_option
 from ._checks import count
 from ._head import refuse_request
@@ -79,7 +80,7 @@ from .sse import data_values, first_events
 from .store import USAGE_BOUND, MemoryStore, WindowCheck, WindowHold
 from .telemetry import COST, TOKENS, labelled, log_event, observe_usage
 from .usage import DEFAULT_MAX_TOKENS, body_units, bounded, estimate, read_usage, reservation
-from .wire import NDJSON, OLLAMA, SSE, error_bytes, error_format
+from .wire import error_format
 
 __all__ = [
     "ANONYMOUS",
@@ -406,7 +407,8 @@ class KeyLimits:
         wire = (attempt.backend.wire_format if attempt is not None else None) or (
             req.wire if req is not None else None
         )
-        got_in, got_out = read_usage(wire, meter.values(wire))
+        lines = formats.of(wire).lines  # (its usage on its last line; no terminator event)
+        got_in, got_out = read_usage(wire, meter.values(lines))
         found = (
             None if got_in is None else bounded(got_in, "usage", backend),
             None if got_out is None else bounded(got_out, "usage", backend),
@@ -418,7 +420,7 @@ class KeyLimits:
             units = meter.events
         else:
             units = observer.data_events if observer is not None else meter.chunks
-            units = max(0, units - (0 if wire == OLLAMA else 1))  # the terminator
+            units = max(0, units - (0 if lines else 1))  # the terminator
         usage = estimate(found, len(req.body or b"") if req is not None else 0, units)
         ok = meter.ended or req is None or not req.attempts or req.attempts[-1].outcome == "ok"
         prefix = "" if ok else "failed_"
@@ -548,9 +550,8 @@ class _Meter:
             held.spent -= events - keep
         await self._send(message)
         code = _REFUSALS[held.crossed or "tpm"][0]
-        error = error_bytes(
-            held.wire,
-            NDJSON if self.ndjson else SSE,
+        error = formats.of(held.wire).error_bytes(
+            formats.NDJSON if self.ndjson else formats.SSE,
             f"the key's {'budget' if held.crossed == 'budget' else 'tokens per minute'} "
             "ran out mid-stream: the answer ends here",
             "rate_limit_error",
@@ -559,11 +560,12 @@ class _Meter:
         await self._send({"type": "http.response.body", "body": error, "more_body": False})
         held.cut.interrupt("tierchain: the key's token limit ran out mid-stream")
 
-    def values(self, wire: str | None) -> list[bytes]:
-        """The JSON values that may carry the usage, in order."""
+    def values(self, lines: bool) -> list[bytes]:
+        """The JSON values that may carry the usage, in order (``lines``: the wire
+        format's streams are NDJSON lines, its usage on the last)."""
         if self.whole is not None:
             return [b"".join(self.whole)] if self.size <= _HOLD_WHOLE else []
-        if wire == OLLAMA:
+        if lines:
             return b"".join(self.tail or self.head).splitlines()[-2:]
         events = b"".join(self.head)
         values = data_values(events) if events else []

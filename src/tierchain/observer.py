@@ -6,8 +6,9 @@ the observer's facts instead of parsing the stream itself:
 
 - ``status``, ``headers``, ``sse`` (the body is an event stream) and ``ndjson``
   (the body is newline-delimited JSON, as Ollama streams);
-- ``wire``: the request's wire format (:mod:`tierchain.wire`), which decides
-  what a complete stream is and how an error after commit is written;
+- ``wire``: the request's wire format, and ``format`` its object (one module of
+  :mod:`tierchain.formats` each), which decides what a complete stream is, what
+  is progress and how an error after commit is written;
 - ``first_data_at``: when the first *complete* event carrying ``data`` arrived
   (for NDJSON, the first complete line; for any other body, its first bytes).
   A partial line, a comment or the headers are not progress;
@@ -34,10 +35,9 @@ lines). tierchain's layers only ever add whole lines at event boundaries.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
-from . import _json
+from . import formats
 from ._runtime import clock
 from ._types import Headers, Message
 from .errors import StreamError
@@ -47,11 +47,8 @@ from .sse import (
     data_values,
     framing,
     has_data,
-    has_finish_reason,
     last_boundary,
-    last_event,
 )
-from .wire import ANTHROPIC, NDJSON, OLLAMA, PLAIN, RESPONSES, SSE, error_bytes
 
 __all__ = ["MAX_EVENT", "OPENAI", "Observer", "nothing_sent", "whole_events"]
 
@@ -60,10 +57,6 @@ MAX_EVENT = 2**20
 
 OPENAI = "openai"
 """The default stream end: ``data: [DONE]``, or a ``finish_reason`` before a clean end."""
-
-_OPENAI_END = OPENAI.encode()
-_DONE = b"[DONE]"
-_DONE_EVENT = b"data: [DONE]\n\n"
 
 
 class Observer:
@@ -82,11 +75,13 @@ class Observer:
         "_previous",
         "_searched",
         "_stream_end",
+        "_wire",
         "complete",
         "data_events",
         "ended",
         "finish_seen",
         "first_data_at",
+        "format",
         "framed",
         "headers",
         "last_event_at",
@@ -100,7 +95,6 @@ class Observer:
         "started",
         "status",
         "terminated",
-        "wire",
     )
 
     def __init__(
@@ -112,14 +106,8 @@ class Observer:
         wire: str | None = None,
     ) -> None:
         self.started = clock.now() if started is None else started
-        if wire == PLAIN and stream_end == OPENAI:
-            stream_end = None  # plain: any clean end, unless a terminator was named
-        if stream_end == OPENAI:
-            self._stream_end: bytes | None = _OPENAI_END  # (the default: encoded once)
-        else:
-            self._stream_end = None if stream_end is None else stream_end.encode()
-        self.wire = wire
-        self._opening = wire in _OPENING  # opening events to tell from progress
+        self.wire = wire  # (sets ``format``, the wire format's object, and ``_opening``)
+        self._stream_end = self.format.stream_end(stream_end)
         self.max_event = max_event
         self.status: int | None = None
         self.headers: Headers = []
@@ -146,6 +134,20 @@ class Observer:
         self._last = self._previous = b""
         self.on_first_data: list[Callable[[], None]] = []
         """Called once, when the first data event (or first body bytes) arrives."""
+
+    @property
+    def wire(self) -> str | None:
+        """The request's wire format (None: OpenAI's rules)."""
+        return self._wire
+
+    @wire.setter
+    def wire(self, wire: str | None) -> None:
+        # A layer alone may learn the format after it made its observer (from the path).
+        self._wire = wire
+        # The format's object (tierchain.formats): what is complete, what is progress, how
+        # an error is written. Picked once here; asked, never branched on.
+        self.format = formats.of(wire)
+        self._opening = bool(self.format.opening)  # opening events to tell from progress
 
     def start(self, status: int, headers: Headers) -> None:
         """Note the response's status and headers."""
@@ -262,15 +264,15 @@ class Observer:
         """An error to end this response with after commit, in its wire format's own
         shape (None: the body is not a stream, so the connection must be aborted)."""
         if self.sse:
-            return error_bytes(self.wire, SSE, message, type, code)
+            return self.format.error_bytes(formats.SSE, message, type, code)
         if self.ndjson:
-            return error_bytes(self.wire, NDJSON, message, type, code)
+            return self.format.error_bytes(formats.NDJSON, message, type, code)
         return None
 
     def _note(self, events: bytes) -> None:
         if not (events.startswith(b"data:") or has_data(events)):
             return  # comments, pings, other fields: not progress
-        if self._opening and _no_progress(self.wire, events, self):
+        if self._opening and self.format.no_progress(events, self.first_data_at is not None):
             self.opened = True  # kept for the first event that carries the answer
             return
         now = self.last_event_at = clock.now()
@@ -283,34 +285,14 @@ class Observer:
 
     def _terminate(self) -> None:
         """At the end: did the last data event carry the stream's terminator?"""
-        wire = self.wire
         if self.data_events == 0:
             return
         if self.ndjson:
-            if wire == OLLAMA:
-                self.terminated = _done_line(self._last)
+            self.terminated = self.format.line_ends(self._last)
             return
-        if wire in (ANTHROPIC, RESPONSES):
-            self.terminated = _format_end(wire, self._previous + self._last)
-            return
-        end = self._stream_end
-        if end is None:
-            return
-        last = self._last
-        if end == b"openai" and (last == _DONE_EVENT or last.endswith(b"\n\n" + _DONE_EVENT)):
-            self.terminated = True  # the usual end, as its own event: nothing to parse
-            return
-        values = data_values(last)
-        if len(values) < 2:
-            values = data_values(self._previous) + values
-        if not values:
-            return
-        if end == b"openai":
-            self.terminated = values[-1] == _DONE
-            # A finish_reason, perhaps followed by a usage chunk, then a clean end.
-            self.finish_seen = any(has_finish_reason(v) for v in values[-2:])
-        else:
-            self.terminated = values[-1] == end
+        self.terminated, self.finish_seen = self.format.judge(
+            self._previous, self._last, self._stream_end
+        )
 
     def _first(self) -> None:
         for callback in self.on_first_data:
@@ -329,15 +311,11 @@ class Observer:
             self._terminate()
             if self.first_data_at is None:
                 return
-            wire = self.wire
             if self.ndjson:
-                self.complete = self.terminated or wire != OLLAMA
-            elif wire in (ANTHROPIC, RESPONSES):
-                self.complete = self.terminated
+                self.complete = self.terminated or not self.format.needs_done_line
             else:
-                end = self._stream_end
-                self.complete = (
-                    end is None or self.terminated or (end == b"openai" and self.finish_seen)
+                self.complete = self.format.whole(
+                    self.terminated, self.finish_seen, self._stream_end
                 )
 
     def reached_end(self) -> bool:
@@ -348,17 +326,12 @@ class Observer:
         if self.pending.strip() or self.data_events == 0:
             return False
         if self.ndjson:
-            return self.wire == OLLAMA and _done_line(self._last)
-        if self.wire == ANTHROPIC and self.sse:
-            return _format_end(ANTHROPIC, self._previous + self._last)
-        if not self.sse or self.pending or self._stream_end is None:
+            return self.format.line_ends(self._last)
+        if not self.sse or self.pending:
             return False
         if self.ended:
             return self.terminated
-        self._terminate()
-        whole = self.terminated
-        self.terminated = self.finish_seen = False  # judged again, once, at the end
-        return whole
+        return self.format.judge(self._previous, self._last, self._stream_end)[0]
 
     def tail_values(self) -> list[bytes]:
         """The JSON values of the last two data chunks seen (where a stream's usage is),
@@ -387,76 +360,6 @@ class Observer:
         if not self.ended:
             return "stream_broken"
         return "no_data" if self.first_data_at is None else "truncated"
-
-
-# Events that open an answer (or keep a connection busy) without carrying any of it: a
-# server sends them at once, before its queue or its prefill, so they are not progress.
-_OPENING = {
-    ANTHROPIC: frozenset({b"message_start", b"ping", b"content_block_start"}),
-    RESPONSES: frozenset(
-        {
-            b"response.created",
-            b"response.queued",
-            b"response.in_progress",
-            b"response.output_item.added",
-            b"response.content_part.added",
-        }
-    ),
-}
-_EVENT_NAME = re.compile(rb"(?:^|[\r\n])event:[ ]?([^\r\n]*)")
-
-
-def _no_progress(wire: str | None, events: bytes, observer: Observer) -> bool:
-    """True when every event in ``events`` only opens the answer (or is a ping).
-
-    Looked for until the first progress; after it, only a lone Anthropic ``ping``.
-    """
-    if observer.first_data_at is not None:
-        return (
-            wire == ANTHROPIC
-            and events.startswith(b"event: ping")
-            and (events.count(b"\n\n") + events.count(b"\r\n\r\n") == 1)
-        )
-    opening = _OPENING.get(wire or "")
-    if opening is None:
-        return False
-    names = _EVENT_NAME.findall(events)
-    return bool(names) and len(names) == len(data_values(events)) and set(names) <= opening
-
-
-_RESPONSES_ENDS = frozenset({"response.completed", "response.failed", "response.incomplete"})
-_PINGS = frozenset({"ping"})
-
-
-def _format_end(wire: str, events: bytes) -> bool:
-    """Anthropic and Responses: does the last event (a ``[DONE]`` after it aside) end it?
-
-    Anthropic's ``ping`` events after ``message_stop`` do not count, wherever the bytes
-    were split (a ping alone is never kept as the last event; one released with others is
-    passed over here)."""
-    name, data = last_event(events, ignore=_PINGS if wire == ANTHROPIC else ())
-    if wire == RESPONSES and data == b"[DONE]":
-        name, data = last_event(events, skip_last=True)
-    kind = name
-    if kind is None and data:
-        try:
-            parsed = _json.loads(data)
-        except ValueError:
-            return False
-        kind = parsed.get("type") if isinstance(parsed, dict) else None
-    if wire == ANTHROPIC:
-        return kind == "message_stop"
-    return kind in _RESPONSES_ENDS
-
-
-def _done_line(lines: bytes) -> bool:
-    """Ollama: is the last line of ``lines`` an object with ``"done": true``?"""
-    last = lines.rstrip().rsplit(b"\n", 1)[-1]
-    try:
-        parsed = _json.loads(last)
-    except ValueError:
-        return False
-    return isinstance(parsed, dict) and parsed.get("done") is True
 
 
 def whole_events(observer: Observer, message: Message) -> Message | None:

@@ -42,12 +42,11 @@ from typing import Any
 
 import httpx
 
-from . import _json
+from . import _json, formats
 from ._runtime import clock
 from .backend import Backend
 from .store import FactStore, MemoryStore
 from .telemetry import log_event
-from .wire import ANTHROPIC, OLLAMA, OPENAI
 
 __all__ = ["FACT", "SERVERS", "Prefill", "Prefills"]
 
@@ -64,7 +63,6 @@ SERVERS: Mapping[str, Mapping[str, Any]] = {
 """The servers known to continue a trailing assistant message on their OpenAI chat
 endpoint, and what the request gains for each."""
 
-_NATIVE = frozenset({ANTHROPIC, OLLAMA})
 _SIZE = 64 * 1024  # the most of a probe's answer read
 
 
@@ -120,11 +118,9 @@ class Prefills:
             known = None
         if known is not None:
             return known
-        wire = wire or OPENAI
-        if wire in _NATIVE:
-            return Prefill(True, "format")
-        if wire != OPENAI:
-            return Prefill(False, "format")
+        rule = formats.of(wire).prefill  # the format's own word, or "ask" the server
+        if rule != "ask":
+            return Prefill(rule == "native", "format")
         timeout = self.probe_timeout if limit is None else min(self.probe_timeout, limit)
         if timeout <= 0:
             return Prefill(False, "format")

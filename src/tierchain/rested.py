@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import httpx
 
+from . import formats
 from ._runtime import clock
 from ._target import Target, upstream_url
 from .backend import Backend, is_local
@@ -49,7 +50,6 @@ from .probes import auto_reader
 from .status import StatusBoard, idle
 from .store import BreakerPolicy, LeaseStore, Store, Ticket
 from .telemetry import BREAKER_REST_CHECKS, labelled, log_event
-from .wire import ANTHROPIC, OLLAMA, OPENAI, RESPONSES
 
 __all__ = ["TASK_NAME", "RestChecks", "check_request", "rested"]
 
@@ -69,29 +69,14 @@ def check_request(
     """The gateway's own small request to ``backend``: a one-token completion in its wire
     format (``backend.wire_format``, else the route's ``wire``, else OpenAI chat), for the
     model ``backend.model`` or the route's name. Returns (URL, body, headers)."""
-    fmt = backend.wire_format or wire or OPENAI
-    model = backend.model or route or "default"
-    message = [{"role": "user", "content": _PROMPT}]
+    fmt = formats.of(backend.wire_format or wire)
+    path, body, own = fmt.check_request(backend.model or route or "default", _PROMPT)
     headers = {
         "content-type": "application/json",
         "accept": "text/event-stream",
         "accept-encoding": "identity",
+        **own,
     }
-    body: dict[str, object]
-    if fmt == OLLAMA:
-        path = b"/api/generate"
-        body = {"model": model, "prompt": _PROMPT, "stream": True, "options": {"num_predict": 1}}
-        headers["accept"] = "application/x-ndjson"
-    elif fmt == ANTHROPIC:
-        path = b"/v1/messages"
-        body = {"model": model, "max_tokens": 1, "messages": message, "stream": True}
-        headers["anthropic-version"] = "2023-06-01"
-    elif fmt == RESPONSES:
-        path = b"/v1/responses"  # (16: the least output the API accepts)
-        body = {"model": model, "input": _PROMPT, "max_output_tokens": 16, "stream": True}
-    else:
-        path = b"/v1/chat/completions"
-        body = {"model": model, "messages": message, "max_tokens": 1, "stream": True}
     for name, value in backend.headers.items():
         headers[name.lower()] = value
     url = upstream_url(backend.url, Target(path, b""))

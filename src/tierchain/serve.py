@@ -42,6 +42,7 @@ from typing import Any, TextIO
 
 import uvicorn
 
+from . import formats
 from ._responses import send_json_error
 from ._runtime import clock, deadlines
 from ._types import ASGIApp, Message, Receive, Scope, Send
@@ -52,7 +53,7 @@ from .request import TierRequest
 from .sse import EVENT_STREAM, NDJSON_LINES, framing
 from .stack import build_stack
 from .telemetry import VERSION, log_event
-from .wire import NDJSON, SSE, error_bytes, error_format, recognise
+from .wire import NDJSON, SSE, error_format, recognise
 
 __all__ = ["Drain", "ServeOptions", "bind", "configure_logging", "run"]
 
@@ -193,7 +194,8 @@ class Drain:
             elif stream:  # the error in the request's own wire format
                 req = TierRequest.find(scope)
                 wire = (req.wire if req is not None else None) or recognise(scope["path"])
-                body = error_bytes(wire, stream, _SHUTTING_DOWN, "server_error", "shutting_down")
+                fmt = formats.of(wire)
+                body = fmt.error_bytes(stream, _SHUTTING_DOWN, "server_error", "shutting_down")
                 await send({"type": "http.response.body", "body": body, "more_body": False})
             else:
                 mark_logged(exc)  # (serve.request_cut said it; the server drops the connection)

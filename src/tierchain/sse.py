@@ -9,7 +9,8 @@ The one SSE rule every layer relies on lives here:
 - :func:`has_data`, :func:`data_values` and :func:`has_finish_reason` read
   whole events: progress is a complete event carrying ``data``; comments
   (``: ping``), other fields and blank lines are not.
-- :func:`comment_line` and :func:`error_event` build what tierchain inserts.
+- :func:`comment_line` builds the line Heartbeats inserts (an error event is the
+  wire format's own: :mod:`tierchain.formats`).
 
 :class:`~tierchain.observer.Observer` applies them to one response.
 """
@@ -21,15 +22,13 @@ import re
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from .masking import mask_text
-
 __all__ = [
     "EVENT_STREAM",
     "NDJSON_LINES",
     "comment_line",
     "data_values",
-    "error_event",
-    "error_json",
+    "event_names",
+    "events",
     "first_events",
     "framing",
     "has_data",
@@ -145,16 +144,17 @@ def data_values(events: bytes) -> list[bytes]:
     return values
 
 
-def last_event(
-    events: bytes, *, skip_last: bool = False, ignore: Collection[str] = ()
-) -> tuple[str | None, bytes]:
-    """The ``event`` name (None when it has none) and data of the last event in
-    ``events`` (whole events) that carries data, events named in ``ignore`` aside;
-    with ``skip_last``, of the one before it. ``(None, b"")`` when there is none."""
+def events(
+    buf: bytes, *, ignore: Collection[str] = (), unended: bool = True
+) -> list[tuple[str | None, bytes]]:
+    """Every event of ``buf`` that carries data, in order: its ``event`` name (None when
+    it has none) and its data (several ``data`` lines joined by a newline). Events named
+    in ``ignore`` are left out; with ``unended``, an event the buffer ends inside (no
+    blank line after it) is counted too. The one SSE event parser of the package."""
     found: list[tuple[str | None, bytes]] = []
     name: str | None = None
     lines: list[bytes] | None = None
-    for line in _EOL.split(events):
+    for line in _EOL.split(buf):
         if not line:
             if lines is not None and name not in ignore:
                 found.append((name, b"\n".join(lines)))
@@ -167,10 +167,30 @@ def last_event(
             if lines is None:
                 lines = []
             lines.append(value[1:] if value.startswith(b" ") else value)
+    if unended and lines is not None and name not in ignore:
+        found.append((name, b"\n".join(lines)))
+    return found
+
+
+def last_event(
+    events_: bytes, *, skip_last: bool = False, ignore: Collection[str] = ()
+) -> tuple[str | None, bytes]:
+    """The ``event`` name (None when it has none) and data of the last event in
+    ``events_`` (whole events) that carries data, events named in ``ignore`` aside;
+    with ``skip_last``, of the one before it. ``(None, b"")`` when there is none."""
+    found = events(events_, ignore=ignore, unended=False)
     want = 2 if skip_last else 1
     if len(found) < want:
         return None, b""
     return found[-want]
+
+
+_EVENT_NAME = re.compile(rb"(?:^|[\r\n])event:[ ]?([^\r\n]*)")
+
+
+def event_names(events: bytes) -> list[bytes]:
+    """The ``event`` names in ``events`` (whole events), in order."""
+    return _EVENT_NAME.findall(events)
 
 
 def has_finish_reason(events: bytes) -> bool:
@@ -199,20 +219,6 @@ def comment_line(event: dict[str, Any]) -> bytes:
     (Heartbeats keeps the lines it repeats for every request, with their counter.)
     """
     return b": " + _one_line_json(event) + b"\n"
-
-
-def error_json(message: str, type: str, code: str | None = None, **extra: Any) -> dict[str, Any]:
-    """The OpenAI-compatible error object ``{"error": {...}}``; a URL in ``message`` is masked."""
-    if "://" in message:
-        message = mask_text(message)
-    error: dict[str, Any] = {"message": message, "type": type, "code": code}
-    error.update(extra)
-    return {"error": error}
-
-
-def error_event(message: str, type: str, code: str | None = None, **extra: Any) -> bytes:
-    """``data: {"error": {...}}`` and a blank line: an error OpenAI clients raise."""
-    return b"data: " + _one_line_json(error_json(message, type, code, **extra)) + b"\n\n"
 
 
 def first_events(chunk: bytes, n: int) -> bytes:

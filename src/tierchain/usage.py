@@ -1,24 +1,13 @@
 """Token usage as the answering backend reported it, per wire format.
 
 Read once, at the end of a response, from the few events that can carry it (never
-by parsing every chunk on the way):
-
-- ``openai`` (chat, completions, embeddings): the body's ``usage`` with
-  ``prompt_tokens`` and ``completion_tokens``; in a stream, the last chunk before
-  ``data: [DONE]`` carries it (``"choices": []``) only when the request asked with
-  ``stream_options: {"include_usage": true}``. Without it a stream has no usage:
-  it is then estimated (see :func:`estimate`), never asked for behind the
-  caller's back (the gateway does not rewrite the request body).
-- ``responses``: the body's ``usage`` with ``input_tokens`` and
-  ``output_tokens``; in a stream, the ``response.completed`` event's
-  ``response.usage`` (``response.incomplete`` and ``response.failed`` carry one too).
-- ``anthropic``: the body's ``usage`` ``input_tokens`` and ``output_tokens``; in a
-  stream, ``message_start``'s ``message.usage.input_tokens`` (the first event) and
-  ``message_delta``'s ``usage.output_tokens`` (cumulative; the last one counts).
-- ``ollama``: the final object (``"done": true``, the last line of a stream)
-  with ``prompt_eval_count`` and ``eval_count`` (Ollama leaves
-  ``prompt_eval_count`` out when the whole prompt came from its cache: the input
-  is then estimated).
+by parsing every chunk on the way). Where each wire format reports it is the
+format's own (``WireFormat.usage``, one module of :mod:`tierchain.formats` each:
+OpenAI's ``usage``, which a stream carries only when the request asked with
+``stream_options: {"include_usage": true}``; Responses' ``response.usage``;
+Anthropic's ``message_start`` and ``message_delta``; Ollama's final line). A side
+the backend did not report is estimated (see :func:`estimate`), never asked for
+behind the caller's back (the gateway does not rewrite the request body).
 
 :func:`read_usage` takes the candidate JSON values (data values of the first and
 last events, NDJSON lines, or a whole body) and returns what it found;
@@ -33,12 +22,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _json
-from .continuation import LIMIT_KEYS
+from . import _json, formats
+from .formats.seam import LIMIT_KEYS
 from .learned import BYTES_PER_TOKEN, prompt_tokens
 from .store import USAGE_BOUND
 from .telemetry import log_event
-from .wire import ANTHROPIC, OLLAMA, RESPONSES
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -68,50 +56,12 @@ class Usage:
     output_estimated: bool = False
 
 
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-def _found(wire: str | None, obj: dict[str, Any]) -> tuple[int | None, int | None]:
-    """The (input, output) one JSON object carries in ``wire``'s shape."""
-    if wire == OLLAMA:
-        if obj.get("done") is True:
-            return _int(obj.get("prompt_eval_count")), _int(obj.get("eval_count"))
-        return None, None
-    if wire == ANTHROPIC:
-        kind = obj.get("type")
-        if kind == "message_start":
-            message = obj.get("message")
-            usage = message.get("usage") if isinstance(message, dict) else None
-            if isinstance(usage, dict):
-                return _int(usage.get("input_tokens")), None
-            return None, None
-        usage = obj.get("usage")
-        if not isinstance(usage, dict):
-            return None, None
-        if kind == "message_delta":
-            return None, _int(usage.get("output_tokens"))
-        return _int(usage.get("input_tokens")), _int(usage.get("output_tokens"))
-    if wire == RESPONSES:
-        response = obj.get("response")
-        usage = (response if isinstance(response, dict) else obj).get("usage")
-        if isinstance(usage, dict):
-            return _int(usage.get("input_tokens")), _int(usage.get("output_tokens"))
-        return None, None
-    usage = obj.get("usage")  # OpenAI chat, completions, embeddings
-    if isinstance(usage, dict):
-        tokens_in = _int(usage.get("prompt_tokens"))
-        if "completion_tokens" not in usage and tokens_in is not None:
-            return tokens_in, 0  # embeddings: the input is all there is
-        return tokens_in, _int(usage.get("completion_tokens"))
-    return None, None
-
-
 def read_usage(wire: str | None, values: Iterable[bytes]) -> tuple[int | None, int | None]:
     """(input, output) from ``values``, in order (a later value wins); None where none said.
 
     Only a value that mentions usage at all is parsed.
     """
+    found = formats.of(wire).usage
     got_in: int | None = None
     got_out: int | None = None
     for value in values:
@@ -124,7 +74,7 @@ def read_usage(wire: str | None, values: Iterable[bytes]) -> tuple[int | None, i
             continue
         if not isinstance(obj, dict):
             continue
-        found_in, found_out = _found(wire, obj)
+        found_in, found_out = found(obj)
         if found_in is not None:
             got_in = found_in
         if found_out is not None:

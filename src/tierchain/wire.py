@@ -1,37 +1,19 @@
-"""Wire formats: what each protocol a request speaks counts as whole, and how it fails.
+"""A request's wire format, by name: what the layers keep on the request, and the rules
+that are no one format's.
 
-A request speaks one wire format, and that format decides three things the
-layers need: what a complete stream is, what counts as progress, and how an
-error is written once the response has started, so that the format's own SDK
-raises it. This module is the one place that knows them:
+The formats themselves are :mod:`tierchain.formats`, one module each (what counts as
+progress, a complete stream, an error after the response began, usage, heartbeat
+lines, continuation); a layer asks ``formats.of(req.wire)``. Here are the names
+(``openai``, ``responses``, ``anthropic``, ``ollama``, ``plain``: :data:`FORMATS`, as
+``wire_format=`` takes them, checked by :func:`check_format`), a request path's
+format by name (:func:`recognise`, kept for the few paths a gateway sees again and
+again; :func:`error_format` for the gateway's own errors), a whole answer that came
+after an event stream began (:func:`answer_event`) and a context-window refusal in
+any server's wording (:func:`context_exceeded`).
 
-- ``openai`` (OpenAI chat, completions, embeddings; a path ending in
-  ``/chat/completions``, ``/completions`` or ``/embeddings``, and any path no
-  other format claims): complete at ``data: [DONE]``, or a ``finish_reason`` in
-  one of the last two data events; an error is ``data: {"error": {...}}``.
-- ``responses`` (OpenAI Responses, ``/responses``): complete at ``event:
-  response.completed``; ``response.failed`` and ``response.incomplete`` are the
-  upstream's own whole answers, not truncations; an error is ``event: error``
-  carrying an ``error`` object.
-- ``anthropic`` (Anthropic Messages, ``/messages``): complete at ``event:
-  message_stop``; an error is ``event: error`` with
-  ``{"type":"error","error":{"type":...,"message":...}}``.
-- ``ollama`` (Ollama's native API, ``/api/chat``, ``/api/generate``,
-  ``/api/embed``): NDJSON, complete at a line with ``"done": true``; an error
-  is an ``{"error": "..."}`` line.
-- ``plain`` (only when asked for): complete at any clean end after data (or at
-  the backend's ``stream_end`` string); errors as ``openai``.
-
-Progress is the first complete data event of an event stream, the first
-complete line of an NDJSON stream, and, for any other body, the whole body.
-The format is recognised once per request from its path (:func:`recognise`:
-a few ``endswith`` checks); ``Backend(wire_format=...)`` and
-``Routes(..., wire_formats={route: format})`` override it. A backend's
-``stream_end`` still applies to the ``openai`` and ``plain`` formats.
-
-Heartbeat lines are SSE comments, so they only ever go into an event stream
-(:func:`allows_comments`): an Ollama request gets none, and is never
-committed as ``text/event-stream`` on the gateway's own account.
+``Backend(wire_format=...)`` and ``Routes(..., wire_formats={route: format})``
+override what the path says. A backend's ``stream_end`` applies to the ``openai``
+and ``plain`` formats.
 """
 
 from __future__ import annotations
@@ -40,8 +22,8 @@ import json
 import re
 from typing import Any
 
-from . import _json
-from .masking import mask_text
+from . import _json, formats
+from .formats import NDJSON, SSE
 
 __all__ = [
     "ANTHROPIC",
@@ -53,13 +35,10 @@ __all__ = [
     "RESPONSES",
     "SSE",
     "LateAnswer",
-    "allows_comments",
     "answer_event",
     "check_format",
     "context_exceeded",
-    "error_bytes",
     "error_format",
-    "error_object",
     "recognise",
 ]
 
@@ -68,16 +47,8 @@ RESPONSES = "responses"
 ANTHROPIC = "anthropic"
 OLLAMA = "ollama"
 PLAIN = "plain"
-FORMATS = (OPENAI, RESPONSES, ANTHROPIC, OLLAMA, PLAIN)
-"""Every wire format name, as ``wire_format=`` takes it."""
-
-SSE = 1
-"""Framing: ``text/event-stream`` (events end with a blank line)."""
-NDJSON = 2
-"""Framing: ``application/x-ndjson`` (one JSON object per line)."""
-
-_OPENAI_PATHS = (b"/chat/completions", b"/completions", b"/embeddings")
-_OLLAMA_PATHS = (b"/api/chat", b"/api/generate", b"/api/embed", b"/api/embeddings")
+FORMATS = tuple(formats.TABLE)
+"""Every wire format name, as ``wire_format=`` takes it (:data:`tierchain.formats.TABLE`)."""
 
 
 _SEEN: dict[bytes | str, str] = {}  # the few paths a gateway sees again and again
@@ -99,27 +70,15 @@ def recognise(path: bytes | str) -> str:
 def _recognise(path: bytes | str) -> str:
     if isinstance(path, str):
         path = path.encode("utf-8", "surrogateescape")
-    path = path.rstrip(b"/")
-    if path.endswith(_OPENAI_PATHS):
-        return OPENAI  # the usual case, first
-    if path.endswith(b"/responses"):
-        return RESPONSES
-    if path.endswith(b"/messages"):
-        return ANTHROPIC
-    if path.endswith(_OLLAMA_PATHS):
-        return OLLAMA
-    return OPENAI
+    return formats.recognise(path).name
 
 
 def error_format(path: bytes | str) -> str:
-    """The shape of an error the gateway answers itself on ``path``: Ollama's on any
-    ``/api/`` path (Ollama's own apps read ``{"error": "..."}`` there), else as
-    :func:`recognise` says."""
-    if isinstance(path, str):
-        path = path.encode("utf-8", "surrogateescape")
-    if path.startswith(b"/api/"):
-        return OLLAMA
-    return recognise(path)
+    """The format of an error the gateway answers itself on ``path`` (Ollama's on any
+    ``/api/`` path: :func:`tierchain.formats.error_owner`)."""
+    raw = path.encode("utf-8", "surrogateescape") if isinstance(path, str) else path
+    owner = formats.error_owner(raw)
+    return owner.name if owner is not None else recognise(path)
 
 
 def check_format(what: str, value: Any) -> str | None:
@@ -127,98 +86,6 @@ def check_format(what: str, value: Any) -> str | None:
     if value is None or (isinstance(value, str) and value in FORMATS):
         return value
     raise ValueError(f"{what} must be one of {', '.join(FORMATS)} (or unset), got {value!r}")
-
-
-def allows_comments(wire: str | None) -> bool:
-    """True when heartbeat lines (SSE comments) may go into this format's streams."""
-    return wire != OLLAMA
-
-
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
-
-# Anthropic's error types (docs.anthropic.com/en/api/errors) for tierchain's error types.
-_ANTHROPIC_TYPES = {
-    "backend_saturated": "overloaded_error",
-    "budget_exhausted": "timeout_error",
-    "request_timeout": "timeout_error",
-}
-
-
-def error_bytes(
-    wire: str | None, framing: int, message: str, type: str, code: str | None = None
-) -> bytes:
-    """An error written after the response began, so that ``wire``'s own SDK raises it.
-
-    ``framing`` is :data:`SSE` or :data:`NDJSON` (the response's own framing).
-
-    - NDJSON (Ollama): ``{"error": "..."}`` and a newline: the ``ollama`` client
-      raises ``ResponseError`` for a line with an ``error`` (ollama/_client.py).
-    - Anthropic: ``event: error`` with ``{"type":"error","error":{"type","message"}}``:
-      the ``anthropic`` SDK raises on an ``error`` event and skips any event
-      without an ``event:`` line (anthropic/_streaming.py).
-    - Responses: ``event: error`` carrying the Responses error event's fields
-      (``type``, ``code``, ``message``, ``param``) and an ``error`` object: the
-      ``openai`` SDK raises ``APIError`` for a data object with ``error``
-      (openai/_streaming.py), and the Agents SDK for an ``error`` event.
-    - OpenAI chat and plain: ``data: {"error": {"message","type","code"}}``.
-    """
-    if "://" in message:
-        message = mask_text(message)
-    if framing == NDJSON:
-        return _ENCODER.encode({"error": message}).encode() + b"\n"
-    if wire == ANTHROPIC:
-        kind = _ANTHROPIC_TYPES.get(type, "api_error")
-        payload = {"type": "error", "error": {"type": kind, "message": message}}
-        return b"event: error\ndata: " + _ENCODER.encode(payload).encode() + b"\n\n"
-    if wire == RESPONSES:
-        fields: dict[str, Any] = {
-            "type": "error",
-            "code": code,
-            "message": message,
-            "param": None,
-            "error": {"type": type, "code": code, "message": message},
-        }
-        return b"event: error\ndata: " + _ENCODER.encode(fields).encode() + b"\n\n"
-    error = {"error": {"message": message, "type": type, "code": code}}
-    return b"data: " + _ENCODER.encode(error).encode() + b"\n\n"
-
-
-_ANTHROPIC_OWN = frozenset(
-    {
-        "invalid_request_error",
-        "authentication_error",
-        "permission_error",
-        "not_found_error",
-        "request_too_large",
-        "rate_limit_error",
-        "api_error",
-        "overloaded_error",
-        "timeout_error",
-    }
-)
-
-
-def error_object(
-    wire: str | None, message: str, type: str, code: str | None = None, **extra: Any
-) -> dict[str, Any]:
-    """A whole error answer's JSON body, in ``wire``'s own shape (the gateway's own answers).
-
-    - Ollama: ``{"error": "..."}``, what Ollama itself answers and its clients read
-      (``extra`` fields beside it).
-    - Anthropic: ``{"type": "error", "error": {"type", "message", ...}}`` (its error
-      types; ``extra`` fields in the error object).
-    - OpenAI, Responses and plain: ``{"error": {"message", "type", "code", ...}}``.
-    """
-    if "://" in message:
-        message = mask_text(message)
-    if wire == OLLAMA:
-        return {"error": message, **extra}
-    if wire == ANTHROPIC:
-        kind = type if type in _ANTHROPIC_OWN else _ANTHROPIC_TYPES.get(type, "api_error")
-        return {"type": "error", "error": {"type": kind, "message": message, **extra}}
-    error: dict[str, Any] = {"message": message, "type": type, "code": code}
-    error.update(extra)
-    return {"error": error}
 
 
 class LateAnswer:
@@ -247,7 +114,7 @@ class LateAnswer:
 def answer_event(status: int, body: bytes, wire: str) -> bytes:
     """One SSE event standing for a whole non-stream answer (``status``, ``body``) that
     arrived after the response began as an event stream: a 2xx answer as one ``data:``
-    event, any other as an error in ``wire``'s own shape (see :func:`error_bytes`)."""
+    event, any other as an error in ``wire``'s own shape (``WireFormat.error_bytes``)."""
     try:
         data: Any = _json.loads(body) if body else None
     except (UnicodeDecodeError, ValueError):
@@ -259,7 +126,8 @@ def answer_event(status: int, body: bytes, wire: str) -> bytes:
     message = f"the gateway answered {status}"
     kind, code = "upstream_error", f"http_{status}"
     error = data.get("error") if isinstance(data, dict) else None
-    if isinstance(error, dict) and wire not in (ANTHROPIC, RESPONSES):
+    fmt = formats.of(wire)
+    if isinstance(error, dict) and fmt.error_passes:
         # OpenAI's own shape: the error object as it came, every field kept.
         text = json.dumps({"error": error}, separators=(",", ":"), ensure_ascii=False, default=str)
         return b"data: " + text.encode() + b"\n\n"
@@ -271,7 +139,7 @@ def answer_event(status: int, body: bytes, wire: str) -> bytes:
         message = error
     elif data is None and body:
         message += ": " + body[:500].decode("utf-8", "replace")
-    return error_bytes(wire, SSE, message, kind, code)
+    return fmt.error_bytes(SSE, message, kind, code)
 
 
 # A context-window refusal, as each server words it in its 400 answer:

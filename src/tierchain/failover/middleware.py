@@ -44,7 +44,7 @@ spliced into the caller's stream in the first tier's envelope
 (:mod:`tierchain.failover.continuing`); if it cannot finish the answer, the caller gets the original
 break. Otherwise a later failure (``stream_broken``, ``truncated``, ``stalled``,
 ``malformed_stream``) drops any partial event and ends the stream with an error
-in the request's wire format (:func:`tierchain.wire.error_bytes`: an OpenAI
+in the request's wire format (``WireFormat.error_bytes``, :mod:`tierchain.formats`: an OpenAI
 error event, an Anthropic ``event: error``, a Responses ``error`` event, an
 NDJSON ``{"error": ...}`` line), and aborts any other body (the server then closes
 the connection, so the caller sees an incomplete response rather than a
