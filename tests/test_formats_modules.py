@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tierchain import formats, wire
-from tierchain.formats.base import WireFormat
+from tierchain.formats.base import WireFormat, has_finish_reason
 from tierchain.observer import Observer
 from tierchain.sse import data_values
 from tierchain.usage import read_usage
@@ -269,6 +269,13 @@ def test_an_openai_stream_with_a_finish_reason_and_no_done_is_whole():
     observer = observed(case, case.stream[:-1])  # (llama.cpp's old servers sent no [DONE])
     observer.end()
     assert observer.complete
+
+
+def test_finish_reason_counts_only_with_a_string_value():
+    assert has_finish_reason(b'data: {"choices":[{"finish_reason": "stop"}]}\n\n')
+    assert has_finish_reason(b'data: {"choices":[{"finish_reason":"length"}]}\n\n')
+    assert not has_finish_reason(b'data: {"choices":[{"finish_reason":null}]}\n\n')
+    assert not has_finish_reason(b'data: {"choices":[{"delta":{"content":"finish_reason"}}]}\n\n')
 
 
 def test_an_anthropic_ping_after_message_stop_does_not_unmake_the_end():

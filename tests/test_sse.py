@@ -8,14 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tierchain import formats
-from tierchain.sse import comment_line, events, has_finish_reason, last_event
-
-
-def test_finish_reason_counts_only_with_a_string_value():
-    assert has_finish_reason(b'data: {"choices":[{"finish_reason": "stop"}]}\n\n')
-    assert has_finish_reason(b'data: {"choices":[{"finish_reason":"length"}]}\n\n')
-    assert not has_finish_reason(b'data: {"choices":[{"finish_reason":null}]}\n\n')
-    assert not has_finish_reason(b'data: {"choices":[{"delta":{"content":"finish_reason"}}]}\n\n')
+from tierchain.sse import comment_line, events, last_event
 
 
 @given(st.text())

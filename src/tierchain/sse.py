@@ -6,7 +6,7 @@ The one SSE rule every layer relies on lives here:
   event ends with a blank line). Line endings may be LF, CR or CRLF, and a
   chunk may end anywhere, including between the CR and the LF of one line
   ending.
-- :func:`has_data`, :func:`data_values` and :func:`has_finish_reason` read
+- :func:`has_data`, :func:`data_values`, :func:`events` and :func:`last_event` read
   whole events: progress is a complete event carrying ``data``; comments
   (``: ping``), other fields and blank lines are not.
 - :func:`comment_line` builds the line Heartbeats inserts (an error event is the
@@ -32,7 +32,6 @@ __all__ = [
     "first_events",
     "framing",
     "has_data",
-    "has_finish_reason",
     "is_event_stream",
     "is_ndjson",
     "last_boundary",
@@ -84,7 +83,6 @@ _FRAMINGS: dict[bytes, int] = {}
 
 _BOUNDARY = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r)")
 _DATA_LINE = re.compile(rb"(?:^|[\r\n])data(?::|\r|\n)")
-_FINISH_KEY = b'"finish_reason"'
 
 
 def last_boundary(buf: bytes | bytearray, start: int = 0, *, line_start: bool = True) -> int:
@@ -191,17 +189,6 @@ _EVENT_NAME = re.compile(rb"(?:^|[\r\n])event:[ ]?([^\r\n]*)")
 def event_names(events: bytes) -> list[bytes]:
     """The ``event`` names in ``events`` (whole events), in order."""
     return _EVENT_NAME.findall(events)
-
-
-def has_finish_reason(events: bytes) -> bool:
-    """True when one of ``events`` carries an OpenAI ``finish_reason`` that is not null."""
-    at = events.find(_FINISH_KEY)
-    while at >= 0:
-        after = at + len(_FINISH_KEY)
-        if events[after : after + 8].lstrip(b" \t:")[:1] == b'"':
-            return True  # a string value; null (every chunk but the last) is not
-        at = events.find(_FINISH_KEY, after)
-    return False
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)

@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 from .. import _json
 from ..masking import mask_text
-from ..sse import data_values, event_names, has_finish_reason
+from ..sse import data_values, event_names
 from .seam import Seam
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "SSE",
     "WireFormat",
     "count",
+    "has_finish_reason",
     "kind_of",
     "opening_only",
     "refused",
@@ -66,6 +67,7 @@ OPENAI_END = b"openai"
 [DONE]``, or a ``finish_reason`` in one of the last two data events before a clean end."""
 
 _DONE = b"[DONE]"
+_FINISH_KEY = b'"finish_reason"'
 _DONE_EVENT = b"data: [DONE]\n\n"
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
@@ -213,6 +215,17 @@ class WireFormat:
         messages = [{"role": "user", "content": prompt}]
         body = {"model": model, "messages": messages, "max_tokens": 1, "stream": True}
         return b"/v1/chat/completions", body, {}
+
+
+def has_finish_reason(events: bytes) -> bool:
+    """True when one of ``events`` carries an OpenAI ``finish_reason`` that is not null."""
+    at = events.find(_FINISH_KEY)
+    while at >= 0:
+        after = at + len(_FINISH_KEY)
+        if events[after : after + 8].lstrip(b" \t:")[:1] == b'"':
+            return True  # a string value; null (every chunk but the last) is not
+        at = events.find(_FINISH_KEY, after)
+    return False
 
 
 def kind_of(name: str | None, data: bytes) -> str | None:
