@@ -605,3 +605,83 @@ def test_only_the_per_chunk_path_keeps_a_copy_for_good():
     for row in rows:
         assert "every chunk" in row[3], f"{row[0]}: a copy kept off the per-chunk path"
         assert re.search(r"\d", row[4]), f"{row[0]}: a copy kept without its measured gain"
+
+
+# -- every module with behaviour of its own has a test module -----------------------------
+
+
+def own_test_module(module: str) -> Path | None:
+    """``tests/test_<name>.py`` for ``module`` (``a/b.py`` -> ``test_b.py`` or ``test_a_b.py``;
+    a leading ``_`` dropped; a package's ``__init__.py`` is the package), if there is one."""
+    parts = module.removesuffix(".py").split("/")
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    if not parts:
+        return None  # the package's own __init__.py: its row names its test module
+    names = [p.lstrip("_") for p in parts]
+    for candidate in (names[-1], "_".join(names)):
+        path = ROOT / "tests" / f"test_{candidate}.py"
+        if path.is_file():
+            return path
+    return None
+
+
+def where_tested() -> dict[str, str]:
+    """The rows of '## Test modules': module -> where it is tested."""
+    rows = table_rows(section(PAGE.read_text(), "Test modules"))
+    found: dict[str, str] = {}
+    for row in rows:
+        match = re.fullmatch(r"`([\w/]+\.py)`", row[0])
+        assert match is not None, f"a row of '## Test modules' names no module: {row}"
+        assert match.group(1) not in found, f"'## Test modules' names {match.group(1)} twice"
+        found[match.group(1)] = row[1]
+    return found
+
+
+def defined_names(module: str) -> set[str]:
+    """The names ``module`` defines at its top level (classes, functions, constants)."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {n for n in names if not n.startswith("__")}
+
+
+def test_every_module_with_behaviour_has_a_test_module_or_a_row_saying_where_it_is_tested():
+    rows = where_tested()
+    missing = sorted(m for m in package_modules() if own_test_module(m) is None and m not in rows)
+    assert not missing, (
+        f"no tests/test_<name>.py for {missing}: write one, or add a row to '## Test modules' "
+        "in docs/internals.md naming the test modules that cover it (`none:` and a reason for a "
+        "module with no behaviour of its own)"
+    )
+    gone = sorted(m for m in rows if m not in package_modules())
+    assert not gone, f"'## Test modules' names modules that no longer exist: {gone}"
+    own = sorted(m for m in rows if own_test_module(m) is not None)
+    assert not own, f"these have a test module of their own now; drop their rows: {own}"
+
+
+@pytest.mark.parametrize("module", sorted(where_tested()))
+def test_a_row_of_the_test_modules_names_test_modules_that_use_the_module(module):
+    where = where_tested()[module]
+    if where.startswith("none:"):
+        assert where.removeprefix("none:").strip(), f"{module}: 'none:' needs its reason"
+        return
+    # each `tests/test_x.py`, with what it reaches the module through: (through `Name`)
+    files = re.findall(r"`(tests/test_\w+\.py)`(?: \(through `([^`]+)`\))?", where)
+    assert files, f"{module}: the row names no test module: {where!r}"
+    dotted = "tierchain." + module.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    names = defined_names(module)
+    for file, through in files:
+        path = ROOT / file
+        assert path.is_file(), f"{module}: {file} does not exist"
+        text = path.read_text()
+        used = dotted in text or any(re.search(rf"\b{re.escape(n)}\b", text) for n in names)
+        assert used or (through and through in text), (
+            f"{module}: {file} names neither the module, nor anything it defines, nor its "
+            "'through' name"
+        )
