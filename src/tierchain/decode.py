@@ -20,10 +20,11 @@ event at all: silence is the stall window's to judge (``stall_after``), not slow
 
 from __future__ import annotations
 
-import contextvars
 from typing import Protocol
 
 from ._runtime import clock, deadlines
+from .backend import Backend
+from .learned import DecodeRate
 from .observer import Observer
 from .request import TierRequest
 
@@ -44,15 +45,19 @@ class _Watched(Protocol):
 
 
 class DecodeWatch:
-    """One committed stream's decode rate, judged every ``span`` seconds against
-    ``limit`` tokens a second (``learned``: the backend's own normal, else its regime's
-    cold default). ``rate`` is the last span's rate."""
+    """One committed stream's decode rate (from ``now``, its first data event), judged
+    every ``span`` seconds against ``limit`` tokens a second: ``normal``'s limit for
+    ``backend`` (``learned``: the backend's own normal, else its regime's cold default),
+    taken at the first span's end (a stream that ends sooner is never judged, and asks
+    nothing). ``rate`` is the last span's rate."""
 
     __slots__ = (
         "_at",
+        "_backend",
         "_below",
         "_events",
         "_handle",
+        "_normal",
         "learned",
         "limit",
         "rate",
@@ -60,18 +65,19 @@ class DecodeWatch:
         "watch",
     )
 
-    def __init__(self, watch: _Watched, limit: float, learned: bool, span: float) -> None:
+    def __init__(self, watch: _Watched, normal: DecodeRate, backend: Backend, now: float) -> None:
         self.watch = watch
-        self.limit = limit
-        self.learned = learned
-        self.span = span
+        self._normal = normal
+        self._backend = backend
+        self.limit = 0.0  # (taken at the first span's end)
+        self.learned = False
+        self.span = span = normal.span
         self.rate = 0.0
         self._below = 0  # spans in a row below the limit
-        self._at = clock.now()
+        self._at = now
         self._events = watch.observer.data_events
-        self._handle: deadlines.Deadline | None = deadlines.schedule(
-            span, self._tick, context=contextvars.copy_context(), fixed=True
-        )
+        # (the tick only interrupts the task: it needs none of the request's context)
+        self._handle: deadlines.Deadline | None = deadlines.schedule(span, self._tick)
 
     def cancel(self) -> None:
         """The attempt is over: no more ticks."""
@@ -89,6 +95,9 @@ class DecodeWatch:
         events = observer.data_events
         req = watch.req
         moved = events - self._events
+        if not self.limit:  # the first span's end
+            backend = self._backend
+            self.limit, self.learned = self._normal.limit(backend.name, backend.regime)
         if (
             req is not None
             and req.continuable
@@ -108,6 +117,4 @@ class DecodeWatch:
         else:
             self._below = 0
         self._at, self._events = now, events
-        self._handle = deadlines.schedule(
-            self.span, self._tick, context=contextvars.copy_context(), fixed=True
-        )
+        self._handle = deadlines.schedule(self.span, self._tick)

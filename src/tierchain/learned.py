@@ -406,10 +406,10 @@ class PromptRate:
 
     def limit(self, backend: str, regime: str | None, body: bytes | None) -> tuple[float, bool]:
         """Seconds a first token may take for ``body`` at ``backend``, and whether learned."""
-        tokens = self.tokens(backend, body)
+        known = self._rates.get(backend)
+        tokens = prompt_tokens(body, known.bytes_per_token if known else BYTES_PER_TOKEN)
         if self.rate is not None:
             return max(self.floor, self.margin * tokens / self.rate), False
-        known = self._rates.get(backend)
         if known is None or known.rate.n < self.min_samples:
             defaults = cold(regime)
             least = defaults.first_token

@@ -29,33 +29,36 @@ _LEASE = 120.0  # the most one probe of a suspect backend holds its slot
 class SuspectMarks:
     """The watchdog's suspect marks in ``store``, each held ``suspect_for`` seconds (0: off)."""
 
-    __slots__ = ("_memory", "store", "suspect_for")
+    __slots__ = ("_memory", "local", "store", "suspect_for")
 
     def __init__(self, store: NormalStore, suspect_for: float) -> None:
         self.store = store
         self.suspect_for = suspect_for
         # This process's own store (not a subclass): asked without a coroutine.
         self._memory = store if type(store) is MemoryStore else None
+        self.local = self._memory is not None  # (then ask check_now)
+
+    def check_now(self, attempt: Attempt) -> Suspect | None:
+        """:meth:`check` without a coroutine, for marks kept in this process (``local``)."""
+        assert self._memory is not None
+        name = attempt.backend.name
+        try:
+            mark = self._memory.suspect_check_now(name, _LEASE)
+        except Exception as exc:  # a store must never fail a request: not suspect
+            _store_failed(exc)
+            return None
+        return _passes(name, mark)
 
     async def check(self, attempt: Attempt) -> Suspect | None:
         """Skip a backend an earlier caller's attempt was judged on (``BackendBusy``), or
         return the mark this attempt passes as its one probe (None: not suspect)."""
         name = attempt.backend.name
-        memory = self._memory
         try:
-            if memory is not None:
-                mark = memory.suspect_check_now(name, _LEASE)
-            else:
-                mark = await self.store.suspect_check(name, _LEASE)
+            mark = await self.store.suspect_check(name, _LEASE)
         except Exception as exc:  # a store must never fail a request: not suspect
-            log_event("watchdog.suspect_store_failed", level=logging.WARNING, error=repr(exc))
+            _store_failed(exc)
             return None
-        if mark is None or mark.probe:
-            if mark is not None:
-                log_event("watchdog.suspect_probe", backend=name, why=mark.why)
-            return mark
-        why = f"suspect: {mark.why} on an earlier request, tried again in {mark.retry_in:.0f}s"
-        raise BackendBusy(f"backend {name!r} is {why}", why=why)
+        return _passes(name, mark)
 
     def mark(self, route: str, backend: str, why: str) -> None:
         """A verdict on ``backend`` (too slow, stalled, broke mid-stream): the callers after
@@ -90,8 +93,22 @@ class SuspectMarks:
             try:
                 await call
             except Exception as exc:
-                log_event("watchdog.suspect_store_failed", level=logging.WARNING, error=repr(exc))
+                _store_failed(exc)
 
         task = asyncio.ensure_future(run())
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
+
+
+def _passes(name: str, mark: Suspect | None) -> Suspect | None:
+    """``mark`` when this attempt is its probe (None: not suspect); else BackendBusy."""
+    if mark is None or mark.probe:
+        if mark is not None:
+            log_event("watchdog.suspect_probe", backend=name, why=mark.why)
+        return mark
+    why = f"suspect: {mark.why} on an earlier request, tried again in {mark.retry_in:.0f}s"
+    raise BackendBusy(f"backend {name!r} is {why}", why=why)
+
+
+def _store_failed(exc: Exception) -> None:
+    log_event("watchdog.suspect_store_failed", level=logging.WARNING, error=repr(exc))

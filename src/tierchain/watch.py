@@ -97,6 +97,7 @@ class Watch:
         req: TierRequest | None,
         attempt: Attempt | None,
         *,
+        last: bool = True,
         window: float,
         learned: bool = False,
         stall: float,
@@ -108,7 +109,7 @@ class Watch:
         self.watchdog = watchdog
         self.req = req
         self.attempt = attempt
-        self.last = attempt is None or attempt.is_last
+        self.last = last  # no later tier: nothing to move on to
         self.learned = learned  # the window was learned (two saturations under it forget it)
         self.window = window
         self.stall = stall
@@ -307,15 +308,13 @@ class Watch:
         tier, the decode rate) from here."""
         if not self.own and not self.observer.framed:
             return  # a held answer's first bytes: its window runs on until it is whole
+        now = clock.now()
         decode = self.watchdog.decode
         if decode is not None and not self.last and self.attempt is not None:
-            backend = self.attempt.backend
-            limit, learned = decode.limit(backend.name, backend.regime)
-            self.decoding = DecodeWatch(self, limit, learned, decode.span)
+            self.decoding = DecodeWatch(self, decode, self.attempt.backend, now)
         handle = self._handle
         cut = self._cut
         stall = self.stall
-        now = clock.now()
         if cut < math.inf and not self._cut_passed and (stall <= 0 or cut < now + stall):
             # The reserve's point comes before the first stall window ends: a committed
             # stream that could be continued on the next tier is cut there (_expired).

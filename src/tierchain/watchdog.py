@@ -351,20 +351,24 @@ class SaturationWatchdog:
         req = TierRequest.find(scope)
         attempt = req.attempt if req is not None else None
         passed: Suspect | None = None  # a suspect mark this attempt goes through (the probe)
+        last = attempt is None or attempt.is_last
         if attempt is not None:
             loading = self.normals.before(attempt.backend.name) if self.normals else None
             if loading is not None:  # the first attempt at its backend in this process
                 await loading
-            if self.suspect_for > 0 and not attempt.is_last:
-                passed = await self.suspects.check(attempt)
+            if self.suspect_for > 0 and not last:
+                suspects = self.suspects
+                passed = (
+                    suspects.check_now(attempt) if suspects.local else await suspects.check(attempt)
+                )
         board_url = None
         if self.board is not None and attempt is not None and attempt.backend.status_url:
             board_url = attempt.backend.status_url
-            if not attempt.is_last:
+            if not last:
                 room = check_room(self, attempt.backend.name, board_url)
                 if room is not None:
                     await room
-        watch = self._watch(req, attempt, send)
+        watch = self._watch(req, attempt, send, last=last)
         # The attempt, in this frame (a waiting stream holds one frame of ours).
         try:
             if watch is None:
@@ -414,9 +418,8 @@ class SaturationWatchdog:
                 self.suspects.passed(attempt.backend.name, marked=marked, healthy=healthy)
 
     def _board_after(self, url: str, watch: Watch | None) -> None:
-        """The polled status after an attempt: outdated (the slot it showed busy may have
-        been ours), and held as busy when our own prefill was cut (the server finishes
-        its prompt batch first)."""
+        """The polled status after an attempt: outdated (its busy slot may have been ours);
+        busy while a prefill we cut ends (the server finishes its prompt batch first)."""
         assert self.board is not None
         self.board.outdated(url)
         if watch is not None and watch.fired is not None and not watch.answered():
@@ -425,19 +428,25 @@ class SaturationWatchdog:
     # -- one attempt's watch --------------------------------------------------------
 
     def _watch(
-        self, req: TierRequest | None, attempt: Attempt | None, send: Send | None = None
+        self,
+        req: TierRequest | None,
+        attempt: Attempt | None,
+        send: Send | None = None,
+        *,
+        last: bool | None = None,
     ) -> Watch | None:
         """The attempt's watch, or None when there is nothing to time. With ``send``, it
-        starts timing the attempt (its task is the one the timer may interrupt) from
-        whichever point comes first, or raises BackendBusy when the reserve's point has
-        already passed."""
+        starts timing the attempt (its task is the one the timer may interrupt), or raises
+        BackendBusy when the reserve's point has passed. ``last``: no later tier."""
+        if last is None:
+            last = attempt is None or attempt.is_last
         body = req.body if req is not None else None
         window, learned = self._window_for(attempt, body)
         stall = self.stall_after
         reserve, prefill, first_token = 0.0, math.inf, False
         if attempt is not None:
-            stall = self._stall_for(attempt)
-            if not attempt.is_last and req is not None:
+            stall = self._stall_for(attempt, last)
+            if not last and req is not None:
                 reserve = self._reserve_for(req, attempt, body)
                 prefill, first_token = self._prefill_for(req, attempt, body)
         if window <= 0 and stall <= 0 and reserve <= 0 and prefill == math.inf:
@@ -446,6 +455,7 @@ class SaturationWatchdog:
             self,
             req,
             attempt,
+            last=last,
             window=window,
             learned=learned,
             stall=stall,
@@ -465,14 +475,14 @@ class SaturationWatchdog:
             return min(window, self.ceiling), learned
         return self.window(body), False
 
-    def _stall_for(self, attempt: Attempt) -> float:
+    def _stall_for(self, attempt: Attempt, last: bool) -> float:
         """The stall window: the backend's own ``stall_after``; else, where a later tier can
         take over, its learned rhythm (until learned, its regime's cold default); the
         last tier has nothing to move on to, and waits ``stall_after`` (the ceiling)."""
         backend = attempt.backend
         if backend.stall_after is not None:
             return backend.stall_after  # type: ignore[return-value]  # seconds once built
-        if self.learned_gap is not None and not attempt.is_last:
+        if self.learned_gap is not None and not last:
             return self.learned_gap.window_for(backend.name, backend.regime)[0]
         return self.stall_after
 
