@@ -43,7 +43,9 @@ async def test_a_marked_backend_is_busy_for_the_callers_after_then_one_probes_it
     assert marks.check_now(attempt("other")) is None  # per backend
     await asyncio.sleep(10.0)
     probe = marks.check_now(attempt())
-    assert probe is not None and probe.probe and probe.why == "too_slow"
+    assert probe is not None
+    assert probe.probe
+    assert probe.why == "too_slow"
     with pytest.raises(BackendBusy):  # one probe at a time
         marks.check_now(attempt())
     marks.passed("tower", marked=False, healthy=True)  # the probe answered whole
@@ -62,7 +64,8 @@ async def test_a_remote_store_is_asked_through_its_coroutines_with_the_same_rule
         await marks.check(attempt())
     await asyncio.sleep(10.0)
     probe = await marks.check(attempt())
-    assert probe is not None and probe.probe
+    assert probe is not None
+    assert probe.probe
     marks.passed("tower", marked=True, healthy=False)  # judged again: the mark stands anew
     await asyncio.sleep(0)
     with pytest.raises(BackendBusy):
