@@ -38,7 +38,7 @@ from tierchain import (
     SaturationWatchdog,
     Shed,
     _checks,
-    config,
+    env_parsers,
     routes_file,
 )
 from tierchain.__main__ import main
@@ -392,7 +392,7 @@ NOT_TEXTS = [
 
 def test_the_variables_and_the_admin_read_text_with_the_same_function():
     # the variables and the routes file through text_seconds, which reads parse_duration
-    assert config.text_seconds is _checks.text_seconds
+    assert env_parsers.text_seconds is _checks.text_seconds
     assert routes_file.text_seconds is _checks.text_seconds
     assert admin_app.parse_duration is _checks.parse_duration
 
@@ -438,7 +438,7 @@ def test_a_text_duration_too_long_to_be_a_float_is_refused_by_the_range_not_take
     with pytest.raises(ValueError, match="ttl must be between 1s and 7d"):
         parse_ttl(digits, 7 * 86400.0)
     with pytest.raises(ValueError):
-        config.seconds()(digits)
+        env_parsers.seconds()(digits)
 
 
 def test_the_admin_ttl_now_takes_milliseconds_like_the_variables():

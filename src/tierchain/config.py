@@ -45,38 +45,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from ._checks import text_seconds
+from . import env_parsers
 from .backend import Routes
-from .env_parsers import (
-    _ALLOWANCE,
-    _AUTO,
-    STACK_ORDER,
-    Parser,
-    backend_name,
-    boolean,
-    choice,
-    count_or_none,
-    fraction,
-    header_name,
-    import_path,
-    integer,
-    mount_path,
-    name_list,
-    number_above_zero,
-    origin_list,
-    path_list,
-    pick_weights,
-    prompt_rate,
-    seconds,
-    size,
-    slow_after,
-    slow_after_or_auto,
-    stack_list,
-    status_list,
-    store_url,
-    text,
-    token,
-)
+from .env_parsers import _ALLOWANCE, _AUTO, STACK_ORDER
 from .errors import ConfigError
 from .masking import mask_text, mask_url
 from .misconfig import WARNINGS, Check, config_warnings
@@ -121,44 +92,18 @@ __all__ = [
     "Layer",
     "LayerSettings",
     "Option",
-    "Parser",
     "Settings",
-    "backend_name",
-    "boolean",
     "build_stack",
-    "choice",
     "config_warnings",
-    "count_or_none",
     "display_value",
     "find_layer",
-    "fraction",
     "from_env",
-    "header_name",
-    "import_path",
-    "integer",
     "layer_class",
     "load_routes",
     "make_store",
     "mask_url",
-    "mount_path",
-    "name_list",
-    "number_above_zero",
-    "origin_list",
-    "path_list",
-    "pick_weights",
     "plain",
-    "prompt_rate",
     "routes_from_toml",
-    "seconds",
-    "size",
-    "slow_after",
-    "slow_after_or_auto",
-    "stack_list",
-    "status_list",
-    "store_url",
-    "text",
-    "text_seconds",
-    "token",
     "uncovered_options",
 ]
 
@@ -317,3 +262,10 @@ build_stack: Callable[..., Any]
 """The old path of :func:`tierchain.stack.build_stack`: the same function, put here by the
 package's ``__init__`` once both modules are imported, so that this module never imports the
 stack that imports it (docs/internals.md, the floors)."""
+
+
+def __getattr__(name: str) -> Any:
+    """The variables' parsers at their old path: they live in :mod:`tierchain.env_parsers`."""
+    if name in env_parsers.__all__:
+        return getattr(env_parsers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
 from typing import Any, Self, TypeVar
 
-from ._checks import duration
 from ._runtime import clock
 from .errors import StoreUnavailable
 from .masking import mask_text, mask_url
@@ -35,14 +33,14 @@ class RedisLink:
 
     def __init__(
         self,
-        url: str = "redis://127.0.0.1:6379/0",
-        *,
-        prefix: str = "tierchain:",
-        timeout: float | timedelta = 0.25,
-        reconnect_every: float | timedelta = 5.0,
-        ttl: float | timedelta = 86400.0,
-        clock: Callable[[], float] | None = None,
+        url: str,
+        prefix: str,
+        timeout: float,
+        reconnect_every: float,
+        ttl: float,
+        clock: Callable[[], float] | None,
     ) -> None:
+        """``timeout``, ``reconnect_every`` and ``ttl`` are seconds, checked by the store."""
         try:
             import redis.asyncio as aioredis
             from redis.asyncio.retry import Retry
@@ -55,9 +53,9 @@ class RedisLink:
             ) from None
         self.url = url
         self.prefix = prefix
-        self.timeout = duration("timeout", timeout)
-        self.reconnect_every = duration("reconnect_every", reconnect_every)
-        self.ttl = duration("ttl", ttl, at_least=1.0)
+        self.timeout = timeout
+        self.reconnect_every = reconnect_every
+        self.ttl = ttl
         self._clock = clock
         # One immediate retry lets a pooled connection that died with a Redis
         # restart be replaced transparently; no backoff, so a dead Redis costs

@@ -113,11 +113,11 @@ class RedisStore(RedisLink):
     ) -> None:
         super().__init__(
             url,
-            prefix=prefix,
-            timeout=timeout,
-            reconnect_every=reconnect_every,
-            ttl=ttl,
-            clock=clock,
+            prefix,
+            duration("timeout", timeout),
+            duration("reconnect_every", reconnect_every),
+            duration("ttl", ttl, at_least=1.0),
+            clock,
         )
         self._acquire = self._redis.register_script(lua.ACQUIRE)
         self._record = self._redis.register_script(lua.RECORD)
