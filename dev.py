@@ -144,7 +144,7 @@ MUTATE: dict[str, tuple[str | list[str], list[str], list[str]]] = {
     "verdicts": (
         "src/tierchain/verdicts.py",
         ["tierchain.verdicts.x*"],
-        ["tests/test_watchdog.py", "tests/test_decode.py"],
+        ["tests/test_watch_verdicts.py", "tests/test_decode.py"],
     ),
     "continuation-seam": (
         "src/tierchain/continuation.py",

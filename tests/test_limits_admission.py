@@ -235,8 +235,9 @@ async def test_max_parallel_refuses_the_one_too_many_with_its_exact_429():
     inner = Routed(store, gate)
     app = gateway([CallerKey("team-a", KEY, max_parallel=1)], inner, store)
     first = asyncio.create_task(ask(app))
-    await inner.arrived.wait()
-    second = await ask(app)
+    async with asyncio.timeout(60):  # (virtual: a second admitted would wait at the gate)
+        await inner.arrived.wait()
+        second = await ask(app)
     gate.set()
     assert (await first).status == 200
     assert second.status == 429
@@ -263,10 +264,11 @@ async def test_max_parallel_counts_each_key_apart():
     ]
     app = gateway(keys, inner, store)
     first = asyncio.create_task(ask(app))
-    await inner.arrived.wait()
-    inner.arrived.clear()
-    other = asyncio.create_task(ask(app, key=OTHER))
-    await inner.arrived.wait()
+    async with asyncio.timeout(60):  # (virtual: one refused would never arrive)
+        await inner.arrived.wait()
+        inner.arrived.clear()
+        other = asyncio.create_task(ask(app, key=OTHER))
+        await inner.arrived.wait()
     gate.set()
     assert [(await first).status, (await other).status] == [200, 200]
 

@@ -1,0 +1,203 @@
+"""What the watchdog says of an attempt it cut (docs/watchdog.md): the exception Failover
+gets for each reason (a saturation, a stall, the reserve's point reached mid-stream), the
+``dispatch.backend_saturated`` line with its fields, the backend marked suspect, and,
+alone (no Failover), the 504 or the stream's own error event the caller gets.
+
+Each watch is cut at its exact time on the virtual clock (tests/test_watch_windows.py's
+helpers), then :func:`tierchain.verdicts.verdict` is asked why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+
+from tierchain.errors import BackendSaturated, BackendUnavailable, StreamError
+from tierchain.verdicts import verdict
+
+from .support import on_virtual_time
+from .test_watch_windows import cut_at, keeper, watch_of
+
+
+class Marks:
+    """Stands in for the watchdog's suspect marks: the marks made."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple[str, str, str]] = []
+
+    def mark(self, route: str, backend: str, why: str) -> None:
+        self.made.append((route, backend, why))
+
+
+async def said(watch: Any) -> tuple[BaseException | None, list[dict[str, Any]], Marks]:
+    marks = Marks()
+    watch.watchdog.suspects = marks
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    try:
+        await verdict(watch, send)
+    except Exception as exc:  # the verdict, as Failover gets it
+        return exc, sent, marks
+    return None, sent, marks
+
+
+@on_virtual_time
+async def test_no_first_chunk_in_the_window_is_a_saturation_logged_and_marked(caplog):
+    watch = watch_of()
+    await cut_at(watch)
+    with caplog.at_level(logging.WARNING, logger="tierchain"):
+        error, sent, marks = await said(watch)
+    assert isinstance(error, BackendSaturated)
+    assert str(error) == "backend 'tower' produced no first chunk in 10.0s (no_first_chunk)"
+    assert (error.waited, error.why) == (10.0, "no_first_chunk")
+    assert sent == []
+    assert marks.made == [("echo", "tower", "no_first_chunk")]
+    (line,) = [
+        r for r in caplog.records if getattr(r, "event", None) == "dispatch.backend_saturated"
+    ]
+    assert line.tierchain == {
+        "route": "echo",
+        "backend": "tower",
+        "waited_s": 10.0,
+        "reason": "no_first_chunk",
+        "failing_over": True,
+        "n": 1,
+        "of": 2,
+        "reserve_s": None,
+        "verdict": None,
+    }
+
+
+@on_virtual_time
+async def test_a_too_slow_prefill_carries_its_verdict_and_teaches_the_learned_window(caplog):
+    watch = watch_of(prefill=4.0)
+    await cut_at(watch)
+    with caplog.at_level(logging.WARNING, logger="tierchain"):
+        error, _, marks = await said(watch)
+    assert isinstance(error, BackendSaturated)
+    assert error.why == "too_slow"
+    assert marks.made == [("echo", "tower", "too_slow")]
+    (line,) = [
+        r for r in caplog.records if getattr(r, "event", None) == "dispatch.backend_saturated"
+    ]
+    assert (line.tierchain["verdict"], line.tierchain["waited_s"]) == ("too_slow", 4.0)
+
+
+@on_virtual_time
+async def test_the_reserves_point_before_a_first_chunk_is_a_saturation_with_its_reserve(caplog):
+    from .support import now
+
+    watch = watch_of(deadline=now() + 30.0, reserve=25.0)
+    await cut_at(watch)
+    with caplog.at_level(logging.WARNING, logger="tierchain"):
+        error, _, _ = await said(watch)
+    assert isinstance(error, BackendSaturated)
+    assert (error.why, error.waited) == ("reserve", 5.0)
+    (line,) = [
+        r for r in caplog.records if getattr(r, "event", None) == "dispatch.backend_saturated"
+    ]
+    assert line.tierchain["reserve_s"] == 25.0
+
+
+@on_virtual_time
+async def test_a_last_tier_cut_at_its_ceiling_is_not_failing_over(caplog):
+    watch = watch_of(last=True, ceiling=40.0)
+    await cut_at(watch)
+    with caplog.at_level(logging.WARNING, logger="tierchain"):
+        error, _, _ = await said(watch)
+    assert isinstance(error, BackendSaturated)
+    assert str(error) == "backend 'hosted' produced no first chunk in 40.0s (ceiling)"
+    (line,) = [
+        r for r in caplog.records if getattr(r, "event", None) == "dispatch.backend_saturated"
+    ]
+    assert (line.tierchain["failing_over"], line.tierchain["n"]) == (False, 2)
+
+
+async def _stalled_watch() -> Any:
+    import asyncio
+
+    watch = watch_of(stall=3.0)
+    req, observer = watch.req, watch.observer
+
+    async def attempt() -> None:
+        watch.begin()
+        observer.start(200, [(b"content-type", b"text/event-stream")])
+        observer.body(b'data: {"a": 1}\n\n')
+        req.committed = True
+        watch.first_data()
+        await asyncio.sleep(3600)
+
+    task = asyncio.create_task(attempt())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    watch.end()
+    return watch
+
+
+@on_virtual_time
+async def test_a_stalled_stream_is_a_stream_error_and_marks_its_backend():
+    watch = await _stalled_watch()
+    assert watch.fired == "stalled"
+    error, _, marks = await said(watch)
+    assert isinstance(error, StreamError)
+    assert str(error) == "backend 'tower' sent no data event for 3s"
+    assert error.reason == "stalled"
+    assert marks.made == [("echo", "tower", "stalled")]
+
+
+@on_virtual_time
+async def test_a_committed_stream_at_the_reserves_point_is_the_gateways_doing():
+    import asyncio
+
+    from .support import now
+
+    watch = watch_of(deadline=now() + 30.0, reserve=25.0)
+    req, observer = watch.req, watch.observer
+    req.continuable = True
+
+    async def attempt() -> None:
+        watch.begin()
+        await asyncio.sleep(1.0)
+        observer.start(200, [(b"content-type", b"text/event-stream")])
+        observer.body(b'data: {"a": 1}\n\n')
+        req.committed = True
+        watch.first_data()
+        await asyncio.sleep(3600)
+
+    task = asyncio.create_task(attempt())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    watch.end()
+    assert watch.fired == "reserve"
+    error, _, marks = await said(watch)
+    assert isinstance(error, BackendUnavailable)
+    assert str(error) == (
+        "backend 'tower' was still streaming 25s before the budget ends "
+        "(the reserve kept for the next tier)"
+    )
+    assert (error.reason, error.gateway_fault) == ("reserve", True)
+    assert marks.made == []  # no verdict on the backend
+
+
+@on_virtual_time
+async def test_alone_a_quiet_backend_at_the_ceiling_is_answered_504():
+    from tierchain.watch import Watch
+
+    watch = Watch(keeper(ceiling=20.0), None, None, window=0.0, stall=0.0)
+    assert await cut_at(watch) == ("ceiling", 20.0)
+    error, sent, _ = await said(watch)
+    assert error is None
+    assert sent[0]["status"] == 504
+    assert json.loads(sent[1]["body"]) == {
+        "error": {
+            "message": "backend '' produced no first chunk in 20.0s (ceiling)",
+            "type": "backend_saturated",
+            "code": "ceiling",
+        }
+    }
