@@ -225,6 +225,71 @@ async def test_a_body_slower_than_body_timeout_for_a_token_limited_key_is_408_at
     assert inner.bodies == []
 
 
+class _Unchecked(MemoryStore):
+    """A store that cannot check limits (Redis went away) but takes usage: its holds asked."""
+
+    holds = 0
+
+    async def window_hold(self, checks: Any) -> Any:
+        self.holds += 1
+        raise ConnectionError("store unreachable")
+
+
+def streaming(events: int) -> Any:
+    """The routed stack, standing in: a stream of ``events`` data events, then [DONE]."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        for i in range(events):
+            chunk = b'data: {"choices": [{"delta": {"content": "%d"}}]}\n\n' % i
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    return app
+
+
+@on_virtual_time
+async def test_a_token_limited_stream_its_store_cannot_check_runs_whole_and_asks_no_more():
+    store = _Unchecked()
+    app = gateway([CallerKey("team-a", KEY, tpm=10)], streaming(500), store)
+    answer = await ask(app)  # holds 122 it could not write; streams 500 events past it
+    assert answer.status == 200
+    assert answer.body.count(b"data: {") == 500
+    assert answer.body.endswith(b"data: [DONE]\n\n")
+    assert store.holds == 1  # the admission's: no stream step asks a store that failed
+
+
+@on_virtual_time
+async def test_the_app_behind_a_token_limited_key_still_hears_the_caller_leave():
+    heard: list[str] = []
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body", False):
+            pass
+        heard.append((await receive())["type"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    messages = [
+        {"type": "http.disconnect"},
+        {"type": "http.request", "body": ASKING[10:], "more_body": False},
+        {"type": "http.request", "body": ASKING[:10], "more_body": True},
+    ]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop()
+
+    store = MemoryStore()
+    await ask(gateway([CallerKey("team-a", KEY, tpm=1000)], inner, store), receive=receive)
+    assert heard == ["http.disconnect"]
+
+
 # -- max_parallel ----------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ fake backend on a real socket.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from tierchain import Backend, Failover, Forwarder, MemoryStore, Routes
@@ -87,11 +88,19 @@ async def test_an_answer_that_is_not_a_2xx_counts_no_tokens_even_with_a_usage_bl
 
 
 @on_virtual_time
-async def test_a_usage_number_past_the_bound_is_counted_at_the_bound():
+async def test_a_usage_number_past_the_bound_is_counted_at_the_bound_and_logged_once(
+    monkeypatch, caplog
+):
+    from tierchain import usage
+
+    monkeypatch.setattr(usage, "_CLAMPED", set())  # (logged once a process: as if the first)
     store = MemoryStore()
     body = json.dumps({"usage": {"prompt_tokens": 10**30, "completion_tokens": 10**30}}).encode()
-    await ask(alone(store, answering(200, [body], b"application/json")))
+    with caplog.at_level(logging.WARNING, logger="tierchain"):
+        await ask(alone(store, answering(200, [body], b"application/json")))
     assert await counted(store) == {"requests": 1, "input": USAGE_BOUND, "output": USAGE_BOUND}
+    clamped = [r.tierchain for r in caplog.records if getattr(r, "event", None) == "usage.clamped"]
+    assert clamped == [{"what": "usage", "source": "-", "reported": 10**30, "bound": USAGE_BOUND}]
 
 
 def routed(store: MemoryStore, url: str, wire: str | None = None, **limits: Any) -> Any:
