@@ -76,6 +76,14 @@ async def test_a_stream_without_usage_is_estimated_by_its_data_events_less_the_t
 
 
 @on_virtual_time
+async def test_a_stream_of_its_terminator_alone_is_estimated_at_no_output():
+    store = MemoryStore()
+    answer = await ask(alone(store, answering(200, [b"data: [DONE]\n\n"], b"text/event-stream")))
+    assert answer.status == 200
+    assert await counted(store) == {"requests": 1, "input_estimated": 1}
+
+
+@on_virtual_time
 async def test_an_answer_that_is_not_a_2xx_counts_no_tokens_even_with_a_usage_block():
     body = json.dumps({"usage": {"prompt_tokens": 5, "completion_tokens": 7}}).encode()
     for status in (199, 300, 429):
