@@ -147,9 +147,21 @@ MUTATE: dict[str, tuple[str | list[str], list[str], list[str]]] = {
         ["tests/test_watch_verdicts.py", "tests/test_decode.py"],
     ),
     "continuation-seam": (
-        "src/tierchain/continuation.py",
-        ["tierchain.continuation.x*"],
-        ["tests/test_continuation.py", "tests/test_continuation_never.py"],
+        "src/tierchain/formats/seam.py",
+        [
+            "tierchain.formats.seam.x_tokens*",
+            "tierchain.formats.seam.x__limit*",
+            "tierchain.formats.seam.xǁSeamǁrequest*",
+            "tierchain.formats.seam.xǁSeamǁ_limited*",
+            "tierchain.formats.seam.xǁSeamǁ_build*",
+            "tierchain.formats.seam.xǁSeamǁsplice*",
+            "tierchain.formats.seam.xǁSeamǁfinish*",
+            "tierchain.formats.seam.xǁSeamǁ_through_seam*",
+            "tierchain.formats.seam.xǁSeamǁ_decide*",
+            "tierchain.formats.seam.xǁSeamǁ_tail_repeat*",
+            "tierchain.formats.seam.xǁSeamǁ_release*",
+        ],
+        ["tests/test_continuation_seam.py"],
     ),
 }
 
