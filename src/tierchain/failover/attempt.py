@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
-from opentelemetry.trace import INVALID_SPAN, Span
+from opentelemetry.trace import INVALID_SPAN
 
 from .._disconnect import DisconnectGuard, Replay
 from .._responses import (
@@ -52,7 +52,7 @@ from ..telemetry import (
 )
 from ..waiting import WaitingRoom
 from ..wire import context_exceeded
-from .call import current, own_abort
+from .call import attempt_span, current, own_abort
 from .plan import Fault, failed, record
 from .route import ScopeCopy
 
@@ -180,21 +180,20 @@ class Responder:
     )
 
     def __init__(
-        self,
-        failover: Owner,
-        req: TierRequest,
-        attempt: Attempt,
-        observer: Observer,
-        send: Send,
-        guard: DisconnectGuard,
-        span: Span,
+        self, owner: Owner, req: TierRequest, attempt: Attempt, send: Send, guard: DisconnectGuard
     ) -> None:
-        self._failover = failover
-        self.span = span
-        self.lease: Any = None  # an in-flight lease at the backend, while held
+        """``attempt`` of ``req``, run by ``owner``; ``send`` is the caller's, ``guard`` the
+        request's disconnect guard."""
+        self._failover = owner
         self.req = req
         self.attempt = attempt
-        self.observer = observer
+        # The attempt's one observer, on the request for every other layer to read.
+        backend = attempt.backend
+        self.observer = req.observer = Observer(
+            attempt.started, stream_end=backend.stream_end, wire=backend.wire_format or req.wire
+        )
+        self.span = attempt_span(attempt)
+        self.lease: Any = None  # an in-flight lease at the backend, while held
         self._send = send
         self._pass = send  # a committed stream's mid-stream chunks (see _commit)
         self._guard = guard
@@ -258,11 +257,10 @@ class Responder:
                     return passing(message)
                 out = chunk
             elif observer.sse or observer.ndjson:
-                try:
-                    out = observer.body(chunk)
-                except StreamError as exc:
-                    self.req.abort(exc)
+                events = self._observed(chunk)
+                if events is None:
                     return nothing_sent()
+                out = events
                 if more:
                     if not out:
                         return nothing_sent()  # part of an event: held until it is whole
@@ -302,43 +300,62 @@ class Responder:
         status = int(message["status"])
         headers = list(message.get("headers", ()))
         self.observer.start(status, headers)
-        if status in self._failover.retry_statuses or status == _NOT_FOUND:
-            self.refusal = []  # kept for its message; the chain advances
+        if self._refuses(status):
+            self.refusal = []  # kept for its message, never sent
             return
         self.start = {**message, "headers": headers}
         self.outcome = "ok" if status < 400 else f"http_{status}"
 
-    def _before_commit(self, message: Message) -> Awaitable[None]:
-        # Not a coroutine: each case has at most one send to wait for, returned as is
-        # (the first chunk's commit costs no coroutine of this method's own).
+    def _refuses(self, status: int) -> bool:
+        """True when an answer with ``status`` is a refusal: its body kept for its message,
+        nothing of it sent, and the chain advances (a retryable status, a 404)."""
+        return status in self._failover.retry_statuses or status == _NOT_FOUND
+
+    def _other(self, message: Message) -> Awaitable[None]:
+        """A message that is neither the head nor the body (``http.response.trailers``):
+        passed on as it is once committed (or when no head was held)."""
+        if self.committed or self.start is None:
+            return self._send(message)
+        return nothing_sent()
+
+    def _unsent(self, message: Message) -> Awaitable[None] | None:
+        """The message's end when it is not a body to pass on, else None: nothing sent
+        once the attempt is on its way out, the head held (:meth:`_on_start`), another
+        message's own way (:meth:`_other`), a refusal's body kept for its message."""
         if self.req.aborted:
             return nothing_sent()  # on its way out: nothing more goes to the caller
         kind = message["type"]
-        observer = self.observer
         if kind == "http.response.start":
             self._on_start(message)
             return nothing_sent()
         if kind != "http.response.body":
-            if self.committed or self.start is None:
-                return self._send(message)  # e.g. http.response.trailers, passed as-is
-            return nothing_sent()
-        chunk: bytes = message.get("body", b"")
-        more = bool(message.get("more_body", False))
-        if self.refusal is not None:
-            if chunk and sum(map(len, self.refusal)) < REFUSAL_LIMIT:
-                self.refusal.append(chunk)
-            if not more:
-                observer.end()
+            return self._other(message)
+        refusal = self.refusal
+        if refusal is not None:
+            chunk: bytes = message.get("body", b"")
+            if chunk and sum(map(len, refusal)) < REFUSAL_LIMIT:
+                refusal.append(chunk)
+            if not message.get("more_body", False):
+                self.observer.end()
             return nothing_sent()
         if self.start is None:
             raise RuntimeError("the inner app sent a body before http.response.start")
+        return None
+
+    def _before_commit(self, message: Message) -> Awaitable[None]:
+        # Not a coroutine: each case has at most one send to wait for, returned as is
+        # (the first chunk's commit costs no coroutine of this method's own).
+        unsent = self._unsent(message)
+        if unsent is not None:
+            return unsent
+        observer = self.observer
+        chunk: bytes = message.get("body", b"")
+        more = bool(message.get("more_body", False))
         if self.committed:
             return self.send(message)  # a trailer-less body after commit: the usual path
         if observer.sse or observer.ndjson:
-            try:
-                out = observer.body(chunk)
-            except StreamError as exc:
-                self.req.abort(exc)
+            out = self._observed(chunk)
+            if out is None:
                 return nothing_sent()
             if observer.first_data_at is None:
                 # Comments and pings before the first data event: held with it.
@@ -364,6 +381,15 @@ class Responder:
         if self._held_size > self._failover.hold_limit:
             return self.commit_held(more_body=True)  # too large to hold: stream on
         return nothing_sent()
+
+    def _observed(self, chunk: bytes) -> bytes | None:
+        """The whole events of a stream's ``chunk`` the observer releases (b"": none yet),
+        or None for a malformed stream: the attempt is aborted with the observer's error."""
+        try:
+            return self.observer.body(chunk)
+        except StreamError as exc:
+            self.req.abort(exc)
+            return None
 
     def _hold(self, chunk: bytes) -> None:
         if chunk:

@@ -1,8 +1,8 @@
 """Failover's continuation: a committed stream that broke, finished on the next tier.
 
 :func:`continue_stream` decides, after a break, whether the next tier may finish the
-answer (and sets up the :class:`Continuation`); :func:`continuing` makes the attempt's
-responder, a :class:`Continuing`, whose whole events are spliced into the caller's
+answer (and sets up the :class:`Continuation`); the next attempt's responder is a
+:class:`Continuing`, whose whole events are spliced into the caller's
 stream in the first tier's envelope. The format's rules are in
 :mod:`tierchain.continuation`. See docs/failover.md.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping
 
-from opentelemetry.trace import INVALID_SPAN, Span
+from opentelemetry.trace import INVALID_SPAN
 
 from .._disconnect import DisconnectGuard
 from .._responses import (
@@ -26,7 +26,7 @@ from ..errors import (
     RetryableStatus,
     StreamError,
 )
-from ..observer import Observer, nothing_sent
+from ..observer import nothing_sent
 from ..prefill import Prefill
 from ..request import (
     Attempt,
@@ -40,11 +40,10 @@ from ..telemetry import (
     labelled,
     log_event,
 )
-from .attempt import REFUSAL_LIMIT, Owner, Responder
-from .call import attempt_span
+from .attempt import Owner, Responder
 from .plan import named, record
 
-__all__ = ["Continuation", "Continuing", "continue_stream", "continuing"]
+__all__ = ["Continuation", "Continuing", "continue_stream"]
 
 _CONTINUE_MIN_LEFT = 1.0  # budget seconds below which a broken stream is not continued
 # The seam's refusals that are no block in flight: a format, path or body with no
@@ -150,26 +149,6 @@ def _why_not(
     return ""
 
 
-def continuing(
-    failover: Owner,
-    req: TierRequest,
-    attempt: Attempt,
-    observer: Observer,
-    send: Send,
-    guard: DisconnectGuard,
-) -> Continuing:
-    """The responder of an attempt that finishes a broken answer: its request, the
-    original one with the partial answer in it, is made by :meth:`Continuing.prepare`."""
-    cont = req.continuation
-    assert cont is not None
-    cont.seam.writers = [*cont.writers, attempt.backend.name]
-    span = attempt_span(attempt)
-    if span is not INVALID_SPAN:
-        span.set_attribute(ATTR_CONTINUES, cont.origin)
-        span.set_attribute(ATTR_AFTER_CHARS, len(cont.seam.text))
-    return Continuing(failover, req, attempt, observer, send, guard, span, cont)
-
-
 class Continuation:
     """A broken stream being finished on a later tier (``TierRequest.continuation``)."""
 
@@ -208,18 +187,18 @@ class Continuing(Responder):
     __slots__ = ("continuation", "prefill")
 
     def __init__(
-        self,
-        failover: Owner,
-        req: TierRequest,
-        attempt: Attempt,
-        observer: Observer,
-        send: Send,
-        guard: DisconnectGuard,
-        span: Span,
-        continuation: Continuation,
+        self, owner: Owner, req: TierRequest, attempt: Attempt, send: Send, guard: DisconnectGuard
     ) -> None:
-        super().__init__(failover, req, attempt, observer, send, guard, span)
-        self.continuation = continuation
+        super().__init__(owner, req, attempt, send, guard)
+        cont = req.continuation
+        assert cont is not None
+        cont.seam.writers = [*cont.writers, attempt.backend.name]
+        span = self.span
+        if span is not INVALID_SPAN:
+            span.set_attribute(ATTR_CONTINUES, cont.origin)
+            span.set_attribute(ATTR_AFTER_CHARS, len(cont.seam.text))
+        self.continuation = cont
+        # The prefill asked for (its request is made by prepare, when the attempt starts).
         self.prefill: Prefill | None = None
 
     async def prepare(self) -> None:
@@ -236,37 +215,24 @@ class Continuing(Responder):
         self.prefill = found
         req.body = cont.seam.request(cont.body, prefill=found.takes, adds=found.adds)
 
-    def send(self, message: Message) -> Awaitable[None]:
-        if self.req.aborted:
-            return nothing_sent()
-        kind = message["type"]
+    def _refuses(self, status: int) -> bool:
+        # Any answer but a success in the stream's own framing: the caller never sees it.
         observer = self.observer
-        if kind == "http.response.start":
-            status = int(message["status"])
-            headers = list(message.get("headers", ()))
-            observer.start(status, headers)
-            self.start = message
-            cont = self.continuation
-            same = observer.ndjson if cont.ndjson else observer.sse
-            if status >= 300 or not same:
-                self.refusal = []  # kept for its message; the caller never sees it
-            return nothing_sent()
-        if kind != "http.response.body":
-            return nothing_sent()
+        same = observer.ndjson if self.continuation.ndjson else observer.sse
+        return status >= 300 or not same
+
+    def _other(self, message: Message) -> Awaitable[None]:
+        return nothing_sent()  # nothing of its own reaches the caller but its events
+
+    def send(self, message: Message) -> Awaitable[None]:
+        unsent = self._unsent(message)  # the head, a refusal: as every attempt's
+        if unsent is not None:
+            return unsent
+        observer = self.observer
         chunk: bytes = message.get("body", b"")
         more = bool(message.get("more_body", False))
-        if self.refusal is not None:
-            if chunk and sum(map(len, self.refusal)) < REFUSAL_LIMIT:
-                self.refusal.append(chunk)
-            if not more:
-                observer.end()
-            return nothing_sent()
-        if self.start is None:
-            raise RuntimeError("the inner app sent a body before http.response.start")
-        try:
-            out = observer.body(chunk)
-        except StreamError as exc:
-            self.req.abort(exc)
+        out = self._observed(chunk)
+        if out is None:
             return nothing_sent()
         seam = self.continuation.seam
         try:

@@ -159,6 +159,8 @@ class Race:
     def __init__(
         self, after: float, failover: Owner, responder: Responder, nxt: Backend, scope: ScopeCopy
     ) -> None:
+        """``responder``'s attempt, hedged on ``nxt`` if it is still in doubt after ``after``
+        seconds; ``scope`` gives the hedge its copy of the request's scope."""
         self.failover = failover
         self.req = responder.req
         self.attempt = responder.attempt

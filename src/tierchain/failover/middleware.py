@@ -83,7 +83,6 @@ from ..errors import (
     ResolveError,
 )
 from ..keys import caller_name
-from ..observer import Observer
 from ..pick_policy import PolicyOption, resolve_policy
 from ..picker import Picker, PickWeights
 from ..prefill import Prefills
@@ -104,8 +103,7 @@ from ..waiting import WaitingRoom
 from ..wire import recognise
 from .answers import Refusal, all_failed, gave_up, refuse_route, turned_away
 from .attempt import Responder, call_inner
-from .call import attempt_span
-from .continuing import continue_stream, continuing
+from .continuing import Continuing, continue_stream
 from .hedging import Hedging, Race
 from .plan import Fault, Tries, again, next_attempt, record, retry_pause, wait_for_room
 from .pools import PoolPlan, gathered, sibling_left
@@ -497,7 +495,8 @@ class Failover:
     def _begin(
         self, req: TierRequest, guard: DisconnectGuard, send: Send, attempt: Attempt
     ) -> Responder:
-        """Set up one attempt: its observer, its state event, its span, its ``send``."""
+        """Set up one attempt: its deadline, its responder (its ``send``, with its observer
+        and span: a :class:`Continuing` for a continuation), its state event."""
         if req.deadline is not None:
             attempt.deadline = req.deadline
             if attempt.deadline <= clock.now():
@@ -506,9 +505,9 @@ class Failover:
         req.attempt = attempt
         req.attempt_error = None
         req.aborted = False
-        observer = req.observer = Observer(
-            attempt.started, stream_end=backend.stream_end, wire=backend.wire_format or req.wire
-        )
+        # (Its observer, on the request, before the state event that listeners read it with.)
+        kind = Responder if req.continuation is None else Continuing
+        responder = kind(self, req, attempt, send, guard)
         if backend.pool is None and not attempt.retry:
             req.emit(
                 "attempt", n=attempt.n, of=attempt.of, backend=backend.name, regime=backend.regime
@@ -525,9 +524,7 @@ class Failover:
                 regime=backend.regime,
                 **fields,
             )
-        if req.continuation is not None:
-            return continuing(self, req, attempt, observer, send, guard)
-        return Responder(self, req, attempt, observer, send, guard, attempt_span(attempt))
+        return responder
 
     def _continue(
         self,
