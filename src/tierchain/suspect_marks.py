@@ -47,7 +47,7 @@ class SuspectMarks:
         except Exception as exc:  # a store must never fail a request: not suspect
             _store_failed(exc)
             return None
-        return _passes(name, mark)
+        return None if mark is None else _passes(name, mark)
 
     async def check(self, attempt: Attempt) -> Suspect | None:
         """Skip a backend an earlier caller's attempt was judged on (``BackendBusy``), or

@@ -64,6 +64,7 @@ class Watch:
         "_ceiling_at",
         "_cut",
         "_cut_passed",
+        "_deadline_at",
         "_first_token",
         "_handle",
         "_prefill_end",
@@ -127,7 +128,8 @@ class Watch:
         self._prefill_end = start + prefill
         self._prompt_due = False
         self._first_token = first_token  # the prefill's end is the backend's own limit
-        deadline = self._deadline()
+        # The attempt's deadline (a Budget's; set before any attempt starts, never moved).
+        deadline = self._deadline_at = self._deadline()
         self._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
         self._cut_passed = False  # a committed stream's reserve point passed (or cut it)
         self._progress: Progress | None = None  # the status conversation, once asked
@@ -361,7 +363,7 @@ class Watch:
         due = min(self._ceiling_at, self._cut, self._prefill_end)
         if window and self._window_end < due:
             due = self._window_end
-        deadline = self._deadline()
+        deadline = self._deadline_at
         if deadline is not None and due >= deadline:
             return math.inf
         return due
@@ -369,7 +371,7 @@ class Watch:
     def _end(self) -> float:
         """The latest this attempt may wait, whatever a status says: the first of the
         reserve's point, the ceiling and the request's deadline (math.inf: none)."""
-        deadline = self._deadline()
+        deadline = self._deadline_at
         end = min(self._cut, self._ceiling_at)
         return end if deadline is None or end <= deadline else deadline
 
@@ -515,7 +517,7 @@ class Watch:
             progress = self._progress = Progress(
                 self.watchdog, backend, self.route, body, self.start
             )
-        deadline = self._deadline()
+        deadline = self._deadline_at
         status = await progress.probe(min(self.watchdog.probe_timeout, self._end() - now))
         now = clock.now()
         if status is None and (self.fired is not None or now >= self._cut - EARLY):

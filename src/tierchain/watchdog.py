@@ -441,7 +441,11 @@ class SaturationWatchdog:
         if last is None:
             last = attempt is None or attempt.is_last
         body = req.body if req is not None else None
-        window, learned = self._window_for(attempt, body)
+        if self.learned is not None and attempt is not None:
+            window, learned = self.learned.window(attempt.backend.name, body)
+            window = min(window, self.ceiling)  # (each backend's own, at most the ceiling)
+        else:
+            window, learned = self.window(body), False
         stall = self.stall_after
         reserve, prefill, first_token = 0.0, math.inf, False
         if attempt is not None:
@@ -467,13 +471,6 @@ class SaturationWatchdog:
         if send is not None:
             watch.begin()
         return watch
-
-    def _window_for(self, attempt: Attempt | None, body: bytes | None) -> tuple[float, bool]:
-        """The first-chunk window (0: off), at most the ceiling, and whether it was learned."""
-        if self.learned is not None and attempt is not None:
-            window, learned = self.learned.window(attempt.backend.name, body)
-            return min(window, self.ceiling), learned
-        return self.window(body), False
 
     def _stall_for(self, attempt: Attempt, last: bool) -> float:
         """The stall window: the backend's own ``stall_after``; else, where a later tier can
