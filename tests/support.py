@@ -33,7 +33,7 @@ from tierchain import (
     SaturationWatchdog,
     current_attempt,
 )
-from tierchain.errors import BackendUnavailable
+from tierchain.errors import BackendSaturated, BackendUnavailable
 from tierchain.request import Attempt, TierRequest
 from tierchain.testing import VirtualClock, virtual_time
 
@@ -62,6 +62,29 @@ class Recorder:
 
             req.subscribe(note)
         await self.inner(scope, receive, send)
+
+
+class RecordedGateway:
+    """What a test's own gateway class shares: its stack behind a :class:`Recorder`
+    (``requests``, ``attempts``, ``events``), and ``aclose`` for its forwarder and watchdog.
+    A subclass builds ``forwarder``, ``watchdog`` and the stack, then calls ``_record``."""
+
+    forwarder: Any
+    watchdog: Any
+
+    def _record(self, inner: Any) -> None:
+        self.app = recorder = Recorder(inner)
+        self.requests = recorder.requests
+        self.attempts = recorder.attempts
+        self.events = recorder.events
+
+    async def aclose(self) -> None:
+        await self.forwarder.aclose()
+        await self.watchdog.aclose()
+
+    def states(self, name: str) -> list[dict[str, Any]]:
+        """The state events named ``name``, every request's, in order."""
+        return [e for e in self.events if e["state"] == name]
 
 
 RULES_TIMEOUT = 30.0
@@ -365,6 +388,35 @@ def answers(status: int, body: bytes = b'{"error":{"message":"x"}}', **headers: 
         await ex.respond(status, body, headers)
 
     return script
+
+
+def once_then(first: Script) -> Script:
+    """A backend whose first request gets ``first``; every later one a stream (``again``)."""
+    seen = [0]
+
+    async def script(ex: Exchange) -> None:
+        seen[0] += 1
+        if seen[0] == 1:
+            await first(ex)
+        else:
+            await streams(["again"])(ex)
+
+    return script
+
+
+class SaturateAfter:
+    """Stand-in for SaturationWatchdog: no first chunk within ``window`` -> BackendSaturated."""
+
+    def __init__(self, app: Any, window: float) -> None:
+        self.app = app
+        self.window = window
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with asyncio.timeout(self.window):
+                await self.app(scope, receive, send)
+        except TimeoutError:
+            raise BackendSaturated("no first chunk", waited=self.window) from None
 
 
 @dataclass

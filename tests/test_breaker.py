@@ -27,6 +27,7 @@ from tierchain.errors import BudgetExhausted
 
 from .support import (
     FakeBackend,
+    SaturateAfter,
     answers,
     chat_request,
     fresh_post,
@@ -475,7 +476,7 @@ async def test_the_seed_000_shape_a_saturated_tower_stops_receiving_work():
         inner: Any = (
             watchdog(forwarder, slow_after=0.3, suspect_for=0)  # (the breaker's own ledgers)
             if watchdog is not None
-            else _SaturateAfter(forwarder, 0.3)
+            else SaturateAfter(forwarder, 0.3)
         )
         app = Failover(Breaker(inner), routes=routes)
         async with serve(app) as url:
@@ -499,21 +500,6 @@ async def _silent(ex) -> None:
     with_ping = asyncio.create_task(ex.write(b": ping\n\n"))
     await with_ping
     await ex.wait_closed_by_peer()
-
-
-class _SaturateAfter:
-    """Stand-in for SaturationWatchdog: no first chunk within ``window`` -> BackendSaturated."""
-
-    def __init__(self, app, window: float) -> None:
-        self.app = app
-        self.window = window
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with asyncio.timeout(self.window):
-                await self.app(scope, receive, send)
-        except TimeoutError:
-            raise BackendSaturated("no first chunk", waited=self.window) from None
 
 
 async def test_a_request_failover_does_not_route_passes_the_breaker_and_watchdog_untouched():

@@ -45,6 +45,7 @@ from .support import (
     answers,
     chat_request,
     on_virtual_time,
+    once_then,
     parse_sse,
     refused_url,
     serve,
@@ -464,20 +465,6 @@ async def test_a_refused_local_model_still_fails_over_to_another_on_the_same_gpu
 
 
 # -- retries on the same tier ------------------------------------------------------------
-
-
-def once_then(first: Callable[[Exchange], Any]) -> Callable[[Exchange], Any]:
-    """A backend whose first request gets ``first``; every later one a stream."""
-    seen = [0]
-
-    async def script(ex: Exchange) -> None:
-        seen[0] += 1
-        if seen[0] == 1:
-            await first(ex)
-        else:
-            await streams(["again"])(ex)
-
-    return script
 
 
 async def reset_at_once(ex: Exchange) -> None:

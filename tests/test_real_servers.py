@@ -53,6 +53,7 @@ from tierchain.status import full
 
 from .support import (
     FakeBackend,
+    RecordedGateway,
     Recorder,
     completion_body,
     openai_stream,
@@ -497,7 +498,7 @@ def hosted_script() -> Any:
     return script
 
 
-class ReadmeGateway:
+class ReadmeGateway(RecordedGateway):
     """The README's stack (Heartbeats, Budget, PreferBackend, Failover, Breaker,
     SaturationWatchdog, Forwarder), tower then hosted, each request recorded."""
 
@@ -519,16 +520,7 @@ class ReadmeGateway:
         app = PreferBackend(app, store=store)
         app = Budget(app, default=budget)
         inner = Heartbeats(app, interval=10.0)
-        self.app = recorder = Recorder(inner)
-        self.requests, self.attempts, self.events = (
-            recorder.requests,
-            recorder.attempts,
-            recorder.events,
-        )
-
-    async def aclose(self) -> None:
-        await self.forwarder.aclose()
-        await self.watchdog.aclose()
+        self._record(inner)
 
     def trail(self) -> list[tuple[str, str]]:
         return [(r.backend, r.outcome) for r in self.requests[-1].attempts]
@@ -540,9 +532,6 @@ class ReadmeGateway:
         assert req.deadline is not None
         attempt, record = self.attempts[-1][n], req.attempts[n]
         return req.deadline - (attempt.started + record.elapsed), attempt.reserve
-
-    def states(self, name: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["state"] == name]
 
 
 async def through_the_readme_stack(server: Server, path: str, *, stream: bool) -> Any:

@@ -15,7 +15,6 @@ import pytest
 
 from tierchain import (
     Backend,
-    BackendSaturated,
     Breaker,
     Failover,
     Forwarder,
@@ -28,6 +27,7 @@ from tierchain.testing import VirtualClock, virtual_time
 from .support import (
     RULES_TIMEOUT,
     FakeBackend,
+    SaturateAfter,
     chat_request,
     now,
     on_virtual_time,
@@ -48,21 +48,6 @@ async def _silent(ex) -> None:
     await ex.wait_closed_by_peer()
 
 
-class _SaturateAfter:
-    """Stand-in for SaturationWatchdog: no first chunk within ``window`` -> BackendSaturated."""
-
-    def __init__(self, app: Any, window: float) -> None:
-        self.app = app
-        self.window = window
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with asyncio.timeout(self.window):
-                await self.app(scope, receive, send)
-        except TimeoutError:
-            raise BackendSaturated("no first chunk", waited=self.window) from None
-
-
 def replica(routes: Routes, store: RedisStore) -> tuple[Failover, Forwarder]:
     """One gateway replica: Failover(Breaker(watchdog(Forwarder())))."""
     import tierchain
@@ -72,7 +57,7 @@ def replica(routes: Routes, store: RedisStore) -> tuple[Failover, Forwarder]:
     inner = (
         watchdog(forwarder, slow_after=0.3, suspect_for=0)  # (the breaker shared, alone)
         if watchdog is not None
-        else _SaturateAfter(forwarder, 0.3)
+        else SaturateAfter(forwarder, 0.3)
     )
     return Failover(Breaker(inner, store=store), routes=routes), forwarder
 

@@ -32,7 +32,7 @@ from tierchain import (
 from .support import (
     Exchange,
     FakeBackend,
-    Recorder,
+    RecordedGateway,
     chat_request,
     completion_body,
     now,
@@ -59,7 +59,7 @@ def hosted_script() -> Callable[[Exchange], Any]:
     return script
 
 
-class Gateway:
+class Gateway(RecordedGateway):
     """Budget -> Failover -> Breaker -> SaturationWatchdog -> Forwarder, recorded."""
 
     def __init__(
@@ -75,16 +75,7 @@ class Gateway:
         breaker = Breaker(self.watchdog, store=self.store, failure_threshold=2)
         failover = Failover(breaker, routes=Routes({"echo": chain}), continuations=continuations)
         inner = Budget(failover, default=budget)
-        self.app = recorder = Recorder(inner)
-        self.requests, self.attempts, self.events = (
-            recorder.requests,
-            recorder.attempts,
-            recorder.events,
-        )
-
-    async def aclose(self) -> None:
-        await self.forwarder.aclose()
-        await self.watchdog.aclose()
+        self._record(inner)
 
     def left_after_tower(self, i: int) -> tuple[float, float]:
         """For request ``i``: the budget left when the tower's attempt ended, and the
@@ -96,9 +87,6 @@ class Gateway:
         assert req.deadline is not None
         ended = tower.started + record.elapsed
         return req.deadline - ended, tower.reserve
-
-    def states(self, name: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["state"] == name]
 
 
 async def post(client: httpx.AsyncClient, url: str, *, stream: bool) -> httpx.Response:

@@ -15,26 +15,19 @@ import httpx
 from tierchain import Backend
 from tierchain.config import routes_from_toml
 
-from .support import Exchange, FakeBackend, answers, now, on_virtual_time, serve, streams
+from .support import (
+    FakeBackend,
+    answers,
+    now,
+    on_virtual_time,
+    once_then,
+    serve,
+)
 from .test_pools import Gateway, post, trail
 
 RATE_LIMITED = (
     b'{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}'
 )
-
-
-def once_then(first: Any) -> Any:
-    """A backend whose first request gets ``first``; every later one a stream."""
-    seen = [0]
-
-    async def script(ex: Exchange) -> None:
-        seen[0] += 1
-        if seen[0] == 1:
-            await first(ex)
-        else:
-            await streams(["again"])(ex)
-
-    return script
 
 
 @on_virtual_time
