@@ -685,3 +685,17 @@ def test_a_row_of_the_test_modules_names_test_modules_that_use_the_module(module
             f"{module}: {file} names neither the module, nor anything it defines, nor its "
             "'through' name"
         )
+
+
+def test_no_per_request_copy_is_left_to_take_back():
+    """The per-request copies an earlier speed pass left are all taken back: the list of
+    copies "not yet taken back" has no row, and every copy in the code is one kept for
+    speed on the per-chunk path (its row is in the table above that list)."""
+    copies = section(PAGE.read_text(), "Copies kept for speed")
+    kept, _, not_yet = copies.partition("### Copies not yet taken back")
+    assert not table_rows(not_yet), "a per-request copy is left: take it back"
+    listed: dict[str, int] = {}
+    for row in table_rows(kept):
+        module = row[0].strip("` ")
+        listed[module] = listed.get(module, 0) + 1
+    assert copies_in_code() == listed
