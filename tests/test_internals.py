@@ -571,6 +571,37 @@ def test_every_module_over_600_lines_says_why_in_the_map():
     assert not named - long, f"no longer over {LONG} lines: remove {named - long} from the table"
 
 
+TOO_LONG = 800  # lines of a module, reason or not
+LONGEST_FUNCTION = 80  # lines of a function or method, from its def to its last line
+
+
+def test_no_module_is_over_800_lines():
+    sizes = {m: len((PACKAGE / m).read_text().splitlines()) for m in package_modules()}
+    over = {m: n for m, n in sizes.items() if n > TOO_LONG}
+    assert not over, f"over {TOO_LONG} lines: split these by job: {over}"
+
+
+def functions_over(limit: int, module: str) -> list[tuple[str, int]]:
+    """Each function or method of ``module`` longer than ``limit`` lines, with its length."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    return [
+        (f"{module}:{node.lineno} {node.name}", node.end_lineno - node.lineno + 1)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_the_function_length_check_sees_a_long_function():
+    assert functions_over(10, "config.py")  # from_env's steps are longer than 10 lines
+
+
+def test_no_function_is_over_80_lines():
+    over = [f for m in sorted(package_modules()) for f in functions_over(LONGEST_FUNCTION, m)]
+    assert not over, f"over {LONGEST_FUNCTION} lines: split these into named steps: {over}"
+
+
 # -- copies kept for speed ---------------------------------------------------------------
 
 _COPY = re.compile(r"#.*, inline\b")
