@@ -39,7 +39,7 @@ from tierchain import (
     SaturationWatchdog,
 )
 from tierchain.config import from_env
-from tierchain.continuation import INSTRUCTION
+from tierchain.failover.continuation import INSTRUCTION
 from tierchain.stack import build_stack
 
 from .support import Exchange, FakeBackend, Script, now, on_virtual_time, serve
@@ -611,7 +611,7 @@ async def test_a_non_stream_answer_cut_short_already_fails_over_whole_with_no_co
         assert json.loads(hosted.requests[-1].body)["messages"] == MESSAGES
 
 
-# -- the seam's rules, event by event (tierchain.continuation) ------------------------------
+# -- the seam's rules, event by event (tierchain.failover.continuation) ---------------------
 
 
 def data_of(out: bytes) -> list[dict[str, Any]]:
@@ -619,7 +619,7 @@ def data_of(out: bytes) -> list[dict[str, Any]]:
 
 
 def test_an_anthropic_block_closed_at_the_break_is_followed_by_the_next_index():
-    from tierchain.continuation import seam
+    from tierchain.failover.continuation import seam
 
     events = anthropic_stream(["Hel", "lo"])
     sent = b"".join(events[:6])  # the block's deltas and its content_block_stop
@@ -639,7 +639,7 @@ def test_an_anthropic_block_closed_at_the_break_is_followed_by_the_next_index():
 
 
 def test_a_responses_item_closed_at_the_break_is_followed_by_a_new_item_of_its_own_id():
-    from tierchain.continuation import seam
+    from tierchain.failover.continuation import seam
 
     events = responses_stream(["Hel", "lo"])
     sent = b"".join(events[:9])  # up to and with output_item.done
@@ -657,7 +657,7 @@ def test_a_responses_item_closed_at_the_break_is_followed_by_a_new_item_of_its_o
 
 
 def test_an_openai_chat_seam_drops_the_role_chunk_and_marks_the_usage():
-    from tierchain.continuation import seam
+    from tierchain.failover.continuation import seam
 
     sent = b"".join(chat_events(["Hel", "lo"], model="tower-model", id="chatcmpl-tower")[:3])
     found = seam("openai", "tower", sent, ndjson=False)
@@ -754,7 +754,7 @@ async def test_a_stall_with_under_a_second_of_budget_left_ends_with_its_error(me
 
 
 def test_the_request_keeps_a_callers_own_prefill_and_asks_in_words_without_prefill():
-    from tierchain.continuation import INSTRUCTION, seam
+    from tierchain.failover.continuation import INSTRUCTION, seam
 
     sent = b"".join(anthropic_stream(["Hel", "lo "])[:5])
     found = seam("anthropic", "tower", sent, ndjson=False)
@@ -775,7 +775,7 @@ def test_the_request_keeps_a_callers_own_prefill_and_asks_in_words_without_prefi
 
 
 def test_what_is_never_continued_says_why():
-    from tierchain.continuation import seam
+    from tierchain.failover.continuation import seam
 
     generate = b'{"model":"m","response":"Hel","done":false}\n'
     assert seam("ollama", "tower", generate, ndjson=True).why == "not_chat"
@@ -923,7 +923,7 @@ async def test_a_next_tier_that_resets_after_its_terminator_has_finished_the_ans
 
 
 def test_whitespace_a_prefill_left_out_is_never_there_twice():
-    from tierchain.continuation import seam
+    from tierchain.failover.continuation import seam
 
     sent = b"".join(anthropic_stream(["Hello", "\n\n"])[:5])
     body = json.dumps({"model": "m", "max_tokens": 9, "messages": MESSAGES}).encode()

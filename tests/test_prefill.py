@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tierchain import Backend, Failover, Forwarder, MemoryStore, RedisStore, Routes
-from tierchain.continuation import INSTRUCTION
+from tierchain.failover.continuation import INSTRUCTION
 from tierchain.prefill import FACT, Prefills
 
 from .support import Exchange, FakeBackend, Script, on_virtual_time, serve

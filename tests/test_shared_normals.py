@@ -63,7 +63,7 @@ async def serve_gateway(
 def hosted_chat() -> Script:
     """Hosted: finishes a continued answer (tests/test_continuation.py's finisher), and
     answers a fresh request with a whole short stream."""
-    from tierchain.continuation import INSTRUCTION
+    from tierchain.failover.continuation import INSTRUCTION
 
     from .test_continuation import chat_events
 

@@ -4,7 +4,7 @@
 answer (and sets up the :class:`Continuation`); the next attempt's responder is a
 :class:`Continuing`, whose whole events are spliced into the caller's
 stream in the first tier's envelope. The format's rules are in
-:mod:`tierchain.continuation`. See docs/failover.md.
+:mod:`tierchain.failover.continuation`. See docs/failover.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from .._responses import (
     retry_after,
 )
 from .._types import Message, Send
-from ..continuation import Seam, seam
 from ..errors import (
     AttemptError,
     CallerStalled,
@@ -41,6 +40,7 @@ from ..telemetry import (
     log_event,
 )
 from .attempt import Owner, Responder
+from .continuation import Seam, seam
 from .plan import named, record
 
 __all__ = ["Continuation", "Continuing", "continue_stream"]
@@ -180,7 +180,7 @@ class Continuation:
 class Continuing(Responder):
     """The ``send`` of an attempt that finishes a broken answer: nothing of its head
     reaches the caller; its whole events are spliced into the caller's stream
-    (:meth:`~tierchain.continuation.Seam.splice`). Any failure before its first event
+    (:meth:`~tierchain.formats.seam.Seam.splice`). Any failure before its first event
     ends the stream with the original break; a 400 is the backend refusing the
     continuation (``prefill_rejected``), never the caller's error."""
 

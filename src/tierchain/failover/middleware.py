@@ -39,7 +39,7 @@ retryable status, or an event stream that ends with no data event
 (``no_data``). After the first byte has gone to the caller there is no
 failover. A stream that breaks or stalls while a later tier exists is
 *continued* instead (``continuations``): the next tier gets the caller's request
-with the partial answer in it (:mod:`tierchain.continuation`), and its events are
+with the partial answer in it (:mod:`tierchain.failover.continuation`), and its events are
 spliced into the caller's stream in the first tier's envelope
 (:mod:`tierchain.failover.continuing`); if it cannot finish the answer, the caller gets the original
 break. Otherwise a later failure (``stream_broken``, ``truncated``, ``stalled``,

@@ -1,6 +1,6 @@
 """Continuation: finish a broken answer on the next tier, in the caller's own stream.
 
-When a committed stream breaks, stalls or is cut, Failover (``failover/continuing.py``)
+When a committed stream breaks, stalls or is cut, Failover (``continuing.py`` here)
 asks :func:`seam` for the seam of the answer the caller has: the request's wire format
 builds it (``WireFormat.seam``, in the format's own module of :mod:`tierchain.formats`:
 its events parsed once, the next tier's request, its events rewritten into the first
@@ -13,8 +13,8 @@ Nothing here does I/O: Failover drives it.
 
 from __future__ import annotations
 
-from .formats import of
-from .formats.seam import INSTRUCTION, LIMIT_KEYS, Seam
+from ..formats import of
+from ..formats.seam import INSTRUCTION, LIMIT_KEYS, Seam
 
 __all__ = ["INSTRUCTION", "LIMIT_KEYS", "Seam", "seam"]
 
