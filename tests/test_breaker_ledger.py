@@ -52,6 +52,11 @@ def test_a_saturated_probes_reopen_doubles_from_the_backoff_up_to_the_cooldown()
     assert reopen_cooldown(POLICY, 10_000) == 900  # capped, never an overflow
 
 
+def test_a_backoff_under_a_second_doubles_from_itself():
+    policy = BreakerPolicy(saturation_backoff=0.5, saturation_cooldown=900.0)
+    assert [reopen_cooldown(policy, n) for n in (0, 1, 2)] == [0.5, 1.0, 2.0]
+
+
 def test_without_a_saturation_backoff_every_reopen_is_the_whole_cooldown():
     policy = BreakerPolicy(saturation_backoff=0.0, saturation_cooldown=900.0)
     assert [reopen_cooldown(policy, n) for n in (0, 1, 7)] == [900, 900, 900]
