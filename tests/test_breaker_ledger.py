@@ -55,6 +55,15 @@ def test_a_saturated_probes_reopen_doubles_from_the_backoff_up_to_the_cooldown()
 def test_a_backoff_under_a_second_doubles_from_itself():
     policy = BreakerPolicy(saturation_backoff=0.5, saturation_cooldown=900.0)
     assert [reopen_cooldown(policy, n) for n in (0, 1, 2)] == [0.5, 1.0, 2.0]
+    policy = BreakerPolicy(probe_every=0.5, failure_cooldown=30.0)
+    assert [failure_wait(policy, n) for n in (0, 1, 2)] == [0.5, 1.0, 1.5]
+
+
+def test_a_saturated_probe_under_a_short_backoff_reopens_for_that_backoff_alone():
+    policy = BreakerPolicy(saturation_backoff=0.25, saturation_threshold=2)
+    led = Ledger(state="half_open", saturations=2, gen=1, reason="saturation")
+    change = record(led, T, policy, "saturation", gen=1)
+    assert change == BreakerChange("open", 0.25, 0, 3, ("open",), "saturation")
 
 
 def test_without_a_saturation_backoff_every_reopen_is_the_whole_cooldown():
@@ -111,6 +120,12 @@ def test_a_retry_after_opens_at_once_for_its_seconds_capped():
     assert change == BreakerChange("open", 100.0, 0, 1, ("open",), "retry_after")
 
 
+def test_a_retry_after_under_a_second_opens_for_just_that_long():
+    led = Ledger()
+    change = record(led, T, POLICY, "failure", gen=0, retry_after=0.5)
+    assert change == BreakerChange("open", 0.5, 1, 0, ("open",), "retry_after")
+
+
 def test_a_retry_after_longer_than_the_tripped_cooldown_names_itself_not_when_shorter():
     led = Ledger(failures=2)
     change = record(led, T, POLICY, "failure", gen=0, retry_after=2.5)
@@ -137,6 +152,9 @@ def test_a_verdict_with_another_probes_token_keeps_the_slot_taken():
     assert led.probe_until == T + 60
     record(led, T, POLICY, "neutral", gen=1)  # (no probe: 0)
     assert led.probe_until == T + 60
+    first = Ledger(state="half_open", gen=1, probe_token=1, probe_until=T + 60)
+    record(first, T, POLICY, "neutral", gen=1)  # not the first probe's verdict either
+    assert first.probe_until == T + 60
 
 
 # -- what closes it -------------------------------------------------------------------------
