@@ -281,6 +281,12 @@ def test_a_forced_attempt_failing_while_open_extends_the_cooldown_never_shortens
     assert led.gen == 1  # already open: no new generation
 
 
+def test_a_failure_while_open_that_ends_no_later_keeps_the_reason_it_opened_for():
+    led = opened("retry_after", until=T + 4)
+    change = record(led, T, POLICY, "failure", gen=1)  # failure_wait(1): 4 s, the same end
+    assert change == BreakerChange("open", 4.0, 4, 0, (), "retry_after")
+
+
 def test_recording_after_the_cooldown_settles_to_half_open_first():
     led = opened(until=T + 30)
     change = record(led, T + 30, POLICY, "neutral", gen=1)
