@@ -28,13 +28,12 @@ The shapes are Anthropic's streaming reference (docs.anthropic.com/en/api/messag
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..sse import events as sse_events
 from ..sse import last_event
 from .base import WireFormat, count, kind_of, opening_only, refused
-from .seam import Seam, load, tokens
+from .seam import Seam, dump, load, tokens
 
 __all__ = ["Messages", "MessagesSeam"]
 
@@ -57,7 +56,6 @@ _OWN = frozenset(
         "timeout_error",
     }
 )
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 _PINGS = frozenset({"ping"})
 
 
@@ -89,7 +87,7 @@ class Messages(WireFormat):
     def error_event(self, message: str, type: str, code: str | None) -> bytes:
         kind = _TYPES.get(type, "api_error")
         payload = {"type": "error", "error": {"type": kind, "message": message}}
-        return b"event: error\ndata: " + _ENCODER.encode(payload).encode() + b"\n\n"
+        return b"event: error\ndata: " + dump(payload) + b"\n\n"
 
     def error_body(
         self, message: str, type: str, code: str | None, extra: dict[str, Any]

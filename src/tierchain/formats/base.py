@@ -37,13 +37,12 @@ a subclass overrides only where its format differs.
 
 from __future__ import annotations
 
-import json
 from typing import Any, ClassVar
 
 from .. import _json
 from ..masking import mask_text
 from ..sse import data_values, event_names
-from .seam import Seam
+from .seam import Seam, dump
 
 __all__ = [
     "NDJSON",
@@ -69,7 +68,6 @@ OPENAI_END = b"openai"
 _DONE = b"[DONE]"
 _FINISH_KEY = b'"finish_reason"'
 _DONE_EVENT = b"data: [DONE]\n\n"
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 def refused(origin: str) -> Seam:
@@ -158,14 +156,14 @@ class WireFormat:
         if "://" in message:
             message = mask_text(message)
         if framing == NDJSON:
-            return _ENCODER.encode({"error": message}).encode() + b"\n"
+            return dump({"error": message}) + b"\n"
         return self.error_event(message, type, code)
 
     def error_event(self, message: str, type: str, code: str | None) -> bytes:
         """The SSE error event (``message`` already masked): OpenAI's ``data: {"error":
         {"message","type","code"}}``, which the ``openai`` SDK raises as ``APIError``."""
         error = {"error": {"message": message, "type": type, "code": code}}
-        return b"data: " + _ENCODER.encode(error).encode() + b"\n\n"
+        return b"data: " + dump(error) + b"\n\n"
 
     def error_object(
         self, message: str, type: str, code: str | None = None, **extra: Any

@@ -33,18 +33,16 @@ The shapes are OpenAI's Responses streaming reference (``ResponseStreamEvent`` i
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 from ..sse import events as sse_events
 from ..sse import last_event
 from .base import WireFormat, count, kind_of, opening_only, refused
-from .seam import INSTRUCTION, Seam, load, tokens
+from .seam import INSTRUCTION, Seam, dump, load, tokens
 
 __all__ = ["Responses", "ResponsesSeam"]
 
 _ENDS = frozenset({"response.completed", "response.failed", "response.incomplete"})
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 class Responses(WireFormat):
@@ -84,7 +82,7 @@ class Responses(WireFormat):
             "param": None,
             "error": {"type": type, "code": code, "message": message},
         }
-        return b"event: error\ndata: " + _ENCODER.encode(fields).encode() + b"\n\n"
+        return b"event: error\ndata: " + dump(fields) + b"\n\n"
 
     def usage(self, obj: dict[str, Any]) -> tuple[int | None, int | None]:
         response = obj.get("response")

@@ -90,6 +90,7 @@ def _limit(value: Any) -> int | None:
 
 
 def dump(obj: Any) -> bytes:
+    """One JSON value as the formats write it: compact, UTF-8, on one line."""
     return _ENCODER.encode(obj).encode()
 
 
