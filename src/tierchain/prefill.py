@@ -10,10 +10,11 @@ prefill, without the operator having to know (:class:`Prefills`, one per Failove
    out before, in this process or another sharing a RedisStore, or the recorded
    outcome of a prefilled continuation (a 400, ``prefill_rejected``: no; a whole
    continuation: yes).
-3. The wire format: Anthropic Messages and Ollama's ``/api/chat`` take one natively; an
-   OpenAI Responses request is asked in words (no server is known to continue a
-   trailing assistant item).
-4. For OpenAI chat, the server is asked what it is, once (each GET bounded by
+3. The wire format's own word (``WireFormat.prefill``, in its module of
+   :mod:`tierchain.formats`): ``native`` for Anthropic Messages and Ollama's
+   ``/api/chat``; ``never`` for OpenAI Responses (no server is known to continue a
+   trailing assistant item: asked in words) and plain; ``ask`` for OpenAI chat:
+4. For ``ask``, the server is asked what it is, once (each GET bounded by
    ``probe_timeout``, and by the time left), and the answer remembered for ``ttl``:
 
    - ``GET /version``: llama.cpp's server answers everything with ``Server: llama.cpp``
