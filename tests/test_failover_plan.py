@@ -9,6 +9,7 @@ one, and ``random.random`` is pinned where a pause is drawn.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -62,13 +63,14 @@ def test_the_next_attempt_is_the_next_tier_then_none():
 
 def test_when_every_tier_was_skipped_the_soonest_is_tried_once_forced():
     req, _ = request()
-    for attempt, retry_in in ((first(req, 1), 20.0), (first(req, 2), 5.0), (first(req, 3), None)):
+    for attempt, retry_in in ((first(req, 1), 20.0), (first(req, 2), 0.5), (first(req, 3), None)):
         record(req, attempt, "skipped", retry_in)
     assert next_attempt(req, first(req, 3)) is None  # no Breaker asked for it
     req.try_soonest = True
     forced = next_attempt(req, first(req, 3))
     assert forced is not None
     assert (forced.n, forced.of, forced.backend, forced.force) == (3, 3, SPARE, True)  # None: 0 s
+    assert forced.route == "echo"
     assert next_attempt(req, forced) is None
 
 
@@ -232,6 +234,46 @@ def test_a_transient_status_without_retry_after_is_a_transient_fault_and_a_faile
     req, lines = request()
     assert failed(req, first(req, 3), OSError("reset"), "connection_reset") is None
     assert lines[-1]["failing_over"] is False  # the last tier
+
+
+def test_a_failed_attempt_is_counted_and_logged_with_its_place_in_the_chain(caplog):
+    req, _ = request()
+    with caplog.at_level(logging.INFO, logger="tierchain"):
+        fault = failed(req, first(req, 2), OSError("refused"), "connect_refused")
+    assert fault is None
+    assert req.attempts[0].retry_after is None
+    assert req.attempts[0].detail is None
+    (line,) = [r for r in caplog.records if getattr(r, "event", None) == "dispatch.attempt_failed"]
+    assert line.tierchain == {
+        "route": "echo",
+        "backend": "hosted",
+        "n": 2,
+        "of": 3,
+        "outcome": "connect_refused",
+        "failing_over": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("busy", "why"),
+    [
+        (BackendBusy(in_flight=2), "max_in_flight"),
+        (BackendBusy(why="3 waiting"), "status"),
+        (BackendBusy(why="suspect: too_slow"), "suspect"),
+    ],
+    ids=["max_in_flight", "status", "suspect"],
+)
+def test_a_busy_backend_is_counted_by_why(busy, why, metric):
+    labels = {"route": "echo", "backend": "tower", "why": why}
+    before = metric("tierchain_backend_busy_total", **labels)
+    req, _ = request()
+    failed(req, first(req), busy, "busy")
+    assert metric("tierchain_backend_busy_total", **labels) == before + 1
+    unrouted = {"route": "", "backend": "tower", "why": why}
+    before = metric("tierchain_backend_busy_total", **unrouted)
+    req, _ = request()
+    failed(req, Attempt(1, 3, TOWER, None), busy, "busy")
+    assert metric("tierchain_backend_busy_total", **unrouted) == before + 1
 
 
 def test_a_busy_backend_is_announced_and_its_shared_hardware_passed_over():
