@@ -158,6 +158,14 @@ async def test_a_second_try_keeps_within_the_budgets_room_and_the_attempts_reser
     assert retry_pause(req, attempt, TRANSIENT, Tries(), 1, 10.0) == 0.25
     req.deadline = now() + 4.25
     assert retry_pause(req, attempt, TRANSIENT, Tries(), 1, 10.0) == pytest.approx(0.125)
+    req.deadline = now() + 9.5  # room 5.5 s: the wait 5 s, then at most 0.25 s more
+    record(req, attempt, "http_429", 5.0)
+    assert retry_pause(req, attempt, WAIT, Tries(), 1, 10.0) == pytest.approx(5.25)
+
+
+def test_a_wait_with_no_attempt_recorded_has_nothing_to_wait_for():
+    req, _ = request()
+    assert retry_pause(req, first(req), WAIT, Tries(), 1, 10.0) is None
 
 
 @on_virtual_time
@@ -276,6 +284,29 @@ def test_a_busy_backend_is_counted_by_why(busy, why, metric):
     assert metric("tierchain_backend_busy_total", **unrouted) == before + 1
 
 
+def test_every_attempt_is_counted_by_route_backend_and_outcome(metric):
+    for route, label in (("echo", "echo"), (None, "")):
+        labels = {"route": label, "backend": "tower", "outcome": "http_500"}
+        before = metric("tierchain_attempts_total", **labels)
+        req, _ = request()
+        record(req, Attempt(1, 3, TOWER, route), "http_500")
+        assert metric("tierchain_attempts_total", **labels) == before + 1
+
+
+def test_a_404_is_logged_as_the_base_url_mistake_it_most_likely_is(caplog):
+    v1 = Backend("hosted", "https://api.example.com/v1")
+    req, _ = request(v1, TOWER)
+    with caplog.at_level(logging.WARNING, logger="tierchain"):
+        assert failed(req, first(req), RetryableStatus(404), "http_404") is None
+        failed(req, first(req, 2), RetryableStatus(500), "http_500")
+    (line,) = [
+        r for r in caplog.records if getattr(r, "event", None) == "dispatch.backend_not_found"
+    ]
+    assert line.tierchain["backend"] == "hosted"
+    assert line.tierchain["failing_over"] is True
+    assert "'https://api.example.com'" in line.tierchain["hint"]
+
+
 def test_a_busy_backend_is_announced_and_its_shared_hardware_passed_over():
     req, lines = request()
     fault = failed(req, first(req), BackendBusy(in_flight=3), "busy")
@@ -354,8 +385,19 @@ def test_a_pools_replica_is_recorded_and_announced_with_its_pool():
     pool = Pool("towers", [Backend("tower-a", "http://127.0.0.1:5")])
     replica = pool.backends[0]
     req, lines = request(replica)
-    failed(req, Attempt(1, 1, replica, "echo"), RetryableStatus(502), "http_502")
-    assert req.attempts[0].pool == "towers"
+    failed(req, Attempt(1, 1, replica, "echo"), RetryableStatus(502, detail="bad"), "http_502")
+    (rec,) = req.attempts
+    assert (rec.n, rec.backend, rec.outcome, rec.retry_after, rec.detail, rec.pool) == (
+        1,
+        "tower-a",
+        "http_502",
+        None,
+        "bad",
+        "towers",
+    )
+    req, _ = request(replica)
+    failed(req, Attempt(1, 1, replica, "echo"), RetryableStatus(429, retry_after=2.0), "http_429")
+    assert req.attempts[0].retry_after == 2.0
     assert lines == [
         {
             "state": "backend_failed",
