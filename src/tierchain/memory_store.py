@@ -60,6 +60,10 @@ class MemoryStore:
         self._marks: dict[str, _Mark] = {}
         self._clock = clock
 
+    def _now(self) -> float:
+        """The store's clock now (the package's one clock unless one was given)."""
+        return clock.now() if self._clock is None else self._clock()
+
     async def set_pin(self, route: str, backend: str, ttl: float) -> float:
         expiry = time.time() + duration("ttl", ttl)
         self._pins[route] = (backend, expiry)
@@ -86,7 +90,7 @@ class MemoryStore:
     async def breaker_snapshot(self, route: str, backend: str) -> BreakerSnapshot:
         return snapshot(
             self._ledgers.get((route, backend)),
-            (clock.now() if self._clock is None else self._clock()),
+            self._now(),
         )
 
     async def breaker_acquire(
@@ -117,7 +121,7 @@ class MemoryStore:
             led = self._ledgers[route, backend] = Ledger()
         return acquire(
             led,
-            (clock.now() if self._clock is None else self._clock()),
+            self._now(),
             policy,
             force=force,
             wake=wake,
@@ -145,7 +149,7 @@ class MemoryStore:
         # A ledger is never dropped: its gen must keep counting up.
         return record(
             led,
-            (clock.now() if self._clock is None else self._clock()),
+            self._now(),
             policy,
             outcome,
             gen=gen,
@@ -157,7 +161,7 @@ class MemoryStore:
 
     def _live(self, backend: str) -> dict[str, float]:
         leases = self._leases.setdefault(backend, {})
-        now = clock.now() if self._clock is None else self._clock()
+        now = self._now()
         for token in [t for t, until in leases.items() if until <= now]:
             del leases[token]
         return leases
@@ -168,12 +172,12 @@ class MemoryStore:
         leases = self._live(backend)
         if len(leases) >= limit and not force:
             return False, len(leases)
-        leases[token] = (clock.now() if self._clock is None else self._clock()) + ttl
+        leases[token] = self._now() + ttl
         return True, len(leases)
 
     async def lease_renew(self, backend: str, tokens: list[str], ttl: float) -> None:
         leases = self._live(backend)
-        until = (clock.now() if self._clock is None else self._clock()) + ttl
+        until = self._now() + ttl
         for token in tokens:
             if token in leases:
                 leases[token] = until
@@ -217,7 +221,7 @@ class MemoryStore:
         return (await self.window_hold(checks)).refused
 
     async def window_hold(self, checks: Sequence[WindowCheck]) -> WindowHold:
-        now = clock.now() if self._clock is None else self._clock()
+        now = self._now()
         refused: tuple[float, int] | None = None
         used: list[int] = []
         reset: list[float] = []
@@ -242,7 +246,7 @@ class MemoryStore:
         totals: Sequence[tuple[str, int]],
         released: Sequence[tuple[str, float, int, float]] = (),
     ) -> None:
-        now = clock.now() if self._clock is None else self._clock()
+        now = self._now()
         for name, window, amount, at in released:
             buckets = self._windows.get(name)
             if buckets is not None:
@@ -259,16 +263,13 @@ class MemoryStore:
             self._totals[key] = self._totals.get(key, 0) + amount
 
     async def window_sums(self, windows: Sequence[tuple[str, float]]) -> list[int]:
-        now = clock.now() if self._clock is None else self._clock()
+        now = self._now()
         return [window_sum(self._windows.get(n, {}), now, w)[0] for n, w in windows]
 
     async def usage_totals(self) -> dict[str, int]:
         return dict(self._totals)
 
     # -- learned normals and suspect marks ----------------------------------------
-
-    def _now(self) -> float:
-        return clock.now() if self._clock is None else self._clock()
 
     async def normals_get(self, backend: str) -> str | None:
         return self.normals_get_now(backend)
