@@ -52,8 +52,12 @@ def asked(*chain: Any, n: int = 1, **attempt: Any) -> Responder:
     return Responder(req, req.attempt)
 
 
+FAILOVER: Any = object()  # (what arm hands the race: Failover, and the scope's copy)
+SCOPE: Any = object()
+
+
 def armed(responder: Responder, after: float = 2.0) -> Race | None:
-    race = Hedging(after).arm(None, responder, None)  # type: ignore[arg-type]
+    race = Hedging(after).arm(FAILOVER, responder, SCOPE)  # type: ignore[arg-type]
     if race is not None:
         deadlines.cancel(race.timer)
     return race
@@ -68,7 +72,7 @@ def test_hedge_after_is_a_duration_and_zero_or_none_is_no_policy():
     policy = Hedging.build(3)
     assert policy is not None
     assert policy.after == 3.0
-    with pytest.raises(ValueError, match="hedge_after"):
+    with pytest.raises(ValueError, match=r"^hedge_after must be a finite number of seconds"):
         Hedging.checked(-1)
 
 
@@ -92,6 +96,8 @@ async def test_a_local_tier_before_another_gets_its_timer_for_the_next_tier():
     assert race.next is HOSTED
     assert responder.race is race
     assert (race.req, race.attempt, race.first) == (responder.req, responder.attempt, responder)
+    assert race.failover is FAILOVER
+    assert race.scope is SCOPE
 
 
 @on_virtual_time
@@ -212,6 +218,13 @@ async def test_no_hedge_when_the_budget_left_is_the_reserve_or_a_second(monkeypa
     race = in_doubt()
     race.req.deadline = now() + 1.0
     assert not due(race, monkeypatch)
+    race = in_doubt()
+    race.req.deadline = now() + 0.12345
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tierchain"):
+        assert not due(race, monkeypatch)
+    (line,) = [r for r in caplog.records if getattr(r, "event", None) == "dispatch.hedge_skipped"]
+    assert line.tierchain["left_s"] == 0.123
     race = in_doubt()
     race.req.deadline = now() + 1.001
     assert due(race, monkeypatch)
