@@ -379,13 +379,16 @@ def test_rate_limited_holds_only_while_every_attempt_so_far_said_rate_limited():
     assert req.rate_limited is None
 
 
-def test_a_pools_replica_is_recorded_and_announced_with_its_pool():
+@on_virtual_time
+async def test_a_pools_replica_is_recorded_and_announced_with_its_pool():
     from tierchain.backend import Pool
 
     pool = Pool("towers", [Backend("tower-a", "http://127.0.0.1:5")])
     replica = pool.backends[0]
     req, lines = request(replica)
-    failed(req, Attempt(1, 1, replica, "echo"), RetryableStatus(502, detail="bad"), "http_502")
+    attempt = Attempt(1, 1, replica, "echo")
+    await _sleep(2.5)
+    failed(req, attempt, RetryableStatus(502, detail="bad"), "http_502")
     (rec,) = req.attempts
     assert (rec.n, rec.backend, rec.outcome, rec.retry_after, rec.detail, rec.pool) == (
         1,
@@ -395,6 +398,7 @@ def test_a_pools_replica_is_recorded_and_announced_with_its_pool():
         "bad",
         "towers",
     )
+    assert rec.elapsed == pytest.approx(2.5)
     req, _ = request(replica)
     failed(req, Attempt(1, 1, replica, "echo"), RetryableStatus(429, retry_after=2.0), "http_429")
     assert req.attempts[0].retry_after == 2.0
