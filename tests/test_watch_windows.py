@@ -61,7 +61,7 @@ def watch_of(
     req.attempt = attempt
     options.setdefault("window", 10.0)
     options.setdefault("stall", 0.0)
-    return Watch(keeper(ceiling), req, attempt, **options)
+    return Watch(keeper(ceiling), req, attempt, last=last, **options)
 
 
 async def cut_at(watch: Watch, *, within: float = 3600.0) -> tuple[str | None, float]:
