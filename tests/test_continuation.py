@@ -813,12 +813,12 @@ async def test_a_next_tier_speaking_an_odd_shape_leaves_the_caller_the_original_
 @pytest.mark.parametrize("fmt", FORMATS)
 @on_virtual_time
 async def test_a_healthy_stream_with_a_later_tier_is_never_parsed(fmt, monkeypatch):
-    import tierchain.failover.continuing
+    import tierchain.failover.continuation
 
     def never(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a healthy stream's events were parsed")
 
-    monkeypatch.setattr(tierchain.failover.continuing, "seam", never)
+    monkeypatch.setattr(tierchain.failover.continuation, "seam", never)
     events, _ = stream_of(fmt, TOKENS, tier="tower")
 
     async def healthy(ex: Exchange) -> None:

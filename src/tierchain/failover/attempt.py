@@ -53,6 +53,7 @@ from ..telemetry import (
 from ..waiting import WaitingRoom
 from ..wire import context_exceeded
 from .call import attempt_span, current, own_abort
+from .continuation import continue_stream
 from .plan import Fault, failed, record
 from .route import ScopeCopy
 
@@ -88,16 +89,6 @@ class Owner(Protocol):
     ) -> Responder: ...
 
     async def _give_back(self, lease: Any) -> None: ...
-
-    def _continue(
-        self,
-        req: TierRequest,
-        attempt: Attempt,
-        wire: str | None,
-        ndjson: bool,
-        sent: list[bytes],
-        error: bytes,
-    ) -> bytes | None: ...
 
 
 class Claim(Protocol):
@@ -209,7 +200,7 @@ class Responder:
         self.caller_cut = False  # the watch cut the caller (its cancellation is ours)
         self._ended = False
         # The committed events, by reference, while a continuation could follow a break
-        # (see continuing.continue_stream): parsed only then.
+        # (see continuation.continue_stream): parsed only then.
         self.kept: list[bytes] | None = None
         self.race: Claim | None = None  # [hedge] the race this attempt is in, if any
 
@@ -633,8 +624,9 @@ class Responder:
         kept, self.kept = self.kept, None
         observer = self.observer
         if kept is not None:
-            shown = self._failover._continue(
-                self.req, attempt, observer.wire, observer.ndjson, kept, error
+            continuable = self._failover.continuable
+            shown = continue_stream(
+                continuable, self.req, attempt, observer.wire, observer.ndjson, kept, error
             )
             if shown is None:
                 self._guard.done = False  # the stream goes on: the caller is watched again

@@ -103,7 +103,7 @@ from ..waiting import WaitingRoom
 from ..wire import recognise
 from .answers import Refusal, all_failed, gave_up, refuse_route, turned_away
 from .attempt import Responder, call_inner
-from .continuing import Continuing, continue_stream
+from .continuing import Continuing
 from .hedging import Hedging, Race
 from .plan import Fault, Tries, again, next_attempt, record, retry_pause, wait_for_room
 from .pools import PoolPlan, gathered, sibling_left
@@ -525,16 +525,3 @@ class Failover:
                 **fields,
             )
         return responder
-
-    def _continue(
-        self,
-        req: TierRequest,
-        attempt: Attempt,
-        wire: str | None,
-        ndjson: bool,
-        sent: list[bytes],
-        error: bytes,
-    ) -> bytes | None:
-        """After a committed stream broke: its continuation set up on the next tier
-        (None), or what the caller gets instead. See :func:`continue_stream`."""
-        return continue_stream(self.continuable, req, attempt, wire, ndjson, sent, error)
