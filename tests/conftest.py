@@ -1,9 +1,35 @@
 from __future__ import annotations
 
+import functools
+from typing import Any
+
+import httpx._transports.default
 import pytest
 from prometheus_client import REGISTRY
 
 from .support import RULES_TIMEOUT
+
+# httpx builds a TLS context for every client and transport (reading certifi's bundle: about
+# 45 ms of CPU), though the tests' clients speak plain HTTP to loopback: the suite built some
+# 2,500 of them, a minute and a half of its time. The tests' clients share one per setting.
+# httpx's ``_transports.default`` module is private (docs/internals.md, "Private parts of other
+# packages"); tests/test_dependency_internals.py fails if it stops calling
+# ``create_ssl_context`` from there.
+_BUILD_TLS = httpx._transports.default.create_ssl_context
+
+
+@functools.cache
+def _tls(verify: bool, trust_env: bool) -> Any:
+    return _BUILD_TLS(verify=verify, trust_env=trust_env)
+
+
+def _shared_tls(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+    if isinstance(verify, bool) and cert is None:
+        return _tls(verify, trust_env)
+    return _BUILD_TLS(verify=verify, cert=cert, trust_env=trust_env)
+
+
+httpx._transports.default.create_ssl_context = _shared_tls  # type: ignore[assignment]
 
 
 @pytest.fixture

@@ -138,6 +138,55 @@ async def fresh_post(url: str, **kwargs: Any) -> httpx.Response:
 # -- a real uvicorn server -----------------------------------------------------
 
 
+class PromptServer(uvicorn.Server):
+    """uvicorn's Server, stopped the moment a test is done with it.
+
+    uvicorn 0.55 looks at ``should_exit`` every 0.1 s (``Server.main_loop``), then sleeps
+    0.1 s in ``Server.shutdown`` and looks at its connections and tasks every 0.1 s more:
+    about 0.2 s of real waiting at the end of every test that runs a server, which was
+    most of the suite's time. This overrides those two methods (public, undocumented;
+    tests/test_dependency_internals.py holds them to it; docs/internals.md lists it with the
+    other private parts): ``stop`` wakes the loop at once,
+    and the shutdown waits for the same connections and tasks, in 2 ms steps, with
+    uvicorn's own graceful timeout.
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.told = asyncio.Event()
+
+    def stop(self) -> None:
+        self.should_exit = True
+        self.told.set()
+
+    async def main_loop(self) -> None:
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.told.wait(), 0.1)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+        loop = asyncio.get_running_loop()
+        grace = self.config.timeout_graceful_shutdown
+        give_up = loop.time() + (float("inf") if grace is None else grace)
+        state = self.server_state
+        while (state.connections or state.tasks) and not self.force_exit:
+            if loop.time() >= give_up:
+                for task in state.tasks:
+                    task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+                break
+            await asyncio.sleep(0.002)
+        for server in self.servers:
+            await server.wait_closed()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+
 @contextlib.asynccontextmanager
 async def serve(app: Any, *, lifespan: str = "off", http: Any = "h11") -> AsyncIterator[str]:
     """Run ``app`` on uvicorn on 127.0.0.1 (a free port); yield its base URL.
@@ -145,7 +194,7 @@ async def serve(app: Any, *, lifespan: str = "off", http: Any = "h11") -> AsyncI
     ``http`` is uvicorn's HTTP protocol: ``h11`` unless a test asks for
     ``httptools`` (uvicorn's ``auto`` picks httptools whenever it is installed).
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -157,7 +206,7 @@ async def serve(app: Any, *, lifespan: str = "off", http: Any = "h11") -> AsyncI
         timeout_graceful_shutdown=2,
         access_log=False,
     )
-    server = uvicorn.Server(config)
+    server = PromptServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:
@@ -167,7 +216,7 @@ async def serve(app: Any, *, lifespan: str = "off", http: Any = "h11") -> AsyncI
             await asyncio.sleep(0.005)
         yield f"http://127.0.0.1:{port}"
     finally:
-        server.should_exit = True
+        server.stop()
         await task
         sock.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import uvicorn
 
 from tierchain._connections import FlatPool, FlatTransport
 
-from .support import serve
+from .support import now, on_virtual_time, serve
 
 
 async def small_answer(scope, receive, send):
@@ -54,6 +55,18 @@ async def test_a_request_through_the_flat_transport_is_served_by_the_flat_pool()
         assert pool.connections == 1  # the flat pool made it and holds it, idle
         assert (await client.get(url + "/")).content == b"ok"
         assert pool.connections == 1  # and reused it
+
+
+def test_httpx_transports_build_their_tls_context_through_the_module_global_the_tests_share():
+    # tests/conftest.py replaces httpx._transports.default.create_ssl_context so that the
+    # suite's clients share one TLS context; this fails if httpx stops calling it from there.
+    import httpx._transports.default as default
+
+    source = inspect.getsource(httpx.AsyncHTTPTransport.__init__)
+    assert "create_ssl_context(" in source
+    assert default.create_ssl_context is not httpx.create_ssl_context  # the tests' own
+    first = httpx.AsyncHTTPTransport()._pool._ssl_context
+    assert first is httpx.AsyncHTTPTransport()._pool._ssl_context
 
 
 # -- httpcore: AsyncConnectionPool._ssl_context, AsyncHTTPConnection._origin ---------------
@@ -136,6 +149,54 @@ def test_uvicorn_server_still_has_the_methods_and_attributes_serve_overrides_and
     assert "counter % 10 == 0" in on_tick
     assert "self.should_exit" in on_tick
     assert server.should_exit is False
+
+
+def test_the_test_server_shuts_down_as_uvicorn_does_with_what_it_reads_of_uvicorn():
+    # tests/support.py's PromptServer replaces shutdown: what uvicorn's own does (close the
+    # listeners, ask each connection to shut down, wait for connections and tasks under the
+    # graceful timeout, then the lifespan) must still be all there is to it.
+    shutdown = inspect.getsource(uvicorn.Server.shutdown)
+    for step in (
+        "server.close()",
+        "connection.shutdown()",
+        "timeout_graceful_shutdown",
+        "self.lifespan.shutdown()",
+    ):
+        assert step in shutdown
+    waits = inspect.getsource(uvicorn.Server._wait_tasks_to_complete)
+    for read in ("self.server_state.connections", "self.server_state.tasks", "wait_closed()"):
+        assert read in waits
+
+
+@pytest.mark.parametrize("kind", ["uvicorn's own", "the tests' own"])
+@on_virtual_time
+async def test_the_test_server_stops_without_uvicorns_tenths_of_a_second(kind):
+    from .support import PromptServer
+
+    async def stopped_after_one_request(server: uvicorn.Server) -> float:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.bind(("127.0.0.1", 0))
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:  # noqa: ASYNC110 - uvicorn exposes only a flag
+            await asyncio.sleep(0.005)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(url)).status_code == 200
+        told = now()
+        if isinstance(server, PromptServer):
+            server.stop()
+        else:
+            server.should_exit = True
+        await task
+        sock.close()
+        assert server.server_state.connections == set()
+        return now() - told
+
+    config = uvicorn.Config(small_answer, lifespan="off", log_level="warning")
+    if kind == "the tests' own":
+        assert await stopped_after_one_request(PromptServer(config)) == 0.0
+    else:  # what the tests' server saves: the rest of a tick, and shutdown's own 0.1 s sleep
+        assert await stopped_after_one_request(uvicorn.Server(config)) > 0.1
 
 
 # -- uvicorn and httptools: the parser callbacks HttpToolsWithoutTrailers wraps ---------------
@@ -239,3 +300,15 @@ def test_opentelemetry_keeps_the_current_span_in_its_runtime_contexts_contextvar
     with trace.use_span(span, end_on_exit=True):
         assert telemetry.current_span() is span is trace.get_current_span()
     assert telemetry.current_span() is trace.INVALID_SPAN
+
+
+def test_the_gateways_clients_verify_with_one_trust_store_built_once_a_process():
+    from tierchain._connections import trust_store
+
+    store = trust_store()
+    assert store is trust_store()
+    assert store.verify_mode == ssl.CERT_REQUIRED
+    assert store.check_hostname
+    assert FlatTransport(limits=httpx.Limits())._pool._ssl_context is store
+    own = ssl.create_default_context()
+    assert FlatTransport(limits=httpx.Limits(), verify=own)._pool._ssl_context is own

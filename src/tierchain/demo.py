@@ -151,7 +151,7 @@ class _Server:
     async def start(self) -> None:
         import uvicorn
 
-        sock = socket.socket()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))
         config = uvicorn.Config(

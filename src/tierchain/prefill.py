@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from . import _json, formats
+from ._connections import trust_store
 from ._runtime import clock
 from .backend import Backend
 from .store import FactStore, MemoryStore
@@ -164,7 +165,9 @@ class Prefills:
         base = backend.url.split("?", 1)[0].rstrip("/")
         deadline = clock.now() + within
         # A client of its own: asked once a backend and a day, nothing kept open.
-        async with httpx.AsyncClient(follow_redirects=False, trust_env=False) as client:
+        async with httpx.AsyncClient(
+            follow_redirects=False, trust_env=False, verify=trust_store()
+        ) as client:
             return await self._asked(client, base, deadline)
 
     async def _asked(self, client: httpx.AsyncClient, base: str, deadline: float) -> Prefill | None:

@@ -41,6 +41,7 @@ from collections.abc import Callable
 import httpx
 
 from . import formats
+from ._connections import trust_store
 from ._runtime import clock
 from ._target import Target, upstream_url
 from .backend import Backend, is_local
@@ -192,7 +193,10 @@ class RestChecks:
                 else:
                     if client is None:
                         client = httpx.AsyncClient(
-                            timeout=None, follow_redirects=False, trust_env=False
+                            timeout=None,
+                            follow_redirects=False,
+                            trust_env=False,
+                            verify=trust_store(),
                         )
                     result = await self._check(client, route, backend, wire)
                 if result is None:

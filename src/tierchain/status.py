@@ -42,6 +42,7 @@ from datetime import timedelta
 import httpx
 
 from ._checks import duration
+from ._connections import trust_store
 from ._runtime import clock
 from .probes import (
     Reader,
@@ -259,7 +260,7 @@ class StatusBoard:
 
     async def _poll(self, url: str, poller: _Poller) -> None:
         async with httpx.AsyncClient(
-            timeout=None, follow_redirects=False, trust_env=False
+            timeout=None, follow_redirects=False, trust_env=False, verify=trust_store()
         ) as client:
             try:
                 while clock.now() - poller.asked < self.idle_stop:

@@ -84,6 +84,7 @@ from typing import Any
 import httpx
 
 from ._checks import count, duration
+from ._connections import trust_store
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance
 from .learned import DecodeRate, Learned, LearnedGap, PromptRate, SharedNormals, cold
@@ -304,7 +305,9 @@ class SaturationWatchdog:
     def client(self) -> httpx.AsyncClient:
         """The probe client, created on first use."""
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=None, follow_redirects=False, trust_env=False)
+            self._client = httpx.AsyncClient(
+                timeout=None, follow_redirects=False, trust_env=False, verify=trust_store()
+            )
         return self._client
 
     async def aclose(self) -> None:
