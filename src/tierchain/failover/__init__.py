@@ -9,9 +9,14 @@ The package's modules, each one job:
   (a typed :class:`~tierchain.failover.plan.Fault`), retries, the waiting room's wait;
 - :mod:`~tierchain.failover.pools`: a chain with a pool or shared hardware;
 - :mod:`~tierchain.failover.attempt`: one attempt's call of the inner app
-  (``call_inner``) and its ``send`` (``Responder``);
-- :mod:`~tierchain.failover.hedging`: a quiet attempt joined by the next tier (a race);
-- :mod:`~tierchain.failover.continuing`: a broken stream finished on the next tier;
+  (``call_inner``, a hedge's too) and its ``send`` (``Responder``);
+- :mod:`~tierchain.failover.call`: the attempt's span made current, its own abort told
+  from other cancellations;
+- :mod:`~tierchain.failover.hedging`: a quiet attempt joined by the next tier (a race),
+  the hedge run as every attempt;
+- :mod:`~tierchain.failover.continuation`: whether a broken stream is finished on the
+  next tier (``continue_stream``) and its seam, asked of its wire format;
+- :mod:`~tierchain.failover.continuing`: the attempt that finishes it (``Continuing``);
 - :mod:`~tierchain.failover.answers`: the refusals and the final 503, 429 or 502.
 
 Only the names in ``__all__`` are this package's interface (``BACKEND_HEADER``, ``_WAIT_POLL``
