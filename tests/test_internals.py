@@ -732,3 +732,15 @@ def test_no_per_request_copy_is_left_to_take_back():
         module = row[0].strip("` ")
         listed[module] = listed.get(module, 0) + 1
     assert copies_in_code() == listed
+
+
+def test_every_object_is_set_up_by_its_own_init():
+    """No object is made without its ``__init__`` and filled in by its caller (the speed
+    pass's ``object.__new__``): a class's fields are where its ``__init__`` says."""
+    found = [
+        f"{path.relative_to(PACKAGE)}:{n}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "object.__new__" in line or re.search(r"\b\w+\.__new__\(", line)
+    ]
+    assert not found, f"objects made without their __init__: {found}"
