@@ -696,3 +696,41 @@ async def test_after_both_fail_the_chain_goes_on_past_the_hedged_tier() -> None:
     assert states(recorder, "hedging") == [
         {"state": "hedging", "backend": "tower", "with": "mid", "after_s": 5.0}
     ]
+
+
+@on_virtual_time
+async def test_a_hedge_gives_its_in_flight_lease_back_so_the_next_caller_hedges_again() -> None:
+    # mid takes one attempt at a time and is not the last tier: had the first hedge kept
+    # its lease, the second caller's hedge would find mid full (busy) and not answer.
+    closed = asyncio.Event()
+    async with (
+        FakeBackend("tower", quiet(closed)) as t,
+        FakeBackend("mid", later(HOSTED, 0.5)) as m,
+        FakeBackend("hosted", later(HOSTED, 0.0)) as h,
+    ):
+        routes = Routes(
+            {
+                "echo": [
+                    Backend("tower", t.url),
+                    Backend("mid", m.url, regime="hosted", max_in_flight=1),
+                    Backend("hosted", h.url, regime="hosted"),
+                ]
+            }
+        )
+        forwarder = Forwarder(connect_timeout=2.0)
+        failover = Failover(forwarder, routes=routes, paths=("/v1/",), hedge_after=5.0)
+        recorder = Recorder(Budget(failover, default=60))
+        try:
+            async with serve(recorder, lifespan="on") as url:
+                first = await chat(url)
+                second = await chat(url)
+                live = await failover.admission.store.lease_count("mid")
+        finally:
+            await forwarder.aclose()
+    for got in (first, second):
+        assert got.status_code == 200
+        assert data_of(got.content) == b"".join(HOSTED)
+        assert got.headers["x-tierchain-backend"] == "mid"
+    assert [trail(recorder, i) for i in (0, 1)] == [[("tower", "hedge_lost"), ("mid", "ok")]] * 2
+    assert (len(m.requests), len(h.requests)) == (2, 0)
+    assert live == 0
