@@ -449,13 +449,10 @@ class SaturationWatchdog:
             window = min(window, self.ceiling)  # (each backend's own, at most the ceiling)
         else:
             window, learned = self.window(body), False
-        stall = self.stall_after
-        reserve, prefill, first_token = 0.0, math.inf, False
         if attempt is not None:
-            stall = self._stall_for(attempt, last)
-            if not last and req is not None:
-                reserve = self._reserve_for(req, attempt, body)
-                prefill, first_token = self._prefill_for(req, attempt, body)
+            stall, reserve, prefill, first_token = self._bounds(req, attempt, body, last)
+        else:
+            stall, reserve, prefill, first_token = self.stall_after, 0.0, math.inf, False
         if window <= 0 and stall <= 0 and reserve <= 0 and prefill == math.inf:
             return None
         watch = Watch(
@@ -475,50 +472,53 @@ class SaturationWatchdog:
             watch.begin()
         return watch
 
-    def _stall_for(self, attempt: Attempt, last: bool) -> float:
-        """The stall window: the backend's own ``stall_after``; else, where a later tier can
-        take over, its learned rhythm (until learned, its regime's cold default); the
-        last tier has nothing to move on to, and waits ``stall_after`` (the ceiling)."""
-        backend = attempt.backend
-        if backend.stall_after is not None:
-            return backend.stall_after  # type: ignore[return-value]  # seconds once built
-        if self.learned_gap is not None and not last:
-            return self.learned_gap.window_for(backend.name, backend.regime)[0]
-        return self.stall_after
+    def _bounds(
+        self, req: TierRequest | None, attempt: Attempt, body: bytes | None, last: bool
+    ) -> tuple[float, float, float, bool]:
+        """The attempt's other bounds, its backend read once: the stall window, the reserve
+        and the prefill's limit (True: the backend's own ``first_token``).
 
-    def _reserve_for(self, req: TierRequest, attempt: Attempt, body: bytes | None) -> float:
-        """The time this attempt leaves for the later tiers (0: no deadline): ``reserve``,
-        or with ``"auto"`` the next tier's learned window if longer; at most
-        ``_RESERVE_SHARE`` of the budget. Noted on the attempt."""
-        if req.deadline is None:
-            return 0.0
-        reserve = self.reserve
-        if self.reserve_auto and self.learned is not None and attempt.n < len(req.chain):
-            later, learned_later = self.learned.window(req.chain[attempt.n].name, body)
-            if learned_later:
-                reserve = max(reserve, later)
-        if req.budget is not None:
-            reserve = min(reserve, req.budget * _RESERVE_SHARE)
-        attempt.reserve = reserve
-        return reserve
+        The stall window: the backend's own ``stall_after``; else, where a later tier can
+        take over, its learned rhythm (until learned, its regime's cold default); the last
+        tier has nothing to move on to, and waits ``stall_after`` (the ceiling).
 
-    def _prefill_for(
-        self, req: TierRequest, attempt: Attempt, body: bytes | None
-    ) -> tuple[float, bool]:
-        """The first token's time at the backend's normal prompt rate (with the margin),
-        or the backend's own ``first_token`` limit, the smaller (True: its own); not
-        judged for an answer that does not stream (its first bytes are the whole answer)
-        from a backend with no status URL to tell a prompt still read from an answer
-        written."""
+        The reserve, the time this attempt leaves for the later tiers (0: no deadline):
+        ``reserve``, or with ``"auto"`` the next tier's learned window if longer; at most
+        ``_RESERVE_SHARE`` of the budget. Noted on the attempt.
+
+        The prefill: the first token's time at the backend's normal prompt rate (with the
+        margin), or the backend's own ``first_token`` limit, the smaller; not judged for an
+        answer that does not stream (its first bytes are the whole answer) from a backend
+        with no status URL to tell a prompt still read from an answer written. The last
+        tier has neither a reserve nor a prefill limit."""
         backend = attempt.backend
+        own_stall = backend.stall_after
+        if own_stall is not None:
+            stall: float = own_stall  # type: ignore[assignment]  # seconds once built
+        elif self.learned_gap is not None and not last:
+            stall = self.learned_gap.window_for(backend.name, backend.regime)[0]
+        else:
+            stall = self.stall_after
+        if last or req is None:
+            return stall, 0.0, math.inf, False
+        reserve = 0.0
+        if req.deadline is not None:
+            reserve = self.reserve
+            if self.reserve_auto and self.learned is not None and attempt.n < len(req.chain):
+                later, learned_later = self.learned.window(req.chain[attempt.n].name, body)
+                if learned_later:
+                    reserve = max(reserve, later)
+            if req.budget is not None:
+                reserve = min(reserve, req.budget * _RESERVE_SHARE)
+            attempt.reserve = reserve
         if req.streaming is False and not backend.status_url:
-            return math.inf, False
+            return stall, reserve, math.inf, False
         rate = self.prompt_rate
         prefill = rate.limit(backend.name, backend.regime, body)[0] if rate else math.inf
         own = backend.first_token
         if own is not None and own < prefill:  # type: ignore[operator]
-            return own, True  # type: ignore[return-value]  # seconds once built
-        return prefill, False
+            return stall, reserve, own, True  # type: ignore[return-value]  # seconds once built
+        return stall, reserve, prefill, False
 
     def _lifespan_send(self, send: Send) -> Send:
         async def lifespan_send(message: Message) -> None:
