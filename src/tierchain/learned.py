@@ -194,7 +194,9 @@ class Learned:
 
     def window(self, backend: str, body: bytes | None) -> tuple[float, bool]:
         """The window for an attempt of ``backend`` with ``body``, and whether it was learned."""
-        bucket = bucket_of(body)
+        return self._window(backend, bucket_of(body))
+
+    def _window(self, backend: str, bucket: str) -> tuple[float, bool]:
         normal = self._normals.get((backend, bucket))
         if normal is None or normal.sketch.count < self.min_samples:
             return self.maximum, False
@@ -288,7 +290,7 @@ class LearnedGap(Learned):
     def window_for(self, backend: str, regime: str | None) -> tuple[float, bool]:
         """The stall window of ``backend``, and whether it was learned: until then its
         regime's cold default (:func:`cold`), at most ``maximum``."""
-        window, learned = self.window(backend, None)
+        window, learned = self._window(backend, BUCKETS[0])  # (a gap has no prompt size)
         if learned:
             return window, True
         stall = cold(regime).stall

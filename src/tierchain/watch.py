@@ -128,8 +128,12 @@ class Watch:
         self._prefill_end = start + prefill
         self._prompt_due = False
         self._first_token = first_token  # the prefill's end is the backend's own limit
-        # The attempt's deadline (a Budget's; set before any attempt starts, never moved).
-        deadline = self._deadline_at = self._deadline()
+        # The attempt's deadline, else the request's (a Budget's; set before any attempt
+        # starts, never moved).
+        deadline = attempt.deadline if attempt is not None else None
+        if deadline is None and req is not None:
+            deadline = req.deadline
+        self._deadline_at = deadline
         self._cut = deadline - reserve if reserve > 0 and deadline is not None else math.inf
         self._cut_passed = False  # a committed stream's reserve point passed (or cut it)
         self._progress: Progress | None = None  # the status conversation, once asked
@@ -348,11 +352,6 @@ class Watch:
         return observer.ended or (self.req is not None and self.req.committed)
 
     # -- the timer ---------------------------------------------------------
-
-    def _deadline(self) -> float | None:
-        if self.attempt is not None and self.attempt.deadline is not None:
-            return self.attempt.deadline
-        return self.req.deadline if self.req is not None else None
 
     def _due(self, *, window: bool = True) -> float:
         """When the wait for the first chunk must next be looked at: the first of the
