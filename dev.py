@@ -161,7 +161,7 @@ MUTATE: dict[str, tuple[str | list[str], list[str], list[str]]] = {
             "tierchain.formats.seam.xǁSeamǁ_tail_repeat*",
             "tierchain.formats.seam.xǁSeamǁ_release*",
         ],
-        ["tests/test_continuation_seam.py"],
+        ["tests/test_seam_rules.py", "tests/test_continuation_seam.py"],
     ),
 }
 
