@@ -189,3 +189,48 @@ async def test_a_committed_stream_silent_for_its_stall_window_is_stalled():
     watch.end()
     assert watch.fired == "stalled"
     assert now() - t0 == pytest.approx(6.5)
+
+
+@on_virtual_time
+async def test_a_stream_the_caller_was_slow_to_take_is_quiet_only_since_it_took_it():
+    watch = watch_of(stall=3.0)
+    req, observer = watch.req, watch.observer
+    assert req is not None
+
+    async def attempt() -> None:
+        watch.begin()
+        observer.start(200, [(b"content-type", b"text/event-stream")])
+        observer.body(b'data: {"a": 1}\n\n')
+        req.committed = True
+        watch.first_data()
+        await asyncio.sleep(2.0)
+        req.caller_unblocked_at = now()  # the caller took our last send back only now
+        await asyncio.sleep(3600)
+
+    t0 = now()
+    task = asyncio.create_task(attempt())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    watch.end()
+    assert watch.fired == "stalled"
+    assert now() - t0 == pytest.approx(5.0)  # 3 s after the caller took it, not after 3 s
+
+
+@on_virtual_time
+async def test_a_committed_stream_without_a_stall_window_is_never_cut():
+    # (its reserve's point passes too: a stream that cannot be continued runs on)
+    watch = watch_of(stall=0.0, deadline=now() + 30.0, reserve=25.0)
+    req, observer = watch.req, watch.observer
+    assert req is not None
+
+    async def attempt() -> None:
+        watch.begin()
+        observer.start(200, [(b"content-type", b"text/event-stream")])
+        observer.body(b'data: {"a": 1}\n\n')
+        req.committed = True
+        watch.first_data()
+        await asyncio.sleep(500)
+
+    await asyncio.create_task(attempt())
+    watch.end()
+    assert watch.fired is None
