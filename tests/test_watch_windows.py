@@ -234,3 +234,53 @@ async def test_a_committed_stream_without_a_stall_window_is_never_cut():
     await asyncio.create_task(attempt())
     watch.end()
     assert watch.fired is None
+
+
+@on_virtual_time
+async def test_a_stall_window_under_a_second_is_timed_from_the_last_event():
+    watch = watch_of(stall=0.5)
+    req, observer = watch.req, watch.observer
+    assert req is not None
+
+    async def attempt() -> None:
+        watch.begin()
+        observer.start(200, [(b"content-type", b"text/event-stream")])
+        observer.body(b'data: {"a": 1}\n\n')
+        req.committed = True
+        watch.first_data()
+        await asyncio.sleep(0.3)
+        observer.body(b'data: {"a": 2}\n\n')
+        await asyncio.sleep(3600)
+
+    t0 = now()
+    task = asyncio.create_task(attempt())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    watch.end()
+    assert (watch.fired, now() - t0) == ("stalled", pytest.approx(0.8))
+
+
+@on_virtual_time
+async def test_a_continuable_stream_is_cut_at_the_reserves_point_before_its_stall_window():
+    watch = watch_of(stall=2.0, deadline=now() + 30.0, reserve=25.0)
+    req, observer = watch.req, watch.observer
+    assert req is not None
+    req.continuable = True
+
+    async def attempt() -> None:
+        watch.begin()
+        observer.start(200, [(b"content-type", b"text/event-stream")])
+        observer.body(b'data: {"a": 1}\n\n')
+        req.committed = True
+        watch.first_data()
+        for _ in range(2):  # at 1.5 s and 3.2 s: each gap under the stall window
+            await asyncio.sleep(1.5 if _ == 0 else 1.7)
+            observer.body(b'data: {"a": 2}\n\n')
+        await asyncio.sleep(3600)  # quiet until 5.2 s, but the reserve's point is at 5 s
+
+    t0 = now()
+    task = asyncio.create_task(attempt())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    watch.end()
+    assert (watch.fired, now() - t0) == ("reserve", pytest.approx(5.0))
