@@ -201,3 +201,100 @@ async def test_alone_a_quiet_backend_at_the_ceiling_is_answered_504():
             "code": "ceiling",
         }
     }
+
+
+class Learned:
+    """Stands in for the learned windows: the saturations told."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, bytes | None, bool]] = []
+
+    def saturated(self, backend: str, body: bytes | None, learned: bool) -> None:
+        self.told.append((backend, body, learned))
+
+
+@on_virtual_time
+async def test_a_saturation_is_counted_traced_and_taught_to_the_learned_window(metric):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from .support import now
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    labels = {"route": "echo", "backend": "tower"}
+    before = metric("tierchain_backend_saturated_total", **labels)
+    reserves = metric("tierchain_reserve_ended_total", **labels)
+    watch = watch_of(prefill=4.0625, learned=True)
+    assert watch.req is not None
+    watch.req.body = b'{"model": "m"}'
+    await cut_at(watch)
+    learned = Learned()
+    watch.watchdog.learned = learned
+    with provider.get_tracer("t").start_as_current_span("attempt"):
+        error, _, _ = await said(watch)
+    assert isinstance(error, BackendSaturated)
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes is not None
+    assert dict(span.attributes) == {
+        "tierchain.saturated_reason": "too_slow",
+        "tierchain.verdict": "too_slow",
+    }
+    (event,) = span.events
+    assert event.name == "tierchain.backend_saturated"
+    assert dict(event.attributes or {}) == {
+        "tierchain.backend": "tower",
+        "reason": "too_slow",
+        "waited_s": 4.062,
+    }
+    assert metric("tierchain_backend_saturated_total", **labels) == before + 1
+    assert metric("tierchain_reserve_ended_total", **labels) == reserves
+    assert learned.told == [("tower", b'{"model": "m"}', True)]
+
+    watch = watch_of(deadline=now() + 30.0, reserve=25.0)  # the reserve: not the backend's pace
+    await cut_at(watch)
+    learned = Learned()
+    watch.watchdog.learned = learned
+    await said(watch)
+    assert learned.told == []
+    assert metric("tierchain_reserve_ended_total", **labels) == reserves + 1
+
+
+@on_virtual_time
+async def test_alone_a_stream_cut_at_its_ceiling_ends_with_its_own_error_event():
+    import asyncio
+
+    from tierchain.watch import Watch
+
+    sent_down: list[dict[str, Any]] = []
+
+    async def downstream(message: dict[str, Any]) -> None:
+        sent_down.append(message)
+
+    watch = Watch(keeper(ceiling=20.0), None, None, window=0.0, stall=0.0, send=downstream)
+
+    async def attempt() -> None:
+        watch.begin()
+        await watch.send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        await asyncio.sleep(3600)
+
+    task = asyncio.create_task(attempt())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    watch.end()
+    assert watch.fired == "ceiling"
+    error, sent, _ = await said(watch)
+    assert error is None
+    (last,) = sent
+    assert last["type"] == "http.response.body"
+    assert last["more_body"] is False
+    assert b"backend '' produced no first chunk in 20.0s (ceiling)" in last["body"]
+    assert b"backend_saturated" in last["body"]
