@@ -298,3 +298,103 @@ async def test_alone_a_stream_cut_at_its_ceiling_ends_with_its_own_error_event()
     assert last["more_body"] is False
     assert b"backend '' produced no first chunk in 20.0s (ceiling)" in last["body"]
     assert b"backend_saturated" in last["body"]
+
+
+@on_virtual_time
+async def test_a_starved_stream_is_said_logged_traced_and_raised_as_a_saturation(caplog):
+    import asyncio
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tierchain.decode import SPANS
+    from tierchain.verdicts import _starved
+
+    class Decode:
+        rate = 3.14159
+        limit = 10.0049
+        learned = True
+        span = 2.0
+
+    lines: list[dict[str, Any]] = []
+    watch = watch_of(lines=lines)
+    marks = Marks()
+    watch.watchdog.suspects = marks
+    await asyncio.sleep(7.0)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with (
+        caplog.at_level(logging.WARNING, logger="tierchain"),
+        provider.get_tracer("t").start_as_current_span("attempt"),
+        pytest.raises(BackendSaturated) as raised,
+    ):
+        _starved(watch, Decode())  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        f"backend 'tower' wrote 3.14 tokens/s over {SPANS} spans of 2s, under its limit of 10 "
+        "(starved)"
+    )
+    assert (raised.value.waited, raised.value.why) == (7.0, "slow_decode")
+    (line,) = [r for r in caplog.records if getattr(r, "event", None) == "dispatch.backend_starved"]
+    assert line.levelno == logging.WARNING
+    assert line.tierchain == {
+        "route": "echo",
+        "backend": "tower",
+        "tokens_per_s": 3.14,
+        "limit_tokens_per_s": 10.0,
+        "learned": True,
+        "span_s": 2.0,
+    }
+    (event,) = exporter.get_finished_spans()[0].events
+    assert (event.name, dict(event.attributes or {})) == (
+        "tierchain.backend_starved",
+        {"tierchain.backend": "tower", "tokens_per_s": 3.14},
+    )
+    assert lines == [
+        {
+            "state": "backend_starved",
+            "backend": "tower",
+            "reason": "slow_decode",
+            "tokens_per_s": 3.14,
+            "limit_tokens_per_s": 10.0,
+            "failing_over": True,
+        }
+    ]
+    assert marks.made == [("echo", "tower", "slow_decode")]
+
+
+@on_virtual_time
+async def test_alone_a_stalled_stream_ends_with_its_own_error_event():
+    import asyncio
+
+    from tierchain.watch import Watch
+
+    async def downstream(message: dict[str, Any]) -> None:
+        pass
+
+    watch = Watch(keeper(), None, None, window=0.0, stall=3.0, send=downstream)
+
+    async def attempt() -> None:
+        watch.begin()
+        start = {"type": "http.response.start", "status": 200}
+        await watch.send({**start, "headers": [(b"content-type", b"text/event-stream")]})
+        await watch.send(
+            {"type": "http.response.body", "body": b'data: {"a": 1}\n\n', "more_body": True}
+        )
+        watch.first_data()
+        await asyncio.sleep(3600)
+
+    task = asyncio.create_task(attempt())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    watch.end()
+    assert watch.fired == "stalled"
+    error, sent, marks = await said(watch)
+    assert error is None
+    assert marks.made == []  # alone there is no attempt to mark
+    (last,) = sent
+    assert last["type"] == "http.response.body"
+    assert last["more_body"] is False
+    assert b"sent no data event for 3s" in last["body"]
+    assert b"stalled" in last["body"]
