@@ -93,16 +93,16 @@ async def test_a_too_slow_prefill_carries_its_verdict_and_teaches_the_learned_wi
 async def test_the_reserves_point_before_a_first_chunk_is_a_saturation_with_its_reserve(caplog):
     from .support import now
 
-    watch = watch_of(deadline=now() + 30.0, reserve=25.0)
+    watch = watch_of(deadline=now() + 30.375, reserve=25.0625)
     await cut_at(watch)
     with caplog.at_level(logging.WARNING, logger="tierchain"):
         error, _, _ = await said(watch)
     assert isinstance(error, BackendSaturated)
-    assert (error.why, error.waited) == ("reserve", 5.0)
+    assert (error.why, error.waited) == ("reserve", 5.3125)
     (line,) = [
         r for r in caplog.records if getattr(r, "event", None) == "dispatch.backend_saturated"
     ]
-    assert line.tierchain["reserve_s"] == 25.0
+    assert (line.tierchain["reserve_s"], line.tierchain["waited_s"]) == (25.062, 5.312)
 
 
 @on_virtual_time
@@ -296,8 +296,42 @@ async def test_alone_a_stream_cut_at_its_ceiling_ends_with_its_own_error_event()
     (last,) = sent
     assert last["type"] == "http.response.body"
     assert last["more_body"] is False
-    assert b"backend '' produced no first chunk in 20.0s (ceiling)" in last["body"]
-    assert b"backend_saturated" in last["body"]
+    (event,) = [e for e in last["body"].split(b"\n\n") if e.startswith(b"data: ")]
+    assert json.loads(event[6:]) == {
+        "error": {
+            "message": "backend '' produced no first chunk in 20.0s (ceiling)",
+            "type": "backend_saturated",
+            "code": "ceiling",
+        }
+    }
+
+
+@on_virtual_time
+async def test_alone_a_whole_answer_not_begun_at_the_ceiling_is_raised_for_the_server():
+    import asyncio
+
+    from tierchain.watch import Watch
+
+    async def downstream(message: dict[str, Any]) -> None:
+        pass
+
+    watch = Watch(keeper(ceiling=20.0), None, None, window=0.0, stall=0.0, send=downstream)
+
+    async def attempt() -> None:
+        watch.begin()
+        start = {"type": "http.response.start", "status": 200}
+        await watch.send({**start, "headers": [(b"content-type", b"application/json")]})
+        await asyncio.sleep(3600)
+
+    task = asyncio.create_task(attempt())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    watch.end()
+    error, sent, _ = await said(watch)
+    assert isinstance(error, BackendSaturated)
+    assert str(error) == "backend '' produced no first chunk in 20.0s (ceiling)"
+    assert (error.waited, error.why) == (20.0, "ceiling")
+    assert sent == []
 
 
 @on_virtual_time
@@ -313,7 +347,7 @@ async def test_a_starved_stream_is_said_logged_traced_and_raised_as_a_saturation
 
     class Decode:
         rate = 3.14159
-        limit = 10.0049
+        limit = 10.4567
         learned = True
         span = 2.0
 
@@ -332,7 +366,7 @@ async def test_a_starved_stream_is_said_logged_traced_and_raised_as_a_saturation
     ):
         _starved(watch, Decode())  # type: ignore[arg-type]
     assert str(raised.value) == (
-        f"backend 'tower' wrote 3.14 tokens/s over {SPANS} spans of 2s, under its limit of 10 "
+        f"backend 'tower' wrote 3.14 tokens/s over {SPANS} spans of 2s, under its limit of 10.46 "
         "(starved)"
     )
     assert (raised.value.waited, raised.value.why) == (7.0, "slow_decode")
@@ -342,7 +376,7 @@ async def test_a_starved_stream_is_said_logged_traced_and_raised_as_a_saturation
         "route": "echo",
         "backend": "tower",
         "tokens_per_s": 3.14,
-        "limit_tokens_per_s": 10.0,
+        "limit_tokens_per_s": 10.46,
         "learned": True,
         "span_s": 2.0,
     }
@@ -357,7 +391,7 @@ async def test_a_starved_stream_is_said_logged_traced_and_raised_as_a_saturation
             "backend": "tower",
             "reason": "slow_decode",
             "tokens_per_s": 3.14,
-            "limit_tokens_per_s": 10.0,
+            "limit_tokens_per_s": 10.46,
             "failing_over": True,
         }
     ]
