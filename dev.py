@@ -215,6 +215,18 @@ def mutate(target: str, python: str) -> int:
     return 0
 
 
+def test(rest: list[str], env: dict[str, str]) -> int:
+    """The whole suite: the tests that may share the machine on two workers at once, then
+    those marked ``alone`` (they measure real time or load real servers) by themselves.
+    With arguments, pytest runs once with them."""
+    pytest = [str(PY), "-m", "pytest"]
+    if rest:
+        return subprocess.call([*pytest, *rest], cwd=ROOT, env=env)
+    shared = subprocess.call([*pytest, "-n", "2", "-m", "not alone"], cwd=ROOT, env=env)
+    alone = subprocess.call([*pytest, "-m", "alone"], cwd=ROOT, env=env)
+    return shared or alone
+
+
 def main(argv: list[str]) -> int:
     commands = {"demo", "test", "bench", "soak", "lint", "docs", "mutate"}
     if not argv or argv[0] not in commands:
@@ -232,7 +244,7 @@ def main(argv: list[str]) -> int:
     if cmd == "demo":
         return subprocess.call([str(PY), "-m", "tierchain", "demo", *rest], env=env)
     if cmd == "test":
-        return subprocess.call([str(PY), "-m", "pytest", *rest], cwd=ROOT, env=env)
+        return test(rest, env)
     if cmd == "bench":
         return subprocess.call([str(PY), str(ROOT / "bench" / "overhead.py"), *rest], env=env)
     if cmd == "soak":

@@ -127,10 +127,8 @@ def busy_for(seconds: float) -> None:
 
 async def fresh_post(url: str, **kwargs: Any) -> httpx.Response:
     """POST on a connection of its own, for a request whose duration is asserted on the
-    virtual clock. A request on a reused keep-alive connection waits about 40 ms of real
-    time for its bytes (a delayed ACK), and an idle loop on virtual time spends such a wait
-    jumping from timer to timer (uvicorn ticks every 0.1 s): the request would seem to take
-    a second or more. A new connection's first request has no such wait."""
+    virtual clock: no state of an earlier request's connection (a keep-alive close racing
+    the next request) can add to it."""
     async with httpx.AsyncClient(timeout=30) as client:
         return await client.post(url, **kwargs)
 

@@ -42,6 +42,11 @@ from .test_real_servers import (
     _running,
 )
 
+# Real time on a real llama-server, often a starved one: python3 dev.py test runs these by
+# themselves, after the others (a second worker's tests would starve it further).
+pytestmark = pytest.mark.alone
+
+
 STORY_TOKENS = int(os.environ.get("STORY_TOKENS", "300"))
 STORY = "Write a story about a lighthouse keeper."
 AT = 30  # the caller's token at which the tower goes

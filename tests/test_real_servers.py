@@ -62,6 +62,11 @@ from .support import (
     streams,
 )
 
+# Real time on a real llama-server, often a starved one: python3 dev.py test runs these by
+# themselves, after the others (a second worker's tests would starve it further).
+pytestmark = pytest.mark.alone
+
+
 PYTHON = os.environ.get("TIERCHAIN_LLAMA_CPP_PYTHON")
 LLAMA_SERVER = os.environ.get("TIERCHAIN_LLAMA_SERVER")
 NICE = shutil.which("nice")
