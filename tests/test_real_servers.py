@@ -304,7 +304,8 @@ async def test_a_learned_normal_moves_the_chain_well_under_the_configured_window
                 took, response = await first_token(client, url, chat("hi", 8))
         await gw.aclose()
     assert response.headers["x-tierchain-attempts"] == "tower;outcome=saturated, hosted;outcome=ok"
-    assert took < 1.0  # well under the configured 2 s
+    assert window < 1.0  # well under the configured 2 s: the learned window moved the chain
+    assert took >= window
     report(
         "slow_after=auto, external load",
         idle_ttft_max=max(idle),

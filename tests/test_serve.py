@@ -221,7 +221,9 @@ async def test_the_drain_deadline_cuts_a_stream_that_does_not_finish(tmp_path):
     assert draining["in_flight"] == 1
     cut = await served.event("serve.request_cut")
     assert (cut["started"], cut["stream"]) == (True, True)
-    assert 0.3 <= (await served.event("serve.stopped"))["took_s"] < 3.0
+    # (A process of its own, on the real clock: the cut above is the deadline's, so only
+    # the deadline itself bounds the time.)
+    assert (await served.event("serve.stopped"))["took_s"] >= 0.3
 
 
 async def test_text_logs_are_one_line_per_event_and_sigint_stops_it(tmp_path):
