@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +276,35 @@ def usage_stream(pieces: list[str], prompt_tokens: int) -> list[bytes]:
     return events
 
 
+USAGE_BODY = json.dumps(
+    {
+        "model": "echo",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "count to three " * 40}],
+    }
+).encode()
+
+
+async def not_asked(ex: Exchange) -> None:
+    raise AssertionError("not asked")
+
+
+@contextlib.contextmanager
+def built_watchdogs() -> Iterator[list[SaturationWatchdog]]:
+    """Every SaturationWatchdog built inside the block (the one the served gateway makes)."""
+    watchdogs: list[SaturationWatchdog] = []
+    real_init = SaturationWatchdog.__init__
+
+    def spy(self: SaturationWatchdog, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        watchdogs.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SaturationWatchdog, "__init__", spy)
+        yield watchdogs
+
+
 @on_virtual_time
 async def test_the_bytes_per_token_are_learned_from_the_usage_an_answer_reports(tmp_path):
     import httpx
@@ -287,29 +316,12 @@ async def test_the_bytes_per_token_are_learned_from_the_usage_an_answer_reports(
             await ex.write(event)
         await ex.end()
 
-    async def hosted(ex: Exchange) -> None:
-        raise AssertionError("not asked")
-
-    watchdogs: list[SaturationWatchdog] = []
-    real_init = SaturationWatchdog.__init__
-
-    def spy(self: SaturationWatchdog, *args: Any, **kwargs: Any) -> None:
-        real_init(self, *args, **kwargs)
-        watchdogs.append(self)
-
-    body = {
-        "model": "echo",
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": "count to three " * 40}],
-    }
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SaturationWatchdog, "__init__", spy)
+    with built_watchdogs() as watchdogs:
         async with (
-            serve_gateway(tmp_path, tower_with_usage, hosted) as (url, _, _h),
+            serve_gateway(tmp_path, tower_with_usage, not_asked) as (url, _, _h),
             httpx.AsyncClient() as client,
         ):
-            raw = json.dumps(body).encode()
+            raw = USAGE_BODY
             got = await client.post(
                 url + "/v1/chat/completions",
                 content=raw,
@@ -364,28 +376,11 @@ async def test_once_calibrated_the_usage_of_most_answers_is_not_read(tmp_path):
             await ex.write(event)
         await ex.end()
 
-    async def hosted(ex: Exchange) -> None:
-        raise AssertionError("not asked")
-
-    watchdogs: list[SaturationWatchdog] = []
-    real_init = SaturationWatchdog.__init__
-
-    def spy(self: SaturationWatchdog, *args: Any, **kwargs: Any) -> None:
-        real_init(self, *args, **kwargs)
-        watchdogs.append(self)
-
-    body = {
-        "model": "echo",
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": "count to three " * 40}],
-    }
-    raw = json.dumps(body).encode()
+    raw = USAGE_BODY
     seen = []
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SaturationWatchdog, "__init__", spy)
+    with built_watchdogs() as watchdogs:
         async with (
-            serve_gateway(tmp_path, tower_with_usage, hosted) as (url, _, _h),
+            serve_gateway(tmp_path, tower_with_usage, not_asked) as (url, _, _h),
             httpx.AsyncClient() as client,
         ):
             for _ in range(16):
