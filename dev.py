@@ -228,10 +228,10 @@ def test(rest: list[str], env: dict[str, str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    commands = {"demo", "test", "bench", "soak", "lint", "docs", "mutate"}
+    commands = {"demo", "test", "bench", "instructions", "soak", "lint", "docs", "mutate"}
     if not argv or argv[0] not in commands:
         print(__doc__)
-        print("commands: demo | test | bench | soak | lint | docs | mutate")
+        print("commands: demo | test | bench | instructions | soak | lint | docs | mutate")
         return 2
     cmd, rest = argv[0], argv[1:]
     _ensure_venv()
@@ -247,6 +247,9 @@ def main(argv: list[str]) -> int:
         return test(rest, env)
     if cmd == "bench":
         return subprocess.call([str(PY), str(ROOT / "bench" / "overhead.py"), *rest], env=env)
+    if cmd == "instructions":
+        script = ROOT / "bench" / "instructions.py"
+        return subprocess.call([str(PY), str(script), *rest], env=env)
     if cmd == "soak":
         return subprocess.call([str(PY), str(ROOT / "bench" / "soak.py"), *rest], env=env)
     if cmd == "docs":

@@ -134,3 +134,18 @@ def test_the_benchmarks_page_describes_the_fake_replicas_as_they_are():
     assert "by a quarter" in page
     assert 4000 <= len(pools.SYSTEM) <= 4300
     assert 900 <= len(pools.TURN) <= 1100
+
+
+def test_the_instruction_figures_are_the_differences_the_docs_define(tmp_path: Path):
+    # The stack: 12,300 instructions over the bare handler's a request, 4,560 more a chunk
+    # (the 1,000 x 1 count is read on the line through the 200 and 1,200 ones).
+    lines = []
+    for stack, request, chunk in (("whole stack", 12_300, 4_560), ("bare handler", 0, 0)):
+        for requests, chunks in ((200, 1), (1200, 1), (1000, 51)):
+            n = 5_000 + requests * (900 + request + (chunks - 1) * (40 + chunk))
+            lines.append(f"{stack} | {requests} | {chunks} | {n}")
+    counts = tmp_path / "counts.txt"
+    counts.write_text("\n".join(lines))
+    out = run(str(BENCH / "instructions.py"), "--counts", str(counts))
+    assert "instructions a request added to the bare handler: 12.3 k" in out, out
+    assert "instructions a streamed chunk added to the bare handler: 4.56 k" in out, out
