@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import select
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -89,6 +90,105 @@ class RecordedGateway:
 
 RULES_TIMEOUT = 30.0
 """Seconds: the timeout of a RedisStore whose rules are tested, not its outages."""
+
+
+class RedisRelay:
+    """A loopback TCP relay to redis-server under which Redis answers at once on virtual time.
+
+    redis-server is another process, and a virtual clock cannot wait for one: an idle loop
+    jumps to its next timer after a few real milliseconds, so a busy machine's slow reply
+    would reach the store after its timeout. The relay forwards each command, then blocks
+    the loop until Redis's reply is readable (``RULES_TIMEOUT`` of real time at most): while
+    the loop is blocked no timer fires and the virtual clock stands still, however long Redis
+    takes. A reply is late only when a test says so: after ``hold_next()`` the reply to the
+    next command is kept back (``held`` is set once Redis has run it and answered) until
+    ``release()``, so the store waits for it on the virtual clock.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.held = asyncio.Event()
+        self._released = asyncio.Event()
+        self._hold_armed = False
+        self._writers: list[asyncio.StreamWriter] = []
+        self._pumps: set[asyncio.Task[None]] = set()
+
+    def hold_next(self) -> None:
+        self._hold_armed = True
+
+    def release(self) -> None:
+        self._released.set()
+
+    async def __aenter__(self) -> RedisRelay:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.url = f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+        self.server.close()
+        for writer in self._writers:
+            writer.close()
+        for pump in list(self._pumps):
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        await self.server.wait_closed()
+
+    async def _commands(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, hold: list[bool]
+    ) -> None:
+        upstream = dst.get_extra_info("socket")
+        try:
+            while data := await src.read(65536):
+                if self._hold_armed:
+                    self._hold_armed, hold[0] = False, True
+                dst.write(data)
+                # Blocks the loop (and so the virtual clock) until Redis has answered.
+                select.select([upstream.fileno()], [], [], RULES_TIMEOUT)
+        finally:
+            dst.close()
+
+    async def _replies(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, hold: list[bool]
+    ) -> None:
+        try:
+            while data := await src.read(65536):
+                if hold[0]:
+                    hold[0] = False
+                    self.held.set()
+                    await self._released.wait()
+                dst.write(data)
+        finally:
+            dst.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self._writers += [writer, up_writer]
+        hold = [False]  # this connection's next reply is kept back
+        pumps = [
+            asyncio.ensure_future(self._commands(reader, up_writer, hold)),
+            asyncio.ensure_future(self._replies(up_reader, writer, hold)),
+        ]
+        self._pumps.update(pumps)
+        await asyncio.gather(*pumps, return_exceptions=True)
+        self._pumps.difference_update(pumps)
+
+
+@contextlib.asynccontextmanager
+async def redis_on_virtual_time(server: Any) -> AsyncIterator[Any]:
+    """A RedisStore on the package's virtual clock, reaching ``server`` (the ``redis_server``
+    fixture) through a :class:`RedisRelay`, so that no Redis reply, however late on a busy
+    machine, lets the clock jump (with a few milliseconds' grace it did: a breaker's probe
+    came a whole request late under ``stress-ng``). Closed on the way out."""
+    from tierchain import RedisStore
+    from tierchain._runtime import clock
+
+    async with RedisRelay(server.port) as relay:
+        store = RedisStore(relay.url, clock=clock.now, timeout=RULES_TIMEOUT)
+        try:
+            yield store
+        finally:
+            await store.aclose()
 
 
 # -- virtual time -----------------------------------------------------------------

@@ -10,6 +10,8 @@ throwaway redis-server, on the same virtual clock).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,6 @@ from tierchain.config import from_env
 from tierchain.stack import build_stack
 
 from .support import (
-    RULES_TIMEOUT,
     Exchange,
     FakeBackend,
     chat_request,
@@ -28,6 +29,7 @@ from .support import (
     now,
     on_virtual_time,
     parse_sse,
+    redis_on_virtual_time,
     serve,
     streams,
 )
@@ -50,15 +52,14 @@ def _answered_by(response: httpx.Response) -> str:
     return "primary" if "primary" in data else "hosted" if "hosted" in data else ""
 
 
-def _store(kind: str, request: pytest.FixtureRequest) -> Any:
+@contextlib.asynccontextmanager
+async def _store(kind: str, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     if kind == "memory":
-        return None  # build_stack makes the default MemoryStore (on the package clock)
-    from tierchain import RedisStore
-    from tierchain._runtime import clock
-
-    server = request.getfixturevalue("redis_server")
+        yield None  # build_stack makes the default MemoryStore (on the package clock)
+        return
     # Redis's own TIME is wall-clock: the store reads the package's (virtual) clock instead.
-    return RedisStore(server.url, clock=clock.now, timeout=RULES_TIMEOUT)
+    async with redis_on_virtual_time(request.getfixturevalue("redis_server")) as store:
+        yield store
 
 
 async def _flapping(
@@ -76,8 +77,8 @@ async def _flapping(
         else:
             await streams(["from ", "primary"])(ex)
 
-    store = _store(kind, request)
     async with (
+        _store(kind, request) as store,
         FakeBackend("primary", primary_script) as primary,
         FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
     ):
@@ -95,8 +96,6 @@ async def _flapping(
                 at = now()
                 r = await client.post(url + "/v1/chat/completions", content=chat_request())
                 answered.append((at - started, r.status_code, _answered_by(r)))
-        if store is not None:
-            await store.aclose()
     return answered, len(primary.requests)
 
 
@@ -144,8 +143,8 @@ async def test_a_mid_stream_death_spares_the_next_callers(
     """A primary that dies mid-answer (a lost turn for its caller) is skipped by the callers
     after, with `tierchain serve`'s defaults: the death marks it suspect in the store (and
     two in a row open its breaker); it took five deaths before."""
-    store = _store(kind, request)
     async with (
+        _store(kind, request) as store,
         FakeBackend("primary", fault("reset", after=2)) as primary,
         FakeBackend("hosted", streams(["from ", "hosted"])) as hosted,
     ):
@@ -162,7 +161,5 @@ async def test_a_mid_stream_death_spares_the_next_callers(
                 await client.post(url + "/v1/chat/completions", content=chat_request())
                 for _ in range(2)
             ]
-        if store is not None:
-            await store.aclose()
     assert len(primary.requests) == 1
     assert [_answered_by(r) for r in later] == ["hosted", "hosted"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import select
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -27,6 +26,7 @@ from tierchain.testing import VirtualClock, virtual_time
 from .support import (
     RULES_TIMEOUT,
     FakeBackend,
+    RedisRelay,
     SaturateAfter,
     chat_request,
     now,
@@ -76,7 +76,7 @@ async def test_a_saturation_seen_by_one_replica_is_honoured_by_the_other(
     async with (
         FakeBackend("tower", _silent) as tower,
         FakeBackend("hosted", streams(["ok"])) as hosted,
-        _Relay(redis_server.port) as relay,
+        RedisRelay(redis_server.port) as relay,
         RedisStore(relay.url, clock=manual_clock, timeout=RULES_TIMEOUT) as store_a,
         RedisStore(relay.url, clock=manual_clock, timeout=RULES_TIMEOUT) as store_b,
     ):
@@ -242,7 +242,7 @@ def test_redis_store_imports_without_redis_and_names_the_extra(monkeypatch):
 @on_virtual_time
 async def test_a_cancelled_acquire_gives_back_the_probe_slot_it_took(redis_server, manual_clock):
     async with (
-        _Relay(redis_server.port) as relay,
+        RedisRelay(redis_server.port) as relay,
         RedisStore(relay.url, clock=manual_clock) as store,
         RedisStore(relay.url, clock=manual_clock) as other_replica,
     ):
@@ -276,88 +276,6 @@ async def _first(call: Callable[[], Awaitable[T]], ok: Callable[[T], bool]) -> T
             await asyncio.sleep(0.01)
 
 
-class _Relay:
-    """A loopback TCP relay to redis-server under which Redis answers at once on virtual time.
-
-    redis-server is another process, and a virtual clock cannot wait for one: an idle loop
-    jumps to its next timer after a few real milliseconds, so a busy machine's slow reply
-    would reach the store after its timeout. The relay forwards each command, then blocks
-    the loop until Redis's reply is readable (``RULES_TIMEOUT`` of real time at most): while
-    the loop is blocked no timer fires and the virtual clock stands still, however long Redis
-    takes. A reply is late only when a test says so: after ``hold_next()`` the reply to the
-    next command is kept back (``held`` is set once Redis has run it and answered) until
-    ``release()``, so the store waits for it on the virtual clock.
-    """
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.held = asyncio.Event()
-        self._released = asyncio.Event()
-        self._hold_armed = False
-        self._writers: list[asyncio.StreamWriter] = []
-        self._pumps: set[asyncio.Task[None]] = set()
-
-    def hold_next(self) -> None:
-        self._hold_armed = True
-
-    def release(self) -> None:
-        self._released.set()
-
-    async def __aenter__(self) -> _Relay:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        self.url = f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
-        self.server.close()
-        for writer in self._writers:
-            writer.close()
-        for pump in list(self._pumps):
-            pump.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-        await self.server.wait_closed()
-
-    async def _commands(
-        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, hold: list[bool]
-    ) -> None:
-        upstream = dst.get_extra_info("socket")
-        try:
-            while data := await src.read(65536):
-                if self._hold_armed:
-                    self._hold_armed, hold[0] = False, True
-                dst.write(data)
-                # Blocks the loop (and so the virtual clock) until Redis has answered.
-                select.select([upstream.fileno()], [], [], RULES_TIMEOUT)
-        finally:
-            dst.close()
-
-    async def _replies(
-        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, hold: list[bool]
-    ) -> None:
-        try:
-            while data := await src.read(65536):
-                if hold[0]:
-                    hold[0] = False
-                    self.held.set()
-                    await self._released.wait()
-                dst.write(data)
-        finally:
-            dst.close()
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
-        self._writers += [writer, up_writer]
-        hold = [False]  # this connection's next reply is kept back
-        pumps = [
-            asyncio.ensure_future(self._commands(reader, up_writer, hold)),
-            asyncio.ensure_future(self._replies(up_reader, writer, hold)),
-        ]
-        self._pumps.update(pumps)
-        await asyncio.gather(*pumps, return_exceptions=True)
-        self._pumps.difference_update(pumps)
-
-
 @on_virtual_time
 async def test_a_late_reply_is_not_sent_again_so_one_outcome_counts_once(redis_server, caplog):
     # Seen on a loaded CI machine: a record whose reply came after the timeout
@@ -365,7 +283,7 @@ async def test_a_late_reply_is_not_sent_again_so_one_outcome_counts_once(redis_s
     # On virtual time behind the relay, only the reply the test holds back is late.
     caplog.set_level(logging.INFO, logger="tierchain")
     async with (
-        _Relay(redis_server.port) as relay,
+        RedisRelay(redis_server.port) as relay,
         RedisStore(relay.url, timeout=0.05, reconnect_every=0.01) as store,
         RedisStore(relay.url) as reader,
     ):

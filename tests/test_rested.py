@@ -43,13 +43,13 @@ from tierchain.stack import build_stack
 from tierchain.status import StatusBoard
 
 from .support import (
-    RULES_TIMEOUT,
     Exchange,
     FakeBackend,
     chat_request,
     now,
     on_virtual_time,
     parse_sse,
+    redis_on_virtual_time,
     serve,
 )
 from .support import streams as streaming
@@ -191,6 +191,15 @@ async def test_a_tower_freed_after_its_breaker_opened_serves_again_within_15s_no
     assert all(c < back[0] for c in tower.checks)  # and stopped once it was back
 
 
+@contextlib.asynccontextmanager
+async def _store(kind: str, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    if kind == "memory":
+        yield MemoryStore()
+        return
+    async with redis_on_virtual_time(request.getfixturevalue("redis_server")) as store:
+        yield store
+
+
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 @on_virtual_time
 async def test_replicas_sharing_a_store_send_one_check_per_round_between_them(
@@ -199,14 +208,8 @@ async def test_replicas_sharing_a_store_send_one_check_per_round_between_them(
     """Two gateways on one store: while the tower stays starved, the checks it receives are
     those of one gateway (one every 5 s), not one from each."""
     tower = Tower()
-    store: Any = MemoryStore()
-    if kind == "redis":
-        from tierchain import RedisStore
-        from tierchain._runtime import clock
-
-        server = request.getfixturevalue("redis_server")
-        store = RedisStore(server.url, clock=clock.now, timeout=RULES_TIMEOUT)
     async with (
+        _store(kind, request) as store,
         FakeBackend("tower", tower) as tower_fake,
         FakeBackend("hosted", streaming(["from ", "hosted"])) as hosted,
     ):
@@ -225,8 +228,6 @@ async def test_replicas_sharing_a_store_send_one_check_per_round_between_them(
             started = now()
             await asyncio.sleep(60.0)  # starved all along
             checks = [c for c in tower.checks if c >= started]
-        if kind == "redis":
-            await store.aclose()
     assert 6 <= len(checks) <= 14, checks  # about 12 in 60 s: one per 5 s, not two
     assert all(b - a >= 4.0 for a, b in itertools.pairwise(checks)), checks
 
