@@ -139,7 +139,12 @@ MUTATE: dict[str, tuple[str | list[str], list[str], list[str]]] = {
             "tierchain.watch.xǁWatchǁ_quiet_since*",
             "tierchain.watch.xǁWatchǁ_expired*",
         ],
-        ["tests/test_watch_windows.py", "tests/test_decode.py", "tests/test_watchdog.py"],
+        [
+            "tests/test_watch_windows.py",
+            "tests/test_watch_status.py",
+            "tests/test_decode.py",
+            "tests/test_watchdog.py",
+        ],
     ),
     "verdicts": (
         "src/tierchain/verdicts.py",

@@ -3,8 +3,8 @@ gets for each reason (a saturation, a stall, the reserve's point reached mid-str
 ``dispatch.backend_saturated`` line with its fields, the backend marked suspect, and,
 alone (no Failover), the 504 or the stream's own error event the caller gets.
 
-Each watch is cut at its exact time on the virtual clock (tests/test_watch_windows.py's
-helpers), then :func:`tierchain.verdicts.verdict` is asked why.
+Each watch is cut at its exact time on the virtual clock (tests/watch_rig.py), then
+:func:`tierchain.verdicts.verdict` is asked why.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tierchain.errors import BackendSaturated, BackendUnavailable, StreamError
 from tierchain.verdicts import verdict
 
 from .support import on_virtual_time
-from .test_watch_windows import cut_at, keeper, watch_of
+from .watch_rig import commit, cut_at, keeper, run, watch_of
 
 
 class Marks:
@@ -120,23 +120,12 @@ async def test_a_last_tier_cut_at_its_ceiling_is_not_failing_over(caplog):
 
 
 async def _stalled_watch() -> Any:
-    import asyncio
-
     watch = watch_of(stall=3.0)
-    req, observer = watch.req, watch.observer
 
-    async def attempt() -> None:
-        watch.begin()
-        observer.start(200, [(b"content-type", b"text/event-stream")])
-        observer.body(b'data: {"a": 1}\n\n')
-        req.committed = True
-        watch.first_data()
-        await asyncio.sleep(3600)
+    async def stream(watch: Any) -> None:
+        commit(watch)
 
-    task = asyncio.create_task(attempt())
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    watch.end()
+    await run(watch, stream)
     return watch
 
 
@@ -158,22 +147,14 @@ async def test_a_committed_stream_at_the_reserves_point_is_the_gateways_doing():
     from .support import now
 
     watch = watch_of(deadline=now() + 30.0, reserve=25.0)
-    req, observer = watch.req, watch.observer
-    req.continuable = True
+    assert watch.req is not None
+    watch.req.continuable = True
 
-    async def attempt() -> None:
-        watch.begin()
+    async def stream(watch: Any) -> None:
         await asyncio.sleep(1.0)
-        observer.start(200, [(b"content-type", b"text/event-stream")])
-        observer.body(b'data: {"a": 1}\n\n')
-        req.committed = True
-        watch.first_data()
-        await asyncio.sleep(3600)
+        commit(watch)
 
-    task = asyncio.create_task(attempt())
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    watch.end()
+    await run(watch, stream)
     assert watch.fired == "reserve"
     error, _, marks = await said(watch)
     assert isinstance(error, BackendUnavailable)
@@ -264,7 +245,6 @@ async def test_a_saturation_is_counted_traced_and_taught_to_the_learned_window(m
 
 @on_virtual_time
 async def test_alone_a_stream_cut_at_its_ceiling_ends_with_its_own_error_event():
-    import asyncio
 
     from tierchain.watch import Watch
 
@@ -275,8 +255,7 @@ async def test_alone_a_stream_cut_at_its_ceiling_ends_with_its_own_error_event()
 
     watch = Watch(keeper(ceiling=20.0), None, None, window=0.0, stall=0.0, send=downstream)
 
-    async def attempt() -> None:
-        watch.begin()
+    async def head(watch: Any) -> None:
         await watch.send(
             {
                 "type": "http.response.start",
@@ -284,13 +263,8 @@ async def test_alone_a_stream_cut_at_its_ceiling_ends_with_its_own_error_event()
                 "headers": [(b"content-type", b"text/event-stream")],
             }
         )
-        await asyncio.sleep(3600)
 
-    task = asyncio.create_task(attempt())
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    watch.end()
-    assert watch.fired == "ceiling"
+    assert await run(watch, head) == ("ceiling", 20.0)
     error, sent, _ = await said(watch)
     assert error is None
     (last,) = sent
@@ -308,7 +282,6 @@ async def test_alone_a_stream_cut_at_its_ceiling_ends_with_its_own_error_event()
 
 @on_virtual_time
 async def test_alone_a_whole_answer_not_begun_at_the_ceiling_is_raised_for_the_server():
-    import asyncio
 
     from tierchain.watch import Watch
 
@@ -317,16 +290,11 @@ async def test_alone_a_whole_answer_not_begun_at_the_ceiling_is_raised_for_the_s
 
     watch = Watch(keeper(ceiling=20.0), None, None, window=0.0, stall=0.0, send=downstream)
 
-    async def attempt() -> None:
-        watch.begin()
+    async def head(watch: Any) -> None:
         start = {"type": "http.response.start", "status": 200}
         await watch.send({**start, "headers": [(b"content-type", b"application/json")]})
-        await asyncio.sleep(3600)
 
-    task = asyncio.create_task(attempt())
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    watch.end()
+    await run(watch, head)
     error, sent, _ = await said(watch)
     assert isinstance(error, BackendSaturated)
     assert str(error) == "backend '' produced no first chunk in 20.0s (ceiling)"
@@ -400,7 +368,6 @@ async def test_a_starved_stream_is_said_logged_traced_and_raised_as_a_saturation
 
 @on_virtual_time
 async def test_alone_a_stalled_stream_ends_with_its_own_error_event():
-    import asyncio
 
     from tierchain.watch import Watch
 
@@ -409,21 +376,15 @@ async def test_alone_a_stalled_stream_ends_with_its_own_error_event():
 
     watch = Watch(keeper(), None, None, window=0.0, stall=3.0, send=downstream)
 
-    async def attempt() -> None:
-        watch.begin()
+    async def stream(watch: Any) -> None:
         start = {"type": "http.response.start", "status": 200}
         await watch.send({**start, "headers": [(b"content-type", b"text/event-stream")]})
         await watch.send(
             {"type": "http.response.body", "body": b'data: {"a": 1}\n\n', "more_body": True}
         )
         watch.first_data()
-        await asyncio.sleep(3600)
 
-    task = asyncio.create_task(attempt())
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    watch.end()
-    assert watch.fired == "stalled"
+    assert await run(watch, stream) == ("stalled", 3.0)
     error, sent, marks = await said(watch)
     assert error is None
     assert marks.made == []  # alone there is no attempt to mark

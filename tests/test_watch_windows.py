@@ -18,68 +18,11 @@ from typing import Any
 
 import pytest
 
-from tierchain import Backend, SaturationWatchdog
 from tierchain.errors import BackendBusy
-from tierchain.request import Attempt, TierRequest
 from tierchain.watch import Watch
 
 from .support import now, on_virtual_time
-
-TOWER = Backend("tower", "http://127.0.0.1:9")
-HOSTED = Backend("hosted", "https://api.example.com")
-
-
-async def _nothing(scope: Any, receive: Any, send: Any) -> None:
-    raise AssertionError("not called")
-
-
-def keeper(ceiling: float = 600.0) -> SaturationWatchdog:
-    return SaturationWatchdog(
-        _nothing, slow_after=10.0, ceiling=ceiling, prompt_rate=0, decode_rate=0
-    )
-
-
-def watch_of(
-    *,
-    last: bool = False,
-    deadline: float | None = None,
-    ceiling: float = 600.0,
-    lines: list[dict[str, Any]] | None = None,
-    **options: Any,
-) -> Watch:
-    req = TierRequest()
-    req.route = "echo"
-    req.chain = (TOWER, HOSTED)
-    req.in_chain = True
-    req.deadline = deadline
-    req.listen(lambda event: (lines if lines is not None else []).append(dict(event)))
-    from tierchain.observer import Observer
-
-    req.observer = Observer()
-    n = 2 if last else 1
-    attempt = Attempt(n, 2, req.chain[n - 1], "echo", deadline=deadline)
-    req.attempt = attempt
-    options.setdefault("window", 10.0)
-    options.setdefault("stall", 0.0)
-    return Watch(keeper(ceiling), req, attempt, last=last, **options)
-
-
-async def cut_at(watch: Watch, *, within: float = 3600.0) -> tuple[str | None, float]:
-    """Begin the watch in a task of its own: (why it fired, seconds after the start), or
-    (None, ``within``) when nothing fired in that time."""
-    t0 = now()
-
-    async def attempt() -> None:
-        watch.begin()
-        await asyncio.sleep(within)
-
-    task = asyncio.create_task(attempt())
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    watch.end()
-    return watch.fired, now() - t0
+from .watch_rig import MORE, commit, cut_at, run, watch_of
 
 
 @on_virtual_time
@@ -167,120 +110,59 @@ async def test_the_watch_points_in_order():
 
 @on_virtual_time
 async def test_a_committed_stream_silent_for_its_stall_window_is_stalled():
-    watch = watch_of(stall=3.0)
-    req, observer = watch.req, watch.observer
-    assert req is not None
-
-    async def attempt() -> None:
-        watch.begin()
+    async def stream(watch: Watch) -> None:
         await asyncio.sleep(1.0)
-        observer.start(200, [(b"content-type", b"text/event-stream")])
-        observer.body(b'data: {"a": 1}\n\n')
-        req.committed = True
-        watch.first_data()
+        commit(watch)
         await asyncio.sleep(2.5)
-        observer.body(b'data: {"a": 2}\n\n')  # 3.5 s: the gap starts again
-        await asyncio.sleep(3600)
+        watch.observer.body(MORE)  # 3.5 s: the gap starts again
 
-    t0 = now()
-    task = asyncio.create_task(attempt())
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    watch.end()
-    assert watch.fired == "stalled"
-    assert now() - t0 == pytest.approx(6.5)
+    assert await run(watch_of(stall=3.0), stream) == ("stalled", pytest.approx(6.5))
 
 
 @on_virtual_time
 async def test_a_stream_the_caller_was_slow_to_take_is_quiet_only_since_it_took_it():
-    watch = watch_of(stall=3.0)
-    req, observer = watch.req, watch.observer
-    assert req is not None
-
-    async def attempt() -> None:
-        watch.begin()
-        observer.start(200, [(b"content-type", b"text/event-stream")])
-        observer.body(b'data: {"a": 1}\n\n')
-        req.committed = True
-        watch.first_data()
+    async def stream(watch: Watch) -> None:
+        commit(watch)
         await asyncio.sleep(2.0)
-        req.caller_unblocked_at = now()  # the caller took our last send back only now
-        await asyncio.sleep(3600)
+        assert watch.req is not None
+        watch.req.caller_unblocked_at = now()  # the caller took our last send back only now
 
-    t0 = now()
-    task = asyncio.create_task(attempt())
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    watch.end()
-    assert watch.fired == "stalled"
-    assert now() - t0 == pytest.approx(5.0)  # 3 s after the caller took it, not after 3 s
+    # 3 s after the caller took it, not after 3 s
+    assert await run(watch_of(stall=3.0), stream) == ("stalled", pytest.approx(5.0))
 
 
 @on_virtual_time
 async def test_a_committed_stream_without_a_stall_window_is_never_cut():
     # (its reserve's point passes too: a stream that cannot be continued runs on)
     watch = watch_of(stall=0.0, deadline=now() + 30.0, reserve=25.0)
-    req, observer = watch.req, watch.observer
-    assert req is not None
 
-    async def attempt() -> None:
-        watch.begin()
-        observer.start(200, [(b"content-type", b"text/event-stream")])
-        observer.body(b'data: {"a": 1}\n\n')
-        req.committed = True
-        watch.first_data()
-        await asyncio.sleep(500)
+    async def stream(watch: Watch) -> None:
+        commit(watch)
 
-    await asyncio.create_task(attempt())
-    watch.end()
-    assert watch.fired is None
+    assert await run(watch, stream, within=500.0) == (None, 500.0)
 
 
 @on_virtual_time
 async def test_a_stall_window_under_a_second_is_timed_from_the_last_event():
-    watch = watch_of(stall=0.5)
-    req, observer = watch.req, watch.observer
-    assert req is not None
-
-    async def attempt() -> None:
-        watch.begin()
-        observer.start(200, [(b"content-type", b"text/event-stream")])
-        observer.body(b'data: {"a": 1}\n\n')
-        req.committed = True
-        watch.first_data()
+    async def stream(watch: Watch) -> None:
+        commit(watch)
         await asyncio.sleep(0.3)
-        observer.body(b'data: {"a": 2}\n\n')
-        await asyncio.sleep(3600)
+        watch.observer.body(MORE)
 
-    t0 = now()
-    task = asyncio.create_task(attempt())
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    watch.end()
-    assert (watch.fired, now() - t0) == ("stalled", pytest.approx(0.8))
+    assert await run(watch_of(stall=0.5), stream) == ("stalled", pytest.approx(0.8))
 
 
 @on_virtual_time
 async def test_a_continuable_stream_is_cut_at_the_reserves_point_before_its_stall_window():
     watch = watch_of(stall=2.0, deadline=now() + 30.0, reserve=25.0)
-    req, observer = watch.req, watch.observer
-    assert req is not None
-    req.continuable = True
+    assert watch.req is not None
+    watch.req.continuable = True
 
-    async def attempt() -> None:
-        watch.begin()
-        observer.start(200, [(b"content-type", b"text/event-stream")])
-        observer.body(b'data: {"a": 1}\n\n')
-        req.committed = True
-        watch.first_data()
-        for _ in range(2):  # at 1.5 s and 3.2 s: each gap under the stall window
-            await asyncio.sleep(1.5 if _ == 0 else 1.7)
-            observer.body(b'data: {"a": 2}\n\n')
-        await asyncio.sleep(3600)  # quiet until 5.2 s, but the reserve's point is at 5 s
+    async def stream(watch: Watch) -> None:
+        commit(watch)
+        for gap in (1.5, 1.7):  # at 1.5 s and 3.2 s: each gap under the stall window
+            await asyncio.sleep(gap)
+            watch.observer.body(MORE)
+        # quiet until 5.2 s, but the reserve's point is at 5 s
 
-    t0 = now()
-    task = asyncio.create_task(attempt())
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    watch.end()
-    assert (watch.fired, now() - t0) == ("reserve", pytest.approx(5.0))
+    assert await run(watch, stream) == ("reserve", pytest.approx(5.0))
