@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from tierchain.formats.openai_chat import ChatSeam
+from tierchain.formats.seam import INSTRUCTION, tokens
 
 from .support import openai_stream
 
@@ -92,3 +93,145 @@ def test_the_part_of_that_whitespace_written_again_is_cut_where_the_next_tier_tu
 
 def test_a_next_tier_that_ends_inside_that_whitespace_adds_nothing():
     assert continued(["Hi", " there.", "\n\n"], ["\n"])[1] == []
+
+
+def test_the_callers_own_prefill_after_earlier_turns_keeps_every_turn():
+    system = {"role": "system", "content": "be brief"}
+    body = {
+        **ASKED,
+        "messages": [system, *ASKED["messages"], {"role": "assistant", "content": "A"}],
+    }
+    messages, _ = continued([" b"], [" c"], body=body)
+    assert messages == [system, ASKED["messages"][0], {"role": "assistant", "content": "A b"}]
+
+
+def test_without_a_prefill_the_ask_to_go_on_is_a_user_message_of_its_own():
+    messages, _ = continued([" upon", " a"], [" time"], prefill=False)
+    assert messages[1:] == [
+        {"role": "assistant", "content": " upon a"},
+        {"role": "user", "content": INSTRUCTION},
+    ]
+
+
+def test_a_next_tier_ending_inside_an_echo_of_the_partial_answer_sends_it_before_its_end():
+    # " upon" could still be the start of an echo of " upon a": held until the finish event
+    # comes, then sent before it
+    seam = ChatSeam("tower", events([" upon", " a"]))
+    assert seam.request(json.dumps(ASKED).encode(), prefill=True) is not None
+    finish = openai_stream([" upon"])[1]
+    out = seam.splice(events([" upon"]) + finish) + seam.finish()
+    choices = [json.loads(e[6:])["choices"][0] for e in out.split(b"\n\n") if e[:7] == b"data: {"]
+    assert [(c["delta"].get("content"), c["finish_reason"]) for c in choices] == [
+        (" upon", None),
+        (None, "stop"),
+    ]
+
+
+def test_what_follows_an_echo_of_the_prefill_is_sent_on_at_once():
+    # the word rules wait for three words; the rest of an exact echo is not theirs to hold
+    seam = ChatSeam("tower", events(["The cat sat.", " The dog"]))
+    assert seam.request(json.dumps(ASKED).encode(), prefill=True) is not None
+    first = seam.splice(events(["The cat sat. The dog ran"]))
+    assert [
+        json.loads(e[6:])["choices"][0]["delta"]["content"] for e in first.split(b"\n\n") if e
+    ] == [" ran"]
+    assert seam.spliced
+
+
+def test_a_continuation_request_built_has_spliced_nothing_yet():
+    seam = ChatSeam("tower", events([" upon"]))
+    assert seam.request(json.dumps(ASKED).encode(), prefill=True) is not None
+    assert seam.spliced is False
+
+
+def test_an_anthropic_event_through_the_seam_keeps_its_name():
+    from tierchain.formats.anthropic import MessagesSeam
+
+    def sse(name: str, data: dict[str, Any]) -> bytes:
+        return b"event: " + name.encode() + b"\ndata: " + json.dumps(data).encode() + b"\n\n"
+
+    def delta(text: str) -> bytes:
+        return sse(
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": text},
+            },
+        )
+
+    start = {"type": "message_start", "message": {"id": "m1", "role": "assistant", "content": []}}
+    block = {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    had = sse("message_start", start) + sse("content_block_start", block) + delta("Once upon a")
+    seam = MessagesSeam("tower", had)
+    body = {"model": "m", "stream": True, "max_tokens": 50, "messages": ASKED["messages"]}
+    assert seam.request(json.dumps(body).encode(), prefill=True) is not None
+    stop = {"type": "content_block_stop", "index": 0}
+    out = seam.splice(
+        sse("message_start", start)
+        + sse("content_block_start", block)
+        + delta("Once")
+        + sse("content_block_stop", stop)
+    )
+    names = [e.split(b"\n")[0] for e in out.split(b"\n\n") if e]
+    assert names == [b"event: content_block_delta", b"event: content_block_stop"]
+
+
+def test_the_tokens_the_caller_has_count_an_event_of_up_to_12_characters_as_one():
+    assert tokens(["a" * 12]) == 1
+    assert tokens(["a" * 13]) == 4  # several tokens an event: at 4 characters a token
+    assert tokens(["", "a"]) == 1
+
+
+def test_a_token_limit_of_zero_is_no_limit_and_of_one_leaves_nothing_after_a_token():
+    seam = ChatSeam("tower", events([" upon"]))
+    assert seam.request(json.dumps({**ASKED, "max_tokens": 0}).encode(), prefill=True)
+    assert seam.left is None
+    seam = ChatSeam("tower", events([" upon"]))
+    assert seam.request(json.dumps({**ASKED, "max_tokens": 1}).encode(), prefill=True)
+    assert seam.left == 0
+
+
+def test_a_prefilled_request_gains_the_fields_the_backend_asks_for_it():
+    seam = ChatSeam("tower", events([" upon"]))
+    adds = {"continue_final_message": True, "add_generation_prompt": False}
+    asked = seam.request(json.dumps(ASKED).encode(), prefill=True, adds=adds)
+    assert asked is not None
+    assert {k: json.loads(asked)[k] for k in adds} == adds
+    asked = seam.request(json.dumps(ASKED).encode(), prefill=False, adds=adds)
+    assert asked is not None
+    assert not adds.keys() & json.loads(asked).keys()
+
+
+def test_a_continuation_asks_for_what_the_tightest_of_the_callers_limits_leaves():
+    seam = ChatSeam("tower", events([" upon", " a"]))  # two tokens
+    body = {**ASKED, "max_tokens": 20, "max_completion_tokens": 50}
+    asked = seam.request(json.dumps(body).encode(), prefill=True)
+    assert asked is not None
+    assert seam.left == 18
+    assert (json.loads(asked)["max_tokens"], json.loads(asked)["max_completion_tokens"]) == (18, 48)
+
+
+def test_a_limit_that_leaves_one_token_asks_for_one():
+    seam = ChatSeam("tower", events([" upon"]))
+    asked = seam.request(json.dumps({**ASKED, "max_tokens": 2}).encode(), prefill=True)
+    assert asked is not None
+    assert (seam.left, json.loads(asked)["max_tokens"]) == (1, 1)
+
+
+def test_an_echo_of_the_partial_answer_split_across_events_is_cut_whole():
+    # "H" could still begin an echo of "Hi": held, then cut with the rest of the echo (the
+    # word rules, which wait for three words, would let all of it through)
+    assert continued(["Hi"], ["H", "i there"])[1] == [" there"]
+
+
+def test_without_a_prefill_nothing_of_the_next_tiers_text_is_cut_as_left_out_whitespace():
+    # (a fresh start after the caller's text gets its space: the word rules)
+    assert continued(["Treasure map:"], ["X marks", " the spot."], prefill=False)[1] == [
+        " X marks",
+        " the spot.",
+    ]
