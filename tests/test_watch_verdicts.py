@@ -395,3 +395,68 @@ async def test_alone_a_stalled_stream_ends_with_its_own_error_event():
     error_event = json.loads(event[6:])["error"]
     assert error_event["message"].endswith(" sent no data event for 3s")
     assert (error_event["type"], error_event["code"]) == ("upstream_error", "stalled")
+
+
+@on_virtual_time
+async def test_a_stream_under_a_decode_watch_cut_at_the_reserves_point_is_not_starved():
+    import asyncio
+
+    from tierchain.decode import DecodeWatch
+
+    from .support import now
+
+    watch = watch_of(deadline=now() + 30.0, reserve=25.0, watchdog=keeper(decode_rate=50.0))
+    assert watch.req is not None
+    assert watch.attempt is not None
+    watch.req.continuable = True
+
+    async def stream(watch: Any) -> None:
+        await asyncio.sleep(1.0)
+        commit(watch)
+
+    assert await run(watch, stream) == ("reserve", 5.0)
+    # (Failover asks the verdict while the attempt's decode watch still runs)
+    decode = watch.watchdog.decode
+    assert decode is not None
+    watch.decoding = DecodeWatch(watch, decode, watch.attempt.backend, now())
+    error, _, marks = await said(watch)
+    watch.decoding.cancel()
+    assert isinstance(error, BackendUnavailable)
+    assert (error.reason, error.gateway_fault) == ("reserve", True)
+    assert marks.made == []
+
+
+@on_virtual_time
+async def test_a_pool_replicas_starved_line_names_its_pool():
+    from tierchain import Backend, Pool
+    from tierchain.verdicts import _starved
+
+    class Decode:
+        rate, limit, learned, span = 1.0, 10.0, False, 2.0
+
+    (replica,) = Pool("towers", [Backend("tower-a", "http://127.0.0.1:9")]).backends
+    lines: list[dict[str, Any]] = []
+    watch = watch_of(tier=replica, lines=lines)
+    watch.watchdog.suspects = Marks()
+    with pytest.raises(BackendSaturated):
+        _starved(watch, Decode())  # type: ignore[arg-type]
+    (line,) = lines
+    assert (line["state"], line["backend"], line["pool"]) == (
+        "backend_starved",
+        "tower-a",
+        "towers",
+    )
+
+
+@on_virtual_time
+async def test_a_held_answer_cut_after_its_first_bytes_produced_no_whole_answer():
+    watch = watch_of(window=0.0, ceiling=20.0)
+
+    async def first_bytes(watch: Any) -> None:
+        watch.observer.start(200, [(b"content-type", b"application/json")])
+        watch.observer.body(b'{"id": "chatcmpl-1", "choices": [')
+
+    assert await run(watch, first_bytes) == ("ceiling", 20.0)
+    error, _, _ = await said(watch)
+    assert isinstance(error, BackendSaturated)
+    assert str(error) == "backend 'tower' produced no whole answer in 20.0s (ceiling)"
