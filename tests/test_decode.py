@@ -16,10 +16,23 @@ from typing import Any
 
 import pytest
 
+import tierchain.watch
 from tierchain import Backend, Failover, Forwarder, Routes, SaturationWatchdog
+from tierchain._disconnect import WATCH_AFTER
+from tierchain._runtime import deadlines
+from tierchain.decode import DecodeWatch
 from tierchain.learned import COLD, COLD_OTHER, DecodeRate, LearnedGap
 
-from .support import Exchange, FakeBackend, Script, now, on_virtual_time, serve
+from .support import (
+    Exchange,
+    FakeBackend,
+    Script,
+    now,
+    on_virtual_time,
+    one_request,
+    serve,
+    whole_stack,
+)
 from .test_continuation import (
     FORMATS,
     FULL,
@@ -222,3 +235,60 @@ def test_a_silent_stream_is_left_to_the_stall_window():
     # (tests/test_shared_normals.py: a cold gateway's stalled local stream is cut at 8 s,
     # its stall window, not at the decode rate's 4 s.)
     assert LearnedGap().window_for("tower", "local")[0] == COLD["local"].stall > 2 * 2.0
+
+
+# -- made only for a request that lives --------------------------------------------------
+
+
+def counting_decode_watches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, float]]:
+    """Each decode watch the watchdog makes: (when it was made, its first tick's due time
+    minus its stream's first data event)."""
+    made: list[tuple[float, float]] = []
+
+    class Counted(DecodeWatch):
+        __slots__ = ()
+
+        def __init__(self, watch: Any, normal: Any, backend: Any, at: float, events: int) -> None:
+            super().__init__(watch, normal, backend, at, events)
+            assert self._handle is not None
+            made.append((now(), deadlines.due(self._handle) - at))
+
+    monkeypatch.setattr(tierchain.watch, "DecodeWatch", Counted)
+    return made
+
+
+def first_then(pause: float) -> Any:
+    """A backend handler: one data event at once, then ``pause`` seconds, then [DONE]."""
+
+    async def handler(scope: Any, receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        start = {"type": "http.response.start", "status": 200}
+        await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        await asyncio.sleep(pause)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    return handler
+
+
+@on_virtual_time
+async def test_a_stream_over_before_its_request_has_run_watch_after_makes_no_decode_watch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made = counting_decode_watches(monkeypatch)
+    await one_request(whole_stack(first_then(WATCH_AFTER / 2)))
+    assert made == []
+
+
+@on_virtual_time
+async def test_a_stream_that_commits_young_and_lives_on_is_judged_from_its_first_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made = counting_decode_watches(monkeypatch)
+    started = now()
+    await one_request(whole_stack(first_then(1.0)))
+    # Made when the request had run WATCH_AFTER, its first span timed from the first event.
+    assert len(made) == 1
+    assert made[0][0] == pytest.approx(started + WATCH_AFTER, abs=2e-3)
+    assert made[0][1] == pytest.approx(DecodeRate().span)

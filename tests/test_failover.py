@@ -383,8 +383,8 @@ async def test_a_router_that_rewrites_the_scope_still_routes_the_next_attempt():
 
 @on_virtual_time
 async def test_a_guard_callback_that_fails_leaves_the_next_guards_callback_to_run() -> None:
-    """The disconnect guards' queue calls each still-guarded request's ``then`` once it
-    has run WATCH_AFTER; one that raises is reported and the others still run."""
+    """The disconnect guards' queue calls each still-guarded request's ``then`` callbacks
+    once it has run WATCH_AFTER; one that raises is reported and the others still run."""
     from tierchain._disconnect import DisconnectGuard
 
     async def receive() -> dict[str, Any]:
@@ -405,11 +405,12 @@ async def test_a_guard_callback_that_fails_leaves_the_next_guards_callback_to_ru
         second.enter()
         assert first.young
         assert second.young
-        first.then, second.then = broken, ran.set
+        first.then.append(broken)
+        second.then.append(ran.set)
         async with asyncio.timeout(5):
             await ran.wait()
         assert not first.young
-        assert first.then is None
+        assert first.then == []
         assert [str(c["exception"]) for c in reported] == ["broken"]
     finally:
         first.close()

@@ -60,10 +60,11 @@ class DisconnectGuard:
         self.young = False
         """True from :meth:`enter` until the request has run ``WATCH_AFTER`` seconds
         (:attr:`then` still due): a field, not a property (Failover reads it per request)."""
-        self.then: Callable[[], object] | None = None
-        """Called once when the request has run ``WATCH_AFTER`` seconds (if still
+        self.then: list[Callable[[], object]] = []
+        """Each called once when the request has run ``WATCH_AFTER`` seconds (if still
         guarded): work for a request that lives that long, not paid by one answered
-        sooner (Failover's send_timeout watch)."""
+        sooner (Failover's send_timeout watch, the watchdog's decode watch). Added to
+        only while :attr:`young`; each checks that its own attempt is not over."""
 
     @property
     def gone(self) -> asyncio.Event:
@@ -92,9 +93,11 @@ class DisconnectGuard:
         self._queued = None
         self.young = False
         self.start_watching()
-        then, self.then = self.then, None
-        if then is not None:
-            then()
+        then = self.then
+        if then:
+            self.then = []
+            for call in then:
+                call()
 
     def start_watching(self) -> None:
         """Start the watcher task (once the request has run ``WATCH_AFTER`` seconds).
@@ -142,6 +145,8 @@ class DisconnectGuard:
             self._queued = None
             self.young = False
             deadlines.cancel(queued)
+            if self.then:
+                self.then = []  # (they refer to attempts that refer to us: no cycle left)
         if self._watcher is not None:
             self._watcher.cancel()
 

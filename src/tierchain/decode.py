@@ -45,11 +45,11 @@ class _Watched(Protocol):
 
 
 class DecodeWatch:
-    """One committed stream's decode rate (from ``now``, its first data event), judged
-    every ``span`` seconds against ``limit`` tokens a second: ``normal``'s limit for
-    ``backend`` (``learned``: the backend's own normal, else its regime's cold default),
-    taken at the first span's end (a stream that ends sooner is never judged, and asks
-    nothing). ``rate`` is the last span's rate."""
+    """One committed stream's decode rate (from ``now``, its first data event, and the
+    ``events`` counted then), judged every ``span`` seconds against ``limit`` tokens a
+    second: ``normal``'s limit for ``backend`` (``learned``: the backend's own normal, else
+    its regime's cold default), taken at the first span's end (a stream that ends sooner
+    is never judged, and asks nothing). ``rate`` is the last span's rate."""
 
     __slots__ = (
         "_at",
@@ -65,7 +65,9 @@ class DecodeWatch:
         "watch",
     )
 
-    def __init__(self, watch: _Watched, normal: DecodeRate, backend: Backend, now: float) -> None:
+    def __init__(
+        self, watch: _Watched, normal: DecodeRate, backend: Backend, now: float, events: int
+    ) -> None:
         self.watch = watch
         self._normal = normal
         self._backend = backend
@@ -75,9 +77,13 @@ class DecodeWatch:
         self.rate = 0.0
         self._below = 0  # spans in a row below the limit
         self._at = now
-        self._events = watch.observer.data_events
-        # (the tick only interrupts the task: it needs none of the request's context)
-        self._handle: deadlines.Deadline | None = deadlines.schedule(span, self._tick)
+        self._events = events
+        # The first span's end, from the first data event (a watch made when the request
+        # had run WATCH_AFTER seconds is made after it); the tick only interrupts the task:
+        # it needs none of the request's context.
+        self._handle: deadlines.Deadline | None = deadlines.schedule_at(
+            now + span, self._tick, lane=span
+        )
 
     def cancel(self) -> None:
         """The attempt is over: no more ticks."""

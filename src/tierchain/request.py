@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ._disconnect import DisconnectGuard
 from ._runtime import clock
 from ._runtime.interrupt import Interruption
 from ._types import Scope, Send
@@ -188,6 +189,7 @@ class TierRequest:
         "continuable",
         "continuation",
         "deadline",
+        "guard",
         "in_chain",
         "interruption",
         "observer",
@@ -234,6 +236,9 @@ class TierRequest:
         otherwise turn it into a plain 500."""
         self.aborted = False
         """True while the current attempt is being cancelled by :meth:`abort`."""
+        self.guard: DisconnectGuard | None = None
+        """Failover's disconnect guard, once entered: work that only a request living
+        ``WATCH_AFTER`` seconds needs waits for it (:attr:`DisconnectGuard.then`)."""
         self.interruption: Interruption | None = None
         """How :meth:`abort` (and Failover's send timeout) cancel the request's task: armed
         by Failover on entry, so that only their own cancellation is undone."""

@@ -65,6 +65,7 @@ class Watch:
         "_cut",
         "_cut_passed",
         "_deadline_at",
+        "_decode_from",
         "_first_token",
         "_handle",
         "_prefill_end",
@@ -139,6 +140,7 @@ class Watch:
         self._progress: Progress | None = None  # the status conversation, once asked
         self._slow_logged = False
         self.decoding: DecodeWatch | None = None  # a committed stream's decode rate (judged)
+        self._decode_from: tuple[float, int] | None = None  # its start, while it waits
         self._send = send
         self.cut = Interruption()
         self._handle: Deadline | None = None
@@ -178,6 +180,7 @@ class Watch:
         if self._handle is not None:
             deadlines.cancel(self._handle)
             self._handle = None
+        self._decode_from = None  # (a decode watch that waits is not made)
         if self.decoding is not None:
             self.decoding.cancel()
             self.decoding = None  # (it holds the watch: no cycle outlives the attempt)
@@ -317,7 +320,13 @@ class Watch:
         now = clock.now()
         decode = self.watchdog.decode
         if decode is not None and not self.last and self.attempt is not None:
-            self.decoding = DecodeWatch(self, decode, self.attempt.backend, now)
+            guard = self.req.guard if self.req is not None else None
+            events = self.observer.data_events
+            if guard is not None and guard.young:  # made if the request lives WATCH_AFTER
+                self._decode_from = (now, events)  # (most answers are over sooner)
+                guard.then.append(self._decode_late)
+            else:
+                self.decoding = DecodeWatch(self, decode, self.attempt.backend, now, events)
         handle = self._handle
         cut = self._cut
         stall = self.stall
@@ -340,6 +349,15 @@ class Watch:
             self._handle = None
         if stall > 0 and self.fired is None:
             self._arm(stall, fixed=True)
+
+    def _decode_late(self) -> None:
+        """The request has run WATCH_AFTER seconds: the decode watch :meth:`first_data` left
+        for then (its first span from the first data event all the same), unless the
+        attempt is over."""
+        start, self._decode_from = self._decode_from, None
+        decode = self.watchdog.decode
+        if start is not None and decode is not None and self.attempt is not None:
+            self.decoding = DecodeWatch(self, decode, self.attempt.backend, *start)
 
     def answered(self) -> bool:
         """True once the first chunk has arrived (for a held answer: all of it, or

@@ -476,9 +476,6 @@ class Responder:
     def end(self) -> Any:
         """The attempt is over: end its span. Returns its in-flight lease to give back."""
         self._ended = True
-        guard = self._guard
-        if guard.then is not None:
-            guard.then = None  # (only the committed attempt sets it)
         if self._caller_watch is not None:
             deadlines.cancel(self._caller_watch)
             self._caller_watch = None
@@ -680,7 +677,7 @@ class Responder:
             return
         guard = self._guard
         if guard.young:
-            guard.then = self._arm_caller_watch
+            guard.then.append(self._arm_caller_watch)
         else:
             self._arm_caller_watch()
 

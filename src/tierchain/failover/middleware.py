@@ -303,6 +303,7 @@ class Failover:
         guard = DisconnectGuard(receive)
         guard.enter()  # (as ``async with guard``, without its two coroutines)
         req.interruption = Interruption.beside(guard.cut)  # the same task, the same baseline
+        req.guard = guard
         try:
             if self._waitable and route in self._waitable:
                 assert self.waiting is not None
