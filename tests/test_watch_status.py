@@ -93,9 +93,9 @@ async def test_a_working_answer_at_the_windows_end_gives_the_attempt_one_more_wi
 
 @on_virtual_time
 async def test_while_a_probe_is_out_the_expected_prefill_still_ends_the_wait():
-    # the probe asked at 10 s would give up at 14 s; the expected prefill ends at 12 s
-    async with status_watch([HANGS], prefill=12.0) as rig:
-        assert await run(rig.watch) == ("too_slow", 12.0)
+    # the probe asked at 10 s would give up at 14 s; the expected prefill ends at 10.5 s
+    async with status_watch([HANGS], prefill=10.5) as rig:
+        assert await run(rig.watch) == ("too_slow", 10.5)
     assert rig.asked == 1
 
 

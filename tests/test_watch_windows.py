@@ -22,7 +22,7 @@ from tierchain.errors import BackendBusy
 from tierchain.watch import Watch
 
 from .support import now, on_virtual_time
-from .watch_rig import MORE, commit, cut_at, run, watch_of
+from .watch_rig import MORE, commit, cut_at, keeper, run, watch_of
 
 
 @on_virtual_time
@@ -138,8 +138,10 @@ async def test_a_committed_stream_without_a_stall_window_is_never_cut():
 
     async def stream(watch: Watch) -> None:
         commit(watch)
+        await asyncio.sleep(6.0)
+        assert watch._handle is None  # past the reserve's point: no timer left at all
 
-    assert await run(watch, stream, within=500.0) == (None, 500.0)
+    assert await run(watch, stream, within=500.0) == (None, 506.0)
 
 
 @on_virtual_time
@@ -166,3 +168,36 @@ async def test_a_continuable_stream_is_cut_at_the_reserves_point_before_its_stal
         # quiet until 5.2 s, but the reserve's point is at 5 s
 
     assert await run(watch, stream) == ("reserve", pytest.approx(5.0))
+
+
+@on_virtual_time
+async def test_a_held_answers_first_bytes_do_not_end_its_window():
+    # (a held answer is answered when whole: its window runs on, no stall window starts)
+    async def first_bytes(watch: Watch) -> None:
+        await asyncio.sleep(3.0)
+        watch.observer.start(200, [(b"content-type", b"application/json")])
+        watch.observer.body(b'{"id": "chatcmpl-1", "choices": [')
+        watch.first_data()
+
+    assert await run(watch_of(stall=2.0), first_bytes) == ("incomplete", 10.0)
+
+
+@on_virtual_time
+async def test_a_stream_with_a_later_tier_is_judged_for_its_decode_rate_from_its_first_event():
+    # a token a second against a limit of 12.5 (a quarter of 50 tokens/s): two 2 s spans
+    # below it from the first event at 1 s, starved at 5 s
+    async def crawling(watch: Watch) -> None:
+        await asyncio.sleep(1.0)
+        commit(watch)
+        for _ in range(10):
+            await asyncio.sleep(1.0)
+            watch.observer.body(MORE)
+
+    watch = watch_of(watchdog=keeper(decode_rate=50.0))
+    assert watch.req is not None
+    watch.req.continuable = True
+    assert await run(watch, crawling) == ("slow_decode", 5.0)
+    last = watch_of(last=True, watchdog=keeper(decode_rate=50.0))
+    assert last.req is not None
+    last.req.continuable = True
+    assert await run(last, crawling, within=0.0) == (None, 11.0)  # the last tier: never
