@@ -418,7 +418,9 @@ async def test_a_stream_under_a_decode_watch_cut_at_the_reserves_point_is_not_st
     # (Failover asks the verdict while the attempt's decode watch still runs)
     decode = watch.watchdog.decode
     assert decode is not None
-    watch.decoding = DecodeWatch(watch, decode, watch.attempt.backend, now())
+    watch.decoding = DecodeWatch(
+        watch, decode, watch.attempt.backend, now(), watch.observer.data_events
+    )
     error, _, marks = await said(watch)
     watch.decoding.cancel()
     assert isinstance(error, BackendUnavailable)
