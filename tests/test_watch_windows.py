@@ -201,3 +201,30 @@ async def test_a_stream_with_a_later_tier_is_judged_for_its_decode_rate_from_its
     assert last.req is not None
     last.req.continuable = True
     assert await run(last, crawling, within=0.0) == (None, 11.0)  # the last tier: never
+
+
+@on_virtual_time
+async def test_a_streams_first_event_is_its_answer_before_failover_sends_it_on():
+    # (a framed stream: its stall window runs from its first event, committed or not)
+    async def first_event(watch: Watch) -> None:
+        await asyncio.sleep(1.0)
+        watch.observer.start(200, [(b"content-type", b"text/event-stream")])
+        watch.observer.body(MORE)
+        watch.first_data()
+
+    assert await run(watch_of(stall=3.0), first_event) == ("stalled", 4.0)
+
+
+@on_virtual_time
+async def test_a_held_answer_failover_sent_on_is_answered_and_then_stalls():
+    # its first bytes at 3 s, sent on to the caller: at the window's end it is a stream
+    # quiet for longer than its stall window, not an answer that never came
+    async def sent_on(watch: Watch) -> None:
+        assert watch.req is not None
+        await asyncio.sleep(3.0)
+        watch.observer.start(200, [(b"content-type", b"application/json")])
+        watch.observer.body(b'{"id": "chatcmpl-1", "choices": [')
+        watch.req.committed = True
+        watch.first_data()
+
+    assert await run(watch_of(stall=2.0), sent_on) == ("stalled", 10.0)
