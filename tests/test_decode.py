@@ -237,7 +237,7 @@ def test_a_silent_stream_is_left_to_the_stall_window():
     assert LearnedGap().window_for("tower", "local")[0] == COLD["local"].stall > 2 * 2.0
 
 
-# -- made only for a request that lives --------------------------------------------------
+# -- made and armed only for a request that lives ---------------------------------------
 
 
 def counting_decode_watches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, float]]:
@@ -292,3 +292,25 @@ async def test_a_stream_that_commits_young_and_lives_on_is_judged_from_its_first
     assert len(made) == 1
     assert made[0][0] == pytest.approx(started + WATCH_AFTER, abs=2e-3)
     assert made[0][1] == pytest.approx(DecodeRate().span)
+
+
+@on_virtual_time
+async def test_a_watch_over_before_its_request_has_run_watch_after_arms_no_timer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    armed: list[float] = []
+    arm = tierchain.watch.Watch._arm
+
+    def counted(self: Any, delay: float, *, fixed: bool) -> None:
+        armed.append(now() + delay)
+        arm(self, delay, fixed=fixed)
+
+    monkeypatch.setattr(tierchain.watch.Watch, "_arm", counted)
+    await one_request(whole_stack(first_then(WATCH_AFTER / 2)))
+    assert armed == []
+    # One that lives on: its timer is armed once it has run WATCH_AFTER, for what is due
+    # then (the stall window's end after its last event: later than its window's).
+    started = now()
+    await one_request(whole_stack(first_then(1.0)))
+    assert len(armed) >= 1
+    assert armed[0] > started + WATCH_AFTER

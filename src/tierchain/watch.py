@@ -10,10 +10,12 @@ import contextvars
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Protocol
 
 from opentelemetry import trace
 
+from ._disconnect import WATCH_AFTER
 from ._runtime import clock, deadlines
 from ._runtime.deadlines import EARLY, Deadline
 from ._runtime.interrupt import Interruption
@@ -74,6 +76,7 @@ class Watch:
         "_prompt_due",
         "_send",
         "_slow_logged",
+        "_waits",
         "_window_end",
         "attempt",
         "cut",
@@ -141,6 +144,7 @@ class Watch:
         self._slow_logged = False
         self.decoding: DecodeWatch | None = None  # a committed stream's decode rate (judged)
         self._decode_from: tuple[float, int] | None = None  # its start, while it waits
+        self._waits = False  # the timer waits for the request to run WATCH_AFTER
         self._send = send
         self.cut = Interruption()
         self._handle: Deadline | None = None
@@ -159,6 +163,14 @@ class Watch:
         due = self._due()
         if due == math.inf:
             return
+        guard = self.req.guard if self.req is not None else None
+        if guard is not None and guard.young and due - self.start > WATCH_AFTER:
+            # Armed only if the request lives WATCH_AFTER seconds (most answers are over
+            # sooner), then for whatever is due by then (:meth:`_schedule`), in the
+            # request's context (the guard's call has none).
+            self._waits = True
+            guard.then.append(partial(contextvars.copy_context().run, self._grown))
+            return
         if due == self._window_end:
             # A computed window varies by request: not a recurring delay (a learned one
             # recurs: one of the sketch's bucket edges times the margin).
@@ -174,9 +186,18 @@ class Watch:
             return
         self._arm(max(0.0, due - clock.now()), fixed=False)  # the reserve's point
 
+    def _grown(self) -> None:
+        """The request has run WATCH_AFTER seconds: arm the timer :meth:`begin` left for
+        then, unless the attempt is over or it has been armed since."""
+        if self._waits:
+            self._waits = False
+            if self.fired is None and self._handle is None:
+                self._schedule()
+
     def end(self) -> Awaitable[object] | None:
         """The attempt is over: stop timing (its decode watch, its probe: the wait for
         the probe's end is returned)."""
+        self._waits = False
         if self._handle is not None:
             deadlines.cancel(self._handle)
             self._handle = None
@@ -327,9 +348,13 @@ class Watch:
                 guard.then.append(self._decode_late)
             else:
                 self.decoding = DecodeWatch(self, decode, self.attempt.backend, now, events)
-        handle = self._handle
         cut = self._cut
         stall = self.stall
+        if self._waits:
+            if (stall <= 0 or stall > WATCH_AFTER) and cut - now > WATCH_AFTER:
+                return  # nothing falls due before the timer begin() left is armed
+            self._waits = False  # a short window: timed from here, as below
+        handle = self._handle
         if cut < math.inf and not self._cut_passed and (stall <= 0 or cut < now + stall):
             # The reserve's point comes before the first stall window ends: a committed
             # stream that could be continued on the next tier is cut there (_expired).
