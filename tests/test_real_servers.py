@@ -113,25 +113,33 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], path: str) -> None:
     raise RuntimeError("the server did not become ready in 120 s")
 
 
-@contextlib.contextmanager
-def _running(cmd: list[str], url: str, ready: str) -> Iterator[subprocess.Popen[bytes]]:
+def _launch(cmd: list[str]) -> subprocess.Popen[bytes]:
     # The server stands in for a GPU, whose compute the gateway machine's load does not
     # touch: it runs at a high priority (``nice -n -15``; where that is not allowed, nice
     # says so and runs it as it is), so that "idle" still means idle when the machine is
     # loaded to several times its cores. Starved tests starve it with cpulimit instead.
     if NICE:
         cmd = [NICE, "-n", "-15", *cmd]  # (nice execs the server: the same pid)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def _running(cmd: list[str], url: str, ready: str) -> Iterator[subprocess.Popen[bytes]]:
+    proc = _launch(cmd)
     try:
         _wait_ready(url, proc, ready)
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +255,7 @@ class Gateway:
     def __init__(self, chain: list[Backend], **watchdog: Any) -> None:
         self.forwarder = Forwarder()
         self.watchdog = SaturationWatchdog(self.forwarder, **watchdog)
-        self.app = Failover(self.watchdog, routes=Routes({"echo": chain}))
+        self.app = self.recorder = Recorder(Failover(self.watchdog, routes=Routes({"echo": chain})))
 
     async def aclose(self) -> None:
         await self.forwarder.aclose()
@@ -285,7 +293,9 @@ async def test_max_in_flight_sends_the_second_caller_to_hosted_at_hosteds_own_sp
                 took, response = await first_token(client, url, chat("hi", 8))
         await gw.aclose()
     assert response.headers["x-tierchain-attempts"] == "tower;outcome=busy, hosted;outcome=ok"
-    assert took - direct < 0.1
+    # Busy is decided before anything is sent (the gateway's own recorded time for the
+    # tower): queued behind the other caller instead, it would have waited slow_after (30 s).
+    assert gw.recorder.requests[-1].attempts[0].elapsed < 3.0
     report("max_in_flight=1, second caller", hosted_direct=direct, through_gateway=took)
 
 
@@ -474,15 +484,23 @@ def end_starvation(server: Server) -> None:
         os.kill(server.pid, signal.SIGCONT)
 
 
+def starve(server: Server) -> subprocess.Popen[bytes]:
+    """The game starts: the server limited to STARVED_PERCENT of one CPU (its cpulimit,
+    returned), until :func:`end_starvation`."""
+    assert CPULIMIT
+    cmd = [CPULIMIT, "-l", str(STARVED_PERCENT), "-p", str(server.pid)]
+    limiter = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _LIMITERS[server.pid] = limiter
+    return limiter
+
+
 @pytest.fixture
 def starved_server(idle_server: Server) -> Iterator[Server]:
     """The server limited to STARVED_PERCENT of one CPU until the test ends (or calls
     :func:`end_starvation`)."""
     if not CPULIMIT:
         pytest.skip("cpulimit is not installed (apt-get install cpulimit; .ci/run does)")
-    cmd = [CPULIMIT, "-l", str(STARVED_PERCENT), "-p", str(idle_server.pid)]
-    limiter = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _LIMITERS[idle_server.pid] = limiter
+    limiter = starve(idle_server)
     try:
         time.sleep(0.2)  # attached
         assert limiter.poll() is None, f"cpulimit exited with {limiter.returncode}"
