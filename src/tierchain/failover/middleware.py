@@ -325,6 +325,7 @@ class Failover:
                 raise  # not the caller leaving: a budget, a shutdown
         finally:
             guard.close()
+            req.guard = None  # (it holds the receive of the layers outside: no cycle left)
             if span is not INVALID_SPAN:
                 span.end()
 
