@@ -31,6 +31,7 @@ from ._types import Scope, Send
 from .backend import Backend
 from .errors import AttemptError
 from .observer import Observer
+from .telemetry import AttemptMetrics, tracing_enabled
 
 __all__ = [
     "DEFAULT_SEND_TIMEOUT",
@@ -98,6 +99,8 @@ class Attempt:
     verdict: str | None = None
     retry: int = 0
     waited: bool = False
+    metrics: AttemptMetrics | None = field(default=None, repr=False, compare=False)
+    """Its labelled metric children, resolved once for its route and backend (Failover)."""
 
     def remaining(self) -> float | None:
         """Seconds left before the budget ends this attempt, or None without a budget."""
@@ -202,6 +205,7 @@ class TierRequest:
         "started",
         "state",
         "streaming",
+        "traced",
         "try_soonest",
         "wire",
     )
@@ -220,6 +224,9 @@ class TierRequest:
         self.reorderers: list[Reorder] = []
         self.state: StateEvent | None = None
         self.started = clock.now()
+        self.traced = tracing_enabled()
+        """Whether an OpenTelemetry SDK traces (read once, when the request begins): the
+        layers make their spans only then."""
         self._listeners: list[Listener] = []
         self.observer: Observer | None = None
         """The current attempt's response facts (set by Failover per attempt)."""

@@ -430,6 +430,41 @@ def labelled(metric: Any, *values: str) -> Any:
 _CHILDREN: dict[tuple[int, tuple[str, ...]], Any] = {}
 
 
+class AttemptMetrics:
+    """The labelled children an attempt at one backend on one route updates, resolved once
+    for the pair (:func:`attempt_metrics`) instead of one :func:`labelled` look-up each:
+    ``first_chunk`` (``tierchain_time_to_first_chunk_seconds``), ``first_token``
+    (``gen_ai_server_time_to_first_token``) and :meth:`attempts` by outcome."""
+
+    __slots__ = ("_attempts", "_pair", "first_chunk", "first_token")
+
+    def __init__(self, route: str, backend: str) -> None:
+        self._pair = (route, backend)
+        self.first_chunk = labelled(TIME_TO_FIRST_CHUNK, route, backend)
+        self.first_token = labelled(GEN_AI_TIME_TO_FIRST_TOKEN, route)
+        self._attempts: dict[str, Any] = {}
+
+    def attempts(self, outcome: str) -> Any:
+        """``tierchain_attempts_total``'s child for ``outcome``."""
+        child = self._attempts.get(outcome)
+        if child is None:
+            child = self._attempts[outcome] = labelled(ATTEMPTS, *self._pair, outcome)
+        return child
+
+
+def attempt_metrics(route: str, backend: str) -> AttemptMetrics:
+    """The :class:`AttemptMetrics` of ``backend`` on ``route``, made once for the pair (the
+    pairs are the routes and backends of the configuration, and the refused requests'
+    empty route: a bounded table, as :func:`labelled`'s)."""
+    metrics = _ATTEMPT_METRICS.get((route, backend))
+    if metrics is None:
+        metrics = _ATTEMPT_METRICS[route, backend] = AttemptMetrics(route, backend)
+    return metrics
+
+
+_ATTEMPT_METRICS: dict[tuple[str, str], AttemptMetrics] = {}
+
+
 def tracing_enabled() -> bool:
     """True once a tracer provider has been installed (by an OpenTelemetry SDK)."""
     # The API keeps the installed provider in a module global; reading it is far

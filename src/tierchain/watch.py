@@ -149,7 +149,7 @@ class Watch:
         self.cut = Interruption()
         self._handle: Deadline | None = None
         self._prober: asyncio.Task[None] | None = None
-        if reserve > 0 and tracing_enabled():
+        if reserve > 0 and (req.traced if req is not None else tracing_enabled()):
             trace.get_current_span().set_attribute("tierchain.reserve_s", round(reserve, 3))
 
     def begin(self) -> None:

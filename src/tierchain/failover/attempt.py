@@ -45,9 +45,7 @@ from ..request import (
 from ..telemetry import (
     ATTR_OUTCOME,
     ATTR_REGIME,
-    GEN_AI_TIME_TO_FIRST_TOKEN,
-    TIME_TO_FIRST_CHUNK,
-    labelled,
+    attempt_metrics,
     log_event,
 )
 from ..waiting import WaitingRoom
@@ -183,7 +181,9 @@ class Responder:
         self.observer = req.observer = Observer(
             attempt.started, stream_end=backend.stream_end, wire=backend.wire_format or req.wire
         )
-        self.span = attempt_span(attempt)
+        self.span = attempt_span(req, attempt)
+        if attempt.metrics is None:
+            attempt.metrics = attempt_metrics(attempt.route or "", backend.name)
         self.lease: Any = None  # an in-flight lease at the backend, while held
         self._send = send
         self._pass = send  # a committed stream's mid-stream chunks (see _commit)
@@ -524,10 +524,10 @@ class Responder:
         self.committed = True
         req.committed = True
         now = clock.now()
-        labelled(TIME_TO_FIRST_CHUNK, attempt.route or "", attempt.backend.name).observe(
-            now - attempt.started
-        )
-        labelled(GEN_AI_TIME_TO_FIRST_TOKEN, attempt.route or "").observe(now - attempt.started)
+        metrics = attempt.metrics
+        assert metrics is not None  # (resolved in __init__)
+        metrics.first_chunk.observe(now - attempt.started)
+        metrics.first_token.observe(now - attempt.started)
         # One pass over the headers: the gateway's own x-tierchain-* headers win (an
         # upstream's never reach the caller), and the content-length goes where the length
         # may change (a partial event dropped, an error event added, state lines put in

@@ -23,7 +23,6 @@ from ..telemetry import (
     ATTR_RETRY,
     ATTR_ROUTE,
     start_span,
-    tracing_enabled,
 )
 
 __all__ = ["attempt_span", "current", "own_abort"]
@@ -36,8 +35,8 @@ def current(span: Span) -> AbstractContextManager[object]:
     return use_span(span, record_exception=False, set_status_on_exception=False)
 
 
-def attempt_span(attempt: Attempt) -> Span:
-    if not tracing_enabled():
+def attempt_span(req: TierRequest, attempt: Attempt) -> Span:
+    if not req.traced:
         return INVALID_SPAN  # no SDK: not even the attributes are built
     backend = attempt.backend
     attrs: dict[str, str | int] = {

@@ -97,7 +97,6 @@ from ..telemetry import (
     ATTR_OUTCOME,
     ATTR_ROUTE,
     start_span,
-    tracing_enabled,
 )
 from ..waiting import WaitingRoom
 from ..wire import recognise
@@ -117,10 +116,10 @@ _SHAPED = 2 * _json.MAX_CONTAINERS  # bodies longer than this have their shape c
 _WAIT_POLL = 0.25  # how often the first in the waiting room looks again unwoken
 
 
-def _request_span(route: str) -> Span:
+def _request_span(req: TierRequest, route: str) -> Span:
     """The request's span (no SDK, the usual case: neither start_span's frame nor its
     attributes)."""
-    if not tracing_enabled():
+    if not req.traced:
         return INVALID_SPAN
     return start_span("tierchain.request", {ATTR_ROUTE: route, "gen_ai.request.model": route})
 
@@ -299,7 +298,7 @@ class Failover:
         plan = self._place(scope, req, route, chain, target.path)
         # The waiting room, then the chain attempt by attempt, then the final answer; the
         # caller watched for leaving and the request's span around it all.
-        span = _request_span(route)
+        span = _request_span(req, route)
         guard = DisconnectGuard(receive)
         guard.enter()  # (as ``async with guard``, without its two coroutines)
         req.interruption = Interruption.beside(guard.cut)  # the same task, the same baseline

@@ -38,9 +38,9 @@ from ..request import (
     TierRequest,
 )
 from ..telemetry import (
-    ATTEMPTS,
     BACKEND_BUSY,
     SAME_TIER_RETRIES,
+    attempt_metrics,
     labelled,
     log_event,
 )
@@ -251,7 +251,10 @@ def record(
             attempt.n, backend.name, outcome, elapsed, retry_after, detail, backend.pool
         )
     req.attempts.append(record)
-    labelled(ATTEMPTS, attempt.route or "", backend.name, outcome).inc()
+    metrics = attempt.metrics
+    if metrics is None:  # (an attempt never run: skipped, busy)
+        metrics = attempt.metrics = attempt_metrics(attempt.route or "", backend.name)
+    metrics.attempts(outcome).inc()
     # Every tier so far said "rate limited": Heartbeats holds its commit (a 429 to come).
     if outcome == "http_429" or (outcome == "skipped" and detail == answers.SAID_WHEN_SKIP):
         if len(req.attempts) == 1 or req.rate_limited is not None:
