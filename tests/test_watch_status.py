@@ -204,3 +204,24 @@ async def test_a_continuable_stream_that_ended_before_the_reserves_point_is_left
         watch.observer.end()
 
     assert await run(watch, stream, within=100.0) == (None, 101.0)
+
+
+@on_virtual_time
+async def test_a_probe_out_is_a_task_named_for_the_watchdog():
+    # (every task of the package is named tierchain-...: the suite finds leftovers so)
+    names: list[str] = []
+
+    async def look(watch: Watch) -> None:
+        await asyncio.sleep(wait)
+        assert watch._prober is not None
+        names.append(watch._prober.get_name())
+
+    wait = 10.5  # asked at the window's end
+    async with status_watch([HANGS]) as rig:
+        await run(rig.watch, look)
+    wait = 4.5  # asked at a held answer's expected prefill
+    async with status_watch([HANGS], prefill=4.0) as rig:
+        assert rig.watch.req is not None
+        rig.watch.req.streaming = False
+        await run(rig.watch, look)
+    assert names == ["tierchain-watchdog-probe"] * 2

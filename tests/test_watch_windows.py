@@ -109,14 +109,22 @@ async def test_the_watch_points_in_order():
 
 
 @on_virtual_time
-async def test_a_committed_stream_silent_for_its_stall_window_is_stalled():
+async def test_a_committed_stream_silent_for_its_stall_window_is_stalled(caplog):
     async def stream(watch: Watch) -> None:
         await asyncio.sleep(1.0)
         commit(watch)
         await asyncio.sleep(2.5)
         watch.observer.body(MORE)  # 3.5 s: the gap starts again
 
-    assert await run(watch_of(stall=3.0), stream) == ("stalled", pytest.approx(6.5))
+    with caplog.at_level(logging.WARNING, logger="tierchain"):
+        assert await run(watch_of(stall=3.0), stream) == ("stalled", pytest.approx(6.5))
+    (line,) = [r for r in caplog.records if getattr(r, "event", None) == "dispatch.backend_stalled"]
+    assert line.tierchain == {
+        "route": "echo",
+        "backend": "tower",
+        "idle_s": 3.0,
+        "stall_after_s": 3.0,
+    }
 
 
 @on_virtual_time
