@@ -287,13 +287,16 @@ class LearnedGap(Learned):
     min_samples: int = 10
     _gauge: ClassVar[Any] = LEARNED_STALL_AFTER
 
-    def window_for(self, backend: str, regime: str | None) -> tuple[float, bool]:
+    def window_for(
+        self, backend: str, regime: str | None, defaults: Cold | None = None
+    ) -> tuple[float, bool]:
         """The stall window of ``backend``, and whether it was learned: until then its
-        regime's cold default (:func:`cold`), at most ``maximum``."""
+        regime's cold default (:func:`cold`; ``defaults``: the caller's, already found),
+        at most ``maximum``."""
         window, learned = self._window(backend, BUCKETS[0])  # (a gap has no prompt size)
         if learned:
             return window, True
-        stall = cold(regime).stall
+        stall = (defaults or cold(regime)).stall
         return (stall if stall < window else window), False
 
 
@@ -406,14 +409,18 @@ class PromptRate:
         its timer can wait in a queue of equal delays instead of the heap."""
         return seconds == self.floor or seconds in _LEASTS
 
-    def limit(self, backend: str, regime: str | None, body: bytes | None) -> tuple[float, bool]:
-        """Seconds a first token may take for ``body`` at ``backend``, and whether learned."""
+    def limit(
+        self, backend: str, regime: str | None, body: bytes | None, defaults: Cold | None = None
+    ) -> tuple[float, bool]:
+        """Seconds a first token may take for ``body`` at ``backend``, and whether learned
+        (``defaults``: the regime's cold defaults, :func:`cold`, when the caller has them)."""
         known = self._rates.get(backend)
         tokens = prompt_tokens(body, known.bytes_per_token if known else BYTES_PER_TOKEN)
         if self.rate is not None:
             return max(self.floor, self.margin * tokens / self.rate), False
         if known is None or known.rate.n < self.min_samples:
-            defaults = cold(regime)
+            if defaults is None:
+                defaults = cold(regime)
             least = defaults.first_token
             overhead = 0.0
             if known is not None and known.overhead.n >= self.min_samples:

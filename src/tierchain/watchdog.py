@@ -87,7 +87,7 @@ from ._checks import count, duration
 from ._connections import trust_store
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .allowance import Allowance
-from .learned import DecodeRate, Learned, LearnedGap, PromptRate, SharedNormals, cold
+from .learned import Cold, DecodeRate, Learned, LearnedGap, PromptRate, SharedNormals, cold
 from .probes import Reader, auto_reader, end_flights
 from .progress import check_room
 from .request import UNROUTED_KEY, Attempt, TierRequest
@@ -287,6 +287,7 @@ class SaturationWatchdog:
         self.store: NormalStore = store if isinstance(store, NormalStore) else MemoryStore()
         self.suspects = SuspectMarks(self.store, self.suspect_for)
         self.normals = self._shared_normals()
+        self._colds: dict[str | None, Cold] = {}  # per regime: cold(regime), found once
 
     def _shared_normals(self) -> SharedNormals | None:
         """The learned values kept in the store (None: nothing is learned)."""
@@ -475,12 +476,11 @@ class SaturationWatchdog:
     def _bounds(
         self, req: TierRequest | None, attempt: Attempt, body: bytes | None, last: bool
     ) -> tuple[float, float, float, bool]:
-        """The attempt's other bounds, its backend read once: the stall window, the reserve
-        and the prefill's limit (True: the backend's own ``first_token``).
-
-        The stall window: the backend's own ``stall_after``; else, where a later tier can
-        take over, its learned rhythm (until learned, its regime's cold default); the last
-        tier has nothing to move on to, and waits ``stall_after`` (the ceiling).
+        """The attempt's other bounds, its backend read once (its regime's cold defaults
+        found once a regime): the stall window, the reserve and the prefill's limit (True:
+        the backend's own ``first_token``). The stall window: the backend's own
+        ``stall_after``; else, where a later tier can take over, its learned rhythm (until
+        learned, the cold default); the last tier waits ``stall_after`` (the ceiling).
 
         The reserve, the time this attempt leaves for the later tiers (0: no deadline):
         ``reserve``, or with ``"auto"`` the next tier's learned window if longer; at most
@@ -488,15 +488,16 @@ class SaturationWatchdog:
 
         The prefill: the first token's time at the backend's normal prompt rate (with the
         margin), or the backend's own ``first_token`` limit, the smaller; not judged for an
-        answer that does not stream (its first bytes are the whole answer) from a backend
-        with no status URL to tell a prompt still read from an answer written. The last
-        tier has neither a reserve nor a prefill limit."""
+        answer that does not stream from a backend with no status URL to tell a prompt
+        still read from an answer written. The last tier has no reserve nor prefill limit."""
         backend = attempt.backend
+        regime = backend.regime
+        defaults = self._colds.get(regime) or self._colds.setdefault(regime, cold(regime))
         own_stall = backend.stall_after
         if own_stall is not None:
             stall: float = own_stall  # type: ignore[assignment]  # seconds once built
         elif self.learned_gap is not None and not last:
-            stall = self.learned_gap.window_for(backend.name, backend.regime)[0]
+            stall = self.learned_gap.window_for(backend.name, regime, defaults)[0]
         else:
             stall = self.stall_after
         if last or req is None:
@@ -514,7 +515,7 @@ class SaturationWatchdog:
         if req.streaming is False and not backend.status_url:
             return stall, reserve, math.inf, False
         rate = self.prompt_rate
-        prefill = rate.limit(backend.name, backend.regime, body)[0] if rate else math.inf
+        prefill = rate.limit(backend.name, regime, body, defaults)[0] if rate else math.inf
         own = backend.first_token
         if own is not None and own < prefill:  # type: ignore[operator]
             return stall, reserve, own, True  # type: ignore[return-value]  # seconds once built
