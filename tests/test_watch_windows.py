@@ -236,3 +236,38 @@ async def test_a_held_answer_failover_sent_on_is_answered_and_then_stalls():
         watch.first_data()
 
     assert await run(watch_of(stall=2.0), sent_on) == ("stalled", 10.0)
+
+
+def _timers(t0: float) -> list[float]:
+    """The loop's pending deadlines, as seconds after ``t0``."""
+    from tierchain._runtime import deadlines
+
+    return sorted(deadlines.due(d) - t0 for d in deadlines._TIMERS.get().pending.values())
+
+
+@on_virtual_time
+async def test_a_watch_keeps_one_timer_at_a_time_from_its_first_event():
+    seen: list[list[float]] = []
+
+    def first_event_at(at: float) -> Any:
+        async def stream(watch: Watch) -> None:
+            t0 = now()
+            await asyncio.sleep(at)
+            commit(watch)
+            seen.append(_timers(t0))
+
+        return stream
+
+    # the window's timer (10 s) gives way to the stall window's (1 + 3 s)
+    await run(watch_of(stall=3.0), first_event_at(1.0))
+    # the window's timer comes first: kept (no second timer at 10.1 s)
+    await run(watch_of(stall=0.5), first_event_at(9.6))
+    # the reserve's point (5 s) before the stall window's end (11 s): its timer is kept
+    watch = watch_of(stall=10.0, deadline=now() + 30.0, reserve=25.0)
+    assert watch.req is not None
+    watch.req.continuable = True
+    await run(watch, first_event_at(1.0))
+    # no stall window, no reserve: no timer at all
+    await run(watch_of(stall=0.0), first_event_at(1.0), within=1.0)
+    assert seen == [[4.0], [10.0], [5.0], []]
+    assert _timers(now()) == []  # and none left once the attempts ended
