@@ -16,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from tierchain import Backend, Failover, Forwarder, Heartbeats, Routes, TierRequest
+from tierchain._disconnect import WATCH_AFTER
 from tierchain._runtime import clock as runtime_clock
 from tierchain._runtime import deadlines
 from tierchain.heartbeats import KEEPALIVE_SLACK
@@ -954,6 +955,9 @@ async def test_a_stream_the_timer_wakes_just_before_its_commit_is_due_still_comm
     )
     await asyncio.sleep(0)
     timers = deadlines._TIMERS.get()
+    # The commit is timed once the request has lived its young phase (WATCH_AFTER).
+    busy_for(WATCH_AFTER + deadlines.EARLY)
+    timers._fire()
     (seq,) = timers.fifos[1.0].seqs
     stream = timers.pending[seq].callback.__self__  # the entry calls its stream's due()
     assert isinstance(stream, heartbeats._Stream)

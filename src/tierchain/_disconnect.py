@@ -14,6 +14,13 @@ timer per request, the guards of one event loop wait in a queue in the order
 they started, on the package's scheduler (:mod:`tierchain._runtime.deadlines`:
 a FIFO for this one delay), which starts the watchers of those that are still
 running ``WATCH_AFTER`` later.
+
+The layers outside Failover (Heartbeats, Budget) have per-request deadlines of their
+own, almost always due later than ``WATCH_AFTER``. The outermost of them starts the
+request's :class:`Young` phase (``TierRequest.young``): one deadline, ``WATCH_AFTER``
+after the request started, that arms each such layer's deadline (at the same time it
+would have had) only if the request lives that long; the guard joins it too when it
+would fall due then. A request answered sooner arms one deadline, not three.
 """
 
 from __future__ import annotations
@@ -23,11 +30,61 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from ._runtime import deadlines
+from ._runtime import clock, deadlines
 from ._runtime.interrupt import Interruption
 from ._types import Message, Receive
 
 WATCH_AFTER = 0.02
+
+
+class Young:
+    """A request's first ``WATCH_AFTER`` seconds: one deadline for the timers that only
+    a request living that long needs.
+
+    Started (and ended by :meth:`close` with the request) by the outermost layer that
+    has the request (Heartbeats, Budget; Failover's guard when there is neither). A
+    layer whose deadline falls due later than :attr:`ends` (plus the scheduler's
+    ``EARLY``) appends a call to :attr:`then` instead of arming it: each is called once
+    at :attr:`ends`, arms its own deadline at the very time it would have had, and
+    checks first that its own part of the request is not over. ``then`` is None once
+    the phase is over (or closed): a layer then arms its deadline itself.
+    """
+
+    __slots__ = ("ends", "entry", "then")
+
+    def __init__(self, started: float) -> None:
+        self.ends = started + WATCH_AFTER
+        self.then: list[Callable[[], object]] | None = []
+        # (WATCH_AFTER recurs: the guards' own FIFO holds it.)
+        self.entry: deadlines.Deadline | None = deadlines.schedule_at(
+            self.ends, self._over, lane=WATCH_AFTER
+        )
+
+    def later(self, due: float, call: Callable[[], object]) -> bool:
+        """For a deadline at ``due``: True when it waits for the phase's end (``call``
+        then arms it, if the request is still there); False when it is due before (within
+        the scheduler's ``EARLY``) or the phase is over: the caller arms it now."""
+        then = self.then
+        if then is None or due <= self.ends + deadlines.EARLY:
+            return False
+        then.append(call)
+        return True
+
+    def _over(self) -> None:
+        self.entry = None
+        then, self.then = self.then, None
+        if then:
+            for call in then:
+                call()
+
+    def close(self) -> None:
+        """The request is over: nothing waits any more (the calls refer back to the
+        request's objects: no cycle is left)."""
+        self.then = None
+        entry = self.entry
+        if entry is not None:
+            self.entry = None
+            deadlines.cancel(entry)
 
 
 class DisconnectGuard:
@@ -77,11 +134,20 @@ class DisconnectGuard:
         self.enter()
         return self
 
-    def enter(self) -> None:
-        """Start guarding the running task (what ``async with`` does on entry)."""
+    def enter(self, phase: Young | None = None) -> None:
+        """Start guarding the running task (what ``async with`` does on entry).
+
+        ``phase``: the request's :class:`Young` phase, if a layer outside started one:
+        joined when its end is this guard's own ``WATCH_AFTER`` (within the scheduler's
+        ``EARLY``: no body read took time between), instead of a deadline of its own."""
         self.cut.arm()
-        self._queued = deadlines.schedule(WATCH_AFTER, self.due_now)
         self.young = True
+        if phase is not None:
+            then = phase.then
+            if then is not None and clock.now() + WATCH_AFTER <= phase.ends + deadlines.EARLY:
+                then.append(self.due_now)
+                return
+        self._queued = deadlines.schedule(WATCH_AFTER, self.due_now)
 
     @property
     def task(self) -> asyncio.Task[Any] | None:
@@ -90,6 +156,8 @@ class DisconnectGuard:
 
     def due_now(self) -> None:
         """The request has run ``WATCH_AFTER`` seconds: watch it, and call :attr:`then`."""
+        if not self.young:
+            return  # closed before (a phase it joined outlives it)
         self._queued = None
         self.young = False
         self.start_watching()
@@ -140,11 +208,12 @@ class DisconnectGuard:
     def close(self) -> None:
         """Stop guarding: the response is over (what ``async with`` does on exit)."""
         self.done = True
-        queued = self._queued
-        if queued is not None:
-            self._queued = None
+        if self.young:
             self.young = False
-            deadlines.cancel(queued)
+            queued = self._queued
+            if queued is not None:
+                self._queued = None
+                deadlines.cancel(queued)
             if self.then:
                 self.then = []  # (they refer to attempts that refer to us: no cycle left)
         if self._watcher is not None:

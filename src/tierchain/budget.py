@@ -37,6 +37,7 @@ from datetime import timedelta
 from opentelemetry import trace
 
 from ._checks import duration
+from ._disconnect import Young
 from ._responses import send_final, send_json_error
 from ._runtime import clock, deadlines
 from ._runtime.interrupt import Interruption
@@ -139,7 +140,9 @@ class Budget:
             if cut.interrupted:
                 cut.swallowed()  # the app swallowed the cancellation and returned anyway
         finally:
+            spend.over = True
             deadlines.cancel(spend.timer)
+            req.end_young(spend.young)  # (the phase this layer started, if it did)
             req.body_pass = None  # (it holds this layer's send: no cycle outlives us)
 
 
@@ -149,7 +152,10 @@ class _Spend:
     Inside a Failover, the events that reach this layer are already whole and
     it only notes the start and the end. Alone in front of an event stream it
     keeps an observer of its own, so that it too passes on whole events only. Made,
-    it has set the request's deadline and timed it (``timer``).
+    it has set the request's deadline and timed it (``timer``), or, the deadline being
+    later than the request's :class:`~tierchain._disconnect.Young` phase, left that to
+    the phase's end (``timer`` None until then: a request answered sooner arms none).
+    ``young``: the phase this layer started (the outermost with the request), else None.
     """
 
     __slots__ = (
@@ -157,11 +163,15 @@ class _Spend:
         "_send",
         "budget",
         "cut",
+        "due",
         "finished",
+        "lane",
+        "over",
         "req",
         "seconds",
         "started",
         "timer",
+        "young",
     )
 
     budget: Budget
@@ -172,7 +182,11 @@ class _Spend:
     _observer: Observer | None
     _send: Send
     cut: Interruption
-    timer: deadlines.Deadline
+    due: float
+    lane: float | None
+    over: bool
+    timer: deadlines.Deadline | None
+    young: Young | None
 
     def __init__(self, budget: Budget, seconds: float, req: TierRequest, send: Send) -> None:
         self.budget = budget
@@ -182,8 +196,10 @@ class _Spend:
         self.finished = False
         self._observer = None
         self._send = send
+        self.over = False
         delay = seconds
-        deadline = clock.now() + delay  # (timed from here)
+        now = clock.now()
+        deadline = now + delay  # (timed from here)
         fixed = delay == budget.default  # most requests: the same delay, a FIFO
         if req.deadline is not None and req.deadline < deadline:
             # An outer budget: the earlier deadline wins.
@@ -194,7 +210,15 @@ class _Spend:
         cut = self.cut = Interruption()
         cut.arm()
         # At the deadline itself (no second clock reading); a fixed delay's FIFO holds it.
-        self.timer = deadlines.schedule_at(deadline, self._fire, lane=delay if fixed else None)
+        self.due = deadline
+        self.lane = delay if fixed else None
+        self.timer = None
+        self.young = req.after_young(now, deadline, self._arm)
+
+    def _arm(self) -> None:
+        """Time the deadline (at once, or at the phase's end if the request is still here)."""
+        if not self.over and self.timer is None:
+            self.timer = deadlines.schedule_at(self.due, self._fire, lane=self.lane)
 
     def send(self, message: Message) -> Awaitable[None]:
         """Note what passes and pass it on: the inner send's own awaitable, no frame of ours."""

@@ -1,29 +1,28 @@
 """Heartbeats: tell a streaming caller what the gateway is doing while it waits.
 
-Queued, retrying, prefilling, generating and hung all look the same to a
-streaming caller that only sees silence. Heartbeats turns the request's state
-events (``TierRequest.emit``) into SSE comment lines, one JSON object each::
+Queued, retrying, prefilling, generating and hung all look the same to a streaming caller
+that only sees silence. Heartbeats turns the request's state events (``TierRequest.emit``)
+into SSE comment lines, one JSON object each::
 
     : {"state":"attempt","n":1,"of":2,"backend":"tower","regime":"local"}
 
-and, while nothing else is sent, repeats the current state line every
-``interval`` seconds as a keepalive. Streaming requests only (``Accept:
-text/event-stream``, or a JSON body with ``"stream": true``); every other
-request, and every request in a wire format without comments (Ollama's NDJSON),
-passes through byte for byte.
+and, while nothing else is sent, repeats the current state line every ``interval`` seconds
+as a keepalive. Streaming requests only (``Accept: text/event-stream``, or a JSON body with
+``"stream": true``); every other request, and every request in a wire format without
+comments (Ollama's NDJSON), passes through byte for byte.
 
-The commit rule: an answer within ``commit_after`` seconds keeps its real status
-and headers; only a streaming request that had nothing to read for that long is
-committed by Heartbeats itself (``200 text/event-stream``), after which a late
-error becomes one error event in the request's wire format
-(``WireFormat.error_bytes``, :mod:`tierchain.formats`). Lines go in only at event boundaries, never
-after a CR an LF may complete, never as a blank line of their own.
+The commit rule: an answer within ``commit_after`` seconds keeps its real status and
+headers; only a streaming request that had nothing to read for that long is committed by
+Heartbeats itself (``200 text/event-stream``), after which a late error becomes one error
+event in the request's wire format (``WireFormat.error_bytes``, :mod:`tierchain.formats`).
+Lines go in only at event boundaries, never after a CR an LF may complete, never as a blank
+line of their own.
 
-No stream has a task or a timer of its own while it waits: its next commit or
-keepalive is an entry on the package's scheduler, which writes the line at once in
-the request's context; a write that has to wait becomes a short task
-(``tierchain-heartbeats``) the request owns. Its writes go through one lock (as
-sse-starlette's ``_ping``). docs/heartbeats.md has the whole contract.
+No stream has a task or a timer of its own while it waits: its next commit or keepalive is
+an entry on the package's scheduler, which writes the line at once in the request's
+context; a write that has to wait becomes a short task (``tierchain-heartbeats``) the
+request owns. Its writes go through one lock (as sse-starlette's ``_ping``).
+docs/heartbeats.md has the whole contract.
 """
 
 from __future__ import annotations
@@ -126,10 +125,8 @@ class Heartbeats:
         # How early a keepalive may go, to share a wake (never less than the scheduler's
         # tolerance: EARLY, which every other due time here is judged with).
         self.slack = max(EARLY, self.interval * KEEPALIVE_SLACK)
-        # When a stream's commit or first keepalive could first fall due.
-        self.first_due = (
-            min(self.commit_after, self.interval) if self.interval > 0 else self.commit_after
-        )
+        # When a stream's commit or first keepalive could first fall due (interval 0: none).
+        self.first_due = min(self.commit_after, self.interval or self.commit_after)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -139,12 +136,10 @@ class Heartbeats:
             return await self.app(scope, receive, send)
         # The stream's life, in this frame (a waiting stream holds one frame less).
         stream = _Stream(self, scope, receive, send, accept)
-        # It listens for state events and takes its place in the keepalive timer.
-        # Nothing is timed for a request that is over before anything could be due:
-        # the stream goes live when the commit (or the first keepalive) could fall due.
-        stream.req.listen(stream.on_event)
-        first_due = self.first_due
-        stream.entry = deadlines.schedule_at(stream.started + first_due, stream.due, lane=first_due)
+        # It listens for state events; it goes live when its commit (or first keepalive)
+        # falls due, timed only if the request outlives its young phase (most do not).
+        (req := stream.req).listen(stream.on_event)
+        young = req.after_young(stream.started, stream.started + self.first_due, stream.arm)
         try:
             await self.app(scope, stream.receive, stream.send)
         except asyncio.CancelledError:
@@ -159,6 +154,7 @@ class Heartbeats:
                 await stream.finish()
         finally:
             writer = stream.close()
+            req.end_young(young)
             if writer is not None:
                 await asyncio.wait([writer])
 
@@ -279,6 +275,12 @@ class _Stream:
             return True
         self.flight = None
         return False
+
+    def arm(self) -> None:
+        """Time its commit or first keepalive (now, or when the young phase ends)."""
+        if self.entry is None and not self.gone and not self.live:
+            first_due = self.hb.first_due
+            self.entry = deadlines.schedule_at(self.started + first_due, self.due, lane=first_due)
 
     def go_live(self) -> None:
         self.live = True

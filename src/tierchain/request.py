@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._disconnect import DisconnectGuard
+from ._disconnect import DisconnectGuard, Young
 from ._runtime import clock
 from ._runtime.interrupt import Interruption
 from ._types import Scope, Send
@@ -208,6 +208,7 @@ class TierRequest:
         "traced",
         "try_soonest",
         "wire",
+        "young",
     )
 
     def __init__(self) -> None:
@@ -246,6 +247,11 @@ class TierRequest:
         self.guard: DisconnectGuard | None = None
         """Failover's disconnect guard, once entered: work that only a request living
         ``WATCH_AFTER`` seconds needs waits for it (:attr:`DisconnectGuard.then`)."""
+        self.young: Young | None = None
+        """The request's first ``WATCH_AFTER`` seconds (:class:`~tierchain._disconnect.Young`),
+        started and closed by the outermost layer that has the request (Heartbeats,
+        Budget): their deadlines, and the guard's, wait for its end. None: no such layer
+        runs, or the request is over."""
         self.interruption: Interruption | None = None
         """How :meth:`abort` (and Failover's send timeout) cancel the request's task: armed
         by Failover on entry, so that only their own cancellation is undone."""
@@ -351,6 +357,26 @@ class TierRequest:
                 return
             interruption = self.interruption = Interruption.on()
         interruption.interrupt(f"tierchain: {error.reason}")
+
+    def after_young(self, started: float, due: float, arm: Callable[[], object]) -> Young | None:
+        """A layer's deadline at ``due``, which ``arm`` arms (checking first that the
+        layer's part of the request is not over): armed now, or at the end of the
+        request's :attr:`young` phase when due later. Without a phase (the outermost
+        layer), one is started at ``started`` and returned: the caller gives it back to
+        :meth:`end_young` when the request ends."""
+        young = self.young
+        made = None
+        if young is None:
+            young = made = self.young = Young(started)
+        if not young.later(due, arm):
+            arm()
+        return made
+
+    def end_young(self, young: Young | None) -> None:
+        """The request is over for the layer that started ``young`` (None: it did not)."""
+        if young is not None:
+            young.close()
+            self.young = None
 
     def remaining(self) -> float | None:
         """Seconds left of the request's budget, or None when it has none."""

@@ -300,7 +300,7 @@ class Failover:
         # caller watched for leaving and the request's span around it all.
         span = _request_span(req, route)
         guard = DisconnectGuard(receive)
-        guard.enter()  # (as ``async with guard``, without its two coroutines)
+        guard.enter(req.young)  # (as ``async with guard``, without its two coroutines)
         req.interruption = Interruption.beside(guard.cut)  # the same task, the same baseline
         req.guard = guard
         try:
