@@ -69,6 +69,7 @@ async def test_an_attempt_whose_reserves_point_has_passed_is_busy_before_it_goes
     with pytest.raises(BackendBusy) as busy:
         watch.begin()
     assert busy.value.why == "reserve"
+    assert str(busy.value) == "no time left for backend 'tower' before the reserve"
     watch = watch_of(deadline=now() + 5.001, reserve=5.0)
     assert await cut_at(watch) == ("reserve", pytest.approx(0.001))
 
