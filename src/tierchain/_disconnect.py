@@ -44,10 +44,11 @@ class Young:
     Started (and ended by :meth:`close` with the request) by the outermost layer that
     has the request (Heartbeats, Budget; Failover's guard when there is neither). A
     layer whose deadline falls due later than :attr:`ends` (plus the scheduler's
-    ``EARLY``) appends a call to :attr:`then` instead of arming it: each is called once
-    at :attr:`ends`, arms its own deadline at the very time it would have had, and
-    checks first that its own part of the request is not over. ``then`` is None once
-    the phase is over (or closed): a layer then arms its deadline itself.
+    ``EARLY``) appends a call to :attr:`then` instead of arming it
+    (``TierRequest.after_young``): each is called once at :attr:`ends`, arms its own
+    deadline at the very time it would have had, and checks first that its own part of
+    the request is not over. ``then`` is None once the phase is over (or closed): a
+    layer then arms its deadline itself.
     """
 
     __slots__ = ("ends", "entry", "then")
@@ -59,16 +60,6 @@ class Young:
         self.entry: deadlines.Deadline | None = deadlines.schedule_at(
             self.ends, self._over, lane=WATCH_AFTER
         )
-
-    def later(self, due: float, call: Callable[[], object]) -> bool:
-        """For a deadline at ``due``: True when it waits for the phase's end (``call``
-        then arms it, if the request is still there); False when it is due before (within
-        the scheduler's ``EARLY``) or the phase is over: the caller arms it now."""
-        then = self.then
-        if then is None or due <= self.ends + deadlines.EARLY:
-            return False
-        then.append(call)
-        return True
 
     def _over(self) -> None:
         self.entry = None

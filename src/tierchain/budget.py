@@ -141,8 +141,10 @@ class Budget:
                 cut.swallowed()  # the app swallowed the cancellation and returned anyway
         finally:
             spend.over = True
-            deadlines.cancel(spend.timer)
-            req.end_young(spend.young)  # (the phase this layer started, if it did)
+            if spend.timer is not None:  # (None: a request over before the phase's end)
+                deadlines.cancel(spend.timer)
+            if spend.young is not None:  # the phase this layer started ends with it
+                req.end_young(spend.young)
             req.body_pass = None  # (it holds this layer's send: no cycle outlives us)
 
 

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 from ._disconnect import DisconnectGuard, Young
 from ._runtime import clock
+from ._runtime.deadlines import EARLY
 from ._runtime.interrupt import Interruption
 from ._types import Scope, Send
 from .backend import Backend
@@ -361,15 +362,21 @@ class TierRequest:
     def after_young(self, started: float, due: float, arm: Callable[[], object]) -> Young | None:
         """A layer's deadline at ``due``, which ``arm`` arms (checking first that the
         layer's part of the request is not over): armed now, or at the end of the
-        request's :attr:`young` phase when due later. Without a phase (the outermost
-        layer), one is started at ``started`` and returned: the caller gives it back to
-        :meth:`end_young` when the request ends."""
+        request's :attr:`young` phase when due later (the one rule of what may wait for
+        it; the guard joins it by its own, ``DisconnectGuard.enter``). Without a phase
+        (the outermost layer), one is started at ``started`` and returned: the caller
+        gives it back to :meth:`end_young` when the request ends."""
         young = self.young
         made = None
         if young is None:
             young = made = self.young = Young(started)
-        if not young.later(due, arm):
+        then = young.then
+        # (Within the scheduler's EARLY of the phase's end, it would be called at the same
+        # wake: armed now, so that it falls due at its own time.)
+        if then is None or due <= young.ends + EARLY:
             arm()
+        else:
+            then.append(arm)
         return made
 
     def end_young(self, young: Young | None) -> None:
