@@ -21,7 +21,7 @@ from tierchain import Backend
 from tierchain.watch import Watch
 
 from .support import Exchange, FakeBackend, now, on_virtual_time
-from .watch_rig import commit, keeper, run, watch_of
+from .watch_rig import commit, keeper, lane, run, watch_of
 
 WORKING = json.dumps({"active_generation_count": 1, "active_generations": []}).encode()
 IDLE = json.dumps({"active_generation_count": 0, "active_generations": []}).encode()
@@ -215,6 +215,7 @@ async def test_a_probe_out_is_a_task_named_for_the_watchdog():
         await asyncio.sleep(wait)
         assert watch._prober is not None
         names.append(watch._prober.get_name())
+        assert lane(watch) == "heap"  # the ceiling's timer while it is out: a one-off
 
     wait = 10.5  # asked at the window's end
     async with status_watch([HANGS]) as rig:

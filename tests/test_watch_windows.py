@@ -22,7 +22,7 @@ from tierchain.errors import BackendBusy
 from tierchain.watch import Watch
 
 from .support import now, on_virtual_time
-from .watch_rig import MORE, commit, cut_at, keeper, run, watch_of
+from .watch_rig import MORE, commit, cut_at, keeper, lane, run, watch_of
 
 
 @on_virtual_time
@@ -274,45 +274,33 @@ async def test_a_watch_keeps_one_timer_at_a_time_from_its_first_event():
     assert _timers(now()) == []  # and none left once the attempts ended
 
 
-def _lane(watch: Watch) -> float | str | None:
-    """Where the watch's timer waits: the FIFO lane of its delay (a delay that recurs), or
-    the heap (a one-off)."""
-    from tierchain._runtime import deadlines
-
-    timers = deadlines._TIMERS.get()
-    if watch._handle is None:
-        return None
-    seq = watch._handle.seq
-    if any(s == seq for _, s in timers.heap):
-        return "heap"
-    return next((d for d, fifo in timers.fifos.items() if seq in fifo.seqs), None)
-
-
 @on_virtual_time
 async def test_a_recurring_delay_waits_in_its_lane_and_a_one_off_point_in_the_heap():
     # (a lane is a queue of equal delays: no heap push for the delays most attempts share)
     lanes: list[float | str | None] = []
 
     async def look(watch: Watch) -> None:
-        lanes.append(_lane(watch))
+        lanes.append(lane(watch))
 
     await run(watch_of(), look, within=0.0)  # a configured window: 10 s
     await run(watch_of(window=0.0, ceiling=45.0), look, within=0.0)  # the ceiling
     await run(watch_of(deadline=now() + 30.0, reserve=25.0), look, within=0.0)  # a point
     await run(watch_of(prefill=4.0, first_token=True), look, within=0.0)  # the backend's own
     await run(watch_of(prefill=4.0), look, within=0.0)  # this prompt's expected prefill
+    rated = keeper(prompt_rate=100.0)  # its floor (2 s), the limit of most short prompts
+    await run(watch_of(prefill=2.0, watchdog=rated), look, within=0.0)
 
     async def stream(watch: Watch) -> None:
         assert watch.req is not None
         commit(watch)
-        lanes.append(_lane(watch))  # the stall window: 3 s
+        lanes.append(lane(watch))  # the stall window: 3 s
         await asyncio.sleep(0.5)
         watch.observer.body(MORE)
         await asyncio.sleep(2.6)  # looked at 3 s: quiet only since 0.5 s
-        lanes.append(_lane(watch))  # the rest of the gap: a one-off
+        lanes.append(lane(watch))  # the rest of the gap: a one-off
         watch.req.caller_blocked_since = now()
         await asyncio.sleep(0.5)  # looked at 3.5 s: the caller is not reading
-        lanes.append(_lane(watch))  # one stall window later
+        lanes.append(lane(watch))  # one stall window later
 
     await run(watch_of(stall=3.0), stream, within=0.0)
-    assert lanes == [10.0, 45.0, "heap", 4.0, "heap", 3.0, "heap", 3.0]
+    assert lanes == [10.0, 45.0, "heap", 4.0, "heap", 2.0, 3.0, "heap", 3.0]

@@ -109,3 +109,17 @@ def commit(watch: Watch, data: bytes = FIRST) -> None:
     observer.body(data)
     req.committed = True
     watch.first_data()
+
+
+def lane(watch: Watch) -> float | str | None:
+    """Where the watch's timer waits: the FIFO lane of its delay (a delay that recurs), or
+    the heap (a one-off)."""
+    from tierchain._runtime import deadlines
+
+    timers = deadlines._TIMERS.get()
+    if watch._handle is None:
+        return None
+    seq = watch._handle.seq
+    if any(s == seq for _, s in timers.heap):
+        return "heap"
+    return next((d for d, fifo in timers.fifos.items() if seq in fifo.seqs), None)
