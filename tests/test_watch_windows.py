@@ -18,11 +18,12 @@ from typing import Any
 
 import pytest
 
+from tierchain import SaturationWatchdog
 from tierchain.errors import BackendBusy
 from tierchain.watch import Watch
 
 from .support import now, on_virtual_time
-from .watch_rig import MORE, commit, cut_at, keeper, lane, run, watch_of
+from .watch_rig import MORE, _nothing, commit, cut_at, keeper, lane, run, watch_of
 
 
 @on_virtual_time
@@ -287,6 +288,8 @@ async def test_a_recurring_delay_waits_in_its_lane_and_a_one_off_point_in_the_he
     await run(watch_of(deadline=now() + 30.0, reserve=25.0), look, within=0.0)  # a point
     await run(watch_of(prefill=4.0, first_token=True), look, within=0.0)  # the backend's own
     await run(watch_of(prefill=4.0), look, within=0.0)  # this prompt's expected prefill
+    computed = SaturationWatchdog(_nothing, slow_after=lambda body: 10.0, prompt_rate=0)
+    await run(watch_of(watchdog=computed), look, within=0.0)  # a window computed per request
     rated = keeper(prompt_rate=100.0)  # its floor (2 s), the limit of most short prompts
     await run(watch_of(prefill=2.0, watchdog=rated), look, within=0.0)
 
@@ -303,4 +306,4 @@ async def test_a_recurring_delay_waits_in_its_lane_and_a_one_off_point_in_the_he
         lanes.append(lane(watch))  # one stall window later
 
     await run(watch_of(stall=3.0), stream, within=0.0)
-    assert lanes == [10.0, 45.0, "heap", 4.0, "heap", 2.0, 3.0, "heap", 3.0]
+    assert lanes == [10.0, 45.0, "heap", 4.0, "heap", "heap", 2.0, 3.0, "heap", 3.0]

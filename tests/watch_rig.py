@@ -75,7 +75,11 @@ async def run(
 ) -> tuple[str | None, float]:
     """Begin the watch in a task of its own, play ``steps`` (what the attempt gets, when),
     then wait ``within``: (why the watch fired, seconds after the start; None and the
-    whole time when it never fired)."""
+    whole time when it never fired). A timer callback that raised into the loop fails."""
+    loop = asyncio.get_running_loop()
+    raised: list[dict[str, Any]] = []
+    handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: raised.append(context))
     t0 = now()
 
     async def attempt() -> None:
@@ -93,6 +97,8 @@ async def run(
     ended = watch.end()
     if inspect.isawaitable(ended):
         await ended
+    loop.set_exception_handler(handler)
+    assert not raised, raised
     return watch.fired, took
 
 
