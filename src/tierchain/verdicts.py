@@ -31,7 +31,7 @@ async def verdict(watch: Watch, send: Send) -> None:
     """Our cancellation landed: say why, as an exception or (alone) an answer."""
     if watch.fired == "stalled":
         watch.suspect("stalled")
-        message = f"backend {watch.backend!r} sent no data event for {watch.stall:g}s"
+        message = f"{watch.who} sent no data event for {watch.stall:g}s"
         if watch.own and watch.attempt is None and watch.observer.framed:
             watch.observer.drop_pending()
             await send(
@@ -132,7 +132,7 @@ async def _saturated(watch: Watch, send: Send) -> None:
         learned.saturated(watch.backend, watch.req.body if watch.req else None, watch.learned)
     watch.suspect(reason)
     what = "no first chunk" if watch.observer.first_data_at is None else "no whole answer"
-    message = f"backend {backend!r} produced {what} in {waited:.1f}s ({reason})"
+    message = f"{watch.who} produced {what} in {waited:.1f}s ({reason})"
     if watch.attempt is not None:
         raise BackendSaturated(message, waited=waited, why=reason)
     # Alone (no Failover): only the ceiling ends an attempt; answer it ourselves.

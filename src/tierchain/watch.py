@@ -157,7 +157,7 @@ class Watch:
         from whichever point comes first, or raise BackendBusy when the reserve's point
         has already passed."""
         if self._cut <= self.start:  # a later tier of a long chain, after the earlier ones
-            why = f"no time left for backend {self.backend!r} before the reserve"
+            why = f"no time left for {self.who} before the reserve"
             raise BackendBusy(why, why="reserve")
         self.cut.arm()
         due = self._due()
@@ -214,6 +214,12 @@ class Watch:
     @property
     def backend(self) -> str | None:
         return self.attempt.backend.name if self.attempt is not None else None
+
+    @property
+    def who(self) -> str:
+        """This attempt's backend as a message names it: ``backend 'tower'``, or ``the
+        backend`` for a watchdog alone (no Failover named one)."""
+        return "the backend" if self.attempt is None else f"backend {self.attempt.backend.name!r}"
 
     @property
     def route(self) -> str:
@@ -311,7 +317,7 @@ class Watch:
             return
         self._log_stall(gap)
         req.attempt_error = StreamError(
-            f"backend {self.backend!r} sent no data event for {gap:.1f}s when the budget ended",
+            f"{self.who} sent no data event for {gap:.1f}s when the budget ended",
             reason="stalled",
         )
         self.suspect("stalled")
