@@ -176,9 +176,8 @@ async def test_a_stream_whose_caller_never_reads_again_is_never_stalled():
 async def test_a_continuable_stream_whose_caller_is_not_reading_is_not_cut_at_the_reserves_point():
     # the reserve's point at 5 s passes while the caller is not reading (1 s to 6.5 s);
     # then only the stall window counts: quiet since 6.5 s, stalled at 8.5 s
-    watch = watch_of(stall=2.0, deadline=now() + 30.0, reserve=25.0)
+    watch = watch_of(stall=2.0, deadline=now() + 30.0, reserve=25.0, continuable=True)
     assert watch.req is not None
-    watch.req.continuable = True
 
     async def stream(watch: Watch) -> None:
         assert watch.req is not None
@@ -194,9 +193,8 @@ async def test_a_continuable_stream_whose_caller_is_not_reading_is_not_cut_at_th
 
 @on_virtual_time
 async def test_a_continuable_stream_that_ended_before_the_reserves_point_is_left_alone():
-    watch = watch_of(stall=2.0, deadline=now() + 30.0, reserve=25.0)
+    watch = watch_of(stall=2.0, deadline=now() + 30.0, reserve=25.0, continuable=True)
     assert watch.req is not None
-    watch.req.continuable = True
 
     async def stream(watch: Watch) -> None:
         commit(watch)

@@ -146,9 +146,8 @@ async def test_a_committed_stream_at_the_reserves_point_is_the_gateways_doing():
 
     from .support import now
 
-    watch = watch_of(deadline=now() + 30.0, reserve=25.0)
+    watch = watch_of(deadline=now() + 30.0, reserve=25.0, continuable=True)
     assert watch.req is not None
-    watch.req.continuable = True
 
     async def stream(watch: Any) -> None:
         await asyncio.sleep(1.0)
@@ -405,10 +404,11 @@ async def test_a_stream_under_a_decode_watch_cut_at_the_reserves_point_is_not_st
 
     from .support import now
 
-    watch = watch_of(deadline=now() + 30.0, reserve=25.0, watchdog=keeper(decode_rate=50.0))
+    watch = watch_of(
+        deadline=now() + 30.0, reserve=25.0, watchdog=keeper(decode_rate=50.0), continuable=True
+    )
     assert watch.req is not None
     assert watch.attempt is not None
-    watch.req.continuable = True
 
     async def stream(watch: Any) -> None:
         await asyncio.sleep(1.0)

@@ -166,9 +166,8 @@ async def test_a_stall_window_under_a_second_is_timed_from_the_last_event():
 
 @on_virtual_time
 async def test_a_continuable_stream_is_cut_at_the_reserves_point_before_its_stall_window():
-    watch = watch_of(stall=2.0, deadline=now() + 30.0, reserve=25.0)
+    watch = watch_of(stall=2.0, deadline=now() + 30.0, reserve=25.0, continuable=True)
     assert watch.req is not None
-    watch.req.continuable = True
 
     async def stream(watch: Watch) -> None:
         commit(watch)
@@ -203,13 +202,11 @@ async def test_a_stream_with_a_later_tier_is_judged_for_its_decode_rate_from_its
             await asyncio.sleep(1.0)
             watch.observer.body(MORE)
 
-    watch = watch_of(watchdog=keeper(decode_rate=50.0))
+    watch = watch_of(watchdog=keeper(decode_rate=50.0), continuable=True)
     assert watch.req is not None
-    watch.req.continuable = True
     assert await run(watch, crawling) == ("slow_decode", 5.0)
-    last = watch_of(last=True, watchdog=keeper(decode_rate=50.0))
+    last = watch_of(last=True, watchdog=keeper(decode_rate=50.0), continuable=True)
     assert last.req is not None
-    last.req.continuable = True
     assert await run(last, crawling, within=0.0) == (None, 11.0)  # the last tier: never
 
 
@@ -265,9 +262,8 @@ async def test_a_watch_keeps_one_timer_at_a_time_from_its_first_event():
     # the window's timer comes first: kept (no second timer at 10.1 s)
     await run(watch_of(stall=0.5), first_event_at(9.6))
     # the reserve's point (5 s) before the stall window's end (11 s): its timer is kept
-    watch = watch_of(stall=10.0, deadline=now() + 30.0, reserve=25.0)
+    watch = watch_of(stall=10.0, deadline=now() + 30.0, reserve=25.0, continuable=True)
     assert watch.req is not None
-    watch.req.continuable = True
     await run(watch, first_event_at(1.0))
     # no stall window, no reserve: no timer at all
     await run(watch_of(stall=0.0), first_event_at(1.0), within=1.0)

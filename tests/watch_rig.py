@@ -46,13 +46,16 @@ def watch_of(
     lines: list[dict[str, Any]] | None = None,
     tier: Backend | None = None,
     watchdog: SaturationWatchdog | None = None,
+    continuable: bool = False,
     **options: Any,
 ) -> Watch:
     """The watch of attempt 1 of 2 (``last``: attempt 2 of 2) of a chain's request, its
     window 10 s and no stall window unless given; ``lines``: its state events;
-    ``tier``: the attempt's backend (the chain's first or, ``last``, second)."""
+    ``tier``: the attempt's backend (the chain's first or, ``last``, second);
+    ``continuable``: its request's answer may be finished by the next tier."""
     req = TierRequest()
     req.route = "echo"
+    req.continuable = continuable
     chain = (tier or TOWER, HOSTED) if not last else (TOWER, tier or HOSTED)
     req.chain = chain
     req.in_chain = True
