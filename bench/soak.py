@@ -188,8 +188,10 @@ def own_stats() -> dict[str, Any]:
             for sample in metric.samples:
                 if sample.name.endswith("_total") and sample.labels.get("to") == "open":
                     opened[sample.labels["backend"]] = sample.value
+    tasks = asyncio.all_tasks()
     return {
-        "tasks": len(asyncio.all_tasks()),
+        "tasks": len(tasks),
+        "task_names": sorted(task.get_name() for task in tasks),
         "fds": len(os.listdir("/proc/self/fd")),
         "rss": rss,
         "breaker_opened": opened,
@@ -394,8 +396,8 @@ async def soak(callers: int, seconds: float, seed: int = 1, settle: float = 8.0)
         "corrupted": tally.corrupted,
         "ttfd_p50_s": round(statistics.median(ttfd), 3) if ttfd else None,
         "ttfd_p99_s": round(ttfd[int(len(ttfd) * 0.99) - 1], 3) if ttfd else None,
-        "start": {k: start[k] for k in ("rss", "tasks", "fds")},
-        "end": {k: end[k] for k in ("rss", "tasks", "fds")},
+        "start": {k: start[k] for k in ("rss", "tasks", "fds", "task_names")},
+        "end": {k: end[k] for k in ("rss", "tasks", "fds", "task_names")},
         "breaker_opened": end["breaker_opened"],
         "faults": tower.picked,
         "samples": tally.samples,

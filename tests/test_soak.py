@@ -33,6 +33,6 @@ async def test_fifty_callers_through_a_randomly_failing_tower_lose_only_by_desig
     assert result["lost_should_not_have_been"] == 0, detail
     assert result["corrupted"] == 0, detail
     # Everything the load made has gone: tasks, and connections (idle ones after keep-alive).
-    assert result["end"]["tasks"] == result["start"]["tasks"]
+    assert result["end"]["tasks"] == result["start"]["tasks"], (result["start"], result["end"])
     assert result["end"]["fds"] == result["start"]["fds"]
     assert "hosted" not in result["breaker_opened"]
