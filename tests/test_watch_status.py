@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -79,6 +79,21 @@ async def status_watch(answers: list[bytes | None], **options: Any) -> AsyncIter
 
 
 # -- at the window's end: asked --------------------------------------------------------
+
+
+def not_reading(after: float, for_: float) -> Callable[[Watch], Awaitable[None]]:
+    """A committed stream whose caller stops reading ``after`` seconds in, for ``for_``."""
+
+    async def stream(watch: Watch) -> None:
+        assert watch.req is not None
+        commit(watch)
+        await asyncio.sleep(after)
+        watch.req.caller_blocked_since = now()
+        await asyncio.sleep(for_)
+        watch.req.caller_blocked_since = None
+        watch.req.caller_unblocked_at = now()
+
+    return stream
 
 
 @on_virtual_time
@@ -150,14 +165,7 @@ async def test_a_held_answers_expected_prefill_while_a_probe_is_out_asks_no_seco
 async def test_a_stream_whose_caller_is_not_reading_is_looked_at_again_a_stall_window_later():
     # stall window 3 s; the caller stops reading at 1 s and takes our send back at 4 s:
     # looked at 3 s (the caller's time), again at 6 s (quiet since 4 s), stalled at 7 s
-    async def stream(watch: Watch) -> None:
-        assert watch.req is not None
-        commit(watch)
-        await asyncio.sleep(1.0)
-        watch.req.caller_blocked_since = now()
-        await asyncio.sleep(3.0)
-        watch.req.caller_blocked_since = None
-        watch.req.caller_unblocked_at = now()
+    stream = not_reading(1.0, 3.0)
 
     assert await run(watch_of(stall=3.0), stream) == ("stalled", 7.0)
 
@@ -179,14 +187,7 @@ async def test_a_continuable_stream_whose_caller_is_not_reading_is_not_cut_at_th
     watch = watch_of(stall=2.0, deadline=now() + 30.0, reserve=25.0, continuable=True)
     assert watch.req is not None
 
-    async def stream(watch: Watch) -> None:
-        assert watch.req is not None
-        commit(watch)
-        await asyncio.sleep(1.0)
-        watch.req.caller_blocked_since = now()
-        await asyncio.sleep(5.5)
-        watch.req.caller_blocked_since = None
-        watch.req.caller_unblocked_at = now()
+    stream = not_reading(1.0, 5.5)
 
     assert await run(watch, stream) == ("stalled", 8.5)
 
