@@ -225,6 +225,16 @@ def busy_for(seconds: float) -> None:
     virtual.advance(seconds)
 
 
+async def until(check: Callable[[], Awaitable[bool]], what: str, limit: float = 30.0) -> None:
+    """Wait (polling) until ``check()`` is true; fail after ``limit`` seconds: for what another
+    process sees when it gets to it (a closed socket in ``redis-server``'s client list)."""
+    give_up = now() + limit
+    while not await check():
+        if now() > give_up:
+            raise AssertionError(f"still not {what} after {limit}s")
+        await asyncio.sleep(0.02)
+
+
 async def fresh_post(url: str, **kwargs: Any) -> httpx.Response:
     """POST on a connection of its own, for a request whose duration is asserted on the
     virtual clock: no state of an earlier request's connection (a keep-alive close racing

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -46,10 +46,10 @@ from .support import (
     chat_request,
     chat_scope,
     chunk_event,
-    now,
     on_virtual_time,
     openai_stream,
     serve,
+    until,
 )
 
 CALLERS = 5
@@ -69,15 +69,6 @@ async def floods(ex: Exchange, *, after: float = 0.0) -> None:
     for event in openai_stream(["end"]):
         await ex.write(event)
     await ex.end()
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, limit: float = 30.0) -> None:
-    """Wait (polling) until ``check()`` is true; fail after ``limit`` seconds."""
-    give_up = now() + limit
-    while not await check():
-        if now() > give_up:
-            pytest.fail(f"still not {what} after {limit}s")
-        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager
