@@ -281,9 +281,9 @@ class TierRequest:
         self.body_pass: tuple[Send, Send] | None = None
         """A layer outside Failover whose ``send`` passes a mid-stream body chunk on
         untouched (Budget inside a chain): ``(that send, the send it passes to)``. Failover
-        hands such chunks to the second when the send it holds is the first, a call less a
-        chunk; the start and the last chunk still go through the layer. The layer sets it
-        back to None when its request ends."""
+        hands such chunks (a going stream's first too) to the second when the send it holds
+        is the first, a call less a chunk; the start and the last chunk still go through
+        the layer. The layer sets it back to None when its request ends."""
         self.rate_limited: Attempt | None = None
         """While every attempt recorded so far was refused with 429 or skipped for a
         backend's own ``Retry-After`` (Failover's records), the last of them; None

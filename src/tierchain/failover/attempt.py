@@ -573,7 +573,8 @@ class Responder:
         self._watch_caller()
         # The start and the first chunk, as two of _to_caller's sends in one block: the
         # caller's marks are the same (out from each send's start, back after the last).
-        # (The clock read above: the same step.)
+        # (The clock read above: the same step.) The first chunk of a stream that goes on
+        # is a mid-stream chunk: it goes the way the ones after it go (``_pass``).
         req.caller_blocked_since = now
         send = self._send
         try:
@@ -584,7 +585,8 @@ class Responder:
             if not more_body:
                 self._guard.done = True
             req.caller_unblocked_at = req.caller_blocked_since = clock.now()
-            await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+            first = self._pass if more_body else send
+            await first({"type": "http.response.body", "body": chunk, "more_body": more_body})
         except asyncio.CancelledError:
             self._stalled()
             raise
