@@ -72,6 +72,15 @@ def _free_port() -> int:
         return port
 
 
+def _listening() -> socket.socket:
+    """A socket bound to a free loopback port and listening, handed to the process that
+    serves on it: no other process can take its port between the pick and the bind."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
 # -- the fake replicas ---------------------------------------------------------------
 
 
@@ -145,22 +154,17 @@ class Replica:
             self.cache.popitem(last=False)
 
 
-def _replicas(ports: list[int], cache: int) -> None:
+def _replicas(socks: list[socket.socket], cache: int) -> None:
     import uvicorn
 
     async def main() -> None:
-        servers = []
-        for i, port in enumerate(ports):
+        serving = []
+        for i, sock in enumerate(socks):
             config = uvicorn.Config(
-                Replica(f"r{i}", cache),
-                host="127.0.0.1",
-                port=port,
-                log_level="error",
-                access_log=False,
-                lifespan="off",
+                Replica(f"r{i}", cache), log_level="error", access_log=False, lifespan="off"
             )
-            servers.append(uvicorn.Server(config))
-        await asyncio.gather(*(s.serve() for s in servers))
+            serving.append(uvicorn.Server(config).serve(sockets=[sock]))
+        await asyncio.gather(*serving)
 
     asyncio.run(main())
 
@@ -168,7 +172,7 @@ def _replicas(ports: list[int], cache: int) -> None:
 # -- the gateways ----------------------------------------------------------------
 
 
-def _gateway(port: int, replica_ports: list[int], store_url: str | None) -> None:
+def _gateway(sock: socket.socket, replica_ports: list[int], store_url: str | None) -> None:
     import uvicorn
 
     from tierchain import Backend, Failover, Forwarder, MemoryStore, Pool, RedisStore, Routes
@@ -181,9 +185,8 @@ def _gateway(port: int, replica_ports: list[int], store_url: str | None) -> None
         chains[backend.name] = [backend]
     store = RedisStore(store_url) if store_url else MemoryStore()
     app = Failover(Forwarder(), routes=Routes(chains), store=store)
-    uvicorn.run(
-        app, host="127.0.0.1", port=port, log_level="error", access_log=False, lifespan="off"
-    )
+    config = uvicorn.Config(app, log_level="error", access_log=False, lifespan="off")
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 # -- the callers -------------------------------------------------------------------
@@ -255,13 +258,26 @@ def _start_redis() -> tuple[subprocess.Popen[bytes] | None, str | None]:
     )
     if binary is None:
         return None, None
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    return proc, f"redis://127.0.0.1:{port}/0"
+    for _ in range(5):  # its port taken meanwhile (by another process's connection): another
+        port = _free_port()
+        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        proc = subprocess.Popen(
+            [*cmd, "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(400):  # up within 20 s, or exited (its port was taken)
+            if proc.poll() is not None:
+                break
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except OSError:
+                time.sleep(0.05)
+                continue
+            return proc, f"redis://127.0.0.1:{port}/0"
+        proc.kill()
+        proc.wait()
+    raise RuntimeError("redis-server did not start on a free port in five tries")
 
 
 def _one_run(
@@ -274,15 +290,19 @@ def _one_run(
     parallel: int,
     cache: int,
 ) -> list[tuple[int, float, bool, str]]:
-    replica_ports = [_free_port() for _ in range(n)]
-    procs = [ctx.Process(target=_replicas, args=(replica_ports, cache), daemon=True)]
-    gateway_ports = [_free_port() for _ in range(2 if store_url else 1)]
+    replica_socks = [_listening() for _ in range(n)]
+    replica_ports = [sock.getsockname()[1] for sock in replica_socks]
+    gateway_socks = [_listening() for _ in range(2 if store_url else 1)]
+    gateway_ports = [sock.getsockname()[1] for sock in gateway_socks]
+    procs = [ctx.Process(target=_replicas, args=(replica_socks, cache), daemon=True)]
     procs += [
-        ctx.Process(target=_gateway, args=(p, replica_ports, store_url), daemon=True)
-        for p in gateway_ports
+        ctx.Process(target=_gateway, args=(sock, replica_ports, store_url), daemon=True)
+        for sock in gateway_socks
     ]
     for p in procs:
         p.start()
+    for sock in [*replica_socks, *gateway_socks]:
+        sock.close()  # each child has its own copy now
     try:
         for port in [*replica_ports, *gateway_ports]:
             asyncio.run(wait_up(port))
@@ -299,8 +319,6 @@ def run(sizes: list[int], conversations: int, turns: int, parallel: int, cache: 
     redis, store_url = _start_redis()
     ctx = multiprocessing.get_context("spawn")
     try:
-        if redis is not None:
-            asyncio.run(wait_up(int(store_url.rsplit(":", 1)[1].split("/")[0])))  # type: ignore[union-attr]
         where = (
             "two gateway processes sharing one Redis"
             if store_url

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -97,10 +95,8 @@ def test_the_waiting_streams_benchmark_measures_a_bare_proxy_that_only_sends_kee
     assert counts == [20, 0, 20, 0], out
 
 
-# Alone: the script picks free ports for its four processes and binds them later; a second
-# worker's servers and connections can take one in between (seen: "All connection attempts
-# failed" under two workers).
-@pytest.mark.alone
+# Beside other tests: the script binds its servers' sockets before it starts them (a
+# redis-server it starts tries another port when another process took its own meanwhile).
 def test_the_pools_benchmark_compares_the_picker_with_round_robin_and_random():
     out = run(str(BENCH / "pools.py"), "--quick")
     rows = re.findall(
