@@ -592,15 +592,14 @@ class _Stream:
             if not more:
                 self.phase = _DONE
             return message
-        out = b""
+        out = chunk
         if chunk:
+            last, self.last = self.last, chunk
             # After a CR, an LF would complete that line ending: not a boundary then.
-            if not (chunk[:1] == b"\n" and self.last[-1:] == b"\r"):
-                out = self._lines()
-            self.last = chunk
-        out += chunk
-        if more and self._pending and self._at_boundary():
-            out += self._lines()  # a state line or keepalive that waited for this boundary
+            if not (chunk[:1] == b"\n" and last[-1:] == b"\r"):
+                out = self._lines() + chunk  # everything owed: none is left for a boundary
+            elif more and self._at_boundary():  # (still owed: nothing was taken)
+                out += self._lines()  # a state line or keepalive that waited for this boundary
         if not more:
             self.phase = _DONE
         return {"type": "http.response.body", "body": out, "more_body": more}
