@@ -31,7 +31,7 @@ STAMP = VENV / ".tierchain-installed"
 
 
 def _ensure_venv() -> None:
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 (dev.py runs on the system Python)
         sys.exit(f"tierchain needs Python 3.11 or newer; this is {sys.version.split()[0]}")
     if not PY.exists():
         print(f"creating {VENV} ...", flush=True)
@@ -221,13 +221,14 @@ def mutate(target: str, python: str) -> int:
 
 
 def test(rest: list[str], env: dict[str, str]) -> int:
-    """The whole suite: the tests that may share the machine on two workers at once, then
-    those marked ``alone`` (they measure real time or load real servers) by themselves.
-    With arguments, pytest runs once with them."""
+    """The whole suite: the tests that may share the machine on three workers at once (on
+    two cores: many of them wait on sockets and real servers part of the time), then those
+    marked ``alone`` (they measure real time or load real servers) by themselves. With
+    arguments, pytest runs once with them."""
     pytest = [str(PY), "-m", "pytest"]
     if rest:
         return subprocess.call([*pytest, *rest], cwd=ROOT, env=env)
-    shared = subprocess.call([*pytest, "-n", "2", "-m", "not alone"], cwd=ROOT, env=env)
+    shared = subprocess.call([*pytest, "-n", "3", "-m", "not alone"], cwd=ROOT, env=env)
     alone = subprocess.call([*pytest, "-m", "alone"], cwd=ROOT, env=env)
     return shared or alone
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,33 @@ def test_every_mutation_target_names_a_module_and_tests_that_exist_and_the_page_
     # dev.py fills these two lines in its scratch copy: they must stay as they are.
     assert "\nonly_mutate = []\n" in pyproject
     assert "\npytest_add_cli_args_test_selection = []\n" in pyproject
+
+
+def test_the_suite_runs_as_the_page_says_first_part_on_its_workers_then_the_alone_tests():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tierchain_dev", ROOT / "dev.py")
+    assert spec is not None
+    assert spec.loader is not None
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    calls: list[list[str]] = []
+
+    def call(cmd: list[str], **_: object) -> int:
+        calls.append(cmd[3:])  # after the venv's python -m pytest
+        return 0
+
+    real = dev.subprocess.call
+    dev.subprocess.call = call
+    try:
+        assert dev.test([], {}) == 0
+    finally:
+        dev.subprocess.call = real
+    page = PAGE.read_text()
+    first = re.search(r"^\.venv/bin/python -m pytest (.+?)\s+# the first part$", page, re.M)
+    second = re.search(r"^\.venv/bin/python -m pytest (.+?)\s+# the second$", page, re.M)
+    assert first is not None
+    assert second is not None
+    assert calls == [shlex.split(first.group(1)), shlex.split(second.group(1))]
+    assert "every test not marked `alone` on three pytest-xdist workers" in page
+    assert first.group(1).startswith("-n 3 ")
