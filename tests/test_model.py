@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tierchain import Backend, Routes, current_attempt
-from tierchain.request import SCOPE_KEY, TierRequest
+from tierchain.request import SCOPE_KEY, AttemptRecord, ReplicaRecord, TierRequest
 
 
 def test_a_backend_name_outside_the_allowed_characters_is_refused_naming_it():
@@ -77,3 +77,17 @@ def test_state_events_reach_listeners_in_order_and_a_broken_listener_breaks_noth
     req.emit("backend_failed", backend="tower")
     assert [e["state"] for e in seen] == ["attempt", "generating"]
     assert req.state == {"state": "backend_failed", "backend": "tower"}
+
+
+def test_an_attempt_record_is_equal_to_and_hashes_as_one_with_the_same_fields():
+    # Not frozen (its construction's cost, docs/benchmarks.md), yet hashable by its fields.
+    first = AttemptRecord(1, "tower", "saturated", 0.5, retry_after=2.0)
+    again = AttemptRecord(1, "tower", "saturated", 0.5, retry_after=2.0)
+    assert first == again
+    assert hash(first) == hash(again)
+    assert len({first, again, AttemptRecord(2, "hosted", "ok", 0.1)}) == 2
+    replica = ReplicaRecord(1, "tower", "ok", 0.5, pool="gpus")
+    assert replica.pool == "gpus"
+    assert first.pool is None
+    assert replica != ReplicaRecord(1, "tower", "ok", 0.5, pool="other")
+    assert hash(replica) == hash(ReplicaRecord(1, "tower", "ok", 0.5, pool="gpus"))

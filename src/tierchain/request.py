@@ -137,14 +137,20 @@ def format_trail(records: list[AttemptRecord], extra: tuple[str, str] | None = N
     return ", ".join(parts).encode()
 
 
-@dataclass(slots=True, frozen=True)
+# Not ``frozen``: a frozen dataclass's ``__init__`` sets each field through
+# ``object.__setattr__`` (a slot wrapper called with a tuple of its arguments), about 7 k
+# instructions for the record every request makes (docs/benchmarks.md). A record is set up by
+# its own ``__init__`` and never assigned to after; ``unsafe_hash`` keeps it hashable, by the
+# same fields, as the frozen one was.
+@dataclass(slots=True, unsafe_hash=True)
 class AttemptRecord:
     """How one attempt ended, for the trail header, the error body and the demo.
 
     ``retry_after`` is when the backend (its ``Retry-After``) or its breaker said
     to come back, in seconds; ``detail`` is the backend's own message, if any;
     ``pool`` the pool the backend is a replica of (None: a backend on its own;
-    a replica's record is a :class:`ReplicaRecord`).
+    a replica's record is a :class:`ReplicaRecord`). Made once, when the attempt
+    ends, and not changed after.
     """
 
     n: int
@@ -156,7 +162,7 @@ class AttemptRecord:
     pool: ClassVar[str | None] = None
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class ReplicaRecord(AttemptRecord):
     """How one attempt at a pool's replica ended: an :class:`AttemptRecord` with its ``pool``
     (a record of its own, so that a backend alone pays nothing for the field)."""
