@@ -177,16 +177,6 @@ def llama_server_process() -> Iterator[Server]:
     model = _model()
     if not model:
         pytest.skip("no SmolLM2 gguf: set TIERCHAIN_SMOLLM2_GGUF (.ci/llama_server.sh fetches it)")
-    with _llama_server() as server:
-        yield server
-
-
-@contextlib.contextmanager
-def _llama_server() -> Iterator[Server]:
-    """A llama-server of our own, one slot, /metrics and /slots, stopped at the end."""
-    model = _model()
-    assert LLAMA_SERVER
-    assert model
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [LLAMA_SERVER, "-m", model, "--host", "127.0.0.1", "--port", str(port)]
@@ -760,149 +750,56 @@ async def idle_after(client: httpx.AsyncClient, url: str, since: float) -> float
         await asyncio.sleep(0.25)
 
 
-@dataclass
-class DocumentedRun:
-    """What one documented gateway did with a starved server: the three callers'
-    seconds to first data and their answers, when the tower served again and when the
-    server was idle (seconds from the starvation's end), the first three requests."""
-
-    times: list[float]
-    contents: list[bytes]
-    back: float | None
-    idle: float
-    requests: list[Any]
-
-
-async def _documented_run(
-    config: str, server: Server, tmp_path: Any, catching_up: asyncio.Lock
-) -> DocumentedRun:
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("config", DOCUMENTED)
+async def test_each_documented_gateway_reaches_hosted_in_seconds_past_a_starved_llama_server(
+    starved_server, config, tmp_path
+):
     async with FakeBackend("hosted", hosted_script()) as hosted:
-        gw = _documented_gateway(config, server, hosted.url, tmp_path)
+        gw = _documented_gateway(config, starved_server, hosted.url, tmp_path)
         body = chat(long_prompt(PROMPT_WORDS), 2)
-        times, contents = [], []
+        times = []
         async with (
             serve(gw.app if hasattr(gw, "watchdog") else gw, lifespan="auto") as url,
             httpx.AsyncClient(timeout=240) as client,
         ):
             for _ in range(3):
                 took, content = await first_data(client, url, body)
+                assert b'"hosted"' in content  # hosted's answer (its second delta)
                 times.append(took)
-                contents.append(content)
             # The game ends: the tower serves again within 15 s, found by the gateway
             # (its status, or its own one-token check), a short caller every second.
             # The server first finishes the prompt batches of the requests we cut (on this
             # machine 10 to 25 s): timed apart, from when its one slot is idle.
-            # (Held from the starvation's end until the server is idle: two servers never
-            # catch up at once.)
-            await catching_up.acquire()
-            held = [True]
-
-            def release(_: object = None) -> None:
-                if held:
-                    held.clear()
-                    catching_up.release()
-
+            end_starvation(starved_server)
+            freed = time.monotonic()
+            idle_task = asyncio.create_task(idle_after(client, starved_server.url, freed))
+            back = None
+            asked: list[float] = []  # when each short caller asked, from the starvation's end
             # (A new connection each: a kept-alive one may be closed by uvicorn meanwhile.)
             fresh = httpx.AsyncClient(timeout=240, limits=httpx.Limits(max_keepalive_connections=0))
-            idle_task = None
-            try:
-                end_starvation(server)
-                freed = time.monotonic()
-                idle_task = asyncio.create_task(idle_after(client, server.url, freed))
-                idle_task.add_done_callback(release)
-                back = None
-                while back is None and time.monotonic() - freed < 90:
-                    _, content = await first_data(fresh, url, chat("Say hi.", 2))
-                    if b'"hosted"' not in content:
-                        back = time.monotonic() - freed
-                    else:
-                        await asyncio.sleep(1.0)
-                idle = await idle_task
-            finally:
-                if idle_task is not None and not idle_task.done():
-                    idle_task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await idle_task
-                release()
-                await fresh.aclose()
+            while back is None and time.monotonic() - freed < 90:
+                asked.append(time.monotonic() - freed)
+                _, content = await first_data(fresh, url, chat("Say hi.", 2))
+                if b'"hosted"' not in content:
+                    back = time.monotonic() - freed
+                else:
+                    await asyncio.sleep(1.0)
+            idle = await idle_task
+            await fresh.aclose()
         if hasattr(gw, "aclose"):
             await gw.aclose()
-    return DocumentedRun(times, contents, back, idle, gw.requests[:3])
-
-
-async def _documented_lane(
-    configs: list[str],
-    server: Server,
-    tmp: Any,
-    runs: dict[str, DocumentedRun | BaseException],
-    catching_up: asyncio.Lock,
-) -> None:
-    """One server's share of the documented gateways, one after another, each on the
-    server starved afresh. ``catching_up`` is held from a starvation's end until the
-    server is idle again, so that two servers never catch up at once (their catch-ups
-    would share the machine's cores; the catch-up is not what is timed)."""
-    for config in configs:
-        await asyncio.to_thread(wait_idle, server.url)
-        limiter = starve(server)
-        try:
-            await asyncio.sleep(0.2)  # attached
-            assert limiter.poll() is None, f"cpulimit exited with {limiter.returncode}"
-            runs[config] = await _documented_run(config, server, tmp / config, catching_up)
-        except Exception as exc:  # this config's test reports it; the next one runs
-            runs[config] = exc
-        finally:
-            end_starvation(server)
-
-
-@pytest.fixture(scope="module")
-def documented_runs(
-    llama_server_process: Server, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, DocumentedRun | BaseException]:
-    """The six documented gateways, each past its own starved server, two servers at a
-    time: while one waits for its tower's recovery, the other's callers wait out the
-    starvation (both mostly waiting on real time; nothing is timed across them)."""
-    if not CPULIMIT:
-        pytest.skip("cpulimit is not installed (apt-get install cpulimit; .ci/run does)")
-    with _llama_server() as second:
-        servers = [llama_server_process, second]
-        for server in servers:
-            wait_idle(server.url)
-            warm = chat("hi", 1)  # the first request after a start pays for loading the model
-            httpx.post(server.url + "/v1/chat/completions", content=warm, headers=JSON, timeout=120)
-        tmp = tmp_path_factory.mktemp("documented")
-        for config in DOCUMENTED:
-            (tmp / config).mkdir()
-        runs: dict[str, DocumentedRun | BaseException] = {}
-
-        async def both() -> None:
-            lock = asyncio.Lock()
-            lanes = [DOCUMENTED[0::2], DOCUMENTED[1::2]]
-            await asyncio.gather(
-                _documented_lane(lanes[0], servers[0], tmp, runs, lock),
-                _documented_lane(lanes[1], servers[1], tmp, runs, lock),
-            )
-
-        asyncio.run(both())
-    return runs  # (the second server stopped: the module's other tests need one)
-
-
-@pytest.mark.timeout(360)
-@pytest.mark.parametrize("config", DOCUMENTED)
-def test_each_documented_gateway_reaches_hosted_in_seconds_past_a_starved_llama_server(
-    documented_runs: dict[str, DocumentedRun | BaseException], config: str
-) -> None:
-    run = documented_runs[config]
-    if isinstance(run, BaseException):
-        raise run
-    for content in run.contents:
-        assert b'"hosted"' in content  # hosted's answer (its second delta)
-    back, idle = run.back, run.idle
-    assert back is not None, "the tower never served again within 90 s"
-    assert back - idle <= 15.0, (back, idle)
-    trails = [[(r.backend, r.outcome) for r in req.attempts] for req in run.requests]
+    # What each short caller's request did, seconds after the starvation's end.
+    recovery = [
+        (round(at, 1), [(r.backend, r.outcome) for r in req.attempts])
+        for at, req in zip(asked, gw.requests[3:], strict=False)
+    ]
+    assert back is not None, f"the tower never served again within 90 s: {recovery}"
+    assert back - idle <= 15.0, (back, idle, recovery[:3], recovery[-3:])
+    trails = [[(r.backend, r.outcome) for r in req.attempts] for req in gw.requests[:3]]
     for trail in trails:
         assert trail[-1] == ("hosted", "ok")
-    tower_first = run.requests[0].attempts[0]
+    tower_first = gw.requests[0].attempts[0]
     # too_slow, its status was late, or (serve's hedging of a local tower) hosted's hedge
     # answered first
     assert tower_first.outcome in ("saturated", "busy", "hedge_lost")
@@ -910,9 +807,9 @@ def test_each_documented_gateway_reaches_hosted_in_seconds_past_a_starved_llama_
     assert trails[2][0][1] in ("skipped", "busy")  # the third caller is never sent there
     report(
         f"starved, documented gateway {config!r}, tower outcomes {[t[0][1] for t in trails]}",
-        caller_1=run.times[0],
-        caller_2=run.times[1],
-        caller_3=run.times[2],
+        caller_1=times[0],
+        caller_2=times[1],
+        caller_3=times[2],
         tower_1=tower_first.elapsed,
         server_idle=idle,
         tower_back=back,
