@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.util
 import json
 import select
 import socket
 import struct
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -233,6 +235,19 @@ async def until(check: Callable[[], Awaitable[bool]], what: str, limit: float = 
         if now() > give_up:
             raise AssertionError(f"still not {what} after {limit}s")
         await asyncio.sleep(0.02)
+
+
+def load_script(path: Any, name: str) -> Any:
+    """A script that is not a package module (``dev.py``, a ``bench/`` script, a docs
+    extension) loaded as module ``name`` (also put in ``sys.modules``, which dataclasses in
+    it need)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 async def fresh_post(url: str, **kwargs: Any) -> httpx.Response:

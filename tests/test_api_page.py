@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from types import ModuleType
@@ -10,6 +9,8 @@ from types import ModuleType
 import pytest
 
 import tierchain
+
+from .support import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "api.md"
@@ -37,12 +38,7 @@ def test_the_api_page_is_in_the_site_navigation():
 def roles_extension():
     pytest.importorskip("griffe")
     path = ROOT / "docs" / "_ext" / "griffe_roles.py"
-    spec = importlib.util.spec_from_file_location("griffe_roles", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(path, "griffe_roles")
 
 
 def test_a_role_naming_a_public_name_becomes_a_link_to_its_entry():

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .support import load_script
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -112,13 +114,7 @@ def test_the_pools_benchmark_compares_the_picker_with_round_robin_and_random():
 
 
 def test_the_benchmarks_page_describes_the_fake_replicas_as_they_are():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_pools", BENCH / "pools.py")
-    assert spec is not None
-    assert spec.loader is not None
-    pools = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pools)
+    pools = load_script(BENCH / "pools.py", "bench_pools")
     page = (BENCH.parent / "docs" / "benchmarks.md").read_text()
     assert pools.PER_BYTE == 20e-6
     assert "20 µs a byte" in page

@@ -59,13 +59,7 @@ def test_the_fixtures_and_helpers_the_page_points_to_exist():
 
 
 def test_every_mutation_target_names_a_module_and_tests_that_exist_and_the_page_gives_them():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("dev", ROOT / "dev.py")
-    assert spec is not None
-    assert spec.loader is not None
-    dev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dev)
+    dev = support.load_script(ROOT / "dev.py", "tierchain_dev")
     for target, (path, names, tests) in dev.MUTATE.items():
         paths = [path] if isinstance(path, str) else path  # a file, or the files of one rule
         assert all((ROOT / p).is_file() for p in paths), (target, paths)
@@ -83,13 +77,7 @@ def test_every_mutation_target_names_a_module_and_tests_that_exist_and_the_page_
 
 
 def test_the_suite_runs_as_the_page_says_first_part_on_its_workers_then_the_alone_tests():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tierchain_dev", ROOT / "dev.py")
-    assert spec is not None
-    assert spec.loader is not None
-    dev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dev)
+    dev = support.load_script(ROOT / "dev.py", "tierchain_dev")
     calls: list[list[str]] = []
 
     def call(cmd: list[str], **_: object) -> int:

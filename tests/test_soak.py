@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from .support import load_script
+
 SOAK = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
 
 
 def load_soak() -> Any:
-    spec = importlib.util.spec_from_file_location("tierchain_bench_soak", SOAK)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SOAK, "tierchain_bench_soak")
 
 
 @pytest.mark.soak
