@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from . import support
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +78,9 @@ def test_every_mutation_target_names_a_module_and_tests_that_exist_and_the_page_
     assert "\npytest_add_cli_args_test_selection = []\n" in pyproject
 
 
-def test_the_suite_runs_as_the_page_says_first_part_on_its_workers_then_the_alone_tests():
+def test_the_suite_runs_as_the_page_says_first_part_on_its_workers_then_the_alone_tests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     dev = support.load_script(ROOT / "dev.py", "tierchain_dev")
     calls: list[list[str]] = []
 
@@ -84,12 +88,8 @@ def test_the_suite_runs_as_the_page_says_first_part_on_its_workers_then_the_alon
         calls.append(cmd[3:])  # after the venv's python -m pytest
         return 0
 
-    real = dev.subprocess.call
-    dev.subprocess.call = call
-    try:
-        assert dev.test([], {}) == 0
-    finally:
-        dev.subprocess.call = real
+    monkeypatch.setattr(dev.subprocess, "call", call)
+    assert dev.test([], {}) == 0
     page = PAGE.read_text()
     first = re.search(r"^\.venv/bin/python -m pytest (.+?)\s+# the first part$", page, re.M)
     second = re.search(r"^\.venv/bin/python -m pytest (.+?)\s+# the second$", page, re.M)
