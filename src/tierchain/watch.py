@@ -365,12 +365,9 @@ class Watch:
             # The reserve's point comes before the first stall window ends: a committed
             # stream that could be continued on the next tier is cut there (_expired).
             # (Otherwise the stall timer comes first, and the cut is timed from it.)
-            if handle is not None:
-                if deadlines.due(handle) <= cut:
-                    return  # the window's timer comes first; _expired times the rest from it
-                deadlines.cancel(handle)
-                self._handle = None
-            if self.fired is None:
+            # A timer already armed stays: begin() and _expired() arm none later than the
+            # reserve's point (_due() is never past it), and _expired times the rest from it.
+            if handle is None and self.fired is None:
                 self._schedule()
             return
         if handle is not None:
