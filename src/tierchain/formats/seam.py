@@ -117,7 +117,6 @@ class Seam:
         self._restart: Restart | None = None  # the word rules (tierchain.restart)
         self.sent_text = ""  # text the next tier added, as it reached the caller
         self.spliced = False  # something of the next tier's reached the caller
-        self.ended = False  # its terminator passed
         self.units = 0  # the tokens of the caller's text (see tokens)
         self.left: int | None = None  # tokens the caller's limit leaves (None: no limit)
         self.writers: list[str] = [origin]  # the backends that wrote the answer, in order
@@ -153,7 +152,7 @@ class Seam:
         self._restart = Restart(text, fresh=not prefill) if text else None
         self._held, self._held_text = [], ""
         self.sent_text = ""
-        self.spliced = self.ended = False
+        self.spliced = False
         out = self._build(data, self._prefill, prefill)
         if out is None:
             return None
