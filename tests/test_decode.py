@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import tierchain.watch
-from tierchain import Backend, Failover, Forwarder, Routes, SaturationWatchdog
+from tierchain import Backend, Failover, Forwarder, MemoryStore, Routes, SaturationWatchdog
 from tierchain._disconnect import WATCH_AFTER
 from tierchain._runtime import deadlines
 from tierchain.decode import DecodeWatch
@@ -116,7 +116,7 @@ def test_decode_options_are_checked():
     fixed = SaturationWatchdog(Forwarder(), decode_rate=30, slow_decode=0.5).decode
     assert fixed is not None
     assert fixed.limit("t", "local") == (15.0, True)
-    shared = SaturationWatchdog(Forwarder()).normals
+    shared = SaturationWatchdog(Forwarder(), store=MemoryStore()).normals
     assert shared is not None
     assert "decode" in shared.parts
 

@@ -16,14 +16,24 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from tierchain import MemoryStore, RedisStore, SaturationWatchdog
+from tierchain import (
+    Backend,
+    Failover,
+    Forwarder,
+    MemoryStore,
+    RedisStore,
+    Routes,
+    SaturationWatchdog,
+)
 from tierchain.config import from_env
 from tierchain.learned import (
     BYTES_PER_TOKEN,
     COLD,
     COLD_OTHER,
+    Learned,
     LearnedGap,
     PromptRate,
     SharedNormals,
@@ -31,7 +41,16 @@ from tierchain.learned import (
 )
 from tierchain.stack import build_stack
 
-from .support import Exchange, FakeBackend, Script, now, on_virtual_time, serve
+from .support import (
+    Exchange,
+    FakeBackend,
+    Script,
+    chat_request,
+    now,
+    on_virtual_time,
+    serve,
+    streams,
+)
 from .test_continuation import FULL, finisher, read_with_sdk, tower
 
 
@@ -140,9 +159,8 @@ async def teach(watchdog: SaturationWatchdog, gap: float, rate_s: float) -> None
 async def first_judgement(watchdog: SaturationWatchdog) -> tuple[float, bool, float]:
     """How a watchdog judges its first attempt at the tower: the stall window, whether it
     is learned, and the first-token limit of a 1000-token prompt."""
-    assert watchdog.normals is not None
     assert watchdog.learned_gap is not None
-    loading = watchdog.normals.before("tower")
+    loading = watchdog.normals.before("tower") if watchdog.normals is not None else None
     if loading is not None:
         await loading
     window, learned = watchdog.learned_gap.window_for("tower", "local")
@@ -184,6 +202,33 @@ async def test_learned_normals_are_written_at_most_once_a_second_without_a_close
     await asyncio.sleep(1.0)
     assert await one_stream() == 7  # a second on: everything taught meanwhile
     await warm.aclose()
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["store given", "no store"])
+@on_virtual_time
+async def test_the_normals_are_written_only_to_a_store_that_was_given(given):
+    """Five healthy streams through a watchdog: it learns the tower's first window either
+    way; with a store given (shared with other layers or processes) the normals are in it,
+    with none its own MemoryStore (which nothing else reads) holds no normals entry."""
+    async with FakeBackend("tower", streams(["from ", "tower"])) as backend:
+        forwarder = Forwarder()
+        learned = Learned(maximum=2.0, floor=0.1, min_samples=5)
+        store = MemoryStore() if given else None
+        watchdog = SaturationWatchdog(forwarder, slow_after=learned, status_interval=0, store=store)
+        app = Failover(watchdog, routes=Routes({"echo": [Backend("tower", backend.url)]}))
+        async with serve(app) as url, httpx.AsyncClient(timeout=5) as client:
+            for _ in range(5):
+                r = await client.post(url + "/v1/chat/completions", content=chat_request())
+                assert r.headers["x-tierchain-attempts"] == "tower;outcome=ok"
+        await forwarder.aclose()
+        await watchdog.aclose()
+    assert learned.window("tower", chat_request())[1]  # learned in the process
+    assert (watchdog.normals is not None) is given
+    written = await watchdog.store.normals_get("tower")
+    assert (written is not None) is given
+    if given:
+        assert store is watchdog.store
+        assert json.loads(written or "{}")["first"]
 
 
 async def test_a_restarted_gateway_and_a_second_replica_judge_from_redis(redis_server):

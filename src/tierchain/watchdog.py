@@ -20,11 +20,10 @@ host handler, and bounds two waits, reading the attempt's
   seconds: a fixed window; 0: off; a backend's own ``stall_after`` overrides it).
   A stream that is long is never cut; one that goes quiet for that long is
   ``stalled``: the attempt is cancelled (closing the upstream connection),
-  the caller gets an error event, and the backend is charged a failure.
-  Time spent waiting for the caller to take a chunk
-  (``TierRequest.caller_blocked_since``: a caller that stopped reading) is not
-  the upstream's silence: the gap is never judged while such a send is out, and
-  is timed from when it came back at the earliest.
+  the caller gets an error event, and the backend is charged a failure. Time
+  spent waiting for the caller to take a chunk (``TierRequest.caller_blocked_since``:
+  a caller that stopped reading) is not the upstream's silence: the gap is never
+  judged while such a send is out, and is timed from when it came back at the earliest.
 
 When the window expires on a tier that has a later tier behind it:
 
@@ -283,14 +282,15 @@ class SaturationWatchdog:
         self.status_late = duration("status_late", status_late, allow_zero=True)
         self.decode = _decode_rate(decode_rate, slow_decode, decode_span)
         self.suspect_for = duration("suspect_for", suspect_for, allow_zero=True)
-        # A store without normals (a Breaker's Store only): they are kept in this process.
+        # No store, or one without normals (a Breaker's Store only): a MemoryStore of our own.
         self.store: NormalStore = store if isinstance(store, NormalStore) else MemoryStore()
         self.suspects = SuspectMarks(self.store, self.suspect_for)
-        self.normals = self._shared_normals()
+        self.normals = self._shared_normals() if self.store is store else None
         self._colds: dict[str | None, Cold] = {}  # per regime: cold(regime), found once
 
     def _shared_normals(self) -> SharedNormals | None:
-        """The learned values kept in the store (None: nothing is learned)."""
+        """``normals``: the learned values in step with the store given; None if nothing is
+        learned or no store was given (then in the process alone; its readers check None)."""
         parts: dict[str, Any] = {}
         if self.learned is not None:
             parts["first"] = self.learned
