@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -13,8 +14,10 @@ from tierchain import (
     Backend,
     BackendUnavailable,
     Budget,
+    BudgetExhausted,
     Failover,
     Forwarder,
+    Heartbeats,
     Routes,
     SaturationWatchdog,
     TierRequest,
@@ -369,3 +372,45 @@ async def test_two_budgets_around_a_failover_both_see_the_stream_end():
     await asyncio.sleep(120)  # (virtual) past both budgets: nothing more is sent
     assert not got[-1].get("more_body", False)
     assert len(got) == 1 + len(_EVENTS)
+
+
+def _spent(caplog: pytest.LogCaptureFixture) -> Any:
+    (spent,) = [r for r in caplog.records if getattr(r, "event", "") == "request.budget_exhausted"]
+    return spent.tierchain
+
+
+@on_virtual_time
+async def test_budget_notes_the_start_failover_sends_past_it(caplog):
+    # Failover holding Budget's own send sends the start past it and notes it for Budget:
+    # the budget spent mid-stream ends the stream with an error event, never a 504.
+    async def stalls(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [_SSE]})
+        await send({"type": "http.response.body", "body": _EVENTS[0], "more_body": True})
+        await asyncio.sleep(3600)
+
+    got = await one_request(Budget(Failover(stalls, routes=_ROUTES), default=2))
+    assert [m["status"] for m in got if m["type"] == "http.response.start"] == [200]
+    assert b"budget_exhausted" in got[-1]["body"]
+    assert not got[-1]["more_body"]
+    assert _spent(caplog)["started"] is True
+
+
+@on_virtual_time
+async def test_budget_knows_the_start_a_layer_between_it_and_failover_sent_first(caplog):
+    # Heartbeats between the two commits its own stream while the backend is silent: that
+    # start went through Budget, which knows the response started though Failover never
+    # committed, and sends no second start (no 504) when the budget is spent.
+    async def silent(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await asyncio.sleep(3600)
+
+    app = Budget(Heartbeats(Failover(silent, routes=_ROUTES), commit_after=0.5), default=2)
+
+    async def answered(scope: Any, receive: Any, send: Any) -> None:
+        with contextlib.suppress(BudgetExhausted):  # (nothing of the answer to end it with)
+            await app(scope, receive, send)
+
+    got = await one_request(answered)
+    assert [m["status"] for m in got if m["type"] == "http.response.start"] == [200]
+    assert _spent(caplog)["started"] is True

@@ -128,7 +128,7 @@ class Budget:
         spend = _Spend(self, seconds, req := TierRequest.of(scope), send)
         cut = spend.cut
         try:
-            await self.app(scope, receive, spend.send)
+            await self.app(scope, receive, spend.inward)
         except asyncio.CancelledError:
             if not cut.ours():
                 raise
@@ -146,6 +146,7 @@ class Budget:
             if spend.young is not None:  # the phase this layer started ends with it
                 req.end_young(spend.young)
             req.body_pass = None  # (it holds this layer's send: no cycle outlives us)
+            del spend.inward  # (its own bound method: a cycle of its own, broken here)
 
 
 class _Spend:
@@ -162,13 +163,14 @@ class _Spend:
 
     __slots__ = (
         "_observer",
-        "_send",
         "budget",
         "cut",
         "due",
         "finished",
+        "inward",
         "lane",
         "over",
+        "passes_to",
         "req",
         "seconds",
         "started",
@@ -182,7 +184,8 @@ class _Spend:
     started: bool
     finished: bool
     _observer: Observer | None
-    _send: Send
+    inward: Send
+    passes_to: Send
     cut: Interruption
     due: float
     lane: float | None
@@ -197,7 +200,8 @@ class _Spend:
         self.started = False
         self.finished = False
         self._observer = None
-        self._send = send
+        self.passes_to = send
+        self.inward = self.send  # (one bound method: the send handed inward)
         self.over = False
         delay = seconds
         now = clock.now()
@@ -216,6 +220,10 @@ class _Spend:
         self.lane = delay if fixed else None
         self.timer = None
         self.young = req.after_young(now, deadline, self._arm)
+        # A Failover holding ``inward`` notes the start here and sends it, and a going
+        # stream's chunks, past this layer (until the request ends: Budget.__call__ lets
+        # go of it); alone, or with a layer between that wraps the send, nothing reads it.
+        req.body_pass = self
 
     def _arm(self) -> None:
         """Time the deadline (at once, or at the phase's end if the request is still here)."""
@@ -224,7 +232,7 @@ class _Spend:
 
     def send(self, message: Message) -> Awaitable[None]:
         """Note what passes and pass it on: the inner send's own awaitable, no frame of ours."""
-        send = self._send
+        send = self.passes_to
         kind = message["type"]
         if kind == "http.response.body":
             if self._observer is not None:
@@ -235,10 +243,6 @@ class _Spend:
             self.started = True
             if not self.req.in_chain and is_event_stream(message.get("headers", ())):
                 self._observer = Observer()
-            else:
-                # A mid-stream chunk then only passes through: Failover may skip this call
-                # (until the request ends: Budget.__call__ lets go of both sends).
-                self.req.body_pass = (self.send, send)
         return send(message)
 
     async def _relay(self, message: Message, observer: Observer, send: Send) -> None:

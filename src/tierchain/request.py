@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from ._disconnect import DisconnectGuard, Young
 from ._runtime import clock
@@ -179,6 +179,19 @@ class Preference:
     reason: str
 
 
+class BodyPass(Protocol):
+    """A layer outside Failover that only notes a response's start and passes its body on
+    (Budget inside a chain), as :attr:`TierRequest.body_pass`."""
+
+    inward: Send
+    """The send the layer handed inward (Failover's, when no layer wraps it between)."""
+    passes_to: Send
+    """The send the layer passes every message to."""
+    started: bool
+    """The layer's note that the response started (set by Failover when it sends the
+    start past the layer)."""
+
+
 class TierRequest:
     """Per-request state shared by the tierchain layers. See the module docstring."""
 
@@ -284,12 +297,12 @@ class TierRequest:
         self.caller_unblocked_at = 0.0
         """When the last send to the caller came back (monotonic seconds; 0: none yet):
         the upstream's silence is timed from then at the earliest."""
-        self.body_pass: tuple[Send, Send] | None = None
-        """A layer outside Failover whose ``send`` passes a mid-stream body chunk on
-        untouched (Budget inside a chain): ``(that send, the send it passes to)``. Failover
-        hands such chunks (a going stream's first too) to the second when the send it holds
-        is the first, a call less a chunk; the start and the last chunk still go through
-        the layer. The layer sets it back to None when its request ends."""
+        self.body_pass: BodyPass | None = None
+        """A layer outside Failover whose ``send`` only notes the start and passes the body
+        on (Budget inside a chain). Failover, holding that layer's ``inward`` send, notes the
+        start for it (``started``) and hands the start and a going stream's chunks to
+        ``passes_to``, a call less each; the last chunk goes through the layer. None again
+        when the layer's request ends."""
         self.rate_limited: Attempt | None = None
         """While every attempt recorded so far was refused with 429 or skipped for a
         backend's own ``Retry-After`` (Failover's records), the last of them; None

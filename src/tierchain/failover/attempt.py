@@ -571,17 +571,18 @@ class Responder:
             self.kept = [chunk]
             req.continuable = True
         self._watch_caller()
-        # The start and the first chunk, as two of _to_caller's sends in one block: the
-        # caller's marks are the same (out from each send's start, back after the last).
-        # (The clock read above: the same step.) The first chunk of a stream that goes on
-        # is a mid-stream chunk: it goes the way the ones after it go (``_pass``).
+        # The start and the first chunk, as two of _to_caller's sends in one block (the
+        # caller's marks: out from each send's start, back after the last). A going stream's
+        # first chunk goes as the next go (``_pass``: past a layer that only notes the start).
         req.caller_blocked_since = now
-        send = self._send
+        send, passing = self._send, req.body_pass
         try:
-            await send(self.start)
-            passing = req.body_pass
-            if passing is not None and passing[0] == send:  # (bound methods: ==)
-                self._pass = passing[1]  # an outer layer that only passes such chunks on
+            if passing is not None and passing.inward is send:
+                passing.started = True  # (its note, made here)
+                self._pass = passing.passes_to
+                await passing.passes_to(self.start)
+            else:
+                await send(self.start)
             if not more_body:
                 self._guard.done = True
             req.caller_unblocked_at = req.caller_blocked_since = clock.now()
