@@ -30,6 +30,7 @@ from .support import (
     chunk_event,
     now,
     on_virtual_time,
+    one_request,
     openai_stream,
     refused_url,
     serve,
@@ -1098,3 +1099,31 @@ async def test_the_start_and_the_chunk_that_carries_state_lines_go_to_the_server
     assert not stream.queue
     assert not stream.sending()
     stream.close()
+
+
+@on_virtual_time
+async def test_a_stream_asked_in_the_body_failover_read_past_heartbeats_is_still_committed():
+    # Failover reads the body from the host's receive, past Heartbeats' own, and hands it
+    # over: with no Accept header and a resolver (so Failover does not say), the body's
+    # "stream": true is what Heartbeats reads, and it commits while the backend is silent.
+    read: list[str] = []
+
+    async def silent(scope: Any, receive: Any, send: Any) -> None:
+        await asyncio.sleep(2)
+
+    failover = Failover(silent, routes=Routes({"m": [Backend("a", "http://127.0.0.1:9")]}))
+    failover.resolve = lambda scope, body: "m"
+    app = Heartbeats(failover, commit_after=0.5, interval=0)
+
+    async def watched(scope: Any, receive: Any, send: Any) -> None:
+        async def host_receive() -> Any:
+            message = await receive()
+            read.append(message["type"])
+            return message
+
+        await app(scope, host_receive, send)
+
+    got = await one_request(watched)
+    assert read[0] == "http.request"  # (the host's receive: the body, read once)
+    assert got[0]["status"] == 200
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in got[0]["headers"]

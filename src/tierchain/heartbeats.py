@@ -19,10 +19,10 @@ Lines go in only at event boundaries, never after a CR an LF may complete, never
 line of their own.
 
 No stream has a task or a timer of its own while it waits: its next commit or keepalive is
-an entry on the package's scheduler, which writes the line at once in the request's
-context; a write that has to wait becomes a short task (``tierchain-heartbeats``) the
-request owns. Its writes go through one lock (as sse-starlette's ``_ping``).
-docs/heartbeats.md has the whole contract.
+an entry on the package's scheduler, which writes the line at once in the request's context;
+a write that has to wait becomes a short task (``tierchain-heartbeats``) the request owns.
+Its writes go through one lock (as sse-starlette's ``_ping``). docs/heartbeats.md has the
+whole contract.
 """
 
 from __future__ import annotations
@@ -88,21 +88,19 @@ MIN_INTERVAL = 0.02
 KEEPALIVE_SLACK = 1 / 10
 """A keepalive may go out this share of ``interval`` early, at a wake the loop makes for
 another stream's: a thousand parked streams' keepalives then share about one wake a second
-instead of one each (a wake of its own costs about as much as a dozen lines). Streams
-that shared a wake stay together: each goes early once. A stream's silence never lasts
-longer than ``interval``."""
+instead of one each (a wake of its own costs about as much as a dozen lines). Streams that
+shared a wake stay together: each goes early once; no silence lasts longer than ``interval``."""
 
 
 class Heartbeats:
     """Turn state events into SSE comment lines and keep a quiet stream alive.
 
-    ``interval``: seconds of silence after which the current state line is
-    repeated; 0 keeps the state lines and drops the keepalives.
-    ``commit_after``: seconds a streaming request may go with nothing sent
-    before Heartbeats commits ``200 text/event-stream`` itself (see the module
-    docstring for the rule). ``max_queued``: state events kept while they
-    cannot be written yet (before the commit, or inside an upstream event);
-    beyond it the oldest are dropped.
+    ``interval``: seconds of silence after which the current state line is repeated; 0 keeps
+    the state lines and drops the keepalives. ``commit_after``: seconds a streaming request
+    may go with nothing sent before Heartbeats commits ``200 text/event-stream`` itself (see
+    the module docstring for the rule). ``max_queued``: state events kept while they cannot
+    be written yet (before the commit, or inside an upstream event); beyond it the oldest
+    are dropped.
 
     Options: [Heartbeats options](heartbeats.md#options).
     """
@@ -122,8 +120,7 @@ class Heartbeats:
             raise ValueError(f"interval must be 0 (off) or >= {MIN_INTERVAL}s, got {interval!r}")
         self.commit_after = duration("commit_after", commit_after, allow_zero=True)
         self.max_queued = count("max_queued", max_queued)
-        # How early a keepalive may go, to share a wake (never less than the scheduler's
-        # tolerance: EARLY, which every other due time here is judged with).
+        # How early a keepalive may go to share a wake (at least EARLY, the scheduler's).
         self.slack = max(EARLY, self.interval * KEEPALIVE_SLACK)
         # When a stream's commit or first keepalive could first fall due (interval 0: none).
         self.first_due = min(self.commit_after, self.interval or self.commit_after)
@@ -136,20 +133,19 @@ class Heartbeats:
             return await self.app(scope, receive, send)
         # The stream's life, in this frame (a waiting stream holds one frame less).
         stream = _Stream(self, scope, receive, send, accept)
-        # It listens for state events; it goes live when its commit (or first keepalive)
-        # falls due, timed only if the request outlives its young phase (most do not).
+        # It listens for state events; its commit (or first keepalive) is timed only if the
+        # request outlives its young phase (most do not). It goes live when that falls due.
         (req := stream.req).listen(stream.on_event)
         young = req.after_young(stream.started, stream.started + self.first_due, stream.arm)
         try:
-            await self.app(scope, stream.receive, stream.send)
+            await self.app(scope, stream.inward_receive, stream.send)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             await stream.finish(exc)
             raise
         else:
-            # Only a live stream can have committed our own response or hold the
-            # lock here: otherwise there is nothing to finish.
+            # Only a live stream can have committed our own response or hold the lock.
             if stream.live:
                 await stream.finish()
         finally:
@@ -159,8 +155,7 @@ class Heartbeats:
                 await asyncio.wait([writer])
 
 
-# Marks a write being run at once (never awaited or cancelled: it is done before the
-# loop runs anything else).
+# Marks a write run at once (never awaited nor cancelled: done before the loop goes on).
 _AT_ONCE: Any = object()
 
 
@@ -178,15 +173,13 @@ class _Stream:
     - its own writes, shaped as sse-starlette's ``_ping``: ``lock`` (made when the stream
       goes ``live``, its first due time: until then no one else writes), ``active`` (False
       for good once a write of ours failed); ``relaying`` and ``flight``, a relayed chunk's
-      send still out (:meth:`sending`: no line of ours goes in meanwhile; the hot path
-      adds no coroutine of its own); ``writing``, our lines being sent under the lock;
-      ``task``, the write the timer started (at most one), owned by the request.
+      send still out (:meth:`sending`: no line of ours goes in meanwhile; the hot path adds
+      no coroutine of its own); ``writing``, our lines being sent under the lock; ``task``,
+      the write the timer started (at most one), owned by the request.
     """
 
-    # Thousands of these may wait at once: slots keep each one small (the writer's
-    # fields are here too: an object and a frame less per request).
+    # Thousands may wait at once: slots keep each small (the writer's fields too: no object).
     __slots__ = (
-        "_receive",
         "_send",
         "accept",
         "active",
@@ -199,6 +192,7 @@ class _Stream:
         "gone",
         "hb",
         "inner_started",
+        "inward_receive",
         "keepalive_due",
         "last",
         "last_output",
@@ -206,6 +200,7 @@ class _Stream:
         "live",
         "lock",
         "observer",
+        "outer_receive",
         "parts",
         "path",
         "phase",
@@ -225,15 +220,15 @@ class _Stream:
         self, hb: Heartbeats, scope: Scope, receive: Receive, send: Send, accept: bool
     ) -> None:
         self.hb = hb
-        self._receive = receive
+        self.outer_receive = receive
+        self.inward_receive = self.receive  # (one bound method: the receive handed inward)
         self._send = send
         made = SCOPE_KEY not in scope  # (the usual case: outermost, the request starts here)
         req = TierRequest.of(scope)
         self.started = req.started if made else clock.now()  # (a clock reading, read once)
         self.req = req
         self.path: str = scope.get("path", "")
-        # What the request says of streaming: its Accept header, else its body's
-        # "stream": true, watched as the inner app reads it (``parts``: None, not kept).
+        # Its Accept header, else its body's "stream": true (``parts``: None, not kept).
         self.accept = accept
         self.body_done = False
         self.awaiting = False  # a commit waits for the body to say
@@ -262,6 +257,7 @@ class _Stream:
         self.flight: types.CoroutineType[Any, Any, Any] | None = None
         self.writing = False
         self.task: asyncio.Task[Any] | None = None
+        req.body_watch = self  # (a Failover holding inward_receive reads the body past us)
 
     def sending(self) -> bool:
         """Is a relayed chunk's send still out? (The server's own coroutine is asked,
@@ -304,8 +300,7 @@ class _Stream:
             return self.req.streaming
         if self.sniffed is None and self.body_done:  # parsed once, when complete
             if self.body_size > SNIFF_PARSE:
-                # Too long to parse on the event loop here: the layer inside that reads it
-                # anyway (Failover, once it has checked its shape) says; until then, unknown.
+                # Too long to parse here: the layer inside that reads it anyway says (Failover).
                 self.parts = None
                 return None
             parts, self.parts = self.parts, None
@@ -316,11 +311,11 @@ class _Stream:
         """The inner app's receive: watched while the body arrives (it may say
         "stream"), then the host's own (no frame of ours for a waiting stream)."""
         if self.body_done:
-            return self._receive()
+            return self.outer_receive()
         return self._receive_body()
 
     async def _receive_body(self) -> Message:
-        message = await self._receive()
+        message = await self.outer_receive()
         kind = message["type"]
         if kind == "http.request":
             if not self.body_done:
@@ -333,13 +328,23 @@ class _Stream:
                     else:
                         parts.append(chunk)
                 if not message.get("more_body", False):
-                    self.body_done = True
-                    if self.awaiting:
-                        self.awaiting = False
-                        self._kick()
+                    self._body_ended()
         elif kind == "http.disconnect":
             self.gone = True
         return message
+
+    def body_read(self, body: bytes) -> None:
+        """Failover read the whole ``body`` past our receive (``TierRequest.body_watch``)."""
+        self.body_size = size = len(body)
+        if self.parts is not None:
+            self.parts = [body] if size <= SNIFF_LIMIT else None
+        self._body_ended()
+
+    def _body_ended(self) -> None:
+        self.body_done = True
+        if self.awaiting:  # a commit waits for the body to say
+            self.awaiting = False
+            self._kick()
 
     def on_event(self, event: StateEvent) -> None:
         if self.phase >= _PASS:
@@ -414,10 +419,9 @@ class _Stream:
             if message["type"] == "http.response.body" and not (
                 self.writing or self.keepalive_due or self.observer is not None
             ):
-                # The hot path, with no coroutine and no lock of ours: the timer sees the
-                # send out (:meth:`sending`) and holds its lines until it is back; a
-                # chunk arriving while our own lines are written takes the lock
-                # (``_send_slow``).
+                # The hot path, with no coroutine and no lock of ours: the timer sees the send
+                # out (:meth:`sending`) and holds its lines until it is back; a chunk arriving
+                # while our own lines are written takes the lock (``_send_slow``).
                 if self.queue:
                     if self.rearm_after:
                         return self._send_slow(message)
@@ -452,9 +456,8 @@ class _Stream:
         phase = self.phase
         if phase == _WAITING:
             if message["type"] == "http.response.start" and not self.live:
-                # The inner app's start before the stream went live (most requests): no one
-                # else writes yet, so no lock; the send goes on as the hot path's does,
-                # marked as out (``flight``) until the server's send coroutine is done.
+                # The inner app's start before the stream went live (most requests): no lock,
+                # and marked as out (``flight``) until the server's send coroutine is done.
                 started = self._started(message)
                 assert started is not None  # (a message: it was waiting)
                 sending = self._send(started)
@@ -524,8 +527,7 @@ class _Stream:
                     streams = True
             if streams:
                 self.phase = _RELAY
-                # State lines change the body's length: the server frames it.
-                # (Inside a Failover, its commit has already dropped the length.)
+                # State lines change the body's length: the server frames it (Failover's too).
                 if not in_chain:
                     message = {
                         **message,
@@ -638,8 +640,7 @@ class _Stream:
                 )
         elif self.task is None and self._can_write(now):
             self._kick(at_once=True)
-        # Otherwise a write under way times the next keepalive when done, or the line
-        # waits for the relayed send's return or the next event boundary.
+        # Else a write under way times the next, or the line waits for a send or a boundary.
 
     def _commit_at(self, now: float) -> float:
         """When our own commit may go: ``commit_after`` into the request, but not while
@@ -715,8 +716,7 @@ class _Stream:
             and self.active
             and self.phase in (_RELAY, _OWN)
         ):
-            # Mostly right after an output: now plus the interval, in the FIFO's order (a
-            # loose lane: it may go with another stream's, up to slack early).
+            # Mostly now plus the interval, in its loose lane (up to slack early, shared).
             self.entry = deadlines.schedule_at(
                 self.last_output + interval, self.due, lane=interval, slack=self.hb.slack
             )
@@ -726,8 +726,7 @@ class _Stream:
         try:
             async with self.lock:
                 while not self.gone:
-                    # With the timer's tolerance: it calls what falls due before its
-                    # next wake due now, and a stream it woke must not be dropped.
+                    # With the timer's tolerance (a stream it woke must not be dropped).
                     now = clock.now()
                     if self.phase == _WAITING:
                         now += EARLY
@@ -765,6 +764,8 @@ class _Stream:
     def close(self) -> asyncio.Task[Any] | None:
         """The request is over: nothing more is due. Returns a writer to wait for, if any."""
         self.req.unsubscribe(self.on_event)  # (it refers back to us: no cycle left behind)
+        self.req.body_watch = None
+        del self.inward_receive  # (our own bound method: a cycle of its own, broken here)
         self.gone = True
         if self.entry is not None:
             deadlines.cancel(self.entry)

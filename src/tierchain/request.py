@@ -28,7 +28,7 @@ from ._disconnect import DisconnectGuard, Young
 from ._runtime import clock
 from ._runtime.deadlines import EARLY
 from ._runtime.interrupt import Interruption
-from ._types import Scope, Send
+from ._types import Receive, Scope, Send
 from .backend import Backend
 from .errors import AttemptError
 from .observer import Observer
@@ -181,7 +181,10 @@ class Preference:
 
 class BodyPass(Protocol):
     """A layer outside Failover that only notes a response's start and passes its body on
-    (Budget inside a chain), as :attr:`TierRequest.body_pass`."""
+    (Budget inside a chain), as :attr:`TierRequest.body_pass`. Failover, holding that
+    layer's ``inward`` send, notes the start for it (``started``) and hands the start and a
+    going stream's chunks to ``passes_to``, a call less each; the last chunk goes through
+    the layer. None again when the layer's request ends."""
 
     inward: Send
     """The send the layer handed inward (Failover's, when no layer wraps it between)."""
@@ -190,6 +193,22 @@ class BodyPass(Protocol):
     started: bool
     """The layer's note that the response started (set by Failover when it sends the
     start past the layer)."""
+
+
+class BodyWatch(Protocol):
+    """A layer outside Failover that watches the request body only to learn what it says
+    (Heartbeats: its ``"stream"``, its end), as :attr:`TierRequest.body_watch`. When the
+    receive Failover holds is that layer's own, Failover reads the body from the layer's
+    ``outer_receive`` and tells it (``body_read``), a coroutine less a request. None again
+    when the layer's request ends."""
+
+    inward_receive: Receive
+    """The receive the layer handed inward (Failover's, when no layer wraps it between)."""
+    outer_receive: Receive
+    """The receive the layer watches."""
+
+    def body_read(self, body: bytes) -> None:
+        """Failover read the whole ``body`` from ``outer_receive``, past the layer."""
 
 
 class TierRequest:
@@ -203,6 +222,7 @@ class TierRequest:
         "attempts",
         "body",
         "body_pass",
+        "body_watch",
         "budget",
         "caller_blocked_since",
         "caller_unblocked_at",
@@ -297,12 +317,8 @@ class TierRequest:
         self.caller_unblocked_at = 0.0
         """When the last send to the caller came back (monotonic seconds; 0: none yet):
         the upstream's silence is timed from then at the earliest."""
-        self.body_pass: BodyPass | None = None
-        """A layer outside Failover whose ``send`` only notes the start and passes the body
-        on (Budget inside a chain). Failover, holding that layer's ``inward`` send, notes the
-        start for it (``started``) and hands the start and a going stream's chunks to
-        ``passes_to``, a call less each; the last chunk goes through the layer. None again
-        when the layer's request ends."""
+        self.body_pass: BodyPass | None = None  # (see BodyPass)
+        self.body_watch: BodyWatch | None = None  # (see BodyWatch)
         self.rate_limited: Attempt | None = None
         """While every attempt recorded so far was refused with 429 or skipped for a
         backend's own ``Retry-After`` (Failover's records), the last of them; None

@@ -277,10 +277,17 @@ class Failover:
             scope[UNROUTED_KEY] = True
             return await self.app(scope, receive, send)
         req = TierRequest.of(scope)
+        watch = req.body_watch  # (an outer layer that only watches the body: read past it)
+        if watch is not None and watch.inward_receive is not receive:
+            watch = None
+        elif watch is not None:
+            receive = watch.outer_receive
         body = await read_or_refuse(scope, receive, send, self.max_body, self.body_timeout)
         if body is None:
             return  # answered 413 or 408, or the caller left
         req.body = body
+        if watch is not None:
+            watch.body_read(body)
         req.send_timeout = self.send_timeout
         shape: Shape | None = None
         if len(body) > _SHAPED:  # (shorter, it cannot hold too many values)
