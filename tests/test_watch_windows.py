@@ -267,7 +267,13 @@ async def test_a_watch_keeps_one_timer_at_a_time_from_its_first_event():
     await run(watch, first_event_at(1.0))
     # no stall window, no reserve: no timer at all
     await run(watch_of(stall=0.0), first_event_at(1.0), within=1.0)
-    assert seen == [[4.0], [10.0], [5.0], []]
+    # no stall window: the reserve's point (5 s) is still looked at
+    watch = watch_of(stall=0.0, deadline=now() + 30.0, reserve=25.0, continuable=True)
+    await run(watch, first_event_at(1.0))
+    # a stall window (1 + 0.5 s) ending before the reserve's point (5 s): its timer instead
+    watch = watch_of(stall=0.5, deadline=now() + 30.0, reserve=25.0, continuable=True)
+    await run(watch, first_event_at(1.0))
+    assert seen == [[4.0], [10.0], [5.0], [], [5.0], [1.5]]
     assert _timers(now()) == []  # and none left once the attempts ended
 
 

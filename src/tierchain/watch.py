@@ -354,29 +354,31 @@ class Watch:
                 guard.then.append(self._decode_late)
             else:
                 self.decoding = DecodeWatch(self, decode, self.attempt.backend, now, events)
-        cut = self._cut
         stall = self.stall
         if self._waits:
-            if (stall <= 0 or stall > WATCH_AFTER) and cut - now > WATCH_AFTER:
-                return  # nothing falls due before the timer begin() left is armed
-            self._waits = False  # a short window: timed from here, as below
+            if stall <= 0 or stall > WATCH_AFTER:
+                # begin() left the first timer for the request's WATCH_AFTER, and nothing
+                # falls due before then: begin() defers only a reserve's point that comes
+                # later, and a stall window this long ends later too.
+                return
+            self._waits = False  # a stall window this short: timed from here, as below
+        # The next point to look at: the first stall window's end, or the reserve's point
+        # if that comes first (a committed stream that could be continued on the next tier
+        # is cut there: _expired).
+        end = now + stall if stall > 0 else math.inf
+        cut = self._cut
+        due = cut if cut < end else end
         handle = self._handle
-        if cut < math.inf and not self._cut_passed and (stall <= 0 or cut < now + stall):
-            # The reserve's point comes before the first stall window ends: a committed
-            # stream that could be continued on the next tier is cut there (_expired).
-            # (Otherwise the stall timer comes first, and the cut is timed from it.)
-            # A timer already armed stays: begin() and _expired() arm none later than the
-            # reserve's point (_due() is never past it), and _expired times the rest from it.
-            if handle is None and self.fired is None:
-                self._schedule()
-            return
         if handle is not None:
-            if stall > 0 and deadlines.due(handle) <= now + stall:
-                return  # the window's timer comes first; it times the gap from there
-            deadlines.cancel(handle)
+            if deadlines.due(handle) <= due < math.inf:
+                return  # the armed timer comes first; _expired times the rest from it
+            deadlines.cancel(handle)  # (the window's timer: no wait to time after it)
             self._handle = None
-        if stall > 0 and self.fired is None:
-            self._arm(stall, fixed=True)
+        if due < math.inf and self.fired is None:
+            if due == end:
+                self._arm(stall, fixed=True)  # the stall window: a recurring delay
+            else:
+                self._arm(cut - now, fixed=False)  # the reserve's point: a one-off
 
     def _decode_late(self) -> None:
         """The request has run WATCH_AFTER seconds: the decode watch :meth:`first_data` left
