@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tierchain import SaturationWatchdog
+from tierchain._disconnect import WATCH_AFTER
 from tierchain.errors import BackendBusy
 from tierchain.watch import Watch
 
@@ -309,3 +310,70 @@ async def test_a_recurring_delay_waits_in_its_lane_and_a_one_off_point_in_the_he
 
     await run(watch_of(stall=3.0), stream, within=0.0)
     assert lanes == [10.0, 45.0, "heap", 4.0, "heap", "heap", 2.0, 3.0, "heap", 3.0]
+
+
+async def _young(
+    watch: Watch, first_event_at: float | None
+) -> tuple[str | None, float, list[float], list[str]]:
+    """The attempt of a request in its first ``WATCH_AFTER`` seconds, as Failover runs it:
+    the request's disconnect guard entered first, the attempt's own span current inside
+    it. (Why the watch fired and when, the pending deadlines just after the first data
+    event, and the names of the attempt span's events.)"""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tierchain._disconnect import DisconnectGuard
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    at_first: list[float] = []
+    t0 = now()
+
+    async def host_receive() -> Any:
+        await asyncio.Event().wait()  # the caller stays
+
+    async def attempt() -> None:
+        async with DisconnectGuard(host_receive) as guard:
+            assert watch.req is not None
+            watch.req.guard = guard
+            with provider.get_tracer("t").start_as_current_span("attempt"):
+                watch.begin()
+                if first_event_at is not None:
+                    await asyncio.sleep(first_event_at)
+                    commit(watch)
+                    at_first.extend(_timers(t0))
+                await asyncio.sleep(3600)
+
+    task = asyncio.create_task(attempt())
+    with pytest.raises(asyncio.CancelledError):
+        await task  # the watch cut it
+    took = now() - t0
+    watch.end()
+    (span,) = exporter.get_finished_spans()
+    return watch.fired, took, at_first, [event.name for event in span.events]
+
+
+@on_virtual_time
+async def test_a_young_requests_stall_window_is_armed_when_the_request_is_20ms_old():
+    # A first data event 5 ms in: the stall window (3 s) is armed at the young phase's
+    # end (20 ms), not at the first event, for the very time it would have had, and
+    # judged in the attempt's own context (its span gets the stall's event).
+    fired, took, at_first, events = await _young(watch_of(stall=3.0), 0.005)
+    assert at_first == [pytest.approx(WATCH_AFTER)]  # the young phase's end alone
+    assert (fired, took) == ("stalled", pytest.approx(3.005, abs=1e-6))
+    assert "tierchain.backend_stalled" in events
+
+
+@on_virtual_time
+async def test_a_stall_window_shorter_than_the_young_phase_is_timed_from_the_first_event():
+    fired, took, at_first, _ = await _young(watch_of(stall=0.01), 0.005)
+    assert at_first == [pytest.approx(0.015), pytest.approx(WATCH_AFTER)]
+    assert (fired, took) == ("stalled", pytest.approx(0.015, abs=1e-6))
+
+
+@on_virtual_time
+async def test_a_window_shorter_than_the_young_phase_is_timed_from_the_start():
+    fired, took, _, _ = await _young(watch_of(window=0.01), None)
+    assert (fired, took) == ("no_first_chunk", pytest.approx(0.01, abs=1e-6))
