@@ -48,6 +48,9 @@ _PLAIN_QUERY = re.compile(rb"[A-Za-z0-9\-._~!$&'()*+,;=:@/?]*")
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _PCHAR_SAFE = "/:@!$&'()*+,;=-._~"
 _SHOWN = 120
+# A byte as an int: ``int in bytes`` is a byte search, while ``b"?" in bytes`` first tries
+# the needle as an int (a TypeError made and dropped in C), then searches.
+_QUERY_MARK = ord("?")
 
 
 class BadTarget(ValueError):
@@ -151,7 +154,7 @@ def request_target(scope: Scope) -> Target:
     raw_path: bytes | None = scope.get("raw_path")
     if raw_path is None:  # a server that gives only the decoded path
         raw_path = quote(scope["path"], safe=_PCHAR_SAFE).encode("ascii")
-    elif b"?" in raw_path:  # some servers leave the query on raw_path; it is in query_string
+    elif _QUERY_MARK in raw_path:  # some servers leave the query on raw_path (query_string has it)
         raw_path = raw_path.partition(b"?")[0]
     return check_target(raw_path, scope.get("query_string", b""))
 
