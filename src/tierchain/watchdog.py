@@ -337,7 +337,7 @@ class SaturationWatchdog:
     def window(self, body: bytes | None) -> float:
         """The first window for a request with ``body`` (0: off), at most the ceiling."""
         if not callable(self.slow_after):
-            return min(self.slow_after, self.ceiling)
+            return self.ceiling if self.ceiling < self.slow_after else self.slow_after  # min()
         try:
             value = float(self.slow_after(body or b""))
         except Exception as exc:  # a broken allowance must not break a request
@@ -509,8 +509,8 @@ class SaturationWatchdog:
                 later, learned_later = self.learned.window(req.chain[attempt.n].name, body)
                 if learned_later:
                     reserve = max(reserve, later)
-            if req.budget is not None:
-                reserve = min(reserve, req.budget * _RESERVE_SHARE)
+            if req.budget is not None and (share := req.budget * _RESERVE_SHARE) < reserve:
+                reserve = share  # (min(), with no call: the builtin parses its arguments)
             attempt.reserve = reserve
         if req.streaming is False and not backend.status_url:
             return stall, reserve, math.inf, False
