@@ -152,8 +152,9 @@ class PreferBackend:
         header = self._header
         if self.store is None:
             # Most requests state no preference: one pass over the names, no list made.
+            size = len(header)
             for key, _ in scope["headers"]:
-                if key.lower() == header:
+                if len(key) == size and key.lower() == header:  # (a lower() for a likely one)
                     break
             else:
                 return await self.app(scope, receive, send)
