@@ -607,6 +607,61 @@ async def test_each_line_counts_and_adds_a_span_event(metric):
     )
 
 
+@on_virtual_time
+async def test_a_batch_of_state_lines_seen_before_is_written_and_counted_as_the_first_time(metric):
+    # The same events, twice, then with their keys in another order: each request's first
+    # chunk carries its own lines, in its own key order, and each line is counted.
+    orders = [("n", "backend"), ("n", "backend"), ("backend", "n")]
+    bodies: list[bytes] = []
+    fields: dict[str, Any] = {"n": 1, "backend": "tower"}
+    for order in orders:
+
+        async def app(scope: Any, receive: Any, send: Any, order: Any = order) -> None:
+            TierRequest.of(scope).emit("attempt", **{k: fields[k] for k in order})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")],
+                }
+            )
+            await send({"type": "http.response.body", "body": b"data: x\n\n"})
+
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any], sent: Any = sent) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/",
+            "headers": [(b"accept", b"text/event-stream")],
+        }
+        before = [
+            metric("tierchain_stream_heartbeats_total", state=s) for s in ("attempt", "generating")
+        ]
+        await Heartbeats(app, interval=TICK)(scope, receive, send)
+        after = [
+            metric("tierchain_stream_heartbeats_total", state=s) for s in ("attempt", "generating")
+        ]
+        assert after == [before[0] + 1, before[1] + 1]
+        bodies.append(sent[1]["body"])
+    generating = b': {"state":"generating"}\n'
+    assert (
+        bodies[0]
+        == bodies[1]
+        == b': {"state":"attempt","n":1,"backend":"tower"}\n' + generating + b"data: x\n\n"
+    )
+    assert (
+        bodies[2]
+        == b': {"state":"attempt","backend":"tower","n":1}\n' + generating + b"data: x\n\n"
+    )
+
+
 @pytest.mark.parametrize(
     "opts",
     [{"interval": -1}, {"interval": float("nan")}, {"commit_after": -0.5}, {"max_queued": 0}],
