@@ -362,7 +362,9 @@ class Failover:
         """The chain, attempt by attempt: True once one answered, False when none is left."""
         copies = ScopeCopy(scope)  # the scope itself for the first attempt, copies after
         chain = req.chain
-        attempt: Attempt | None = Attempt(1, len(chain), chain[0], route, started=clock.now())
+        # (deadline None, started now: positional, as a class called with a keyword builds a
+        # dict of it and unpacks it again)
+        attempt: Attempt | None = Attempt(1, len(chain), chain[0], route, None, clock.now())
         if plan is not None and chain[0].pool is not None:  # the pool's best replica
             attempt = await plan.picked(req, Attempt(1, len(chain), chain[0], route))
         tries: Tries | None = None  # made at the first attempt that did not answer
