@@ -470,8 +470,12 @@ def tracing_enabled() -> bool:
     # The API keeps the installed provider in a module global; reading it is far
     # cheaper than get_tracer_provider(), which consults os.environ every call. A private
     # name, on purpose (docs/internals.md; tests/test_dependency_internals.py guards it):
-    # were it gone, the default True keeps spans on.
-    return getattr(trace, "_TRACER_PROVIDER", True) is not None
+    # were it gone, spans stay on. (Read as an attribute: getattr() with a default is a
+    # builtin's call a request.)
+    return trace._TRACER_PROVIDER is not None if _PROVIDER_KEPT else True
+
+
+_PROVIDER_KEPT = hasattr(trace, "_TRACER_PROVIDER")
 
 
 def _span_slot() -> tuple[ContextVar[Any], str] | None:
