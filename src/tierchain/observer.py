@@ -100,10 +100,10 @@ class Observer:
     def __init__(
         self,
         started: float | None = None,
-        *,
         stream_end: str | None = OPENAI,
-        max_event: int = MAX_EVENT,
         wire: str | None = None,
+        *,
+        max_event: int = MAX_EVENT,
     ) -> None:
         self.started = clock.now() if started is None else started
         self.wire = wire  # (sets ``format``, the wire format's object, and ``_opening``)

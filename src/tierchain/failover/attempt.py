@@ -178,8 +178,10 @@ class Responder:
         self.attempt = attempt
         # The attempt's one observer, on the request for every other layer to read.
         backend = attempt.backend
+        # (started, stream_end, wire: positional, as a class called with keywords builds a
+        # dict of them and unpacks it again)
         self.observer = req.observer = Observer(
-            attempt.started, stream_end=backend.stream_end, wire=backend.wire_format or req.wire
+            attempt.started, backend.stream_end, backend.wire_format or req.wire
         )
         self.span = attempt_span(req, attempt)
         if attempt.metrics is None:
