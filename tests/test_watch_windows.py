@@ -367,6 +367,16 @@ async def test_a_young_requests_stall_window_is_armed_when_the_request_is_20ms_o
 
 
 @on_virtual_time
+async def test_a_young_requests_reserve_point_is_armed_when_the_request_is_20ms_old():
+    # No stall window, a reserve's point 5 s in: nothing armed at the first data event
+    # (5 ms) but the young phase's end, and the stream cut at its reserve's point.
+    watch = watch_of(stall=0.0, deadline=now() + 30.0, reserve=25.0, continuable=True)
+    fired, took, at_first, _ = await _young(watch, 0.005)
+    assert at_first == [pytest.approx(WATCH_AFTER)]
+    assert (fired, took) == ("reserve", pytest.approx(5.0, abs=1e-6))
+
+
+@on_virtual_time
 async def test_a_stall_window_shorter_than_the_young_phase_is_timed_from_the_first_event():
     fired, took, at_first, _ = await _young(watch_of(stall=0.01), 0.005)
     assert at_first == [pytest.approx(0.015), pytest.approx(WATCH_AFTER)]

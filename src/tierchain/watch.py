@@ -378,7 +378,7 @@ class Watch:
             if due == end:
                 self._arm(stall, fixed=True)  # the stall window: a recurring delay
             else:
-                self._arm(cut - now, fixed=False)  # the reserve's point: a one-off
+                self._schedule()  # the reserve's point, a one-off, as _expired arms it
 
     def _decode_late(self) -> None:
         """The request has run WATCH_AFTER seconds: the decode watch :meth:`first_data` left
