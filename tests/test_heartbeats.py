@@ -566,10 +566,12 @@ async def test_a_caller_leaving_mid_stream_leaves_nothing_running():
 # -- observability and options -------------------------------------------------------------------
 
 
-@on_virtual_time
-async def test_each_line_counts_and_adds_a_span_event(metric):
+async def _one_stream(event: str, **fields: Any) -> list[dict[str, Any]]:
+    """One streaming request through Heartbeats whose app emits ``event`` (with ``fields``,
+    in their order) and then answers one data event: what the caller was sent."""
+
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        TierRequest.of(scope).emit("still_working", backend="tower", elapsed_s=1.0)
+        TierRequest.of(scope).emit(event, **fields)
         await send(
             {
                 "type": "http.response.start",
@@ -593,10 +595,16 @@ async def test_each_line_counts_and_adds_a_span_event(metric):
         "path": "/",
         "headers": [(b"accept", b"text/event-stream")],
     }
+    await Heartbeats(app, interval=TICK)(scope, receive, send)
+    return sent
+
+
+@on_virtual_time
+async def test_each_line_counts_and_adds_a_span_event(metric):
     before = metric("tierchain_stream_heartbeats_total", state="still_working")
     span = TracerProvider().get_tracer("test").start_span("request")
     with trace.use_span(span, end_on_exit=True):
-        await Heartbeats(app, interval=TICK)(scope, receive, send)
+        sent = await _one_stream("still_working", backend="tower", elapsed_s=1.0)
     assert metric("tierchain_stream_heartbeats_total", state="still_working") == before + 1
     assert [(e.name, dict(e.attributes or {})) for e in span.events] == [
         ("stream.heartbeat", {"state": "still_working", "keepalive": False}),
@@ -615,36 +623,10 @@ async def test_a_batch_of_state_lines_seen_before_is_written_and_counted_as_the_
     bodies: list[bytes] = []
     fields: dict[str, Any] = {"n": 1, "backend": "tower"}
     for order in orders:
-
-        async def app(scope: Any, receive: Any, send: Any, order: Any = order) -> None:
-            TierRequest.of(scope).emit("attempt", **{k: fields[k] for k in order})
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")],
-                }
-            )
-            await send({"type": "http.response.body", "body": b"data: x\n\n"})
-
-        sent: list[dict[str, Any]] = []
-
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        async def send(message: dict[str, Any], sent: Any = sent) -> None:
-            sent.append(message)
-
-        scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/",
-            "headers": [(b"accept", b"text/event-stream")],
-        }
         before = [
             metric("tierchain_stream_heartbeats_total", state=s) for s in ("attempt", "generating")
         ]
-        await Heartbeats(app, interval=TICK)(scope, receive, send)
+        sent = await _one_stream("attempt", **{k: fields[k] for k in order})
         after = [
             metric("tierchain_stream_heartbeats_total", state=s) for s in ("attempt", "generating")
         ]
