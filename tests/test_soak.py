@@ -21,7 +21,10 @@ def load_soak() -> Any:
 async def test_fifty_callers_through_a_randomly_failing_tower_lose_only_by_design():
     result = await load_soak().soak(callers=50, seconds=20, seed=7)
     detail = result["samples"]
-    assert result["requests"] > 500
+    # Enough traffic for the checks below to mean something: four requests a caller. How
+    # many more is the machine's speed (about 1,000 quiet; 441 under stress-ng --cpu 8 with
+    # other tests beside it), not the gateway's behaviour.
+    assert result["requests"] > 4 * 50
     assert result["completed"] + result["continued"] > result["requests"] * 0.8
     assert result["continued"] > 0  # streams the tower broke, finished by hosted
     assert result["lost_should_not_have_been"] == 0, detail
