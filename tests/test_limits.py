@@ -97,7 +97,8 @@ def limited_gateway(
 
 
 async def call(url: str, key: str, body: bytes, path: str = "/v1/chat/completions"):
-    async with httpx.AsyncClient(timeout=5) as client:
+    # (a safety net, not a bound: fifty of these at once on a loaded machine took over 5 s)
+    async with httpx.AsyncClient(timeout=30) as client:
         return await client.post(
             url + path, content=body, headers={"authorization": f"Bearer {key}"}
         )
